@@ -1,0 +1,70 @@
+"""Decoder layers and the stacked IndexShare group.
+
+Pre-norm residual block: `x += Attn(RMSNorm(x))`, then `x += FFN(RMSNorm(x))` (DESIGN §3.2).
+A `DecoderGroup` is one full MoE layer followed by `group_size - 1` shared MoE layers; its
+parameters carry a leading stacked axis and `scan_groups` runs `lax.scan` over it so the jitted
+step has few arguments and compiles once per group shape (GLM-5.3: 18 groups of 4).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from glm53.config import GlmConfig
+from glm53.layers import RMSNorm
+from glm53.mla import LayerContext, MLAttention
+from glm53.moe import DenseMLP, MoE
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: GlmConfig, *, has_indexer: bool, moe: bool, dtype, stack=()):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, stack=stack)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, stack=stack)
+        self.self_attn = MLAttention(cfg, has_indexer=has_indexer, dtype=dtype, stack=stack)
+        self.mlp = (MoE(cfg, dtype=dtype, stack=stack) if moe
+                    else DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, stack=stack))
+
+    def __call__(self, x_TD, kv_arena, ctx: LayerContext, mla_layer, index_layer, topk_prev_TK):
+        """→ (x `[T, D]`, kv_arena, topk `[T, K]`)."""
+        a, kv_arena, topk = self.self_attn(self.input_layernorm(x_TD), kv_arena, ctx, mla_layer, index_layer,
+                                           topk_prev_TK)
+        x_TD = x_TD + a
+        x_TD = x_TD + self.mlp(self.post_attention_layernorm(x_TD))
+        return x_TD, kv_arena, topk
+
+
+class DecoderGroup(nnx.Module):
+    """One IndexShare group: layer 0 owns the indexer, layers 1.. reuse its top-k. Parameters are
+    created with leading axes `stack` (the number of stacked groups)."""
+
+    def __init__(self, cfg: GlmConfig, group_size: int, *, dtype, stack=()):
+        self.layers = nnx.List([
+            DecoderLayer(cfg, has_indexer=(j == 0), moe=True, dtype=dtype, stack=stack) for j in range(group_size)
+        ])
+
+    def __call__(self, x_TD, kv_arena, ctx: LayerContext, first_mla_layer, index_layer):
+        topk = None
+        for j, layer in enumerate(self.layers):
+            x_TD, kv_arena, topk = layer(x_TD, kv_arena, ctx, first_mla_layer + j, index_layer, topk)
+        return x_TD, kv_arena
+
+
+def scan_groups(stack: DecoderGroup, x_TD, kv_arena, ctx: LayerContext, first_mla_layer: int,
+                first_index_layer: int, group_size: int):
+    """Run the stacked groups in order with `lax.scan`; group g uses MLA layers
+    `first_mla_layer + g * group_size + j` and indexer layer `first_index_layer + g`."""
+    graphdef, state = nnx.split(stack)
+    num = jax.tree.leaves(state)[0].shape[0]
+
+    def body(carry, xs):
+        x, arena = carry
+        g, st = xs
+        group = nnx.merge(graphdef, st)
+        x, arena = group(x, arena, ctx, first_mla_layer + g * group_size, first_index_layer + g)
+        return (x, arena), None
+
+    (x_TD, kv_arena), _ = lax.scan(body, (x_TD, kv_arena), (jnp.arange(num, dtype=jnp.int32), state))
+    return x_TD, kv_arena

@@ -1,0 +1,76 @@
+"""The model's KV cache groups laid out in one paged arena (DESIGN §4, §6.1.1).
+
+Groups (each draws pages from the same arena; a block id names the page in every layer):
+
+* `mla`     — the MLA latent rows `[c_kv | k_pe]` (A+R wide) of every backbone layer; 64 tokens/page.
+* `indexer` — the indexer keys (Dk wide) of the full (indexer-owning) layers only.
+* `mtp`     — the MTP layer's own latent rows and indexer keys (present when the model has MTP).
+
+The arena page is sized for the `mla` group (64 tokens × all layers); the other groups pick the
+largest multiple of 64 tokens per page that fits, as vLLM's hybrid allocator does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+
+from glm53.config import GlmConfig
+from kernels.paged.layout import CacheComponent, GroupLayout, fit_tokens_per_page
+
+MLA_TOKENS_PER_PAGE = 64
+
+# --kv-cache-dtype → row dtype of the MLA latent and indexer-key rows.
+CACHE_ROW_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """Static description of the arena: page size and each group's layout (hashable)."""
+
+    page_words: int
+    groups: tuple[GroupLayout, ...]
+
+    def group(self, name: str) -> GroupLayout:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"no KV cache group {name!r}")
+
+    @property
+    def page_bytes(self) -> int:
+        return 4 * self.page_words
+
+    @property
+    def group_names(self) -> tuple[str, ...]:
+        return tuple(g.name for g in self.groups)
+
+    def empty_arena(self, num_blocks: int, device=None):
+        """A zeroed arena `uint32[num_blocks, page_words]` (block 0 is the null block)."""
+        import jax
+
+        arr = jnp.zeros((num_blocks, self.page_words), jnp.uint32)
+        return jax.device_put(arr, device) if device is not None else arr
+
+
+def build_kv_layout(cfg: GlmConfig, cache_dtype: str = "float32", with_mtp: bool = True) -> KVCacheLayout:
+    """Lay out the groups of `cfg` for rows stored as `cache_dtype` ("float32" or "bfloat16").
+
+    Raises ValueError for an unknown cache dtype.
+    """
+    if cache_dtype not in CACHE_ROW_DTYPES:
+        raise ValueError(f"cache dtype {cache_dtype!r} not supported; choose one of {sorted(CACHE_ROW_DTYPES)}")
+    rd = CACHE_ROW_DTYPES[cache_dtype]
+    mla = CacheComponent("mla", cfg.num_hidden_layers, cfg.mla_row_width, rd)
+    page_words = cfg.num_hidden_layers * MLA_TOKENS_PER_PAGE * mla.row_words
+    groups = [GroupLayout("mla", MLA_TOKENS_PER_PAGE, (mla,))]
+    idx = (CacheComponent("indexer", len(cfg.full_layers), cfg.index_head_dim, rd),)
+    groups.append(GroupLayout("indexer", fit_tokens_per_page(page_words, idx), idx))
+    if with_mtp and cfg.num_mtp_layers > 0:
+        comps = (
+            CacheComponent("mla", cfg.num_mtp_layers, cfg.mla_row_width, rd),
+            CacheComponent("indexer", cfg.num_mtp_layers, cfg.index_head_dim, rd),
+        )
+        groups.append(GroupLayout("mtp", fit_tokens_per_page(page_words, comps), comps))
+    return KVCacheLayout(page_words=page_words, groups=tuple(groups))

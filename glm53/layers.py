@@ -1,0 +1,83 @@
+"""Small building blocks: linear projections, norms, interleaved RoPE.
+
+Every module accepts `stack=(G,)` to create its parameters with leading stacked axes (the
+IndexShare groups scanned over, DESIGN §3.4); the forward code never sees the stacked axis.
+Linear weights are stored `[in, out]` (the HF checkpoint's `[out, in]` transposed at load).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+
+def mm(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x [..., in] @ w [in, out]` with fp32 accumulation, returned in x's dtype."""
+    y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32,
+                   precision=lax.Precision.HIGHEST)
+    return y.astype(x.dtype)
+
+
+class Linear(nnx.Module):
+    """Bias-free projection. weight `[*stack, in, out]`."""
+
+    def __init__(self, d_in: int, d_out: int, *, dtype, stack: tuple[int, ...] = ()):
+        self.weight = nnx.Param(jnp.zeros((*stack, d_in, d_out), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return mm(x, self.weight[...])
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in fp32: `weight * (x / sqrt(mean(x²) + eps)).astype(x.dtype)` (HF order)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype, stack: tuple[int, ...] = ()):
+        self.weight = nnx.Param(jnp.ones((*stack, dim), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (self.weight[...].astype(jnp.float32) * xf.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with weight and bias, fp32 compute (the indexer's `k_norm`, eps 1e-6)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, dtype, stack: tuple[int, ...] = ()):
+        self.weight = nnx.Param(jnp.ones((*stack, dim), dtype))
+        self.bias = nnx.Param(jnp.zeros((*stack, dim), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        mu = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mu), axis=-1, keepdims=True)
+        y = (xf - mu) * lax.rsqrt(var + self.eps)
+        return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, rope_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin `[T, rope_dim // 2]` (fp32) for the default RoPE, frequencies theta^(-2i/rope_dim)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rope_dim, 2, dtype=jnp.float32) / rope_dim))
+    ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Interleaved RoPE on `x [T, ..., R]`: pair (2i, 2i+1) rotated by frequency i.
+
+    Output keeps the interleaved layout (DeepSeek / vLLM convention). HF transformers writes the
+    rotated pairs de-interleaved instead; both orders give the same q·k, which is all that matters.
+    cos/sin: `[T, R/2]`.
+    """
+    shape = x.shape
+    xf = x.astype(jnp.float32).reshape(*shape[:-1], shape[-1] // 2, 2)
+    extra = xf.ndim - 3  # axes between T and the pair axis
+    c = cos.reshape(cos.shape[0], *([1] * extra), cos.shape[1])
+    s = sin.reshape(sin.shape[0], *([1] * extra), sin.shape[1])
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = jnp.stack([x0 * c - x1 * s, x1 * c + x0 * s], axis=-1)
+    return out.reshape(shape).astype(x.dtype)

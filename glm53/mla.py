@@ -1,0 +1,106 @@
+"""Multi-head latent attention (MLA) with the DSA lightning indexer, in the absorbed form.
+
+Sources: DeepSeek-V2/V3 MLA (q/kv LoRA, decoupled RoPE), DeepSeek-V3.2 DSA (lightning indexer),
+GLM-5.x checkpoint (interleaved RoPE for MLA and indexer; indexer rope on the FIRST dims;
+`k_norm` LayerNorm eps 1e-6; indexer weights scaled by I^-0.5 in fp32), HF transformers
+`modeling_glm_moe_dsa.py`. Softmax scale is qk_head_dim^-0.5 (1/16), no YaRN mscale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from glm53 import attention
+from glm53.batch import ForwardBatch
+from glm53.config import GlmConfig
+from glm53.kv_layout import KVCacheLayout
+from glm53.layers import LayerNorm, Linear, RMSNorm, apply_rope_interleaved, mm
+
+
+@dataclass
+class LayerContext:
+    """What a layer needs besides its input: the batch, the cache layout and RoPE tables."""
+
+    batch: ForwardBatch
+    layout: KVCacheLayout
+    cos: jax.Array
+    sin: jax.Array
+    group: str = "mla"          # KV group holding this layer's latent rows
+    index_group: str = "indexer"  # KV group holding this layer's indexer keys
+
+
+class Indexer(nnx.Module):
+    """Lightning indexer of a full layer: queries from `c_q`, one shared key per token."""
+
+    def __init__(self, cfg: GlmConfig, *, dtype, stack=()):
+        I, Dk = cfg.index_n_heads, cfg.index_head_dim
+        self.n_heads, self.head_dim, self.rope_dim = I, Dk, cfg.qk_rope_head_dim
+        self.wq_b = Linear(cfg.q_lora_rank, I * Dk, dtype=dtype, stack=stack)
+        self.wk = Linear(cfg.hidden_size, Dk, dtype=dtype, stack=stack)
+        self.k_norm = LayerNorm(Dk, 1e-6, dtype=dtype, stack=stack)
+        self.weights_proj = Linear(cfg.hidden_size, I, dtype=jnp.float32, stack=stack)
+
+    def project(self, h_TD, c_q_TQ, cos, sin):
+        """→ (qI `[T, I, Dk]`, w `[T, I]` fp32, kI `[T, Dk]`), RoPE on the first rope_dim dims."""
+        T = h_TD.shape[0]
+        R = self.rope_dim
+        q = self.wq_b(c_q_TQ).reshape(T, self.n_heads, self.head_dim)
+        q = jnp.concatenate([apply_rope_interleaved(q[..., :R], cos, sin), q[..., R:]], axis=-1)
+        k = self.k_norm(self.wk(h_TD))
+        k = jnp.concatenate([apply_rope_interleaved(k[..., :R], cos, sin), k[..., R:]], axis=-1)
+        w = self.weights_proj(h_TD.astype(jnp.float32)) * (self.n_heads ** -0.5)
+        return q, w, k
+
+
+class MLAttention(nnx.Module):
+    """MLA + DSA. `kv_b_proj` is kept split as `w_uk [N, dn, A]` and `w_uv [N, A, dv]` (absorbed form)."""
+
+    def __init__(self, cfg: GlmConfig, *, has_indexer: bool, dtype, stack=()):
+        self.cfg = cfg
+        N, A, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype=dtype, stack=stack)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype, stack=stack)
+        self.q_b_proj = Linear(cfg.q_lora_rank, N * cfg.qk_head_dim, dtype=dtype, stack=stack)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, A + R, dtype=dtype, stack=stack)
+        self.kv_a_layernorm = RMSNorm(A, cfg.rms_norm_eps, dtype=dtype, stack=stack)
+        self.w_uk = nnx.Param(jnp.zeros((*stack, N, cfg.qk_nope_head_dim, A), dtype))
+        self.w_uv = nnx.Param(jnp.zeros((*stack, N, A, cfg.v_head_dim), dtype))
+        self.o_proj = Linear(N * cfg.v_head_dim, cfg.hidden_size, dtype=dtype, stack=stack)
+        self.indexer = Indexer(cfg, dtype=dtype, stack=stack) if has_indexer else None
+
+    def __call__(self, h_TD, kv_arena, ctx: LayerContext, mla_layer, index_layer, topk_prev_TK):
+        """→ (out `[T, D]`, kv_arena, topk `[T, K]`). `topk_prev_TK` is used by shared layers."""
+        cfg = self.cfg
+        T = h_TD.shape[0]
+        N, A, dn = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        c_q = self.q_a_layernorm(self.q_a_proj(h_TD))
+        q = self.q_b_proj(c_q).reshape(T, N, cfg.qk_head_dim)
+        q_nope, q_pe = q[..., :dn], apply_rope_interleaved(q[..., dn:], ctx.cos, ctx.sin)
+        kv = self.kv_a_proj_with_mqa(h_TD)
+        c_kv = self.kv_a_layernorm(kv[:, :A])
+        k_pe = apply_rope_interleaved(kv[:, A:], ctx.cos, ctx.sin)
+        kv_arena = attention.write_kv(kv_arena, jnp.concatenate([c_kv, k_pe], -1), ctx.batch, ctx.layout,
+                                      ctx.group, "mla", mla_layer)
+        if self.indexer is not None:
+            qI, w, kI = self.indexer.project(h_TD, c_q, ctx.cos, ctx.sin)
+            kv_arena = attention.write_kv(kv_arena, kI, ctx.batch, ctx.layout, ctx.index_group, "indexer",
+                                          index_layer)
+            topk = attention.select_topk(qI, w, kv_arena, ctx.batch, ctx.layout, ctx.index_group, index_layer,
+                                         cfg.index_topk)
+        else:
+            topk = topk_prev_TK
+        # Absorb W_UK into the queries (fp32 accumulation): q_abs = [W_UK^T q_nope | q_pe].
+        q_lat = jnp.einsum("tnd,nda->tna", q_nope, self.w_uk[...], preferred_element_type=jnp.float32,
+                           precision=lax.Precision.HIGHEST)
+        q_abs = jnp.concatenate([q_lat, q_pe.astype(jnp.float32)], -1)
+        o_lat = attention.sparse_attention(q_abs, kv_arena, topk, ctx.batch, ctx.layout, ctx.group, mla_layer,
+                                           kv_lora_rank=A, scale=cfg.softmax_scale)
+        o = jnp.einsum("tna,nav->tnv", o_lat, self.w_uv[...].astype(jnp.float32),
+                       preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+        out = mm(o.reshape(T, -1).astype(h_TD.dtype), self.o_proj.weight[...])
+        return out, kv_arena, topk

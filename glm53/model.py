@@ -1,0 +1,116 @@
+"""GLM-5.x (`GlmMoeDsaForCausalLM`) as Flax NNX modules over paged-cache reference kernels.
+
+Architecture choices and their sources:
+* MLA with q LoRA 2048 / kv LoRA 512, qk 192 nope + 64 rope, v 256, run in the absorbed form
+  (DeepSeek-V2/V3; GLM-5.x checkpoint). Softmax scale qk_head_dim^-0.5, no YaRN.
+* Interleaved RoPE, theta 8e6 for GLM-5.3 (config), on the MLA rope part and on the FIRST 64 dims
+  of the indexer q/k (HF transformers `glm_moe_dsa`).
+* DSA lightning indexer (DeepSeek-V3.2) with IndexShare: shared layers reuse the nearest preceding
+  full layer's top-k (GLM-5.3 config `index_topk_freq`/`index_skip_topk_offset`).
+* Dense SwiGLU for the first `first_k_dense_replace` layers, then DeepSeek-V3 MoE with sigmoid
+  router, correction bias, group-limited top-k, routed scaling 2.5, one shared expert.
+* One MTP layer (DeepSeek-V3 MTP): `eh_proj([enorm(embed(t_{i+1})) | hnorm(h_i)])`, a full MoE+DSA
+  block, `shared_head.norm`, the backbone's `lm_head`.
+* The KV cache is one paged arena threaded through the forward pass (glm53/kv_layout.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glm53.batch import ForwardBatch
+from glm53.config import GlmConfig
+from glm53.decoder import DecoderGroup, DecoderLayer, scan_groups
+from glm53.kv_layout import KVCacheLayout
+from glm53.layers import Linear, RMSNorm, mm, rope_cos_sin
+from glm53.mla import LayerContext
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab: int, dim: int, *, dtype):
+        self.weight = nnx.Param(jnp.zeros((vocab, dim), dtype))
+
+    def __call__(self, ids):
+        return jnp.take(self.weight[...], ids, axis=0)
+
+
+class MTPLayer(nnx.Module):
+    """Multi-token-prediction layer `model.layers.{num_hidden_layers}` (predicts token i+2)."""
+
+    def __init__(self, cfg: GlmConfig, *, dtype):
+        D = cfg.hidden_size
+        self.enorm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+        self.hnorm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+        self.eh_proj = Linear(2 * D, D, dtype=dtype)
+        self.block = DecoderLayer(cfg, has_indexer=True, moe=True, dtype=dtype)
+        self.shared_head_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+
+
+class GlmForCausalLM(nnx.Module):
+    """The backbone, head and MTP layer. Parameters start at zeros/ones; load real weights with
+    `glm53.loader.load_weights` (or build with `glm53.api.load`)."""
+
+    def __init__(self, cfg: GlmConfig, *, dtype=jnp.float32):
+        self.cfg = cfg
+        plan = cfg.layer_plan
+        self.plan = plan
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nnx.List([
+            DecoderLayer(cfg, has_indexer=cfg.indexer_types[i] == "full", moe=cfg.mlp_layer_types[i] == "sparse",
+                         dtype=dtype)
+            for i in plan.head
+        ])
+        self.stack = (DecoderGroup(cfg, plan.group_size, dtype=dtype, stack=(plan.num_stacked_groups,))
+                      if plan.num_stacked_groups else None)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+        self.mtp = MTPLayer(cfg, dtype=dtype) if cfg.num_mtp_layers > 0 else None
+
+    @property
+    def dtype(self):
+        return self.embed_tokens.weight.dtype
+
+    def hidden_states(self, batch: ForwardBatch, kv_arena: jax.Array, layout: KVCacheLayout):
+        """Backbone forward → (final-normed hidden `[T, D]`, updated kv_arena)."""
+        cfg = self.cfg
+        batch = jax.tree.map(jnp.asarray, batch)
+        cos, sin = rope_cos_sin(batch.positions_T, cfg.qk_rope_head_dim, cfg.rope_theta)
+        ctx = LayerContext(batch=batch, layout=layout, cos=cos, sin=sin)
+        full = cfg.full_layers
+        x = self.embed_tokens(batch.input_ids_T)
+        topk = None
+        for i, layer in zip(self.plan.head, self.layers):
+            idx_layer = full.index(i) if cfg.indexer_types[i] == "full" else 0
+            x, kv_arena, topk = layer(x, kv_arena, ctx, i, idx_layer, topk)
+        if self.stack is not None:
+            x, kv_arena = scan_groups(self.stack, x, kv_arena, ctx, self.plan.stack_start,
+                                      full.index(self.plan.stack_start), self.plan.group_size)
+        return self.norm(x), kv_arena
+
+    def logits(self, h_TD):
+        """`lm_head` in fp32 → `[T, vocab]`."""
+        return mm(h_TD, self.lm_head.weight[...]).astype(jnp.float32)
+
+    def __call__(self, batch: ForwardBatch, kv_arena: jax.Array, layout: KVCacheLayout):
+        """→ (logits fp32 `[len(logits_indices), vocab]`, hidden `[T, D]`, kv_arena)."""
+        h, kv_arena = self.hidden_states(batch, kv_arena, layout)
+        return self.logits(h[jnp.asarray(batch.logits_indices_B)]), h, kv_arena
+
+    def mtp_logits(self, batch: ForwardBatch, hidden_TD: jax.Array, kv_arena: jax.Array, layout: KVCacheLayout):
+        """MTP step: `batch.input_ids_T[i]` is token i+1 paired with backbone hidden `hidden_TD[i]`
+        (final-normed) at position `batch.positions_T[i]` = i; uses the `mtp` KV group.
+        → (logits fp32 `[len(logits_indices), vocab]` predicting token i+2, kv_arena)."""
+        if self.mtp is None:
+            raise ValueError("this checkpoint has no MTP layer (num_nextn_predict_layers = 0)")
+        cfg = self.cfg
+        m = self.mtp
+        batch = jax.tree.map(jnp.asarray, batch)
+        cos, sin = rope_cos_sin(batch.positions_T, cfg.qk_rope_head_dim, cfg.rope_theta)
+        ctx = LayerContext(batch=batch, layout=layout, cos=cos, sin=sin, group="mtp", index_group="mtp")
+        e = m.enorm(self.embed_tokens(batch.input_ids_T))
+        u = m.eh_proj(jnp.concatenate([e, m.hnorm(hidden_TD.astype(e.dtype))], axis=-1))
+        x, kv_arena, _ = m.block(u, kv_arena, ctx, 0, 0, None)
+        h = m.shared_head_norm(x)
+        return self.logits(h[batch.logits_indices_B]), kv_arena

@@ -1,0 +1,99 @@
+"""Feed-forward blocks: dense SwiGLU and the DeepSeek-V3-style MoE (sigmoid router, noaux_tc).
+
+Router (DeepSeek-V3 / GLM-5.x, HF `GlmMoeDsaTopkRouter`), in fp32: s = sigmoid(h @ W_r);
+selection on s + e_score_correction_bias, group-limited (group score = sum of the top-2 biased
+scores in the group; keep the best `topk_group` groups); weights s[idx] normalised
+(norm_topk_prob, +1e-20) times routed_scaling_factor; plus the unweighted shared expert.
+Experts run as a grouped matmul (`jax.lax.ragged_dot`) over token-sorted assignments.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from glm53.config import GlmConfig
+from glm53.layers import Linear
+
+
+class DenseMLP(nnx.Module):
+    """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+
+    def __init__(self, d: int, inter: int, *, dtype, stack=()):
+        self.gate_proj = Linear(d, inter, dtype=dtype, stack=stack)
+        self.up_proj = Linear(d, inter, dtype=dtype, stack=stack)
+        self.down_proj = Linear(inter, d, dtype=dtype, stack=stack)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nnx.Module):
+    """weight `[D, E]` fp32, e_score_correction_bias `[E]` fp32."""
+
+    def __init__(self, cfg: GlmConfig, *, stack=()):
+        self.cfg = cfg
+        self.weight = nnx.Param(jnp.zeros((*stack, cfg.hidden_size, cfg.n_routed_experts), jnp.float32))
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((*stack, cfg.n_routed_experts), jnp.float32))
+
+    def __call__(self, x_TD):
+        """→ (topk_weights `[T, k]` fp32, topk_ids `[T, k]` int32)."""
+        cfg = self.cfg
+        T = x_TD.shape[0]
+        E, G = cfg.n_routed_experts, cfg.n_group
+        logits = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), self.weight[...], precision=lax.Precision.HIGHEST)
+        s = jax.nn.sigmoid(logits)
+        choice = s + self.e_score_correction_bias[...]
+        if G > 1:
+            grouped = choice.reshape(T, G, E // G)
+            group_scores = jnp.sum(lax.top_k(grouped, 2)[0], axis=-1)
+            _, keep = lax.top_k(group_scores, cfg.topk_group)
+            gmask = jnp.zeros((T, G), bool).at[jnp.arange(T)[:, None], keep].set(True)
+            choice = jnp.where(jnp.repeat(gmask, E // G, axis=1), choice, -jnp.inf)
+        _, ids = lax.top_k(choice, cfg.num_experts_per_tok)
+        w = jnp.take_along_axis(s, ids, axis=-1)
+        if cfg.norm_topk_prob:
+            w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+        return w * cfg.routed_scaling_factor, ids.astype(jnp.int32)
+
+
+class Experts(nnx.Module):
+    """Routed experts stacked: gate/up `[E, D, I]`, down `[E, I, D]`."""
+
+    def __init__(self, cfg: GlmConfig, *, dtype, stack=()):
+        E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_proj = nnx.Param(jnp.zeros((*stack, E, D, I), dtype))
+        self.up_proj = nnx.Param(jnp.zeros((*stack, E, D, I), dtype))
+        self.down_proj = nnx.Param(jnp.zeros((*stack, E, I, D), dtype))
+
+    def __call__(self, x_TD, weights_TK, ids_TK):
+        T, k = ids_TK.shape
+        E = self.gate_proj.shape[0]
+        flat = ids_TK.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        tok = order // k
+        xs = x_TD[tok]
+        sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+
+        def gmm(a, w):
+            return lax.ragged_dot(a, w.astype(a.dtype), sizes, preferred_element_type=jnp.float32,
+                                  precision=lax.Precision.HIGHEST)
+
+        h = jax.nn.silu(gmm(xs, self.gate_proj[...])) * gmm(xs, self.up_proj[...])
+        y = gmm(h.astype(x_TD.dtype), self.down_proj[...])
+        y = y * weights_TK.reshape(-1)[order][:, None]
+        return jnp.zeros((T, y.shape[-1]), jnp.float32).at[tok].add(y).astype(x_TD.dtype)
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: GlmConfig, *, dtype, stack=()):
+        self.gate = Router(cfg, stack=stack)
+        self.experts = Experts(cfg, dtype=dtype, stack=stack)
+        self.shared_experts = DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                       dtype=dtype, stack=stack)
+
+    def __call__(self, x_TD):
+        w, ids = self.gate(x_TD)
+        return self.experts(x_TD, w, ids) + self.shared_experts(x_TD)

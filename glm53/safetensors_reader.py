@@ -1,0 +1,120 @@
+"""Read tensors from an HF safetensors checkpoint directory (single file or sharded).
+
+Sharded checkpoints list `key -> file` in `model.safetensors.index.json`; a single-file checkpoint
+is `model.safetensors` (any `*.safetensors` files in the directory are accepted without an index).
+The safetensors container is a little-endian u64 header length, a JSON header
+(`dtype`, `shape`, `data_offsets` per key) and the raw bytes. We read the header and memory-map
+the data so that every dtype a GLM checkpoint uses — including `F8_E4M3`, which the
+`safetensors` package's numpy front-end cannot return — comes back as a numpy array
+(`ml_dtypes` provides bfloat16 and float8_e4m3fn).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model (names the key and the expected shape)."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _read_header(path: str) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise CheckpointError(f"{path}: not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        header = json.loads(f.read(n))
+    return header, 8 + n
+
+
+class SafetensorsCheckpoint:
+    """Lazy access to every tensor of a checkpoint directory by key."""
+
+    def __init__(self, directory: str | os.PathLike):
+        d = os.fspath(directory)
+        if not os.path.isdir(d):
+            raise FileNotFoundError(f"checkpoint directory not found: {d}")
+        index = os.path.join(d, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p for p in os.listdir(d) if p.endswith(".safetensors"))
+            weight_map = None
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {d}")
+        self.directory = d
+        self.infos: dict[str, TensorInfo] = {}
+        self._mmaps: dict[str, np.memmap] = {}
+        for name in files:
+            path = os.path.join(d, name)
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"{index} lists {name}, which does not exist")
+            header, base = _read_header(path)
+            for key, meta in header.items():
+                if key == "__metadata__":
+                    continue
+                if meta["dtype"] not in _DTYPES:
+                    raise CheckpointError(f"{key}: unsupported safetensors dtype {meta['dtype']}")
+                b, e = meta["data_offsets"]
+                self.infos[key] = TensorInfo(path, meta["dtype"], tuple(meta["shape"]), base + b, base + e)
+        if weight_map is not None:
+            for key, name in weight_map.items():
+                if key not in self.infos:
+                    raise CheckpointError(f"{key}: listed in the index under {name} but absent from that file")
+
+    def keys(self) -> list[str]:
+        return sorted(self.infos)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.infos
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.infos[key].shape
+
+    def dtype(self, key: str) -> str:
+        return self.infos[key].dtype
+
+    def get(self, key: str) -> np.ndarray:
+        """The tensor as a (read-only, memory-mapped) numpy array."""
+        try:
+            info = self.infos[key]
+        except KeyError:
+            raise CheckpointError(f"{key}: missing from checkpoint {self.directory}") from None
+        mm = self._mmaps.get(info.file)
+        if mm is None:
+            mm = self._mmaps[info.file] = np.memmap(info.file, dtype=np.uint8, mode="r")
+        dt = np.dtype(_DTYPES[info.dtype])
+        return mm[info.begin:info.end].view(dt).reshape(info.shape)

@@ -1,0 +1,15 @@
+"""Dispatch for the indexer top-k: the reference is the only implementation in this build."""
+
+from __future__ import annotations
+
+from kernels.indexer_topk.reference import indexer_topk_reference
+
+IMPLEMENTATIONS = {"xla": indexer_topk_reference}
+
+
+def indexer_topk(q_TID, w_TI, kv_arena, block_table_BP, req_idx_T, positions_T, layer, *, layout, component="indexer",
+                 topk, implementation: str | None = None):
+    """`(topk_indices [T,K] int32, valid [T] int32)`; see `reference.indexer_topk_reference`."""
+    impl = IMPLEMENTATIONS[implementation or "xla"]
+    return impl(q_TID, w_TI, kv_arena, block_table_BP, req_idx_T, positions_T, layer, layout=layout, component=component,
+                topk=topk)
