@@ -1,0 +1,273 @@
+"""Request and response bodies of the OpenAI-compatible API (OpenAI field names and shapes).
+
+Requests accept unknown fields (clients send many optional ones); the server logs their names and
+otherwise ignores them. Fields whose non-default values this build cannot honour are declared here
+so that the server can reject them with a 400 instead of silently ignoring them (see
+`serving.api.server._reject_unsupported`). vLLM extensions (`ignore_eos`, `stop_token_ids`,
+`skip_special_tokens`, `chat_template_kwargs`, `top_k`, `min_p`, `repetition_penalty`) keep vLLM's
+names.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+# Seeds must fit a signed 64-bit integer (the engine folds them into a PRNG key).
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class _Request(BaseModel):
+    """Base of request bodies: unknown fields are kept in `model_extra` (and then ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --------------------------------------------------------------------------------------- errors
+
+
+class ErrorInfo(_Response):
+    """The `error` object of an OpenAI error body."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(_Response):
+    """`{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo
+
+
+# --------------------------------------------------------------------------------------- shared
+
+
+class StreamOptions(_Request):
+    """`stream_options`: `include_usage` adds a final chunk with empty `choices` and the usage."""
+
+    include_usage: bool = False
+
+
+class PromptTokensDetails(_Response):
+    """`usage.prompt_tokens_details`: prompt tokens served from the prefix cache."""
+
+    cached_tokens: int = 0
+
+
+class UsageInfo(_Response):
+    """Token counts of one request."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+# ------------------------------------------------------------------------------ chat completions
+
+
+class TextContentPart(_Request):
+    """A `{"type": "text", "text": ...}` content part."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    """One entry of `messages`.
+
+    `role` "developer" is treated as "system". `content` is a string, a list of content parts
+    (only text parts are accepted; the server joins them with newlines) or null (an assistant turn
+    that only calls tools). Other keys (`name`, `tool_calls`, `tool_call_id`,
+    `reasoning_content`, ...) are passed to the chat template unchanged (the project tokenizer
+    parses `tool_calls[].function.arguments` JSON strings into objects, as HF templates expect).
+    """
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Request):
+    """Body of `POST /v1/chat/completions`."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)] | None = None
+    n: int | None = 1
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    reasoning_effort: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    # Declared so that unsupported values can be refused rather than dropped.
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM extensions.
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+
+class ChatCompletionMessage(_Response):
+    """`choices[i].message` of a non-streaming chat completion."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatCompletionChoice(_Response):
+    """One choice of a non-streaming chat completion."""
+
+    index: int = 0
+    message: ChatCompletionMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    """Body returned by a non-streaming `POST /v1/chat/completions`."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(_Response):
+    """`choices[i].delta` of a stream chunk; keys that are None are left out of the JSON."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(_Response):
+    """One choice of a `chat.completion.chunk`."""
+
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionStreamResponse(_Response):
+    """One SSE `chat.completion.chunk`; `usage` is only present on the usage chunk."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ----------------------------------------------------------------------------------- completions
+
+
+class CompletionRequest(_Request):
+    """Body of `POST /v1/completions`.
+
+    `prompt` is a string or a list of token ids; a one-element list of either is accepted too.
+    `max_tokens` defaults to 16, as in the OpenAI and vLLM completions APIs.
+    """
+
+    model: str | None = None
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: int | None = 16
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)] | None = None
+    n: int | None = 1
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    echo: bool | None = False
+    # Declared so that unsupported values can be refused rather than dropped.
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    # vLLM extensions.
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: bool = True
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+
+class CompletionChoice(_Response):
+    """One choice of a completion (also the shape of a streamed completion choice)."""
+
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(_Response):
+    """Body of a non-streaming completion and of each streamed `text_completion` chunk."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+# ---------------------------------------------------------------------------------------- models
+
+
+class ModelCard(_Response):
+    """One entry of `GET /v1/models` (`root` is the checkpoint path or preset name)."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "glm53-jax"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    """Body of `GET /v1/models`."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,766 @@
+"""The OpenAI-compatible HTTP server: `build_app(engine, tokenizer, served_model_name)`.
+
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
+`GET /v1/models/{model}`, `GET /health`. `/metrics` and other routes are added by the caller
+through `build_app(..., extra_routes=callback)`, which receives the app before it is returned
+(for example `lambda app: app.mount("/metrics", prometheus_client.make_asgi_app())`).
+
+The server uses three tokenizer methods, `encode(text)`, `decode(ids, skip_special_tokens=...)`
+and `apply_chat_template(messages, tools=..., add_generation_prompt=True, **kwargs)`, and the
+engine's `serving.types.EngineClient` protocol. A streaming response starts (status line and the
+role chunk) only once the engine has produced its first output, so a rejection at submission is
+still a plain HTTP error.
+
+Errors use the OpenAI error body `{"error": {"message", "type", "param", "code"}}` with `code` the
+HTTP status:
+
+* 400 `BadRequestError`: malformed JSON, a body that fails validation (wrong types, missing
+  fields; vLLM also answers 400 here, where FastAPI's default would be 422), values out of range
+  (`max_tokens` < 1, `temperature` < 0, `top_p` outside (0, 1], `n` != 1), features this build
+  does not support yet (`stop` strings, `logprobs`, `echo`, penalties, ...), a prompt that does
+  not fit `max_model_len` (alone or with `max_tokens`), chat-template errors, and any ValueError
+  raised by the engine.
+* 401 `AuthenticationError`: `/v1/*` without `Authorization: Bearer <api_key>` when a key is set.
+* 404 `NotFoundError`: a `model` other than the served model name; unknown paths.
+* 500 `InternalServerError`: any other exception from the engine (logged; the server keeps
+  serving). Once a stream has started, an error is sent as a `data: {"error": ...}` event followed
+  by `data: [DONE]`.
+
+A client that disconnects (streaming or not) gets its request aborted in the engine: the engine's
+output iterator is closed and `engine.abort(request_id)` is awaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serving.api.detokenize import IncrementalDetokenizer
+from serving.api.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    UsageInfo,
+)
+from serving.types import EngineClient, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client as an OpenAI error body with `status_code`."""
+
+    def __init__(self, status_code: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+
+    def to_response(self) -> ErrorResponse:
+        """The OpenAI error body for this error."""
+        return ErrorResponse(
+            error=ErrorInfo(
+                message=self.message,
+                type=_ERROR_TYPES.get(self.status_code, "APIError"),
+                param=self.param,
+                code=self.status_code,
+            )
+        )
+
+
+def _error_json(err: APIError) -> JSONResponse:
+    return JSONResponse(err.to_response().model_dump(), status_code=err.status_code)
+
+
+def _bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+class _ClientDisconnected(Exception):
+    pass
+
+
+_warned_extra_fields: set[str] = set()
+
+
+# ------------------------------------------------------------------------------- request parsing
+
+
+async def _parse_body(request: Request, model_cls: type[BaseModel]) -> Any:
+    """Read the JSON body and validate it into `model_cls`; 400 on any failure."""
+    raw = await request.body()
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _bad_request(f"Invalid JSON body: {e}") from None
+    if not isinstance(obj, dict):
+        raise _bad_request("The request body must be a JSON object.")
+    try:
+        body = model_cls.model_validate(obj)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    new_extra = set(body.model_extra or ()) - _warned_extra_fields
+    if new_extra:
+        _warned_extra_fields.update(new_extra)
+        logger.warning("Ignoring unsupported request fields: %s", sorted(new_extra))
+    return body
+
+
+def _validation_error(e: ValidationError | RequestValidationError) -> APIError:
+    errors = e.errors()
+    parts = []
+    for err in errors[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid value')}")
+    first_loc = errors[0].get("loc", ()) if errors else ()
+    param = next((str(x) for x in first_loc if x != "body"), None)
+    return _bad_request("Invalid request: " + "; ".join(parts), param)
+
+
+def _is_set(value: Any, default: Any) -> bool:
+    return value is not None and value != default
+
+
+def _reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """Refuse parameters whose non-default values this build cannot honour (never drop them)."""
+    if body.n is not None and body.n != 1:
+        raise _bad_request(f"n={body.n} is not supported yet; only n=1 is.", "n")
+    if body.stop:
+        raise _bad_request("stop strings not supported yet (use stop_token_ids).", "stop")
+    if body.stream_options is not None and not body.stream:
+        raise _bad_request("stream_options can only be set when stream=true.", "stream_options")
+    checks: list[tuple[str, bool]] = [
+        ("presence_penalty", _is_set(body.presence_penalty, 0.0)),
+        ("frequency_penalty", _is_set(body.frequency_penalty, 0.0)),
+        ("logit_bias", bool(body.logit_bias)),
+        ("top_k", body.top_k not in (None, 0, -1)),
+        ("min_p", _is_set(body.min_p, 0.0)),
+        ("repetition_penalty", _is_set(body.repetition_penalty, 1.0)),
+    ]
+    if isinstance(body, ChatCompletionRequest):
+        fmt = (body.response_format or {}).get("type", "text")
+        checks += [
+            ("logprobs", bool(body.logprobs)),
+            ("top_logprobs", bool(body.top_logprobs)),
+            ("response_format", fmt != "text"),
+        ]
+    else:
+        checks += [
+            ("echo", bool(body.echo)),
+            ("logprobs", body.logprobs is not None),
+            ("best_of", body.best_of not in (None, 1)),
+            ("suffix", bool(body.suffix)),
+        ]
+    for name, bad in checks:
+        if bad:
+            raise _bad_request(f"{name} is not supported yet in this build.", name)
+
+
+def _resolve_max_tokens(
+    requested: int | None, param: str, prompt_len: int, max_model_len: int, prompt_param: str
+) -> int:
+    """Check the prompt and completion lengths against `max_model_len`; 400 naming the lengths.
+
+    Returns the number of tokens to generate: `requested`, or all the room left when None."""
+    if requested is not None and requested < 1:
+        raise _bad_request(f"{param} must be at least 1, got {requested}.", param)
+    if prompt_len >= max_model_len:
+        raise _bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {prompt_len} tokens, which leaves no room for a completion. Please "
+            "reduce the length of the prompt.",
+            prompt_param,
+        )
+    if requested is None:
+        return max_model_len - prompt_len
+    if prompt_len + requested > max_model_len:
+        raise _bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
+            f"in the completion). Please reduce the length of the prompt or of {param}.",
+            param,
+        )
+    return requested
+
+
+def _sampling_params(
+    body: ChatCompletionRequest | CompletionRequest, max_tokens: int
+) -> SamplingParams:
+    if body.temperature is not None and body.temperature < 0:
+        raise _bad_request(f"temperature must be >= 0, got {body.temperature}.", "temperature")
+    if body.top_p is not None and not 0.0 < body.top_p <= 1.0:
+        raise _bad_request(f"top_p must be in (0, 1], got {body.top_p}.", "top_p")
+    params = SamplingParams(
+        temperature=1.0 if body.temperature is None else float(body.temperature),
+        top_p=1.0 if body.top_p is None else float(body.top_p),
+        seed=body.seed,
+        max_tokens=max_tokens,
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+    )
+    try:
+        params.validate()
+    except ValueError as e:
+        raise _bad_request(str(e)) from None
+    return params
+
+
+def _flatten_content(content: str | list[dict[str, Any]] | None, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise _bad_request(
+                f"messages[{index}].content[{j}]: only text content parts "
+                '({"type": "text", "text": ...}) are supported.',
+                "messages",
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as plain dicts for the chat template (content flattened to text; other keys such
+    as `tool_calls`, `tool_call_id`, `reasoning_content` unchanged)."""
+    out = []
+    for i, msg in enumerate(body.messages):
+        d: dict[str, Any] = dict(msg.model_extra or {})
+        d["role"] = "system" if msg.role == "developer" else msg.role
+        d["content"] = _flatten_content(msg.content, i)
+        out.append(d)
+    return out
+
+
+# ------------------------------------------------------------------------------ engine plumbing
+
+
+@dataclass
+class _Generation:
+    """Accumulated state of one request's outputs."""
+
+    request_id: str
+    prompt_len: int
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int | None = None
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.token_ids.extend(out.new_token_ids)
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_cached_tokens = out.num_cached_tokens
+        self.num_output_tokens = out.num_output_tokens
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+    def usage(self) -> UsageInfo:
+        prompt = self.num_prompt_tokens if self.num_prompt_tokens is not None else self.prompt_len
+        completion = self.num_output_tokens or len(self.token_ids)
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens),
+        )
+
+
+def _engine_error(e: BaseException, request_id: str) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ValueError):
+        return _bad_request(str(e))
+    logger.exception("Engine error for request %s", request_id, exc_info=e)
+    return APIError(500, f"Internal server error: {type(e).__name__}: {e}")
+
+
+async def _listen_for_disconnect(request: Request) -> None:
+    """Return once the client has gone (the body must have been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _race_disconnect(request: Request, awaitable: Any) -> Any:
+    """Await `awaitable`, raising `_ClientDisconnected` (and cancelling it) if the client goes."""
+    task = asyncio.ensure_future(awaitable)
+    listener = asyncio.ensure_future(_listen_for_disconnect(request))
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise _ClientDisconnected()
+    finally:
+        for t in (task, listener):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, listener, return_exceptions=True)
+
+
+class _RequestHandle:
+    """An engine request: its output iterator and a guaranteed abort unless it finished."""
+
+    def __init__(
+        self, engine: EngineClient, prompt_ids: list[int], params: SamplingParams, rid: str
+    ) -> None:
+        self.engine = engine
+        self.request_id = rid
+        self.finished = False
+        self._closed = False
+        self._iter: AsyncIterator[RequestOutput] = aiter(engine.generate(prompt_ids, params, rid))
+
+    async def next(self) -> RequestOutput | None:
+        """The next engine output, or None when the engine's stream has ended."""
+        out = await anext(self._iter, None)
+        if out is not None and out.finished:
+            self.finished = True
+        return out
+
+    async def close(self) -> None:
+        """Close the engine iterator and, unless the request finished, abort it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            aclose = getattr(self._iter, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception:  # noqa: BLE001 - cleanup must not mask the real outcome
+                    logger.exception("Closing the output stream of %s failed", self.request_id)
+            if not self.finished:
+                try:
+                    await self.engine.abort(self.request_id)
+                except Exception:  # noqa: BLE001
+                    logger.exception("Aborting request %s failed", self.request_id)
+
+
+class _AbortOnCloseStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body iterator, even when the client vanished
+    while the iterator was suspended at a `yield` (so the iterator's cleanup runs at once)."""
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+def _sse(obj: BaseModel | dict[str, Any]) -> str:
+    data = obj if isinstance(obj, dict) else obj.model_dump(mode="json")
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _chunk_dict(chunk: BaseModel) -> dict[str, Any]:
+    d = chunk.model_dump(mode="json")
+    if d.get("usage") is None:
+        d.pop("usage", None)
+    return d
+
+
+# ------------------------------------------------------------------------------------- the app
+
+
+def build_app(
+    engine: EngineClient,
+    tokenizer: Any,
+    served_model_name: str,
+    api_key: str | None = None,
+    extra_routes: Callable[[FastAPI], None] | None = None,
+) -> FastAPI:
+    """Build the OpenAI-compatible FastAPI app over `engine`.
+
+    engine: an `EngineClient` (generate / abort / is_healthy, `model_name`, `max_model_len`).
+    tokenizer: provides `encode`, `decode`, `apply_chat_template` (see the module docstring).
+    served_model_name: the only accepted value of a request's `model` (an absent `model` means
+        this one); listed by `/v1/models`.
+    api_key: when set, every `/v1/*` route requires `Authorization: Bearer <api_key>`.
+    extra_routes: called with the app before it is returned, to add routes or mounts such as
+        `/metrics`; those are outside `/v1` and so not behind the API key.
+    """
+    app = FastAPI(title="GLM-5.3 OpenAI-compatible server", docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    app.state.tokenizer = tokenizer
+    app.state.served_model_name = served_model_name
+
+    # ------------------------------------------------------------------ exception handlers
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _error_json(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_json(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            APIError(exc.status_code, str(exc.detail)).to_response().model_dump(),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def _unhandled(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("Unhandled error", exc_info=exc)
+        return _error_json(APIError(500, f"Internal server error: {type(exc).__name__}"))
+
+    # ------------------------------------------------------------------ auth
+    async def _check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            token.strip().encode(), api_key.encode()
+        ):
+            raise APIError(
+                401, "Invalid or missing API key (expected 'Authorization: Bearer <key>')."
+            )
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
+
+    def _check_model(model: str | None) -> None:
+        if model is not None and model != served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    def _submit(prompt_ids: list[int], params: SamplingParams, rid: str) -> _RequestHandle:
+        try:
+            return _RequestHandle(engine, prompt_ids, params, rid)
+        except Exception as e:  # noqa: BLE001 - a synchronous rejection by the engine
+            raise _engine_error(e, rid) from None
+
+    async def _first_output(request: Request, handle: _RequestHandle) -> RequestOutput | None:
+        """Wait for the first output before answering, so that an engine rejection is a clean
+        HTTP error; the client leaving meanwhile aborts the request."""
+        try:
+            return await _race_disconnect(request, handle.next())
+        except _ClientDisconnected:
+            await handle.close()
+            raise
+        except BaseException as e:
+            await handle.close()
+            if isinstance(e, Exception):
+                raise _engine_error(e, handle.request_id) from None
+            raise
+
+    async def _collect(request: Request, handle: _RequestHandle, gen: _Generation) -> None:
+        async def consume() -> None:
+            while (out := await handle.next()) is not None:
+                gen.add(out)
+                if out.finished:
+                    return
+
+        try:
+            await _race_disconnect(request, consume())
+        except _ClientDisconnected:
+            logger.info("Client disconnected; aborted %s", handle.request_id)
+            raise
+        except Exception as e:
+            raise _engine_error(e, handle.request_id) from None
+        finally:
+            await handle.close()
+
+    async def _run_nonstream(request: Request, handle: _RequestHandle, gen: _Generation) -> bool:
+        """Collect the whole output. False when the client disconnected (request aborted)."""
+        try:
+            await _collect(request, handle, gen)
+        except _ClientDisconnected:
+            return False
+        return True
+
+    def _stream(
+        request: Request,
+        handle: _RequestHandle,
+        gen: _Generation,
+        first: RequestOutput | None,
+        detok: IncrementalDetokenizer,
+        make_chunks: Callable[[str, str | None], list[dict[str, Any]]],
+        make_usage_chunk: Callable[[UsageInfo], dict[str, Any]] | None,
+        opening: list[dict[str, Any]],
+    ) -> StreamingResponse:
+        async def events() -> AsyncIterator[str]:
+            try:
+                for d in opening:
+                    yield _sse(d)
+                out = first
+                while out is not None:
+                    gen.add(out)
+                    delta = detok.step(out.new_token_ids, final=out.finished)
+                    finish = out.finish_reason if out.finished else None
+                    if delta or finish is not None:
+                        for d in make_chunks(delta, finish):
+                            yield _sse(d)
+                    if out.finished:
+                        break
+                    if await request.is_disconnected():
+                        logger.info("Client disconnected; aborting %s", handle.request_id)
+                        return
+                    out = await handle.next()
+                if not handle.finished:
+                    # The engine ended the stream without a finished output.
+                    tail = detok.step([], final=True)
+                    for d in make_chunks(tail, "abort"):
+                        yield _sse(d)
+                if make_usage_chunk is not None:
+                    yield _sse(make_usage_chunk(gen.usage()))
+                yield "data: [DONE]\n\n"
+            except Exception as e:  # noqa: BLE001 - the status line is gone; report in-band
+                err = _engine_error(e, handle.request_id)
+                yield _sse(err.to_response().model_dump())
+                yield "data: [DONE]\n\n"
+            finally:
+                await handle.close()
+
+        return _AbortOnCloseStreamingResponse(
+            events(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    # ------------------------------------------------------------------ routes
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the engine is healthy, else 503."""
+        try:
+            ok = bool(engine.is_healthy())
+        except Exception:  # noqa: BLE001
+            logger.exception("engine.is_healthy() raised")
+            ok = False
+        return Response(status_code=200 if ok else 503)
+
+    def _model_card() -> ModelCard:
+        return ModelCard(
+            id=served_model_name,
+            root=getattr(engine, "model_name", None),
+            max_model_len=engine.max_model_len,
+        )
+
+    @v1.get("/models")
+    async def list_models() -> JSONResponse:
+        """The served model."""
+        return JSONResponse(ModelList(data=[_model_card()]).model_dump())
+
+    @v1.get("/models/{model:path}")
+    async def retrieve_model(model: str) -> JSONResponse:
+        """The served model by name; 404 for any other name."""
+        _check_model(model)
+        return JSONResponse(_model_card().model_dump())
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        """OpenAI chat completions, streaming (SSE) or not."""
+        body: ChatCompletionRequest = await _parse_body(request, ChatCompletionRequest)
+        _check_model(body.model)
+        _reject_unsupported(body)
+        for name in ("max_completion_tokens", "max_tokens"):
+            value = getattr(body, name)
+            if value is not None and value < 1:
+                raise _bad_request(f"{name} must be at least 1, got {value}.", name)
+
+        kwargs: dict[str, Any] = dict(body.chat_template_kwargs or {})
+        if body.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = body.reasoning_effort
+        if body.tool_choice is not None:
+            kwargs["tool_choice"] = body.tool_choice
+        messages = _template_messages(body)
+        try:
+            prompt = tokenizer.apply_chat_template(
+                messages, tools=body.tools, add_generation_prompt=True, **kwargs
+            )
+        except Exception as e:  # noqa: BLE001 - template errors come from the request's content
+            raise _bad_request(f"Could not render the chat template: {e}", "messages") from None
+        prompt_ids = list(tokenizer.encode(prompt))
+
+        if body.max_completion_tokens is not None:
+            requested, param = body.max_completion_tokens, "max_completion_tokens"
+        else:
+            requested, param = body.max_tokens, "max_tokens"
+        max_tokens = _resolve_max_tokens(
+            requested, param, len(prompt_ids), engine.max_model_len, "messages"
+        )
+        params = _sampling_params(body, max_tokens)
+
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        gen = _Generation(rid, len(prompt_ids))
+        handle = _submit(prompt_ids, params, rid)
+
+        if not body.stream:
+            if not await _run_nonstream(request, handle, gen):
+                return Response(status_code=499)  # nobody is listening
+            text = tokenizer.decode(gen.token_ids, skip_special_tokens=body.skip_special_tokens)
+            resp = ChatCompletionResponse(
+                id=rid,
+                created=created,
+                model=served_model_name,
+                choices=[
+                    ChatCompletionChoice(
+                        message=ChatCompletionMessage(content=text),
+                        finish_reason=gen.finish_reason or "abort",
+                    )
+                ],
+                usage=gen.usage(),
+            )
+            return JSONResponse(resp.model_dump(mode="json"))
+
+        try:
+            first = await _first_output(request, handle)
+        except _ClientDisconnected:
+            return Response(status_code=499)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(delta: DeltaMessage, finish: str | None) -> dict[str, Any]:
+            return _chunk_dict(
+                ChatCompletionStreamResponse(
+                    id=rid,
+                    created=created,
+                    model=served_model_name,
+                    choices=[ChatCompletionStreamChoice(delta=delta, finish_reason=finish)],
+                )
+            )
+
+        def make_chunks(text: str, finish: str | None) -> list[dict[str, Any]]:
+            return [chunk(DeltaMessage(content=text or None), finish)]
+
+        def usage_chunk(usage: UsageInfo) -> dict[str, Any]:
+            return ChatCompletionStreamResponse(
+                id=rid, created=created, model=served_model_name, choices=[], usage=usage
+            ).model_dump(mode="json")
+
+        return _stream(
+            request,
+            handle,
+            gen,
+            first,
+            IncrementalDetokenizer(tokenizer, body.skip_special_tokens),
+            make_chunks,
+            usage_chunk if include_usage else None,
+            opening=[chunk(DeltaMessage(role="assistant", content=""), None)],
+        )
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        """OpenAI (legacy) completions with a string or token-id prompt, streaming or not."""
+        body: CompletionRequest = await _parse_body(request, CompletionRequest)
+        _check_model(body.model)
+        _reject_unsupported(body)
+        if body.max_tokens is not None and body.max_tokens < 1:
+            raise _bad_request(
+                f"max_tokens must be at least 1, got {body.max_tokens}.", "max_tokens"
+            )
+
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise _bad_request(
+                    "Batched prompts are not supported yet; send one prompt per request.", "prompt"
+                )
+            prompt = prompt[0]
+        prompt_ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+        if not prompt_ids:
+            raise _bad_request("The prompt must not be empty.", "prompt")
+
+        max_tokens = _resolve_max_tokens(
+            body.max_tokens, "max_tokens", len(prompt_ids), engine.max_model_len, "prompt"
+        )
+        params = _sampling_params(body, max_tokens)
+
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        gen = _Generation(rid, len(prompt_ids))
+        handle = _submit(prompt_ids, params, rid)
+
+        if not body.stream:
+            if not await _run_nonstream(request, handle, gen):
+                return Response(status_code=499)
+            text = tokenizer.decode(gen.token_ids, skip_special_tokens=body.skip_special_tokens)
+            resp = CompletionResponse(
+                id=rid,
+                created=created,
+                model=served_model_name,
+                choices=[CompletionChoice(text=text, finish_reason=gen.finish_reason or "abort")],
+                usage=gen.usage(),
+            )
+            return JSONResponse(resp.model_dump(mode="json"))
+
+        try:
+            first = await _first_output(request, handle)
+        except _ClientDisconnected:
+            return Response(status_code=499)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def make_chunks(text: str, finish: str | None) -> list[dict[str, Any]]:
+            return [
+                _chunk_dict(
+                    CompletionResponse(
+                        id=rid,
+                        created=created,
+                        model=served_model_name,
+                        choices=[CompletionChoice(text=text, finish_reason=finish)],
+                    )
+                )
+            ]
+
+        def usage_chunk(usage: UsageInfo) -> dict[str, Any]:
+            return CompletionResponse(
+                id=rid, created=created, model=served_model_name, choices=[], usage=usage
+            ).model_dump(mode="json")
+
+        return _stream(
+            request,
+            handle,
+            gen,
+            first,
+            IncrementalDetokenizer(tokenizer, body.skip_special_tokens),
+            make_chunks,
+            usage_chunk if include_usage else None,
+            opening=[],
+        )
+
+    app.include_router(v1)
+    if extra_routes is not None:
+        extra_routes(app)
+    return app

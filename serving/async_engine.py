@@ -1,0 +1,137 @@
+"""`AsyncEngine`: the `EngineClient` the HTTP server talks to.
+
+A background thread owns the `LLMEngine` and runs `step()` while there is work; callers submit
+requests from the asyncio loop and receive `RequestOutput`s through per-request asyncio queues.
+Only the engine thread touches the engine; submissions and aborts cross over through a lock-
+protected inbox, so a client disconnect can never race a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import AsyncIterator
+
+from serving.engine import LLMEngine
+from serving.types import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    """Runs an `LLMEngine` in a thread. `model_name` is the served model name."""
+
+    def __init__(self, engine: LLMEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self.max_model_len = engine.args.max_model_len
+        self._cv = threading.Condition()
+        self._inbox: list[tuple] = []
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._dead: BaseException | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ client side
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; raises ValueError for a request the engine refuses."""
+        if self._dead is not None:
+            raise RuntimeError(f"engine is dead: {self._dead!r}")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        done = asyncio.get_running_loop().create_future()
+        with self._cv:
+            if request_id in self._queues:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            self._queues[request_id] = (loop, q)
+            self._inbox.append(("add", request_id, prompt_token_ids, params, done))
+            self._cv.notify()
+        try:
+            await done  # raises the engine's ValueError for a refused request
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            with self._cv:
+                alive = self._queues.pop(request_id, None) is not None
+                if alive:
+                    self._inbox.append(("abort", request_id))
+                    self._cv.notify()
+
+    async def abort(self, request_id: str) -> None:
+        with self._cv:
+            self._inbox.append(("abort", request_id))
+            self._cv.notify()
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ engine thread
+    def _deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:
+        with self._cv:
+            entry = self._queues.get(request_id)
+            if entry is not None and isinstance(out, RequestOutput) and out.finished:
+                self._queues.pop(request_id, None)
+        if entry is not None:
+            loop, q = entry
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _drain_inbox(self) -> None:
+        with self._cv:
+            items, self._inbox = self._inbox, []
+        for item in items:
+            if item[0] == "add":
+                _, rid, prompt, params, done = item
+                try:
+                    self.engine.add_request(rid, prompt, params)
+                    err = None
+                except ValueError as e:
+                    err = e
+                    with self._cv:
+                        self._queues.pop(rid, None)
+                loop = done.get_loop()
+                loop.call_soon_threadsafe(_settle, done, err)
+            else:
+                self.engine.abort(item[1])
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._stop and not self._inbox and not self.engine.has_unfinished_requests():
+                        self._cv.wait()
+                    if self._stop:
+                        return
+                self._drain_inbox()
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        self._deliver(out, out.request_id)
+        except BaseException as e:  # a bug in the engine: fail every waiting request, report unhealthy
+            logger.exception("engine loop died")
+            self._dead = e
+            with self._cv:
+                entries = list(self._queues.items())
+            for rid, _ in entries:
+                self._deliver(RuntimeError(f"engine failed: {e!r}"), rid)
+
+
+def _settle(fut: asyncio.Future, err: BaseException | None) -> None:
+    if fut.done():
+        return
+    if err is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(err)

@@ -1,0 +1,117 @@
+"""Engine-side request state.
+
+A `Request` is the scheduler's record of one generation: its tokens, how many of them have KV in
+the cache (`num_computed_tokens`), its status and its stable per-request state row. The scheduler
+mutates it; the runner only reads it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from serving.types import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Lifecycle of a request. WAITING/PREEMPTED sit in the waiting queue, RUNNING in the batch;
+    the FINISHED_* states are final."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        """True for the FINISHED_* states."""
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI finish reason: "stop", "length", "abort", or None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request.
+
+    request_id: unique string id.
+    prompt_token_ids: the prompt (non-empty; checked by the scheduler).
+    sampling_params: sampling and stopping controls.
+    arrival_time: `time.monotonic()` seconds at creation unless given.
+    output_token_ids: generated tokens so far (use `append_output_token_ids` to extend).
+    status: see `RequestStatus`.
+    num_computed_tokens: leading tokens of `all_token_ids` whose KV is in the cache.
+    num_cached_tokens: prompt tokens served from the prefix cache (0 without prefix caching).
+    state_row: stable row of this request in device-side per-request state arrays (HiSparse hot
+        state, ...), assigned by the scheduler while the request runs, None otherwise.
+    num_preemptions: times this request was preempted (its KV dropped and recomputed).
+
+    A step may schedule any number of new tokens for a request (a prefill chunk, one decode
+    token, or a decode token plus draft tokens for speculative verification).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    state_row: int | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.output_token_ids = list(self.output_token_ids)
+        self._all_token_ids = self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by the generated tokens (a live list: do not mutate)."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """len(all_token_ids)."""
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """len(prompt_token_ids)."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """len(output_token_ids)."""
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the status is a FINISHED_* state."""
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        """"stop", "length", "abort", or None while unfinished."""
+        return self.status.finish_reason
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        """Append generated tokens to both `output_token_ids` and `all_token_ids`."""
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self.output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)

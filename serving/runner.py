@@ -1,0 +1,155 @@
+"""Model runner: turns a `SchedulerOutput` into flat arrays and calls one jitted step.
+
+The step (`forward + sample`) is compiled for a fixed set of token-count buckets at start-up
+(with a progress bar); the KV arena is donated so it is updated in place. A step's token count
+is padded up to the next bucket, and the largest bucket is `max_num_batched_tokens`, so a step is
+never padded past its token budget. Request rows are padded to `max_num_seqs + 1` (the last row
+is the all-null padding row), block tables to the width that covers `max_model_len`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import zlib
+import math
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from glm53.batch import ForwardBatch
+from glm53.kv_layout import KVCacheLayout
+from glm53.model import GlmForCausalLM
+from serving.kv_cache import KVCacheManager
+from serving.sampling import sample_tokens
+from serving.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def token_buckets(max_num_batched_tokens: int, smallest: int = 16, factor: int = 4) -> tuple[int, ...]:
+    """Geometric token buckets capped at (and always including) the step budget."""
+    out, b = [], smallest
+    while b < max_num_batched_tokens:
+        out.append(b)
+        b *= factor
+    out.append(max_num_batched_tokens)
+    return tuple(out)
+
+
+@dataclass
+class StepStats:
+    num_tokens: int = 0
+    padded_tokens: int = 0
+    host_prepare_s: float = 0.0
+    device_s: float = 0.0
+
+
+class ModelRunner:
+    """Owns the parameters, the KV arena and the compiled steps.
+
+    Args:
+      model: the loaded model. layout: its KV arena layout. num_blocks: arena pages (incl. null).
+      max_num_seqs / max_num_batched_tokens / max_model_len: the scheduler limits.
+    """
+
+    def __init__(self, model: GlmForCausalLM, layout: KVCacheLayout, num_blocks: int, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, seed: int = 0):
+        self.layout = layout
+        self.graphdef, self.state = nnx.split(model)
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.buckets = token_buckets(max_num_batched_tokens)
+        self.widths = {g.name: math.ceil(max_model_len / g.tokens_per_page) for g in layout.groups}
+        self.kv_arena = layout.empty_arena(num_blocks)
+        self.seed = seed
+        self.last = StepStats()
+        graphdef = self.graphdef
+
+        @functools.partial(jax.jit, donate_argnums=(2,))
+        def step(state, batch: ForwardBatch, kv_arena, temperature, top_p, seeds, steps):
+            model = nnx.merge(graphdef, state)
+            logits, _, kv_arena = model(batch, kv_arena, layout)
+            return sample_tokens(logits, temperature, top_p, seeds, steps), kv_arena
+
+        self._step = step
+
+    # ------------------------------------------------------------------ compile
+    def _dummy(self, T: int):
+        B = self.max_num_seqs + 1
+        batch = ForwardBatch(
+            input_ids_T=np.zeros(T, np.int32), positions_T=np.zeros(T, np.int32),
+            req_idx_T=np.full(T, B - 1, np.int32),
+            slot_mapping={g: np.full(T, -1, np.int32) for g in self.widths},
+            block_tables={g: np.zeros((B, w), np.int32) for g, w in self.widths.items()},
+            logits_indices_B=np.zeros(B, np.int32))
+        z = np.zeros(B, np.float32)
+        return batch, z, np.ones(B, np.float32), np.zeros(B, np.uint32), np.zeros(B, np.int32)
+
+    def compile(self, progress: bool = True) -> float:
+        """Compile every bucket (runs each once on padding rows, which write nothing). → seconds."""
+        t0 = time.perf_counter()
+        for T in tqdm(self.buckets, desc="compiling step buckets", disable=not progress, unit="bucket"):
+            batch, t, p, s, k = self._dummy(T)
+            toks, self.kv_arena = self._step(self.state, jax.tree.map(jnp.asarray, batch), self.kv_arena, t, p, s, k)
+            toks.block_until_ready()
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ step
+    def prepare(self, sched: SchedulerOutput, kv: KVCacheManager):
+        """Host side: flat padded arrays for the scheduled requests."""
+        n_tok = sched.num_scheduled_tokens
+        T = next((b for b in self.buckets if b >= n_tok), None)
+        if T is None:
+            raise ValueError(f"step of {n_tok} tokens exceeds the largest bucket {self.buckets[-1]}")
+        B = self.max_num_seqs + 1
+        pad_row = B - 1
+        ids = np.zeros(T, np.int32)
+        pos = np.zeros(T, np.int32)
+        req = np.full(T, pad_row, np.int32)
+        slots = {g: np.full(T, -1, np.int32) for g in self.widths}
+        logits_idx = np.zeros(B, np.int32)
+        temperature = np.zeros(B, np.float32)
+        top_p = np.ones(B, np.float32)
+        seeds = np.zeros(B, np.uint32)
+        steps = np.zeros(B, np.int32)
+        rids: list[str | None] = [None] * B
+        off = 0
+        for i, sr in enumerate(sched.scheduled):
+            r = sr.request
+            n = sr.num_new_tokens
+            p = sr.positions
+            ids[off:off + n] = sr.token_ids
+            pos[off:off + n] = p
+            req[off:off + n] = i
+            for g in self.widths:
+                slots[g][off:off + n] = kv.slot_mapping(r.request_id, g, p)
+            rids[i] = r.request_id
+            logits_idx[i] = off + n - 1
+            sp = r.sampling_params
+            temperature[i] = sp.temperature
+            top_p[i] = sp.top_p
+            seed = sp.seed if sp.seed is not None else zlib.crc32(r.request_id.encode()) ^ self.seed
+            seeds[i] = np.uint32(seed & 0xFFFFFFFF)
+            steps[i] = len(r.output_token_ids)
+            off += n
+        tables = {g: kv.block_table_array(rids, g, w) for g, w in self.widths.items()}
+        batch = ForwardBatch(ids, pos, req, slots, tables, logits_idx)
+        return batch, (temperature, top_p, seeds, steps)
+
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> dict[str, list[int]]:
+        """Run one step; returns sampled tokens for the requests whose chunk samples."""
+        t0 = time.perf_counter()
+        batch, (t, p, s, k) = self.prepare(sched, kv)
+        t1 = time.perf_counter()
+        toks, self.kv_arena = self._step(self.state, jax.tree.map(jnp.asarray, batch), self.kv_arena,
+                                         jnp.asarray(t), jnp.asarray(p), jnp.asarray(s), jnp.asarray(k))
+        toks = np.asarray(toks)
+        t2 = time.perf_counter()
+        self.last = StepStats(sched.num_scheduled_tokens, batch.input_ids_T.shape[0], t1 - t0, t2 - t1)
+        return {sr.request_id: [int(toks[i])] for i, sr in enumerate(sched.scheduled) if sr.sample}

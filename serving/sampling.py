@@ -1,0 +1,31 @@
+"""On-device sampling: greedy, temperature and top-p with per-request seeds.
+
+A request's random stream is `fold_in(PRNGKey(seed), step)` where step counts its generated
+tokens, so its tokens do not depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def sample_tokens(logits_BV: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array, seed_B: jax.Array,
+                  step_B: jax.Array) -> jax.Array:
+    """logits fp32 `[B, V]` → token ids int32 `[B]`. temperature 0 → argmax (ties: lowest id)."""
+    greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+
+    def one(logits, t, p, seed, step):
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
+        scaled = logits / jnp.maximum(t, 1e-6)
+        order = jnp.argsort(-scaled)
+        sorted_logits = scaled[order]
+        probs = jax.nn.softmax(sorted_logits)
+        cum = jnp.cumsum(probs)
+        keep = (cum - probs) < p  # always keeps the most likely token
+        masked = jnp.where(keep, sorted_logits, -jnp.inf)
+        choice = jax.random.categorical(key, masked)
+        return order[choice].astype(jnp.int32)
+
+    sampled = jax.vmap(one)(logits_BV, temperature_B, top_p_B, seed_B.astype(jnp.uint32), step_B)
+    return jnp.where(temperature_B > 0, sampled, greedy)

@@ -1,0 +1,469 @@
+"""Continuous-batching scheduler with chunked prefill and preemption by recompute.
+
+The baseline policy of DESIGN §6 (after vLLM v1). Each `schedule()` call builds one step:
+
+1. RUNNING requests in the order they started. Each gets the rest of its known tokens
+   (`num_tokens - num_computed_tokens`: 1 for a decode, the remaining prompt for a request still
+   prefilling), capped by `long_prefill_token_threshold` and by the step's token budget. If the
+   pool cannot hold its KV, the most recently started running request is preempted (pages freed,
+   `num_computed_tokens` reset to 0, put at the front of the waiting queue) and allocation is
+   retried; a request that has to preempt itself stops the pass.
+2. If nobody was preempted, WAITING requests are admitted first come first served while fewer
+   than `max_num_seqs` run and budget remains; a prompt longer than the remaining budget gets a
+   chunk and continues next step. Admission stops at the first request whose chunk does not fit.
+
+A preempted request resumes by prefilling all of its tokens so far (prompt and generated ones),
+so with a deterministic model it produces exactly the tokens it would have produced otherwise.
+
+`update_from_output` takes the tokens sampled for the requests whose chunk reached the end of
+their known tokens, appends them, applies the stop rules and frees finished requests.
+
+The KV needed by a request with T tokens is T positions (the last token's KV is written by the
+step that samples the next one). A request therefore finishes with "length" when its token count
+reaches `max_model_len`, or earlier when the whole pool could not hold its next step (otherwise it
+would preempt itself for ever).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+
+from serving.kv_cache import KVCacheManager
+from serving.request import Request, RequestStatus
+from serving.types import RequestOutput
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduler limits.
+
+    max_num_seqs: most requests running at once (also the number of state rows).
+    max_num_batched_tokens: most tokens (query rows) in one step.
+    max_model_len: most tokens (prompt + generated) in one request.
+    long_prefill_token_threshold: if > 0, most tokens one request gets in a step (long prompts
+        are spread over several steps so decodes keep flowing); 0 disables the cap.
+
+    Raises:
+      ValueError: a limit < 1 (threshold < 0).
+    """
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    request: the request (its `state_row` is set while it runs).
+    num_new_tokens: query rows this step (positions start_pos .. start_pos + num_new_tokens - 1).
+    start_pos: position of the first new token (= num_computed_tokens when scheduled).
+    sample: True when the chunk reaches the end of the request's known tokens, so the runner
+        samples a token from its last row; False for a prefill chunk that is not the last.
+    first_chunk: True when the request was admitted from the waiting queue this step (new, or
+        resumed after preemption): its state row may have had another owner before, so the
+        runner must (re)initialise the device-side per-request state at `request.state_row`.
+    """
+
+    request: Request
+    num_new_tokens: int
+    start_pos: int
+    sample: bool = False
+    first_chunk: bool = False
+
+    @property
+    def request_id(self) -> str:
+        """The request's id."""
+        return self.request.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens fed this step (valid until `update_from_output`)."""
+        return self.request.all_token_ids[self.start_pos : self.start_pos + self.num_new_tokens]
+
+    @property
+    def positions(self) -> np.ndarray:
+        """int32 positions start_pos .. start_pos + num_new_tokens - 1."""
+        return np.arange(self.start_pos, self.start_pos + self.num_new_tokens, dtype=np.int32)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: the scheduled requests in batch order (running ones first, then newly admitted
+    ones), their total token count, the ids preempted while building the step, and the ids that
+    finished or were aborted since the previous step (the runner drops their cached state)."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    preempted: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when no tokens are scheduled."""
+        return not self.scheduled
+
+
+class Scheduler:
+    """Continuous-batching scheduler over a `KVCacheManager` (see the module docstring).
+
+    Args:
+      config: the limits.
+      kv_cache_manager: the block tables; the scheduler allocates and frees through it.
+      eos_token_ids: token ids that end a request (unless its sampling params say ignore_eos).
+
+    Raises:
+      ValueError: the manager's per-request table caps cannot cover max_model_len.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        eos_token_ids: Iterable[int] | int | None = (),
+    ):
+        self.config = config
+        self.kv = kv_cache_manager
+        if eos_token_ids is None:
+            eos_token_ids = ()
+        elif isinstance(eos_token_ids, int):
+            eos_token_ids = (eos_token_ids,)
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        cap = self.kv.max_tokens_per_request()
+        if cap is not None and cap < config.max_model_len - 1:
+            raise ValueError(
+                f"block-table caps cover {cap} tokens per request, max_model_len "
+                f"{config.max_model_len} needs {config.max_model_len - 1}"
+            )
+        # A request with T tokens needs KV for T positions; beyond this length the whole pool
+        # could not hold it, so such a request is finished with "length".
+        self._len_limit = min(config.max_model_len, self._pool_token_capacity() + 1)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._free_rows: list[int] = list(range(config.max_num_seqs))
+        heapq.heapify(self._free_rows)
+        self._finished_since_step: list[str] = []
+        self.num_preemptions_total = 0
+
+    # ------------------------------------------------------------------ counters
+
+    @property
+    def num_requests_running(self) -> int:
+        """Requests in the running batch."""
+        return len(self.running)
+
+    @property
+    def num_requests_waiting(self) -> int:
+        """Requests in the waiting queue (new and preempted)."""
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the pool's non-null pages in use, in [0, 1]."""
+        return self.kv.pool.usage()
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (status WAITING) at the back of the waiting queue.
+
+        Raises:
+          ValueError: duplicate id, empty prompt, prompt of max_model_len tokens or more, a prompt
+            the whole pool could not hold, invalid sampling params, or a request that is not new.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r} is not a new request")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("prompt must contain at least one token")
+        n = request.num_tokens
+        if n >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt of {n} tokens leaves no room to generate (max_model_len "
+                f"{self.config.max_model_len})"
+            )
+        if n >= self._len_limit:
+            raise ValueError(
+                f"prompt of {n} tokens does not fit the KV cache ({self.kv.pool.num_usable_blocks} "
+                "pages in all)"
+            )
+        request.sampling_params.validate()
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The live (waiting or running) request with this id, or None."""
+        return self.requests.get(request_id)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Remove a waiting or running request, freeing its pages and state row.
+
+        Returns its final RequestOutput (finish_reason "abort"), or None when the id is unknown
+        or already finished.
+        """
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return self._output(req, [])
+
+    # ------------------------------------------------------------------ scheduling
+
+    def schedule(self) -> SchedulerOutput:
+        """Build the next step (see the module docstring). Never schedules more than
+        max_num_batched_tokens tokens or more than max_num_seqs requests."""
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = self._num_new_tokens(req, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # it preempted itself; everything after it is preempted too
+            scheduled.append(self._scheduled(req, num_new, first_chunk=False))
+            budget -= num_new
+            i += 1
+
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < cfg.max_num_seqs
+        ):
+            req = self.waiting[0]
+            num_new = self._num_new_tokens(req, budget)
+            if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.state_row = heapq.heappop(self._free_rows)
+            self.running.append(req)
+            scheduled.append(self._scheduled(req, num_new, first_chunk=True))
+            budget -= num_new
+
+        out = SchedulerOutput(
+            scheduled=scheduled,
+            num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
+            preempted=preempted,
+            finished_ids=self._finished_since_step,
+        )
+        self._finished_since_step = []
+        return out
+
+    def update_from_output(
+        self, sched_out: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> list[RequestOutput]:
+        """Apply a step's results.
+
+        For every scheduled request still running: advance num_computed_tokens by its chunk,
+        append the tokens in `sampled[request_id]` if the chunk had `sample` set, and stop at the
+        first token that ends the request: an EOS id (unless ignore_eos) or a stop_token_id ->
+        "stop" (the token is kept in the output); max_tokens generated or max_model_len reached
+        -> "length". "stop" wins when both apply to the same token. Finished requests release
+        their pages and state rows. Requests aborted since `schedule()` are skipped.
+
+        Returns one RequestOutput per request that produced tokens or finished, in batch order.
+
+        Raises:
+          ValueError: tokens given for a request whose chunk does not sample; nothing is applied.
+        """
+        sampling = {sr.request_id for sr in sched_out.scheduled if sr.sample}
+        for rid, tokens in sampled.items():
+            if len(tokens) and rid not in sampling:
+                raise ValueError(f"tokens sampled for {rid!r}, whose chunk does not sample")
+
+        outputs: list[RequestOutput] = []
+        for sr in sched_out.scheduled:
+            req = sr.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted since schedule()
+            req.num_computed_tokens = sr.start_pos + sr.num_new_tokens
+            new_tokens: list[int] = []
+            status = None
+            for token in sampled.get(req.request_id, []) if sr.sample else []:
+                token = int(token)
+                req.append_output_token_ids(token)
+                new_tokens.append(token)
+                status = self._stop_status(req, token)
+                if status is not None:
+                    break
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+            if new_tokens or status is not None:
+                outputs.append(self._output(req, new_tokens))
+        return outputs
+
+    # ------------------------------------------------------------------ checks
+
+    def audit(self) -> list[str]:
+        """Check the scheduler and the KV cache manager; returns one string per violation.
+
+        Checked: `kv.audit()`; waiting/running are disjoint and hold exactly the live requests,
+        with matching statuses; at most max_num_seqs run; running requests own unique state rows
+        that, with the free rows, partition range(max_num_seqs), and waiting ones own none; a
+        running request's tables cover its num_computed_tokens; only running requests hold
+        tables (so finished and preempted requests hold nothing).
+        """
+        errors = list(self.kv.audit())
+        cfg = self.config
+        running_ids = [r.request_id for r in self.running]
+        waiting_ids = [r.request_id for r in self.waiting]
+        if len(set(running_ids)) != len(running_ids):
+            errors.append("a request is running twice")
+        if len(set(waiting_ids)) != len(waiting_ids):
+            errors.append("a request is waiting twice")
+        both = set(running_ids) & set(waiting_ids)
+        if both:
+            errors.append(f"requests both running and waiting: {sorted(both)}")
+        if set(running_ids) | set(waiting_ids) != set(self.requests):
+            errors.append("live request table disagrees with the waiting and running queues")
+        if len(self.running) > cfg.max_num_seqs:
+            errors.append(f"{len(self.running)} running > max_num_seqs {cfg.max_num_seqs}")
+        rows: list[int] = []
+        for req in self.running:
+            if req.status is not RequestStatus.RUNNING:
+                errors.append(f"running request {req.request_id!r} has status {req.status.name}")
+            if req.state_row is None:
+                errors.append(f"running request {req.request_id!r} has no state row")
+            else:
+                rows.append(req.state_row)
+            if not 0 <= req.num_computed_tokens <= req.num_tokens:
+                errors.append(
+                    f"request {req.request_id!r}: num_computed_tokens {req.num_computed_tokens} "
+                    f"outside [0, {req.num_tokens}]"
+                )
+            if self.kv.num_slots(req.request_id) < req.num_computed_tokens:
+                errors.append(
+                    f"request {req.request_id!r}: tables cover {self.kv.num_slots(req.request_id)} "
+                    f"tokens < {req.num_computed_tokens} computed"
+                )
+        for req in self.waiting:
+            if req.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                errors.append(f"waiting request {req.request_id!r} has status {req.status.name}")
+            if req.state_row is not None:
+                errors.append(f"waiting request {req.request_id!r} holds state row {req.state_row}")
+            if req.num_computed_tokens != 0:
+                errors.append(f"waiting request {req.request_id!r} has computed tokens")
+        if len(set(rows)) != len(rows):
+            errors.append(f"state rows not unique: {sorted(rows)}")
+        if sorted(rows + self._free_rows) != list(range(cfg.max_num_seqs)):
+            errors.append("state rows in use and free rows do not partition range(max_num_seqs)")
+        stray = set(self.kv.request_ids()) - set(running_ids)
+        if stray:
+            errors.append(f"requests that are not running hold KV pages: {sorted(stray)}")
+        return errors
+
+    # ------------------------------------------------------------------ helpers
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        num_new = req.num_tokens - req.num_computed_tokens
+        if self.config.long_prefill_token_threshold > 0:
+            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        return min(num_new, budget)
+
+    def _scheduled(self, req: Request, num_new: int, first_chunk: bool) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        return ScheduledRequest(
+            request=req,
+            num_new_tokens=num_new,
+            start_pos=start,
+            sample=start + num_new >= req.num_tokens,
+            first_chunk=first_chunk,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        self._release_row(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(req)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """Mark finished and release everything; the caller removed it from its queue."""
+        req.status = status
+        self.kv.free(req.request_id)
+        self._release_row(req)
+        del self.requests[req.request_id]
+        self._finished_since_step.append(req.request_id)
+
+    def _release_row(self, req: Request) -> None:
+        if req.state_row is not None:
+            heapq.heappush(self._free_rows, req.state_row)
+            req.state_row = None
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        is_eos = not params.ignore_eos and token in self.eos_token_ids
+        if is_eos or token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_tokens >= self._len_limit:
+            return RequestStatus.FINISHED_LENGTH
+        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _pool_token_capacity(self) -> int:
+        """Largest token count one request's KV can reach when it has the whole pool."""
+        usable = self.kv.pool.num_usable_blocks
+        inv = sum(1.0 / g.tokens_per_page for g in self.kv.groups)
+        hi = int(usable / inv) + max(g.tokens_per_page for g in self.kv.groups)
+        lo = 0
+        while lo < hi:  # largest L with sum_g ceil(L / tpp_g) <= usable
+            mid = (lo + hi + 1) // 2
+            if sum(math.ceil(mid / g.tokens_per_page) for g in self.kv.groups) <= usable:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    @staticmethod
+    def _output(req: Request, new_tokens: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_tokens,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            num_output_tokens=req.num_output_tokens,
+        )

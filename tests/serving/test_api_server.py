@@ -1,0 +1,580 @@
+"""The OpenAI-compatible HTTP layer against a deterministic fake engine, driven by real clients
+(the `openai` package and raw httpx) over a live uvicorn server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from serving.api import build_app
+from serving.api.detokenize import IncrementalDetokenizer
+from serving.types import RequestOutput, SamplingParams
+from tests.helpers.live_server import live_server
+
+API_KEY = "test-secret-key"
+MODEL = "glm-test"
+MAX_MODEL_LEN = 256
+# The fake engine's answer: multi-byte characters split across byte-level tokens.
+REPLY = "Hello there! 你好世界 🙂 — the quick fox."
+
+
+class FakeEngine:
+    """A deterministic `EngineClient`: answers REPLY then EOS, one or two tokens per increment.
+
+    Prompt markers change its behaviour: RAISE_VALUE (ValueError), RAISE_BOOM (RuntimeError
+    before the first token), BOOM_LATER (RuntimeError after a few tokens), SLOW (50 ms per
+    token), STALL (30 s before each token). `ignore_eos` cycles REPLY+EOS until max_tokens.
+    Aborts and cancelled generators are recorded (thread-safe) so tests can wait for them.
+    """
+
+    model_name = "tiny-fake-checkpoint"
+
+    def __init__(self, tokenizer) -> None:
+        self.max_model_len = MAX_MODEL_LEN
+        self.tokenizer = tokenizer
+        self.eos = tokenizer.eos_token_id
+        self.reply_ids = tokenizer.encode(REPLY)
+        self.healthy = True
+        self.lock = threading.Lock()
+        self.aborted: list[str] = []
+        self.cancelled: list[str] = []
+        self.submitted: dict[str, tuple[list[int], SamplingParams]] = {}
+        self.changed = threading.Condition(self.lock)
+
+    def is_healthy(self) -> bool:
+        return self.healthy
+
+    async def abort(self, request_id: str) -> None:
+        with self.changed:
+            self.aborted.append(request_id)
+            self.changed.notify_all()
+
+    def wait_for(self, predicate, timeout: float = 5.0) -> bool:
+        with self.changed:
+            return self.changed.wait_for(predicate, timeout)
+
+    async def generate(self, prompt_token_ids, params: SamplingParams, request_id: str):
+        params.validate()
+        with self.changed:
+            self.submitted[request_id] = (list(prompt_token_ids), params)
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError("prompt + max_tokens exceeds max_model_len")
+        prompt = self.tokenizer.decode(prompt_token_ids)
+        if "RAISE_VALUE" in prompt:
+            raise ValueError("the fake engine refuses this prompt")
+        if "RAISE_BOOM" in prompt:
+            raise RuntimeError("the fake engine broke")
+        delay = 0.05 if "SLOW" in prompt else 0.0
+        if "STALL" in prompt:
+            delay = 30.0  # a long "prefill": only a disconnect ends it early
+        seq = self.reply_ids + [self.eos]
+        n_out, step, finished = 0, 0, False
+        try:
+            while not finished:
+                await asyncio.sleep(delay)
+                if "BOOM_LATER" in prompt and n_out >= 3:
+                    raise RuntimeError("the fake engine broke mid-stream")
+                new = []
+                for _ in range(1 + step % 2):
+                    tok = seq[n_out % len(seq)]
+                    new.append(tok)
+                    n_out += 1
+                    if tok == self.eos and not params.ignore_eos:
+                        finished, reason = True, "stop"
+                        break
+                    if n_out >= params.max_tokens:
+                        finished, reason = True, "length"
+                        break
+                step += 1
+                yield RequestOutput(
+                    request_id=request_id,
+                    new_token_ids=new,
+                    finished=finished,
+                    finish_reason=reason if finished else None,
+                    num_prompt_tokens=len(prompt_token_ids),
+                    num_cached_tokens=0,
+                    num_output_tokens=n_out,
+                )
+        finally:
+            if not finished:
+                with self.changed:
+                    self.cancelled.append(request_id)
+                    self.changed.notify_all()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_tokenizer) -> FakeEngine:
+    return FakeEngine(tiny_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def base_url(engine, tiny_tokenizer):
+    app = build_app(engine, tiny_tokenizer, MODEL, api_key=API_KEY)
+    with live_server(app) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url) -> openai.OpenAI:
+    with openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=10) as c:
+        yield c
+
+
+@pytest.fixture
+def http(base_url):
+    with httpx.Client(
+        base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10
+    ) as c:
+        yield c
+
+
+def _expected(tokenizer, n: int | None = None) -> str:
+    ids = tokenizer.encode(REPLY) + [tokenizer.eos_token_id]
+    return tokenizer.decode(ids if n is None else ids[:n])
+
+
+def _user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def _assert_error(resp: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+# ---------------------------------------------------------------------------------------- happy
+
+
+def test_chat_non_stream(client, tiny_tokenizer):
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}],
+            },
+        ],
+        temperature=0,
+        seed=1,
+        reasoning_effort="high",
+    )
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion" and r.model == MODEL
+    assert r.created > 0
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == _expected(tiny_tokenizer)
+    assert r.choices[0].finish_reason == "stop"
+    n_reply = len(tiny_tokenizer.encode(REPLY)) + 1
+    assert r.usage.completion_tokens == n_reply
+    assert r.usage.total_tokens == r.usage.prompt_tokens + n_reply
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_template_and_sampling_params_reach_engine(client, engine, tiny_tokenizer):
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=_user("Hi"),
+        max_completion_tokens=3,
+        temperature=0.7,
+        top_p=0.9,
+        seed=42,
+        reasoning_effort="low",
+        extra_body={"ignore_eos": True, "stop_token_ids": [7]},
+    )
+    prompt_ids, params = engine.submitted[r.id]
+    assert tiny_tokenizer.decode(prompt_ids, skip_special_tokens=False) == (
+        "[gMASK]<sop><|system|>Reasoning Effort: Low<|user|>Hi<|assistant|><think>"
+    )
+    assert (params.temperature, params.top_p, params.seed, params.max_tokens) == (0.7, 0.9, 42, 3)
+    assert params.ignore_eos and params.stop_token_ids == [7]
+    assert r.usage.prompt_tokens == len(prompt_ids)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+
+
+def test_chat_default_max_tokens_fills_context(client, engine):
+    r = client.chat.completions.create(
+        model=MODEL, messages=_user("Hi"), extra_body={"ignore_eos": True}
+    )
+    prompt_ids, params = engine.submitted[r.id]
+    assert params.max_tokens == MAX_MODEL_LEN - len(prompt_ids)
+    assert r.usage.completion_tokens == params.max_tokens
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_chat_stream_with_usage(client, tiny_tokenizer):
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=_user("Hello"),
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].id.startswith("chatcmpl-")
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content_chunks = [c for c in chunks if c.choices]
+    deltas = [c.choices[0].delta.content or "" for c in content_chunks]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == _expected(tiny_tokenizer)
+    assert len([d for d in deltas if d]) > 3  # really incremental
+    assert [c.choices[0].finish_reason for c in content_chunks][-1] == "stop"
+    assert all(c.choices[0].finish_reason is None for c in content_chunks[:-1])
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage is not None
+    assert usage_chunk.usage.completion_tokens == len(tiny_tokenizer.encode(REPLY)) + 1
+    assert usage_chunk.usage.total_tokens == (
+        usage_chunk.usage.prompt_tokens + usage_chunk.usage.completion_tokens
+    )
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_stream_raw_sse_format(http, tiny_tokenizer):
+    body = {"model": MODEL, "messages": _user("Hello"), "stream": True, "max_tokens": 4}
+    with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        raw = resp.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in p for p in payloads)  # no include_usage
+    text = "".join(p["choices"][0]["delta"].get("content", "") for p in payloads)
+    assert text == _expected(tiny_tokenizer, 4)
+
+
+def test_completions_string_prompt(client, tiny_tokenizer):
+    r = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=5)
+    assert r.id.startswith("cmpl-") and r.object == "text_completion"
+    assert r.choices[0].text == _expected(tiny_tokenizer, 5)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(tiny_tokenizer.encode("Hello there"))
+    assert r.usage.completion_tokens == 5
+
+
+def test_completions_token_prompt_and_default_max_tokens(client, engine, tiny_tokenizer):
+    r = client.completions.create(model=MODEL, prompt=[10, 11, 12])
+    prompt_ids, params = engine.submitted[r.id]
+    assert prompt_ids == [10, 11, 12] and params.max_tokens == 16
+    assert r.usage.prompt_tokens == 3
+    assert r.choices[0].text == _expected(tiny_tokenizer, 16)
+    # A one-element batch is accepted too.
+    r2 = client.completions.create(model=MODEL, prompt=[[10, 11, 12]], max_tokens=2)
+    assert engine.submitted[r2.id][0] == [10, 11, 12]
+
+
+def test_completions_stream(client, tiny_tokenizer):
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Hello",
+        max_tokens=200,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == _expected(tiny_tokenizer)
+    assert text_chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+def test_models(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].object == "model"
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other-model")
+
+
+def test_health(base_url, engine):
+    assert httpx.get(base_url + "/health").status_code == 200  # no key needed
+    engine.healthy = False
+    try:
+        assert httpx.get(base_url + "/health").status_code == 503
+    finally:
+        engine.healthy = True
+
+
+# --------------------------------------------------------------------------------------- errors
+
+
+def test_unknown_model_404(client, http):
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.chat.completions.create(model="gpt-4", messages=_user("Hi"))
+    assert exc.value.status_code == 404
+    err = _assert_error(
+        http.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"}), 404, "model"
+    )
+    assert err["type"] == "NotFoundError" and "gpt-4" in err["message"]
+
+
+def test_auth_401(base_url):
+    body = {"model": MODEL, "messages": _user("Hi")}
+    _assert_error(httpx.post(base_url + "/v1/chat/completions", json=body), 401)
+    _assert_error(
+        httpx.post(
+            base_url + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": "Bearer wrong"},
+        ),
+        401,
+    )
+    _assert_error(httpx.get(base_url + "/v1/models"), 401)
+    bad = openai.OpenAI(base_url=base_url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+_IMAGE_PART = {"type": "image_url", "image_url": {"url": "x"}}
+
+
+def _chat(**fields) -> dict:
+    return {"model": MODEL, "messages": _user("Hi"), **fields}
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": MODEL, "messages": _user("Hi"), "max_tokens": "abc"}, "max_tokens"),
+        ({"model": MODEL, "messages": _user("Hi"), "max_tokens": -3}, "max_tokens"),
+        ({"model": MODEL, "messages": _user("Hi"), "max_tokens": 0}, "max_tokens"),
+        (_chat(max_completion_tokens=0), "max_completion_tokens"),
+        ({"model": MODEL, "messages": _user("Hi"), "temperature": -0.5}, "temperature"),
+        ({"model": MODEL, "messages": _user("Hi"), "top_p": 0}, "top_p"),
+        ({"model": MODEL, "messages": _user("Hi"), "n": 2}, "n"),
+        ({"model": MODEL, "messages": _user("Hi"), "stop": ["\n"]}, "stop"),
+        ({"model": MODEL, "messages": _user("Hi"), "stop": "END"}, "stop"),
+        ({"model": MODEL, "messages": _user("Hi"), "logprobs": True}, "logprobs"),
+        (_chat(stream_options={"include_usage": True}), "stream_options"),
+        ({"model": MODEL, "messages": []}, "messages"),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": [_IMAGE_PART]}]}, "messages"),
+        ({"model": MODEL}, "messages"),
+        ({"model": MODEL, "messages": _user("Hi"), "seed": 2**70}, "seed"),
+    ],
+)
+def test_chat_400(http, body, param):
+    err = _assert_error(http.post("/v1/chat/completions", json=body), 400, param)
+    assert err["type"] == "BadRequestError"
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": MODEL, "prompt": "x", "echo": True}, "echo"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ({"model": MODEL, "prompt": ""}, "prompt"),
+        ({"model": MODEL, "prompt": []}, "prompt"),
+        ({"model": MODEL, "prompt": [1, -2]}, "prompt"),
+        ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+        ({"model": MODEL, "prompt": [1] * MAX_MODEL_LEN}, "prompt"),
+        ({"model": MODEL, "prompt": [1] * 100, "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    ],
+)
+def test_completions_400(http, body, param):
+    _assert_error(http.post("/v1/completions", json=body), 400, param)
+
+
+def test_malformed_json_400(http):
+    for raw in (b'{"model": "glm-test", "messages": [', b"not json", b"[1, 2]", b"\xff\xfe"):
+        resp = http.post(
+            "/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"}
+        )
+        _assert_error(resp, 400)
+
+
+def test_prompt_too_long_400(client, http):
+    long_text = "one two three four five " * 200
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=MODEL, messages=_user(long_text))
+    assert f"maximum context length is {MAX_MODEL_LEN}" in exc.value.message
+    body = {"model": MODEL, "messages": _user("Hi"), "max_tokens": MAX_MODEL_LEN}
+    err = _assert_error(http.post("/v1/chat/completions", json=body), 400, "max_tokens")
+    assert str(MAX_MODEL_LEN) in err["message"] and "in the completion" in err["message"]
+
+
+def test_engine_errors(client, http, tiny_tokenizer):
+    with pytest.raises(openai.BadRequestError, match="refuses"):
+        client.chat.completions.create(model=MODEL, messages=_user("RAISE_VALUE"))
+    with pytest.raises(openai.BadRequestError, match="refuses"):
+        client.chat.completions.create(model=MODEL, messages=_user("RAISE_VALUE"), stream=True)
+    with pytest.raises(openai.InternalServerError):
+        client.chat.completions.create(model=MODEL, messages=_user("RAISE_BOOM"))
+    with pytest.raises(openai.InternalServerError):
+        client.completions.create(model=MODEL, prompt="RAISE_BOOM", stream=True)
+    _assert_error(
+        http.post("/v1/completions", json={"model": MODEL, "prompt": "BOOM_LATER"}), 500
+    )
+    # Mid-stream failure: an in-band error event, then [DONE].
+    body = {"model": MODEL, "prompt": "BOOM_LATER", "stream": True, "max_tokens": 50}
+    with http.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        events = resp.read().decode().split("\n\n")
+    assert events[-2] == "data: [DONE]"
+    assert json.loads(events[-3].removeprefix("data: "))["error"]["code"] == 500
+
+
+def test_still_serving_after_errors(client, tiny_tokenizer):
+    r = client.chat.completions.create(model=MODEL, messages=_user("Hello again"))
+    assert r.choices[0].message.content == _expected(tiny_tokenizer)
+
+
+# ----------------------------------------------------------------------------------- disconnects
+
+
+def test_stream_disconnect_aborts(client, engine):
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=_user("SLOW please"),
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    it = iter(stream)
+    first = next(it)
+    rid = first.id
+    stream.close()
+    assert engine.wait_for(lambda: rid in engine.aborted and rid in engine.cancelled), (
+        engine.aborted,
+        engine.cancelled,
+    )
+    time.sleep(0.05)
+    assert engine.aborted.count(rid) == 1
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_before_first_token_aborts(base_url, engine, stream):
+    body = {"model": MODEL, "messages": _user("STALL"), "stream": stream}
+    before = set(engine.submitted)
+    with pytest.raises(httpx.ReadTimeout):
+        with httpx.stream(
+            "POST",
+            base_url + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=httpx.Timeout(10, read=0.3),
+        ) as resp:
+            resp.read()
+    assert engine.wait_for(lambda: set(engine.submitted) - before)
+    (rid,) = set(engine.submitted) - before
+    assert engine.wait_for(lambda: rid in engine.aborted and rid in engine.cancelled)
+
+
+def test_non_stream_disconnect_aborts(base_url, engine):
+    body = {"model": MODEL, "prompt": "SLOW", "max_tokens": 200, "ignore_eos": True}
+    before = set(engine.submitted)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            base_url + "/v1/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=httpx.Timeout(10, read=0.3),
+        )
+    assert engine.wait_for(lambda: set(engine.submitted) - before)
+    (rid,) = set(engine.submitted) - before
+    assert engine.wait_for(lambda: rid in engine.aborted and rid in engine.cancelled)
+
+
+def test_finished_requests_are_not_aborted(client, engine):
+    r = client.chat.completions.create(model=MODEL, messages=_user("Hi"), max_tokens=2)
+    s = list(client.chat.completions.create(model=MODEL, messages=_user("Hi"), stream=True))
+    time.sleep(0.05)
+    assert r.id not in engine.aborted and s[0].id not in engine.aborted
+    assert r.id not in engine.cancelled and s[0].id not in engine.cancelled
+
+
+# ------------------------------------------------------------------------------- detokenization
+
+
+def test_incremental_detokenizer_matches_full_decode(tiny_tokenizer):
+    ids = tiny_tokenizer.encode("ab 你好世界 🙂🙂 x" * 3) + [tiny_tokenizer.eos_token_id]
+    for chunk in (1, 2, 3, 5):
+        detok = IncrementalDetokenizer(tiny_tokenizer)
+        deltas = []
+        for i in range(0, len(ids), chunk):
+            part = ids[i : i + chunk]
+            deltas.append(detok.step(part, final=i + chunk >= len(ids)))
+        assert "".join(deltas) == tiny_tokenizer.decode(ids)
+        assert all("\ufffd" not in d for d in deltas)
+    # An output cut inside a character flushes the partial bytes at the end.
+    cut = tiny_tokenizer.encode("x你")[:-1]
+    detok = IncrementalDetokenizer(tiny_tokenizer)
+    assert detok.step(cut) == "x"
+    assert detok.step([], final=True) == tiny_tokenizer.decode(cut)[1:]
+
+
+# ------------------------------------------------------------------------------ app construction
+
+
+def test_extra_routes_hook_and_no_api_key(tiny_tokenizer):
+    from fastapi.responses import PlainTextResponse
+    from fastapi.testclient import TestClient
+
+    def add_metrics(app):
+        app.add_api_route("/metrics", lambda: PlainTextResponse("vllm:num_requests_running 0\n"))
+
+    app = build_app(FakeEngine(tiny_tokenizer), tiny_tokenizer, MODEL, extra_routes=add_metrics)
+    with TestClient(app) as tc:
+        assert tc.get("/metrics").text.startswith("vllm:num_requests_running")
+        assert tc.get("/v1/models").status_code == 200  # no key configured, none needed
+        r = tc.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})  # model optional
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        _assert_error(tc.get("/no/such/route"), 404)
+
+
+# ------------------------------------------------------------------------------------ CLI flags
+
+
+def test_cli_defaults_and_json_flags():
+    from serving.cli_args import make_arg_parser, validate_args
+
+    args = make_arg_parser().parse_args(
+        ["--attention-config", '{"hisparse_config": {"host_pool_gib": 8}}', "--port", "9000"]
+    )
+    validate_args(args)
+    assert (args.host, args.port, args.model, args.gpu_memory_utilization) == (
+        "127.0.0.1",
+        9000,
+        None,
+        0.9,
+    )
+    assert args.attention_config == {"hisparse_config": {"host_pool_gib": 8}}
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
+        (["-dcp", "2"], "--decode-context-parallel-size"),
+        (["--prefill-context-parallel-size", "2"], "--prefill-context-parallel-size"),
+        (["--enable-expert-parallel"], "--enable-expert-parallel"),
+        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
+        (["--enable-prefix-caching"], "--enable-prefix-caching"),
+        (["--speculative-config", '{"method": "mtp"}'], "--speculative-config"),
+        (["--kv-transfer-config", "{}"], "--kv-transfer-config"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice"),
+        (["--tool-call-parser", "glm47"], "--tool-call-parser"),
+        (["--reasoning-parser", "glm45"], "--reasoning-parser"),
+        (["--attention-config", "{not json"], "--attention-config"),
+        (["--speculative-config", "[1]"], "--speculative-config"),
+        (["--max-model-len", "0"], "--max-model-len"),
+    ],
+)
+def test_cli_rejects_unsupported(argv, flag):
+    from serving.cli_args import ArgumentError, make_arg_parser, validate_args
+
+    with pytest.raises(ArgumentError, match=flag):
+        validate_args(make_arg_parser().parse_args(argv))
