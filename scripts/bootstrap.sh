@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Set up the project in ./.venv and run it.
+#
+#   scripts/bootstrap.sh serve [serving.run flags…]   install, then start the OpenAI server
+#   scripts/bootstrap.sh test  [pytest args…]         install, then run the whole test suite
+#
+# Finds a Python >= 3.12 by itself: $PYTHON, then python3.13/python3.12/python3/python on PATH,
+# then pyenv's installed versions (~/.pyenv/versions/*), then /usr/local and /opt installs.
+# Set GLM53_EXTRAS=cuda12 to install the CUDA 12 build of JAX as well.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+ok() { "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1; }
+
+find_python() {
+  local c
+  local candidates=()
+  [ -n "${PYTHON:-}" ] && candidates+=("$PYTHON")
+  for c in python3.14 python3.13 python3.12 python3 python; do
+    command -v "$c" >/dev/null 2>&1 && candidates+=("$(command -v "$c")")
+  done
+  local roots=("${PYENV_ROOT:-$HOME/.pyenv}/versions" /usr/local/bin /opt/python /opt)
+  for r in "${roots[@]}"; do
+    for c in "$r"/3.1[2-9]*/bin/python3 "$r"/python3.1[2-9] "$r"/*/bin/python3.1[2-9]; do
+      [ -x "$c" ] && candidates+=("$c")
+    done
+  done
+  for c in "${candidates[@]}"; do
+    if ok "$c"; then echo "$c"; return 0; fi
+  done
+  return 1
+}
+
+action="${1:-}"
+case "$action" in
+  serve|test) shift ;;
+  *) echo "usage: $0 {serve|test} [args…]" >&2; exit 2 ;;
+esac
+
+if [ ! -x .venv/bin/python ] || ! ok .venv/bin/python; then
+  if ! py="$(find_python)"; then
+    echo "error: no Python >= 3.12 found (JAX 0.11 needs it)." >&2
+    echo "Install one (e.g. 'pyenv install 3.12', or apt-get install python3.12) or point PYTHON=/path/to/python3.12 at it." >&2
+    exit 1
+  fi
+  echo "using $py ($("$py" -V 2>&1)) for .venv"
+  rm -rf .venv
+  "$py" -m venv .venv
+fi
+
+stamp=.venv/.installed
+want="$(cat pyproject.toml; echo "${GLM53_EXTRAS:-}")"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  extras="test${GLM53_EXTRAS:+,$GLM53_EXTRAS}"
+  .venv/bin/python -m pip install --quiet --upgrade pip
+  .venv/bin/python -m pip install --quiet -e ".[${extras}]"
+  printf '%s' "$want" > "$stamp"
+fi
+
+if [ "$action" = serve ]; then
+  exec .venv/bin/python -m serving.run "$@"
+else
+  exec .venv/bin/python -m pytest "$@"
+fi

@@ -1,0 +1,121 @@
+"""Checkpoint loading: FP8 block-scaled weights, sharded/single files, and clear errors."""
+
+import json
+import os
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy as stn
+
+from glm53 import api
+from glm53.loader import dequantize_fp8_block
+from glm53.safetensors_reader import CheckpointError, SafetensorsCheckpoint
+
+DENSE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf", "dense")
+
+
+def _tensors(path):
+    ck = SafetensorsCheckpoint(path)
+    return {k: np.array(ck.get(k)) for k in ck.keys()}
+
+
+def _write(dirpath, tensors, config_changes=None):
+    os.makedirs(dirpath, exist_ok=True)
+    with open(os.path.join(DENSE, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(config_changes or {})
+    with open(os.path.join(dirpath, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    stn.save_file(tensors, os.path.join(dirpath, "model.safetensors"))
+    return dirpath
+
+
+QUANTISED = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+             "down_proj", "wq_b", "wk")
+
+
+def test_fp8_block_scaled_checkpoint_loads_as_its_dequantised_values(tmp_path):
+    """Quantise the fixture to e4m3 with 128x128 block scales; the model built from it must equal
+    the model built from an fp32 checkpoint holding fp8 x scale computed here with numpy."""
+    src = _tensors(DENSE)
+    fp8, deq = {}, {}
+    rng = np.random.default_rng(0)
+    for k, w in src.items():
+        name = k.split(".")[-2] if k.endswith(".weight") else ""
+        if name in QUANTISED and w.ndim == 2 and "indexer.weights_proj" not in k:
+            w32 = w.astype(np.float32)
+            out, inn = w32.shape
+            sb = np.zeros((-(-out // 128), -(-inn // 128)), np.float32)
+            q = np.zeros_like(w32)
+            for i in range(sb.shape[0]):
+                for j in range(sb.shape[1]):
+                    blk = w32[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+                    s = max(np.abs(blk).max() / 448.0, 1e-12) * (1 + rng.random())  # non-trivial scales
+                    sb[i, j] = s
+                    q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = blk / s
+            q8 = q.astype(ml_dtypes.float8_e4m3fn)
+            fp8[k], fp8[k[: -len("weight")] + "weight_scale_inv"] = q8, sb
+            d = q8.astype(np.float32)
+            for i in range(sb.shape[0]):
+                for j in range(sb.shape[1]):
+                    d[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] *= sb[i, j]
+            deq[k] = d
+        else:
+            fp8[k] = w
+            deq[k] = w.astype(np.float32) if w.dtype != np.float32 else w
+    assert any(v.dtype == ml_dtypes.float8_e4m3fn for v in fp8.values())
+    assert any(v.shape[0] > 128 for k, v in fp8.items() if k.endswith("scale_inv") is False and v.ndim == 2
+               and v.dtype == ml_dtypes.float8_e4m3fn)  # some weights span several blocks
+    qcfg = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
+    a = api.load(_write(str(tmp_path / "fp8"), fp8, qcfg))
+    b = api.load(_write(str(tmp_path / "deq"), deq))
+    ids = np.load(os.path.join(DENSE, "golden.npz"))["input_ids"][0][:12]
+    np.testing.assert_array_equal(api.forward(a, ids), api.forward(b, ids))
+
+
+def test_dequantize_crops_partial_blocks():
+    w = np.ones((130, 3), np.float32).astype(ml_dtypes.float8_e4m3fn)
+    s = np.array([[2.0], [3.0]], np.float32)
+    d = dequantize_fp8_block(w, s)
+    assert d.shape == (130, 3) and d[0, 0] == 2.0 and d[129, 2] == 3.0
+    with pytest.raises(CheckpointError, match="weight_scale_inv"):
+        dequantize_fp8_block(w, np.ones((1, 1), np.float32))
+
+
+def _broken(tmp_path, mutate):
+    t = _tensors(DENSE)
+    mutate(t)
+    return _write(str(tmp_path / "broken"), t)
+
+
+def test_missing_tensor_names_key_and_shape(tmp_path):
+    path = _broken(tmp_path, lambda t: t.pop("model.layers.4.self_attn.o_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.4\.self_attn\.o_proj\.weight "
+                                              r"\(expected shape \[64, 128\]\)"):
+        api.load(path)
+
+
+def test_unexpected_tensor_is_named(tmp_path):
+    # a shared layer must not carry indexer weights
+    def add(t):
+        t["model.layers.3.self_attn.indexer.wk.weight"] = t["model.layers.2.self_attn.indexer.wk.weight"]
+    with pytest.raises(CheckpointError, match=r"unexpected tensor model\.layers\.3\.self_attn\.indexer\.wk\.weight"):
+        api.load(_broken(tmp_path, add))
+
+
+def test_misshaped_tensor_names_both_shapes(tmp_path):
+    def bad(t):
+        t["model.norm.weight"] = np.ones(63, np.float32)
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight has shape \[63\], expected \[64\]"):
+        api.load(_broken(tmp_path, bad))
+
+
+def test_sharded_index_pointing_at_missing_file(tmp_path):
+    sparse = os.path.join(os.path.dirname(DENSE), "sparse")
+    dst = tmp_path / "sharded"
+    shutil.copytree(sparse, dst)
+    os.remove(dst / "model-00002-of-00003.safetensors")
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00003"):
+        SafetensorsCheckpoint(str(dst))
