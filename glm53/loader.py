@@ -190,7 +190,7 @@ def load_weights(model: GlmForCausalLM, ckpt: SafetensorsCheckpoint | str, *, pr
         value = np.asarray(sources[path](get))
         if tuple(value.shape) != tuple(param.shape):
             raise CheckpointError(f"{path}: built shape {value.shape} != parameter shape {param.shape}")
-        param.value = jnp.asarray(value.astype(np.float32) if value.dtype.kind == "V" else value, dtype=param.dtype)
+        param.set_value(jnp.asarray(value, dtype=param.dtype))
     return model
 
 
