@@ -10,8 +10,10 @@ experts).
 import math
 import os
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from glm53 import api
 from glm53.batch import single_sequence_batch
@@ -50,6 +52,9 @@ def test_sparse_fixture_really_selects():
 def test_mtp_logits_match_hf(fixture):
     name, lm, gold = fixture
     layout = build_kv_layout(lm.config, "float32", with_mtp=True)
+    graphdef, state = nnx.split(lm.model)
+    backbone = jax.jit(lambda st, b, a: nnx.merge(graphdef, st)(b, a, layout))
+    mtp = jax.jit(lambda st, b, h, a: nnx.merge(graphdef, st).mtp_logits(b, h, a, layout))
     worst = 0.0
     for b in range(gold["input_ids"].shape[0]):
         ids = gold["input_ids"][b]
@@ -58,10 +63,10 @@ def test_mtp_logits_match_hf(fixture):
                  for k, g in enumerate(layout.groups)}
         arena = layout.empty_arena(1 + 8 * len(layout.groups))
         batch = single_sequence_batch(layout, list(ids), 0, pages)
-        _, hidden, arena = lm.model(batch, arena, layout)
+        _, hidden, arena = backbone(state, batch, arena)
         # MTP input i pairs token i+1 with the backbone hidden of token i, at position i.
         mbatch = single_sequence_batch(layout, list(ids[1:]), 0, pages)
-        logits, _ = lm.model.mtp_logits(mbatch, hidden[:-1], arena, layout)
+        logits, _ = mtp(state, mbatch, hidden[:-1], arena)
         worst = max(worst, float(np.abs(np.asarray(logits) - gold["mtp_logits"][b]).max()))
     print(f"\n{name}: MTP max |Δlogit| vs HF = {worst:.3e}")
     assert worst <= TOL
