@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from glm53.capacity import engine_capacity_summary
 from glm53.kv_layout import build_kv_layout
 from glm53.loader import load_model
 from serving.block_pool import BlockPool
@@ -125,6 +126,7 @@ class LLMEngine:
                     {g.name: g.tokens_per_page for g in layout.groups})
         eos = tuple(eos_token_ids) if eos_token_ids is not None else read_eos(cfg, path)
         engine = cls(model, layout, nblocks, args, eos, path)
+        logger.info("%s", engine_capacity_summary(layout, nblocks, args.max_model_len, args.max_num_seqs))
         secs = engine.runner.compile(progress=args.compile_progress)
         logger.info("compiled %d step buckets %s in %.1fs", len(engine.runner.buckets), engine.runner.buckets, secs)
         return engine
