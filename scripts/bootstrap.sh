@@ -38,9 +38,12 @@ case "$action" in
 esac
 
 if [ ! -x .venv/bin/python ] || ! ok .venv/bin/python; then
+  if [ -n "${PYTHON:-}" ] && ! ok "$PYTHON"; then
+    echo "note: PYTHON=$PYTHON is not a working Python >= 3.12; looking elsewhere" >&2
+  fi
   if ! py="$(find_python)"; then
-    echo "error: no Python >= 3.12 found (JAX 0.11 needs it)." >&2
-    echo "Install one (e.g. 'pyenv install 3.12', or apt-get install python3.12) or point PYTHON=/path/to/python3.12 at it." >&2
+    echo "error: no Python >= 3.12 found (JAX 0.11 needs it); looked at \$PYTHON, PATH, pyenv versions, /usr/local, /opt." >&2
+    echo "Install one (e.g. 'pyenv install 3.12' or 'uv python install 3.12') and rerun, or set PYTHON=/path/to/python3.12." >&2
     exit 1
   fi
   echo "using $py ($("$py" -V 2>&1)) for .venv"

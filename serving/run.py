@@ -14,6 +14,18 @@ import sys
 logger = logging.getLogger("serving.run")
 
 
+def _enable_compilation_cache() -> None:
+    """Persist compiled steps across restarts under `$GLM53_HOME/jax-compilation-cache`
+    (default `~/.cache/glm53/…`); set GLM53_COMPILATION_CACHE=off to disable."""
+    import jax
+
+    if os.environ.get("GLM53_COMPILATION_CACHE", "") == "off":
+        return
+    home = os.environ.get("GLM53_HOME", os.path.expanduser("~/.cache/glm53"))
+    jax.config.update("jax_compilation_cache_dir", os.path.join(home, "jax-compilation-cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def build_server(argv: list[str] | None = None):
     """Parse flags, load the model, compile, and return (app, args, async_engine)."""
     from glm53.tokenizer import GlmTokenizer
@@ -24,6 +36,7 @@ def build_server(argv: list[str] | None = None):
 
     args = make_arg_parser().parse_args(argv)
     validate_args(args)
+    _enable_compilation_cache()
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = args.model

@@ -33,8 +33,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError with the offending field name."""
-        if not (self.temperature >= 0.0):
-            raise ValueError("temperature must be >= 0")
+        if not (0.0 <= self.temperature < float("inf")):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError("top_p must be in (0, 1]")
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -130,6 +130,8 @@ async def _parse_body(request: Request, model_cls: type[BaseModel]) -> Any:
         obj = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise _bad_request(f"Invalid JSON body: {e}") from None
+    except RecursionError:
+        raise _bad_request("Invalid JSON body: nested too deeply.") from None
     if not isinstance(obj, dict):
         raise _bad_request("The request body must be a JSON object.")
     try:
@@ -152,6 +154,15 @@ def _validation_error(e: ValidationError | RequestValidationError) -> APIError:
     first_loc = errors[0].get("loc", ()) if errors else ()
     param = next((str(x) for x in first_loc if x != "body"), None)
     return _bad_request("Invalid request: " + "; ".join(parts), param)
+
+
+def _encode(tokenizer: Any, text: str, param: str) -> list[int]:
+    """Tokenise request text; text that is not valid Unicode (a lone UTF-16 surrogate) is a 400."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _bad_request(f"The text is not valid Unicode: {e.reason} at index {e.start}.", param) from None
+    return list(tokenizer.encode(text))
 
 
 def _is_set(value: Any, default: Any) -> bool:
@@ -612,7 +623,7 @@ def build_app(
             )
         except Exception as e:  # noqa: BLE001 - template errors come from the request's content
             raise _bad_request(f"Could not render the chat template: {e}", "messages") from None
-        prompt_ids = list(tokenizer.encode(prompt))
+        prompt_ids = _encode(tokenizer, prompt, "messages")
 
         if body.max_completion_tokens is not None:
             requested, param = body.max_completion_tokens, "max_completion_tokens"
@@ -699,7 +710,7 @@ def build_app(
                     "Batched prompts are not supported yet; send one prompt per request.", "prompt"
                 )
             prompt = prompt[0]
-        prompt_ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+        prompt_ids = _encode(tokenizer, prompt, "prompt") if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise _bad_request("The prompt must not be empty.", "prompt")
 

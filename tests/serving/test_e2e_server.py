@@ -103,10 +103,19 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
     assert greedy_completion(client, [11, 12, 13], 2)[1].completion_tokens == 2
 
 
-def test_malformed_json(server, client):
-    r = httpx.post(server[0] + "/v1/chat/completions", content=b"{not json", timeout=60,
+@pytest.mark.parametrize("content", [
+    b"{not json",
+    b'{"model": "glm-5.3-tiny", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}",  # nested too deeply
+    b'{"model": "glm-5.3-tiny", "messages": [{"role": "user", "content": "a \\ud800 b"}]}',  # lone surrogate
+])
+def test_malformed_bodies_are_400(server, client, content):
+    r = httpx.post(server[0] + "/v1/chat/completions", content=content, timeout=60,
                    headers={"content-type": "application/json"})
-    assert r.status_code == 400 and "error" in r.json()
+    assert r.status_code == 400, r.text
+    assert "error" in r.json()
+    r = httpx.post(server[0] + "/v1/completions", timeout=60, headers={"content-type": "application/json"},
+                   content=b'{"model": "glm-5.3-tiny", "prompt": "a \\udc00 b", "max_tokens": 1}')
+    assert r.status_code == 400, r.text
 
 
 def test_client_disconnect_aborts_and_frees_pages(server, client):
