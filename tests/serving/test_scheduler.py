@@ -345,8 +345,7 @@ def test_stop_wins_over_length_on_the_same_token(make_engine):
     p = prompt(51, 5)
     toks, _ = reference(Request("x", p, SamplingParams(max_tokens=3)), set(), 10_000)
     e = make_engine(eos=(toks[2],))
-    if toks[2] in toks[:2]:
-        pytest.skip("eos appears earlier in this stream")
+    assert toks[2] not in toks[:2], "precondition: the third token does not occur earlier in this stream"
     e.add("a", p, max_tokens=3)
     e.run()
     assert e.streams["a"] == toks and e.reasons["a"] == "stop"
