@@ -50,7 +50,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from serving.api.protocol import ChatCompletionMessage, ChatCompletionRequest, DeltaMessage
-from serving.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ParsedToolCall
+from serving.parsers import (
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    Glm45ReasoningParser,
+    Glm47ToolCallParser,
+    ParsedToolCall,
+)
 from serving.parsers.reasoning import THINK_START
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -184,7 +190,9 @@ class ChatOutput:
     Feed it either incrementally (`deltas`) or once (`message`), not both.
     """
 
-    def __init__(self, reasoning: Any = None, tool_parser: Any = None) -> None:
+    def __init__(
+        self, reasoning: Glm45ReasoningParser | None = None, tool_parser: Glm47ToolCallParser | None = None
+    ) -> None:
         """`reasoning`: a reasoning parser or None; `tool_parser`: a tool-call parser or None."""
         self._reasoning = reasoning
         self._tools = tool_parser
