@@ -18,6 +18,7 @@ Request rules (anything else is a 400 naming the field, raised as `ChatRequestEr
   `<tool_call>` blocks become `tool_calls`. `"none"` leaves the tools out of the prompt (as vLLM's
   `--exclude-tools-when-tool-choice-none`) and parses no calls. `"required"` and a named function
   need constrained decoding, which this build does not have: refused.
+* `parallel_tool_calls: false`: only the first parsed call is returned (later ones are dropped).
 * `reasoning_effort`: none, minimal, low, medium, high, xhigh or max (case-insensitive); the chat
   template maps them to GLM's Low/High/Max. Thinking itself is switched off with
   `chat_template_kwargs: {"enable_thinking": false}`.
@@ -116,14 +117,15 @@ class ChatParsing:
         if choice not in (None, "auto", "none"):
             raise ChatRequestError(f'tool_choice must be "auto" or "none", got {choice!r}.', "tool_choice")
         if not tools or choice == "none":
-            return PreparedChat(self, tools=None, parse_tools=False)
+            return PreparedChat(self, tools=None, parse_tools=False, max_calls=None)
         if not (self.enable_auto_tool_choice and self.tool_call_parser):
             raise ChatRequestError(
                 '"auto" tool choice requires the server to be started with --enable-auto-tool-choice '
                 "and --tool-call-parser.",
                 "tool_choice",
             )
-        return PreparedChat(self, tools=tools, parse_tools=True)
+        max_calls = 1 if body.parallel_tool_calls is False else None
+        return PreparedChat(self, tools=tools, parse_tools=True, max_calls=max_calls)
 
 
 def _check_tools(tools: Any) -> list[dict[str, Any]] | None:
@@ -147,11 +149,13 @@ def _check_tools(tools: Any) -> list[dict[str, Any]] | None:
 
 @dataclass(frozen=True)
 class PreparedChat:
-    """A validated chat request's parsing plan: `tools` to render, and whether to parse calls."""
+    """A validated chat request's parsing plan: `tools` to render, whether to parse calls, and
+    how many calls to return at most (None: all)."""
 
     parsing: ChatParsing
     tools: list[dict[str, Any]] | None
     parse_tools: bool
+    max_calls: int | None = None
 
     def new_output(self, prompt: str) -> "ChatOutput":
         """A fresh output parser for one choice; `prompt` is the rendered prompt text."""
@@ -162,6 +166,7 @@ class PreparedChat:
             tool_parser=TOOL_CALL_PARSERS[self.parsing.tool_call_parser](self.tools)
             if self.parse_tools
             else None,
+            max_calls=self.max_calls,
         )
 
 
@@ -191,9 +196,14 @@ class ChatOutput:
     """
 
     def __init__(
-        self, reasoning: Glm45ReasoningParser | None = None, tool_parser: Glm47ToolCallParser | None = None
+        self,
+        reasoning: Glm45ReasoningParser | None = None,
+        tool_parser: Glm47ToolCallParser | None = None,
+        max_calls: int | None = None,
     ) -> None:
-        """`reasoning`: a reasoning parser or None; `tool_parser`: a tool-call parser or None."""
+        """`reasoning`: a reasoning parser or None; `tool_parser`: a tool-call parser or None;
+        `max_calls`: calls past this many are dropped (None: keep all)."""
+        self._max_calls = max_calls
         self._reasoning = reasoning
         self._tools = tool_parser
         self._raw = reasoning is None and tool_parser is None
@@ -231,7 +241,7 @@ class ChatOutput:
                         out[-1] = ("content", out[-1][1] + p)
                     else:
                         out.append(("content", p))
-            else:
+            elif self._max_calls is None or len(self._calls) < self._max_calls:
                 call_id = f"call_{uuid.uuid4().hex[:24]}"
                 out.append(("call", (len(self._calls), call_id, p)))
                 self._calls.append((call_id, p))

@@ -189,6 +189,21 @@ def test_tool_calls_stream(client):
     assert got["finish"] == "tool_calls"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_keeps_the_first_call(client, stream):
+    kw = dict(model=MODEL, messages=ask("two_calls"), tools=TOOLS, parallel_tool_calls=False)
+    if stream:
+        got = accumulate(client.chat.completions.create(stream=True, **kw))
+        calls = [(c["name"], json.loads(c["arguments"])) for _, c in sorted(got["calls"].items())]
+        content, finish = got["content"], got["finish"]
+    else:
+        choice = client.chat.completions.create(**kw).choices[0]
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+        content, finish = choice.message.content, choice.finish_reason
+    assert calls == [("get_weather", WEATHER_ARGS)]
+    assert (content, finish) == ("Let me check.", "tool_calls")
+
+
 def test_raw_sse_tool_call_chunks(base_url):
     body = {"model": MODEL, "messages": ask("two_calls"), "tools": TOOLS, "stream": True}
     with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=10) as resp:
@@ -309,6 +324,7 @@ def _chat(**fields) -> dict:
         (_chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]), "tools", "parameters"),
         (_chat(tools="not a list"), "tools", "list"),
         (_chat(reasoning_effort="extreme"), "reasoning_effort", "extreme"),
+        (_chat(tools=TOOLS, parallel_tool_calls="sometimes"), "parallel_tool_calls", "bool"),
         (
             {"model": MODEL, "messages": [
                 {"role": "assistant", "content": None,
