@@ -11,6 +11,8 @@ import argparse
 import json
 from typing import Any
 
+from serving.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+
 JSON_FLAGS = ("attention_config", "kv_transfer_config", "speculative_config")
 
 
@@ -85,9 +87,21 @@ def make_arg_parser() -> argparse.ArgumentParser:
     par.add_argument("--enable-expert-parallel", action="store_true")
 
     out = p.add_argument_group("output parsing")
-    out.add_argument("--enable-auto-tool-choice", action="store_true")
-    out.add_argument("--tool-call-parser", default=None, help="e.g. glm47")
-    out.add_argument("--reasoning-parser", default=None, help="e.g. glm45")
+    out.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='Let the model call tools (tool_choice "auto"); needs --tool-call-parser.',
+    )
+    out.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="Turn <tool_call> blocks into OpenAI tool_calls: glm47 (glm45 is an alias).",
+    )
+    out.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="Return <think> text as reasoning_content: glm45.",
+    )
     return p
 
 
@@ -154,9 +168,17 @@ def validate_args(args: argparse.Namespace) -> None:
         raise _not_yet("--speculative-config")
     if args.kv_transfer_config is not None:
         raise _not_yet("--kv-transfer-config")
-    if args.enable_auto_tool_choice:
-        raise _not_yet("--enable-auto-tool-choice")
-    if args.tool_call_parser is not None:
-        raise _not_yet(f"--tool-call-parser {args.tool_call_parser}")
-    if args.reasoning_parser is not None:
-        raise _not_yet(f"--reasoning-parser {args.reasoning_parser}")
+    _check_output_parsers(args)
+
+
+def _check_output_parsers(args: argparse.Namespace) -> None:
+    if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
+        raise ArgumentError(
+            f"--reasoning-parser {args.reasoning_parser}: unknown (supported: {', '.join(REASONING_PARSERS)})"
+        )
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ArgumentError(
+            f"--tool-call-parser {args.tool_call_parser}: unknown (supported: {', '.join(TOOL_CALL_PARSERS)})"
+        )
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ArgumentError("--enable-auto-tool-choice requires --tool-call-parser (e.g. glm47)")

@@ -29,7 +29,6 @@ def _enable_compilation_cache() -> None:
 def build_server(argv: list[str] | None = None):
     """Parse flags, load the model, compile, and return (app, args, async_engine)."""
     from glm53.tokenizer import GlmTokenizer
-    from serving.api import build_app
     from serving.async_engine import AsyncEngine
     from serving.cli_args import make_arg_parser, validate_args
     from serving.engine import EngineArgs, LLMEngine
@@ -61,8 +60,17 @@ def build_server(argv: list[str] | None = None):
     tokenizer = GlmTokenizer.from_pretrained(engine.model_path)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else "glm-5.3-tiny")
     async_engine = AsyncEngine(engine, name)
-    app = build_app(async_engine, tokenizer, name, api_key=args.api_key)
-    return app, args, async_engine
+    return build_api(args, async_engine, tokenizer), args, async_engine
+
+
+def build_api(args, async_engine, tokenizer):
+    """The HTTP app for validated `args` over a running engine (API key, output parsers)."""
+    from serving.api import build_app
+    from serving.api.chat_output import ChatParsing
+
+    parsing = ChatParsing(reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice)
+    return build_app(async_engine, tokenizer, async_engine.model_name, api_key=args.api_key, chat_parsing=parsing)
 
 
 def main(argv: list[str] | None = None) -> None:

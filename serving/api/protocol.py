@@ -115,6 +115,7 @@ class ChatCompletionRequest(_Request):
     reasoning_effort: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # Declared so that unsupported values can be refused rather than dropped.
     logprobs: bool | None = False
     top_logprobs: int | None = None

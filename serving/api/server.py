@@ -18,8 +18,9 @@ HTTP status:
   fields; vLLM also answers 400 here, where FastAPI's default would be 422), values out of range
   (`max_tokens` < 1, `temperature` < 0, `top_p` outside (0, 1], `n` != 1), features this build
   does not support yet (`stop` strings, `logprobs`, `echo`, penalties, ...), a prompt that does
-  not fit `max_model_len` (alone or with `max_tokens`), chat-template errors, and any ValueError
-  raised by the engine.
+  not fit `max_model_len` (alone or with `max_tokens`), chat-template errors, `tools` /
+  `tool_choice` / `reasoning_effort` values the output parsing cannot honour
+  (`serving.api.chat_output`), and any ValueError raised by the engine.
 * 401 `AuthenticationError`: `/v1/*` without `Authorization: Bearer <api_key>` when a key is set.
 * 404 `NotFoundError`: a `model` other than the served model name; unknown paths.
 * 500 `InternalServerError`: any other exception from the engine (logged; the server keeps
@@ -49,10 +50,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serving.api.chat_output import ChatParsing, ChatRequestError
 from serving.api.detokenize import IncrementalDetokenizer
 from serving.api.protocol import (
     ChatCompletionChoice,
-    ChatCompletionMessage,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
@@ -420,6 +421,7 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     extra_routes: Callable[[FastAPI], None] | None = None,
+    chat_parsing: ChatParsing | None = None,
 ) -> FastAPI:
     """Build the OpenAI-compatible FastAPI app over `engine`.
 
@@ -430,7 +432,10 @@ def build_app(
     api_key: when set, every `/v1/*` route requires `Authorization: Bearer <api_key>`.
     extra_routes: called with the app before it is returned, to add routes or mounts such as
         `/metrics`; those are outside `/v1` and so not behind the API key.
+    chat_parsing: reasoning / tool-call parsing of chat outputs (`serving.api.chat_output`);
+        default none (the text is returned as content).
     """
+    chat_parsing = chat_parsing or ChatParsing()
     app = FastAPI(title="GLM-5.3 OpenAI-compatible server", docs_url=None, redoc_url=None)
     app.state.engine = engine
     app.state.tokenizer = tokenizer
@@ -611,6 +616,10 @@ def build_app(
             if value is not None and value < 1:
                 raise _bad_request(f"{name} must be at least 1, got {value}.", name)
 
+        try:
+            prepared = chat_parsing.prepare(body)
+        except ChatRequestError as e:
+            raise _bad_request(str(e), e.param) from None
         kwargs: dict[str, Any] = dict(body.chat_template_kwargs or {})
         if body.reasoning_effort is not None:
             kwargs["reasoning_effort"] = body.reasoning_effort
@@ -619,7 +628,7 @@ def build_app(
         messages = _template_messages(body)
         try:
             prompt = tokenizer.apply_chat_template(
-                messages, tools=body.tools, add_generation_prompt=True, **kwargs
+                messages, tools=prepared.tools, add_generation_prompt=True, **kwargs
             )
         except Exception as e:  # noqa: BLE001 - template errors come from the request's content
             raise _bad_request(f"Could not render the chat template: {e}", "messages") from None
@@ -634,6 +643,7 @@ def build_app(
         )
         params = _sampling_params(body, max_tokens)
 
+        output = prepared.new_output(prompt)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         gen = _Generation(rid, len(prompt_ids))
@@ -643,16 +653,12 @@ def build_app(
             if not await _run_nonstream(request, handle, gen):
                 return Response(status_code=499)  # nobody is listening
             text = tokenizer.decode(gen.token_ids, skip_special_tokens=body.skip_special_tokens)
+            message, finish_reason = output.message(text, gen.finish_reason or "abort")
             resp = ChatCompletionResponse(
                 id=rid,
                 created=created,
                 model=served_model_name,
-                choices=[
-                    ChatCompletionChoice(
-                        message=ChatCompletionMessage(content=text),
-                        finish_reason=gen.finish_reason or "abort",
-                    )
-                ],
+                choices=[ChatCompletionChoice(message=message, finish_reason=finish_reason)],
                 usage=gen.usage(),
             )
             return JSONResponse(resp.model_dump(mode="json"))
@@ -674,7 +680,7 @@ def build_app(
             )
 
         def make_chunks(text: str, finish: str | None) -> list[dict[str, Any]]:
-            return [chunk(DeltaMessage(content=text or None), finish)]
+            return [chunk(d, f) for d, f in output.deltas(text, finish)]
 
         def usage_chunk(usage: UsageInfo) -> dict[str, Any]:
             return ChatCompletionStreamResponse(

@@ -552,6 +552,11 @@ def test_cli_defaults_and_json_flags():
         0.9,
     )
     assert args.attention_config == {"hisparse_config": {"host_pool_gib": 8}}
+    args = make_arg_parser().parse_args(
+        ["--enable-auto-tool-choice", "--tool-call-parser", "glm47", "--reasoning-parser", "glm45"]
+    )
+    validate_args(args)
+    assert (args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser) == (True, "glm47", "glm45")
 
 
 @pytest.mark.parametrize(
@@ -565,9 +570,9 @@ def test_cli_defaults_and_json_flags():
         (["--enable-prefix-caching"], "--enable-prefix-caching"),
         (["--speculative-config", '{"method": "mtp"}'], "--speculative-config"),
         (["--kv-transfer-config", "{}"], "--kv-transfer-config"),
-        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice"),
-        (["--tool-call-parser", "glm47"], "--tool-call-parser"),
-        (["--reasoning-parser", "glm45"], "--reasoning-parser"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice"),  # without a tool parser
+        (["--tool-call-parser", "hermes"], "--tool-call-parser"),
+        (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser"),
         (["--attention-config", "{not json"], "--attention-config"),
         (["--speculative-config", "[1]"], "--speculative-config"),
         (["--max-model-len", "0"], "--max-model-len"),

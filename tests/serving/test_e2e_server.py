@@ -131,3 +131,67 @@ def test_client_disconnect_aborts_and_frees_pages(server, client):
         time.sleep(0.1)
     assert not engine.engine.has_unfinished_requests()
     assert greedy_completion(client, [11, 12, 13], 2)[1].completion_tokens == 2
+
+
+# ------------------------------------------------ reasoning and tool parsers on the real model
+
+PARSER_FLAGS = ["--reasoning-parser", "glm45", "--tool-call-parser", "glm47", "--enable-auto-tool-choice"]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def parsing_server(server):
+    """The flags' app (`serving.run.build_api`) with the output parsers, over the same engine."""
+    from glm53.tokenizer import GlmTokenizer
+    from serving.cli_args import make_arg_parser, validate_args
+    from serving.run import build_api
+
+    args = make_arg_parser().parse_args(ARGV + PARSER_FLAGS)
+    validate_args(args)
+    tokenizer = GlmTokenizer.from_pretrained(server[1].engine.model_path)
+    with live_server(build_api(args, server[1], tokenizer)) as base_url:
+        yield base_url, tokenizer
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_parsers_split_the_real_model_output(parsing_server, client, thinking):
+    """Protocol check with the real model (its text is random): the stream and the message agree,
+    and both equal the split of the raw completion of the same prompt at the first </think>."""
+    base_url, tokenizer = parsing_server
+    pclient = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model="glm-5.3-tiny", messages=messages, tools=TOOLS, max_tokens=16, temperature=0,
+              extra_body={"chat_template_kwargs": {"enable_thinking": thinking}, "ignore_eos": True})
+    prompt = tokenizer.apply_chat_template(messages, tools=TOOLS, enable_thinking=thinking)
+    raw = greedy_completion(client, tokenizer.encode(prompt), 16)[0]
+    assert "<tool_call>" not in raw, "precondition: the random model wrote no tool markup"
+    head, sep, tail = raw.partition("</think>")
+    reasoning, content = (head.strip(), tail.strip()) if thinking and sep else (
+        (raw.strip(), "") if thinking else ("", raw.strip()))
+
+    msg = pclient.chat.completions.create(**kw).choices[0]
+    assert (msg.message.reasoning_content or "", msg.message.content or "") == (reasoning, content)
+    assert msg.finish_reason == "length" and not msg.message.tool_calls
+
+    streamed = {"reasoning_content": "", "content": ""}
+    finish = None
+    for chunk in pclient.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            streamed["content"] += c.delta.content or ""
+            streamed["reasoning_content"] += getattr(c.delta, "reasoning_content", None) or ""
+            assert not c.delta.tool_calls
+            finish = c.finish_reason or finish
+    assert (streamed["reasoning_content"], streamed["content"], finish) == (reasoning, content, "length")
+
+
+def test_tool_requests_refused_on_the_real_server(server, parsing_server):
+    body = {"model": "glm-5.3-tiny", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
+    r = httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=60)  # no parser flags
+    assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
+    pclient = openai.OpenAI(base_url=parsing_server[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        pclient.chat.completions.create(model="glm-5.3-tiny", messages=body["messages"], tools=TOOLS,
+                                        tool_choice="required", max_tokens=2)
+    r = pclient.chat.completions.create(model="glm-5.3-tiny", messages=body["messages"], tools=TOOLS, max_tokens=2)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
