@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from serving.api.detokenize import IncrementalDetokenizer
+from serving.detokenize import IncrementalDetokenizer
 from serving.types import RequestOutput, SamplingParams, TokenLogprobs
 
 

@@ -28,8 +28,12 @@ def _enable_compilation_cache() -> None:
 
 def build_server(argv: list[str] | None = None):
     """Parse flags, load the model, compile, and return (app, args, async_engine)."""
+    from fastapi.responses import Response
+    from prometheus_client import CONTENT_TYPE_LATEST
+
     from glm53.tokenizer import GlmTokenizer
     from serving.api import build_app
+    from serving.metrics import PrometheusStatLogger
     from serving.async_engine import AsyncEngine
     from serving.cli_args import make_arg_parser, validate_args
     from serving.engine import EngineArgs, LLMEngine
@@ -53,15 +57,26 @@ def build_server(argv: list[str] | None = None):
         model=model, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs or 32, max_num_batched_tokens=args.max_num_batched_tokens or 512,
         gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks_override=args.num_gpu_blocks_override,
-        seed=args.seed)
+        seed=args.seed, enable_prefix_caching=args.enable_prefix_caching, max_logprobs=args.max_logprobs,
+        disable_log_stats=args.disable_log_stats)
     try:
         engine = LLMEngine.from_args(eargs)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from e
     tokenizer = GlmTokenizer.from_pretrained(engine.model_path)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else "glm-5.3-tiny")
+    metrics = PrometheusStatLogger(name, engine.gauges)
+    engine.stat_loggers.append(metrics)
     async_engine = AsyncEngine(engine, name)
-    app = build_app(async_engine, tokenizer, name, api_key=args.api_key)
+
+    def add_metrics(app) -> None:
+        @app.get("/metrics", include_in_schema=False)
+        async def prometheus_metrics() -> Response:
+            """Prometheus text format, vLLM metric names (serving/metrics.py)."""
+            return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app = build_app(async_engine, tokenizer, name, api_key=args.api_key, extra_routes=add_metrics)
+    app.state.metrics = metrics
     return app, args, async_engine
 
 
