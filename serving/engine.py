@@ -68,17 +68,31 @@ def _model_dtype(name: str, device) -> jnp.dtype:
 
 
 def num_kv_blocks(page_bytes: int, args: EngineArgs, device, weight_bytes: int) -> int:
-    """Arena pages (including the null block) from the override or the device memory budget."""
+    """Arena pages (including the null block) from `--num-gpu-blocks-override`, or from the
+    device budget: `bytes_limit * gpu_memory_utilization` minus what is already allocated on the
+    device (`bytes_in_use`, which includes the loaded weights; when the backend reports no usage,
+    `weight_bytes` is subtracted instead), divided by the page size (vLLM's meaning of
+    --gpu-memory-utilization: the share of device memory this engine may use in all). A backend
+    that reports no memory limit (the CPU) gets `CPU_KV_CACHE_BYTES` for the arena.
+
+    Raises:
+      ValueError: an override < 2, or a budget of fewer than 2 pages (the message names the flags).
+    """
     if args.num_gpu_blocks_override is not None:
         if args.num_gpu_blocks_override < 2:
             raise ValueError("--num-gpu-blocks-override must be >= 2 (block 0 is the null block)")
+        logger.info("KV arena: %d pages from --num-gpu-blocks-override", args.num_gpu_blocks_override)
         return int(args.num_gpu_blocks_override)
     stats = device.memory_stats() or {}
     limit = stats.get("bytes_limit")
     if limit:
-        budget = int(limit * args.gpu_memory_utilization) - weight_bytes - stats.get("bytes_in_use", 0)
+        in_use = stats.get("bytes_in_use") or weight_bytes
+        budget = int(limit * args.gpu_memory_utilization) - in_use
+        logger.info("KV arena budget: %.2f GiB = %.2f GiB x --gpu-memory-utilization %.2f - %.2f GiB in use",
+                    budget / 2**30, limit / 2**30, args.gpu_memory_utilization, in_use / 2**30)
     else:
         budget = CPU_KV_CACHE_BYTES
+        logger.info("KV arena budget: %.0f MiB (the backend reports no memory limit)", budget / 2**20)
     n = budget // page_bytes
     if n < 2:
         raise ValueError(f"not enough memory for the KV cache: {budget} bytes for pages of {page_bytes} bytes; "
