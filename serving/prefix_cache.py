@@ -26,6 +26,10 @@ page, indexer 768) hits come in steps of 768 tokens; on GLM-5.3 in steps of the 
 A finer grain would need a copy-on-write of the partial indexer page, which this does not do.
 
 Counters (`queries`, `hits`) count tokens, as vLLM's `prefix_cache_queries/hits` do.
+
+A page carries one pool tag. A policy that releases a published page with a tag of its own
+(HiSparse `KVCacheManager.release_page`) replaces the `CachedPageTag`; `audit` reports such a
+page, so such a policy must first unpublish it (or chain both owners in one tag).
 """
 
 from __future__ import annotations

@@ -131,3 +131,24 @@ def test_lookup_needs_every_group(make_engine):
     req = Request("probe", prompt(9, 40))
     hit, blocks = e.prefix_cache.lookup(req)
     assert hit == 0 and blocks == {"mla": [], "indexer": []}
+
+
+def test_preempting_a_request_that_shares_pages_keeps_them_for_the_other(make_engine):
+    # 18 usable pages. a and b share a 32-token prefix (8 mla + 2 indexer pages); each grows to
+    # 53 tokens (14 + 4 pages), so both together (10 shared + 8 + 8) need 26: b must be preempted.
+    e = make_engine(num_blocks=19, max_num_batched_tokens=64, max_model_len=96, prefix_caching=True)
+    stem = prompt(12, 32)
+    e.add("a", stem + [1], max_tokens=20, ignore_eos=True)
+    e.step()
+    e.add("b", stem + [2], max_tokens=20, ignore_eos=True)
+    e.step()
+    assert e.added["b"].num_cached_tokens == 32
+    shared = e.kv.block_table("b", "mla")[:8] + e.kv.block_table("b", "indexer")[:2]
+    assert all(e.pool.refcount(blk) == 2 for blk in shared)
+    while e.added["b"].num_preemptions == 0:
+        e.step()
+    assert e.kv.block_table("a", "mla")[:8] + e.kv.block_table("a", "indexer")[:2] == shared
+    assert all(e.pool.refcount(blk) == 1 for blk in shared)  # b's references are gone, a's remain
+    e.run()
+    e.check_against_reference()
+    assert e.sched.num_preemptions_total >= 1
