@@ -48,6 +48,11 @@ def make_arg_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1.")
     s.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="No periodic engine statistics log line (/metrics is still served).",
+    )
+    s.add_argument(
         "--log-level",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         default="info",
@@ -60,8 +65,24 @@ def make_arg_parser() -> argparse.ArgumentParser:
     sch.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False
     )
-    sch.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    sch.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    sch.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="Fraction of device memory for weights + KV cache (the KV arena gets what is left).",
+    )
+    sch.add_argument(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        help="Exact number of KV arena pages (including the null block 0); overrides the sizing.",
+    )
+    sch.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="Most logprobs / top_logprobs a request may ask for.",
+    )
     sch.add_argument(
         "--attention-config",
         default=None,
@@ -135,7 +156,8 @@ def validate_args(args: argparse.Namespace) -> None:
         ("max_model_len", 1),
         ("max_num_batched_tokens", 1),
         ("max_num_seqs", 1),
-        ("num_gpu_blocks_override", 1),
+        ("num_gpu_blocks_override", 2),
+        ("max_logprobs", 0),
         ("tensor_parallel_size", 1),
         ("prefill_context_parallel_size", 1),
         ("decode_context_parallel_size", 1),
@@ -162,8 +184,6 @@ def validate_args(args: argparse.Namespace) -> None:
         raise _not_yet("--enable-expert-parallel")
     if args.kv_cache_dtype != "auto":
         raise _not_yet(f"--kv-cache-dtype {args.kv_cache_dtype}")
-    if args.enable_prefix_caching:
-        raise _not_yet("--enable-prefix-caching")
     if args.speculative_config is not None:
         raise _not_yet("--speculative-config")
     if args.kv_transfer_config is not None:

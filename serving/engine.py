@@ -24,6 +24,8 @@ from glm53.kv_layout import build_kv_layout
 from glm53.loader import load_model
 from serving.block_pool import BlockPool
 from serving.kv_cache import KVCacheGroupSpec, KVCacheManager
+from serving.metrics import EngineGauges, FinishedRequestStats, LoggingStatLogger, StepRecord
+from serving.prefix_cache import PrefixCache
 from serving.request import Request
 from serving.runner import ModelRunner
 from serving.scheduler import Scheduler, SchedulerConfig
@@ -38,7 +40,11 @@ CPU_KV_CACHE_BYTES = 512 * 2**20
 
 @dataclass
 class EngineArgs:
-    """Engine settings (vLLM flag names). `model` is a checkpoint directory (None = the tiny default)."""
+    """Engine settings (vLLM flag names). `model` is a checkpoint directory (None = the tiny default).
+
+    max_logprobs: most `logprobs` alternatives a request may ask for (the device step always
+        computes this many). disable_log_stats: no periodic statistics log line.
+    """
 
     model: str | None = None
     dtype: str = "auto"
@@ -49,6 +55,10 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     seed: int = 0
     compile_progress: bool = True
+    enable_prefix_caching: bool = False
+    max_logprobs: int = 20
+    disable_log_stats: bool = False
+    log_stats_interval_s: float = 5.0
 
 
 def _model_dtype(name: str, device) -> jnp.dtype:
@@ -58,17 +68,31 @@ def _model_dtype(name: str, device) -> jnp.dtype:
 
 
 def num_kv_blocks(page_bytes: int, args: EngineArgs, device, weight_bytes: int) -> int:
-    """Arena pages (including the null block) from the override or the device memory budget."""
+    """Arena pages (including the null block) from `--num-gpu-blocks-override`, or from the
+    device budget: `bytes_limit * gpu_memory_utilization` minus what is already allocated on the
+    device (`bytes_in_use`, which includes the loaded weights; when the backend reports no usage,
+    `weight_bytes` is subtracted instead), divided by the page size (vLLM's meaning of
+    --gpu-memory-utilization: the share of device memory this engine may use in all). A backend
+    that reports no memory limit (the CPU) gets `CPU_KV_CACHE_BYTES` for the arena.
+
+    Raises:
+      ValueError: an override < 2, or a budget of fewer than 2 pages (the message names the flags).
+    """
     if args.num_gpu_blocks_override is not None:
         if args.num_gpu_blocks_override < 2:
             raise ValueError("--num-gpu-blocks-override must be >= 2 (block 0 is the null block)")
+        logger.info("KV arena: %d pages from --num-gpu-blocks-override", args.num_gpu_blocks_override)
         return int(args.num_gpu_blocks_override)
     stats = device.memory_stats() or {}
     limit = stats.get("bytes_limit")
     if limit:
-        budget = int(limit * args.gpu_memory_utilization) - weight_bytes - stats.get("bytes_in_use", 0)
+        in_use = stats.get("bytes_in_use") or weight_bytes
+        budget = int(limit * args.gpu_memory_utilization) - in_use
+        logger.info("KV arena budget: %.2f GiB = %.2f GiB x --gpu-memory-utilization %.2f - %.2f GiB in use",
+                    budget / 2**30, limit / 2**30, args.gpu_memory_utilization, in_use / 2**30)
     else:
         budget = CPU_KV_CACHE_BYTES
+        logger.info("KV arena budget: %.0f MiB (the backend reports no memory limit)", budget / 2**20)
     n = budget // page_bytes
     if n < 2:
         raise ValueError(f"not enough memory for the KV cache: {budget} bytes for pages of {page_bytes} bytes; "
@@ -84,19 +108,34 @@ class LLMEngine:
         self.model_path = model_path
         self.config = model.cfg
         self.layout = layout
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, on_reuse=self._on_block_reuse)
         groups = [KVCacheGroupSpec(g.name, g.tokens_per_page) for g in layout.groups]
         caps = {g.name: math.ceil(args.max_model_len / g.tokens_per_page) for g in layout.groups}
         self.kv = KVCacheManager(self.pool, groups, caps)
+        self.prefix_cache = PrefixCache(self.kv) if args.enable_prefix_caching else None
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len),
-            self.kv, eos_token_ids)
+            self.kv, eos_token_ids, self.prefix_cache)
         self.runner = ModelRunner(model, layout, num_blocks, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=args.max_model_len, seed=args.seed)
+                                  max_model_len=args.max_model_len, seed=args.seed,
+                                  max_logprobs=args.max_logprobs)
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_steps = 0
         self.host_overhead_s = 0.0
+        self.gauges = EngineGauges(lambda: self.scheduler.num_requests_running,
+                                   lambda: self.scheduler.num_requests_waiting,
+                                   lambda: self.scheduler.kv_cache_usage)
+        self.stat_loggers: list = []
+        if not args.disable_log_stats:
+            self.stat_loggers.append(LoggingStatLogger(self.gauges, args.log_stats_interval_s))
+        self._prefix_counts = (0, 0)
+
+    def _on_block_reuse(self, block: int, tag) -> None:
+        """The pool's reuse callback: route the tag to its owner (prefix cache, released pages)."""
+        if self.prefix_cache is not None and self.prefix_cache.on_block_reuse(block, tag):
+            return
+        self.kv.on_block_reuse(block, tag)
 
     @classmethod
     def from_args(cls, args: EngineArgs, eos_token_ids=None) -> "LLMEngine":
@@ -127,6 +166,9 @@ class LLMEngine:
         eos = tuple(eos_token_ids) if eos_token_ids is not None else read_eos(cfg, path)
         engine = cls(model, layout, nblocks, args, eos, path)
         logger.info("%s", engine_capacity_summary(layout, nblocks, args.max_model_len, args.max_num_seqs))
+        if engine.prefix_cache is not None:
+            logger.info("prefix caching on: hash unit %d tokens, hits in steps of %d tokens (lcm of the groups' "
+                        "tokens per page)", engine.prefix_cache.unit, engine.prefix_cache.align)
         secs = engine.runner.compile(progress=args.compile_progress)
         logger.info("compiled %d step buckets %s in %.1fs", len(engine.runner.buckets), engine.runner.buckets, secs)
         return engine
@@ -144,6 +186,9 @@ class LLMEngine:
         if params.max_tokens is not None and n + params.max_tokens > self.args.max_model_len:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum context "
                              f"length {self.args.max_model_len}")
+        if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
+            raise ValueError(f"logprobs {params.logprobs} exceeds the maximum {self.args.max_logprobs} "
+                             "(--max-logprobs)")
         vocab = self.config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
         if bad:
@@ -151,27 +196,88 @@ class LLMEngine:
         self.scheduler.add_request(Request(request_id, list(map(int, prompt_token_ids)), params))
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        return self.scheduler.abort(request_id)
+        """Abort a waiting or running request (frees its pages); its final output, or None when
+        the id is unknown or finished."""
+        req = self.scheduler.get_request(request_id)
+        out = self.scheduler.abort(request_id)
+        if out is not None and req is not None:
+            rec = StepRecord(is_step=False)
+            rec.finished.append(self._finished_stats(req, time.monotonic()))
+            self._emit(rec)
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one jitted step, apply its tokens. Returns the new request outputs."""
+        """Schedule, run one jitted step, apply its tokens. Returns the new request outputs
+        (with `new_logprobs` for requests that asked for logprobs)."""
         t0 = time.perf_counter()
+        preempted_before = self.scheduler.num_preemptions_total
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         sampled = self.runner.execute(sched, self.kv)
-        t1 = time.perf_counter()
         outs = self.scheduler.update_from_output(sched, sampled)
+        lps = self.runner.last_logprobs
+        if lps:
+            for out in outs:
+                lp = lps.get(out.request_id)
+                if lp is not None and out.new_token_ids:
+                    out.new_logprobs = [lp]
         st = self.runner.last
         host = (time.perf_counter() - t0) - st.device_s
         self.num_steps += 1
         self.host_overhead_s += host
         logger.debug("step %d: %d tokens (bucket %d), host %.2f ms, device %.2f ms", self.num_steps, st.num_tokens,
                      st.padded_tokens, 1e3 * host, 1e3 * st.device_s)
+        if self.stat_loggers:
+            rec = StepRecord(num_preemptions=self.scheduler.num_preemptions_total - preempted_before,
+                             num_scheduled_tokens=st.num_tokens, host_s=host, device_s=st.device_s)
+            self._timing(sched, outs, rec)
+            self._emit(rec)
         return outs
+
+    # ------------------------------------------------------------------ statistics
+    def _timing(self, sched, outs: list[RequestOutput], rec: StepRecord) -> None:
+        now = time.monotonic()
+        reqs = {sr.request_id: sr.request for sr in sched.scheduled}
+        for out in outs:
+            req = reqs.get(out.request_id)
+            n = len(out.new_token_ids)
+            if req is None:
+                continue
+            rec.num_generation_tokens += n
+            if n:
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                    rec.num_prompt_tokens += req.num_prompt_tokens
+                    rec.ttft_s.append(now - req.arrival_time)
+                    n -= 1
+                if n and req.last_token_time is not None:
+                    rec.inter_token_s.extend([(now - req.last_token_time) / n] * n)
+                req.last_token_time = now
+            if out.finished:
+                rec.finished.append(self._finished_stats(req, now))
+
+    @staticmethod
+    def _finished_stats(req: Request, now: float) -> FinishedRequestStats:
+        tpot = None
+        if req.first_token_time is not None and req.num_output_tokens > 1:
+            tpot = ((req.last_token_time or now) - req.first_token_time) / (req.num_output_tokens - 1)
+        return FinishedRequestStats(req.finish_reason or "abort", now - req.arrival_time, req.num_prompt_tokens,
+                                    req.num_output_tokens, tpot)
+
+    def _emit(self, rec: StepRecord) -> None:
+        if self.prefix_cache is not None:
+            q, h = self.prefix_cache.queries, self.prefix_cache.hits
+            rec.prefix_cache_queries, rec.prefix_cache_hits = q - self._prefix_counts[0], h - self._prefix_counts[1]
+            self._prefix_counts = (q, h)
+        for sl in self.stat_loggers:
+            try:
+                sl.record(rec)
+            except Exception:  # noqa: BLE001 - statistics must never stop the engine
+                logger.exception("stat logger %r failed", sl)
 
     def audit(self) -> list[str]:
         """Invariant violations of the scheduler, the block tables and the pool (empty when sound)."""

@@ -252,19 +252,46 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ allocation
 
-    def allocate_slots(self, request_id: str, new_total_tokens: int) -> bool:
+    def allocate_slots(
+        self,
+        request_id: str,
+        new_total_tokens: int,
+        cached_blocks: Mapping[str, Sequence[int]] | None = None,
+    ) -> bool:
         """Append pages to every group's table so that `new_total_tokens` positions fit.
 
+        cached_blocks: for a request without tables only, the leading pages per group to share
+            (prefix-cache hits): each gets one more reference (a free one is revived out of the
+            free queue, contents intact) and is placed at the head of the table, read-only by
+            convention (only positions past them are written).
+
         All or nothing: returns False (changing nothing) when the pool lacks free pages for all
-        groups together. A request seen for the first time gets (possibly empty) tables.
+        groups together, counting the cached pages that must leave the free queue. A request
+        seen for the first time gets (possibly empty) tables.
 
         Raises:
-          ValueError: as `blocks_needed`.
+          ValueError: as `blocks_needed`; cached_blocks for a request that already has tables,
+            naming an unknown group or the null block.
         """
-        needed = self.blocks_needed(request_id, new_total_tokens)
-        if sum(needed.values()) > self.pool.num_free:
+        cached = {g.name: list(map(int, (cached_blocks or {}).get(g.name, ()))) for g in self.groups}
+        if cached_blocks:
+            if request_id in self._tables:
+                raise ValueError(f"cached_blocks given for {request_id!r}, which already has tables")
+            unknown = set(cached_blocks) - set(self._spec)
+            if unknown:
+                raise ValueError(f"cached_blocks names unknown groups {sorted(unknown)}")
+            if any(b == NULL_BLOCK for bs in cached.values() for b in bs):
+                raise ValueError("cached_blocks must not contain the null block")
+        base = self.blocks_needed(request_id, new_total_tokens)
+        needed = {g.name: max(0, base[g.name] - len(cached[g.name])) for g in self.groups}
+        revived = len({b for bs in cached.values() for b in bs if self.pool.is_free(b)})
+        if sum(needed.values()) + revived > self.pool.num_free:
             return False
         tables = self._tables.setdefault(request_id, {g.name: BlockTable() for g in self.groups})
+        for g in self.groups:  # take every cached page out of the free queue before allocating
+            if cached[g.name]:
+                self.pool.incref(cached[g.name])
+                tables[g.name].blocks.extend(cached[g.name])
         for g in self.groups:
             if needed[g.name]:
                 tables[g.name].blocks.extend(self.pool.allocate(needed[g.name]))

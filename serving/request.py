@@ -58,6 +58,10 @@ class Request:
     state_row: stable row of this request in device-side per-request state arrays (HiSparse hot
         state, ...), assigned by the scheduler while the request runs, None otherwise.
     num_preemptions: times this request was preempted (its KV dropped and recomputed).
+    block_hashes: chained prefix hashes of its full hash units (filled by the prefix cache).
+    num_published_pages: per group, leading pages already offered to the prefix cache.
+    first_token_time / last_token_time: `time.monotonic()` of its first and latest generated
+        token (None before the first), for the latency metrics.
 
     A step may schedule any number of new tokens for a request (a prefill chunk, one decode
     token, or a decode token plus draft tokens for speculative verification).
@@ -73,6 +77,10 @@ class Request:
     num_cached_tokens: int = 0
     state_row: int | None = None
     num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_published_pages: dict[str, int] = field(default_factory=dict)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -32,6 +32,7 @@ def build_server(argv: list[str] | None = None):
     from serving.async_engine import AsyncEngine
     from serving.cli_args import make_arg_parser, validate_args
     from serving.engine import EngineArgs, LLMEngine
+    from serving.metrics import PrometheusStatLogger
 
     args = make_arg_parser().parse_args(argv)
     validate_args(args)
@@ -52,25 +53,42 @@ def build_server(argv: list[str] | None = None):
         model=model, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs or 32, max_num_batched_tokens=args.max_num_batched_tokens or 512,
         gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks_override=args.num_gpu_blocks_override,
-        seed=args.seed)
+        seed=args.seed, enable_prefix_caching=args.enable_prefix_caching, max_logprobs=args.max_logprobs,
+        disable_log_stats=args.disable_log_stats)
     try:
         engine = LLMEngine.from_args(eargs)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from e
     tokenizer = GlmTokenizer.from_pretrained(engine.model_path)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else "glm-5.3-tiny")
+    metrics = PrometheusStatLogger(name, engine.gauges)
+    engine.stat_loggers.append(metrics)
     async_engine = AsyncEngine(engine, name)
-    return build_api(args, async_engine, tokenizer), args, async_engine
+    app = build_api(args, async_engine, tokenizer, metrics)
+    return app, args, async_engine
 
 
-def build_api(args, async_engine, tokenizer):
-    """The HTTP app for validated `args` over a running engine (API key, output parsers)."""
+def build_api(args, async_engine, tokenizer, metrics=None):
+    """The HTTP app for validated `args` over a running engine (API key, output parsers, and
+    `/metrics` when a `PrometheusStatLogger` is given)."""
+    from fastapi.responses import Response
+    from prometheus_client import CONTENT_TYPE_LATEST
+
     from serving.api import build_app
     from serving.api.chat_output import ChatParsing
 
+    def add_metrics(app) -> None:
+        @app.get("/metrics", include_in_schema=False)
+        async def prometheus_metrics() -> Response:
+            """Prometheus text format, vLLM metric names (serving/metrics.py)."""
+            return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
     parsing = ChatParsing(reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                           enable_auto_tool_choice=args.enable_auto_tool_choice)
-    return build_app(async_engine, tokenizer, async_engine.model_name, api_key=args.api_key, chat_parsing=parsing)
+    app = build_app(async_engine, tokenizer, async_engine.model_name, api_key=args.api_key, chat_parsing=parsing,
+                    extra_routes=add_metrics if metrics is not None else None)
+    app.state.metrics = metrics
+    return app
 
 
 def main(argv: list[str] | None = None) -> None:

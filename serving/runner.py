@@ -26,8 +26,9 @@ from glm53.batch import ForwardBatch
 from glm53.kv_layout import KVCacheLayout
 from glm53.model import GlmForCausalLM
 from serving.kv_cache import KVCacheManager
-from serving.sampling import sample_tokens
+from serving.sampling import compute_logprobs, sample_tokens
 from serving.scheduler import SchedulerOutput
+from serving.types import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: GlmForCausalLM, layout: KVCacheLayout, num_blocks: int, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, seed: int = 0):
+                 max_num_batched_tokens: int, max_model_len: int, seed: int = 0, max_logprobs: int = 20):
         self.layout = layout
         self.graphdef, self.state = nnx.split(model)
         self.max_num_seqs = max_num_seqs
@@ -68,14 +69,18 @@ class ModelRunner:
         self.widths = {g.name: math.ceil(max_model_len / g.tokens_per_page) for g in layout.groups}
         self.kv_arena = layout.empty_arena(num_blocks)
         self.seed = seed
+        self.max_logprobs = max_logprobs
         self.last = StepStats()
+        self.last_logprobs: dict[str, TokenLogprobs] = {}
         graphdef = self.graphdef
+        k = max(1, min(max_logprobs, model.cfg.vocab_size))
 
         @functools.partial(jax.jit, donate_argnums=(2,))
         def step(state, batch: ForwardBatch, kv_arena, temperature, top_p, seeds, steps):
             model = nnx.merge(graphdef, state)
             logits, _, kv_arena = model(batch, kv_arena, layout)
-            return sample_tokens(logits, temperature, top_p, seeds, steps), kv_arena
+            tokens = sample_tokens(logits, temperature, top_p, seeds, steps)
+            return (tokens, *compute_logprobs(logits, tokens, k)), kv_arena
 
         self._step = step
 
@@ -96,8 +101,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         for T in tqdm(self.buckets, desc="compiling step buckets", disable=not progress, unit="bucket"):
             batch, t, p, s, k = self._dummy(T)
-            toks, self.kv_arena = self._step(self.state, jax.tree.map(jnp.asarray, batch), self.kv_arena, t, p, s, k)
-            toks.block_until_ready()
+            out, self.kv_arena = self._step(self.state, jax.tree.map(jnp.asarray, batch), self.kv_arena, t, p, s, k)
+            jax.block_until_ready(out)
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ step
@@ -143,13 +148,29 @@ class ModelRunner:
         return batch, (temperature, top_p, seeds, steps)
 
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> dict[str, list[int]]:
-        """Run one step; returns sampled tokens for the requests whose chunk samples."""
+        """Run one step; returns sampled tokens for the requests whose chunk samples.
+
+        For sampling requests whose `sampling_params.logprobs` is not None, `last_logprobs`
+        then maps the request id to the sampled token's `TokenLogprobs` (top alternatives cut
+        to the requested number)."""
         t0 = time.perf_counter()
         batch, (t, p, s, k) = self.prepare(sched, kv)
         t1 = time.perf_counter()
-        toks, self.kv_arena = self._step(self.state, jax.tree.map(jnp.asarray, batch), self.kv_arena,
-                                         jnp.asarray(t), jnp.asarray(p), jnp.asarray(s), jnp.asarray(k))
-        toks = np.asarray(toks)
+        out, self.kv_arena = self._step(self.state, jax.tree.map(jnp.asarray, batch), self.kv_arena,
+                                        jnp.asarray(t), jnp.asarray(p), jnp.asarray(s), jnp.asarray(k))
+        want_lp = any(sr.sample and sr.request.sampling_params.logprobs is not None for sr in sched.scheduled)
+        toks, tok_lp, top_ids, top_lp = jax.device_get(out if want_lp else out[:1] + (None,) * 3)
         t2 = time.perf_counter()
         self.last = StepStats(sched.num_scheduled_tokens, batch.input_ids_T.shape[0], t1 - t0, t2 - t1)
-        return {sr.request_id: [int(toks[i])] for i, sr in enumerate(sched.scheduled) if sr.sample}
+        self.last_logprobs = {}
+        sampled = {}
+        for i, sr in enumerate(sched.scheduled):
+            if not sr.sample:
+                continue
+            sampled[sr.request_id] = [int(toks[i])]
+            n = sr.request.sampling_params.logprobs
+            if n is not None:
+                self.last_logprobs[sr.request_id] = TokenLogprobs(
+                    int(toks[i]), float(tok_lp[i]),
+                    [(int(a), float(b)) for a, b in zip(top_ids[i, :n], top_lp[i, :n])])
+        return sampled

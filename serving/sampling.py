@@ -29,3 +29,22 @@ def sample_tokens(logits_BV: jax.Array, temperature_B: jax.Array, top_p_B: jax.A
 
     sampled = jax.vmap(one)(logits_BV, temperature_B, top_p_B, seed_B.astype(jnp.uint32), step_B)
     return jnp.where(temperature_B > 0, sampled, greedy)
+
+
+def compute_logprobs(logits_BV: jax.Array, token_B: jax.Array, k: int):
+    """Log-probabilities of the raw model distribution (before temperature and top-p, as
+    OpenAI and vLLM report them): an fp32 log-softmax over the whole vocabulary.
+
+    Args:
+      logits_BV: logits `[B, V]` (any float dtype; upcast to fp32).
+      token_B: int32 `[B]`, the sampled tokens.
+      k: static number of alternatives (>= 1).
+
+    Returns:
+      `(token_logprob_B fp32, top_ids_BK int32, top_logprobs_BK fp32)`: the sampled token's
+      log-probability and the k most likely tokens (ties: lowest id first) with theirs.
+    """
+    lp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+    token_lp_B = jnp.take_along_axis(lp_BV, token_B[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    top_lp_BK, top_ids_BK = jax.lax.top_k(lp_BV, k)
+    return token_lp_B, top_ids_BK.astype(jnp.int32), top_lp_BK

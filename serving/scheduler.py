@@ -9,8 +9,14 @@ The baseline policy of DESIGN §6 (after vLLM v1). Each `schedule()` call builds
    `num_computed_tokens` reset to 0, put at the front of the waiting queue) and allocation is
    retried; a request that has to preempt itself stops the pass.
 2. If nobody was preempted, WAITING requests are admitted first come first served while fewer
-   than `max_num_seqs` run and budget remains; a prompt longer than the remaining budget gets a
-   chunk and continues next step. Admission stops at the first request whose chunk does not fit.
+   than `max_num_seqs` run and budget remains. Admission is against the whole request, not its
+   first chunk: pages for all of its known tokens (the prompt, plus the tokens generated before a
+   preemption) are allocated at once, so a long prompt admitted in chunks never runs out of
+   pages half-way and preempts itself (DESIGN §6.1: room for the request fully resident).
+   Admission stops at the first request whose pages do not fit. A prompt longer than the
+   remaining budget gets a chunk and continues next step.
+   With a `PrefixCache`, an admitted request first looks up its longest cached prefix; the hit
+   pages are shared (one more reference each) and its computation starts after them.
 
 A preempted request resumes by prefilling all of its tokens so far (prompt and generated ones),
 so with a deterministic model it produces exactly the tokens it would have produced otherwise.
@@ -35,6 +41,7 @@ from typing import Iterable
 import numpy as np
 
 from serving.kv_cache import KVCacheManager
+from serving.prefix_cache import PrefixCache
 from serving.request import Request, RequestStatus
 from serving.types import RequestOutput
 
@@ -126,6 +133,7 @@ class Scheduler:
       config: the limits.
       kv_cache_manager: the block tables; the scheduler allocates and frees through it.
       eos_token_ids: token ids that end a request (unless its sampling params say ignore_eos).
+      prefix_cache: optional `PrefixCache` over the same manager (prefix caching on).
 
     Raises:
       ValueError: the manager's per-request table caps cannot cover max_model_len.
@@ -136,9 +144,11 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         eos_token_ids: Iterable[int] | int | None = (),
+        prefix_cache: PrefixCache | None = None,
     ):
         self.config = config
         self.kv = kv_cache_manager
+        self.prefix_cache = prefix_cache
         if eos_token_ids is None:
             eos_token_ids = ()
         elif isinstance(eos_token_ids, int):
@@ -268,9 +278,17 @@ class Scheduler:
             and len(self.running) < cfg.max_num_seqs
         ):
             req = self.waiting[0]
-            num_new = self._num_new_tokens(req, budget)
-            if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
+            hit, cached_blocks = 0, None
+            if self.prefix_cache is not None:
+                hit, cached_blocks = self.prefix_cache.lookup(req)
+            if not self.kv.allocate_slots(req.request_id, req.num_tokens, cached_blocks):
                 break
+            if self.prefix_cache is not None:
+                self.prefix_cache.record_query(req.num_tokens, hit)
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = hit
+            req.num_computed_tokens = hit
+            num_new = self._num_new_tokens(req, budget)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.state_row = heapq.heappop(self._free_rows)
@@ -324,6 +342,8 @@ class Scheduler:
                 status = self._stop_status(req, token)
                 if status is not None:
                     break
+            if self.prefix_cache is not None:
+                self.prefix_cache.cache_full_pages(req)
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
@@ -343,6 +363,8 @@ class Scheduler:
         tables (so finished and preempted requests hold nothing).
         """
         errors = list(self.kv.audit())
+        if self.prefix_cache is not None:
+            errors += self.prefix_cache.audit()
         cfg = self.config
         running_ids = [r.request_id for r in self.running]
         waiting_ids = [r.request_id for r in self.waiting]
@@ -414,6 +436,7 @@ class Scheduler:
         self._release_row(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_published_pages = {}
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(req)

@@ -22,6 +22,14 @@ class SamplingParams:
     stop_token_ids: extra token ids that end the request (in addition to the model's EOS ids,
         which end it unless ignore_eos).
     ignore_eos: keep generating past EOS tokens until max_tokens.
+    logprobs: None for no log-probabilities; k >= 0 returns, for every generated token, its
+        log-probability under the model's raw distribution (fp32 log-softmax of the logits,
+        before temperature and top-p) and the k most likely tokens with theirs.
+    stop: stop strings, matched by the front end (server, `LLM`) on the detokenized text; the
+        output ends before the first match, which is not included (finish reason "stop").
+    n: independent samples per prompt (front ends submit n requests; with a seed, sample i
+        uses seed + i).
+    skip_special_tokens: drop special tokens when detokenizing.
     """
 
     temperature: float = 1.0
@@ -30,6 +38,10 @@ class SamplingParams:
     max_tokens: int | None = 16
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    stop: list[str] = field(default_factory=list)
+    n: int = 1
+    skip_special_tokens: bool = True
 
     def validate(self) -> None:
         """Raise ValueError with the offending field name."""
@@ -39,6 +51,27 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities of one generated token (natural log, fp32 maths).
+
+    token_id / logprob: the sampled token and its log-probability.
+    top: the most likely tokens as (token_id, logprob), most likely first (as many as requested).
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -51,6 +84,7 @@ class RequestOutput:
     num_prompt_tokens / num_cached_tokens: prompt length and how many prompt tokens were served
         from the prefix cache (0 without prefix caching).
     num_output_tokens: total generated so far.
+    new_logprobs: one `TokenLogprobs` per new token when the request asked for logprobs.
     """
 
     request_id: str
@@ -60,6 +94,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    new_logprobs: list[TokenLogprobs] | None = None
 
 
 class EngineClient(Protocol):

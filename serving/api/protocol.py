@@ -74,6 +74,40 @@ class UsageInfo(_Response):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+# -------------------------------------------------------------------------------------- logprobs
+
+
+class ChatTokenLogprob(_Response):
+    """One alternative of `top_logprobs`: the token's text, its log-probability and its UTF-8
+    bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprobContent(ChatTokenLogprob):
+    """One generated token in `choices[i].logprobs.content` with its `top_logprobs`."""
+
+    top_logprobs: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(_Response):
+    """`choices[i].logprobs` of a chat completion (or of one stream chunk)."""
+
+    content: list[ChatTokenLogprobContent] | None = None
+
+
+class CompletionLogprobs(_Response):
+    """`choices[i].logprobs` of a (legacy) completion: parallel lists, one entry per token;
+    `text_offset` is each token's character offset in the choice's text."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
 # ------------------------------------------------------------------------------ chat completions
 
 
@@ -116,9 +150,9 @@ class ChatCompletionRequest(_Request):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    # Declared so that unsupported values can be refused rather than dropped.
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    # Declared so that unsupported values can be refused rather than dropped.
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
@@ -147,7 +181,7 @@ class ChatCompletionChoice(_Response):
 
     index: int = 0
     message: ChatCompletionMessage
-    logprobs: None = None
+    logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -180,7 +214,7 @@ class ChatCompletionStreamChoice(_Response):
 
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -216,8 +250,8 @@ class CompletionRequest(_Request):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     echo: bool | None = False
-    # Declared so that unsupported values can be refused rather than dropped.
     logprobs: int | None = None
+    # Declared so that unsupported values can be refused rather than dropped.
     best_of: int | None = None
     suffix: str | None = None
     presence_penalty: float | None = 0.0
@@ -237,7 +271,7 @@ class CompletionChoice(_Response):
 
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -16,11 +16,12 @@ HTTP status:
 
 * 400 `BadRequestError`: malformed JSON, a body that fails validation (wrong types, missing
   fields; vLLM also answers 400 here, where FastAPI's default would be 422), values out of range
-  (`max_tokens` < 1, `temperature` < 0, `top_p` outside (0, 1], `n` != 1), features this build
-  does not support yet (`stop` strings, `logprobs`, `echo`, penalties, ...), a prompt that does
-  not fit `max_model_len` (alone or with `max_tokens`), chat-template errors, `tools` /
-  `tool_choice` / `reasoning_effort` values the output parsing cannot honour
-  (`serving.api.chat_output`), and any ValueError raised by the engine.
+  (`max_tokens` < 1, `temperature` < 0, `top_p` outside (0, 1], `n` outside [1, 128], empty
+  stop strings, `top_logprobs` without `logprobs`), features this build does not support yet
+  (`echo`, penalties, `best_of`, ...), a prompt that does not fit `max_model_len` (alone or with
+  `max_tokens`), chat-template errors, `tools` / `tool_choice` / `reasoning_effort` values the
+  output parsing cannot honour (`serving.api.chat_output`), and any ValueError raised by the
+  engine (e.g. more logprobs than `--max-logprobs`).
 * 401 `AuthenticationError`: `/v1/*` without `Authorization: Bearer <api_key>` when a key is set.
 * 404 `NotFoundError`: a `model` other than the served model name; unknown paths.
 * 500 `InternalServerError`: any other exception from the engine (logged; the server keeps
@@ -29,18 +30,27 @@ HTTP status:
 
 A client that disconnects (streaming or not) gets its request aborted in the engine: the engine's
 output iterator is closed and `engine.abort(request_id)` is awaited.
+
+Sampling features: `n` choices are `n` engine requests (`{id}-{i}` when n > 1; with a `seed`,
+choice i uses seed + i); their stream chunks interleave, each tagged with its `index`. `stop`
+strings are matched on the detokenized text (`serving.output_processor`): the output ends before
+the match, a stream never shows text past it, and the engine request is aborted at once.
+`logprobs` (chat: `logprobs` + `top_logprobs`; completions: `logprobs: k`) come from the engine
+(fp32 log-softmax of the raw logits) and are formatted by `serving.api.logprobs`. Usage counts
+the prompt once and the completion tokens of all choices; `prompt_tokens_details.cached_tokens`
+is the prefix-cache hit of choice 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -51,8 +61,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.api.chat_output import ChatParsing, ChatRequestError
-from serving.api.detokenize import IncrementalDetokenizer
+from serving.api.logprobs import chat_logprobs, completion_logprobs
 from serving.api.protocol import (
+    ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -69,6 +80,7 @@ from serving.api.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
+from serving.output_processor import RequestTextState, TextDelta
 from serving.types import EngineClient, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -170,12 +182,17 @@ def _is_set(value: Any, default: Any) -> bool:
     return value is not None and value != default
 
 
+MAX_N = 128  # most choices one request may ask for
+
+
 def _reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
-    """Refuse parameters whose non-default values this build cannot honour (never drop them)."""
-    if body.n is not None and body.n != 1:
-        raise _bad_request(f"n={body.n} is not supported yet; only n=1 is.", "n")
-    if body.stop:
-        raise _bad_request("stop strings not supported yet (use stop_token_ids).", "stop")
+    """Refuse parameters whose non-default values this build cannot honour (never drop them),
+    and check `n`, `stop`, `logprobs` and `stream_options`."""
+    if body.n is not None and not 1 <= body.n <= MAX_N:
+        raise _bad_request(f"n must be in [1, {MAX_N}], got {body.n}.", "n")
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if any(not s for s in stops):
+        raise _bad_request("stop strings must be non-empty.", "stop")
     if body.stream_options is not None and not body.stream:
         raise _bad_request("stream_options can only be set when stream=true.", "stream_options")
     checks: list[tuple[str, bool]] = [
@@ -188,15 +205,17 @@ def _reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None
     ]
     if isinstance(body, ChatCompletionRequest):
         fmt = (body.response_format or {}).get("type", "text")
-        checks += [
-            ("logprobs", bool(body.logprobs)),
-            ("top_logprobs", bool(body.top_logprobs)),
-            ("response_format", fmt != "text"),
-        ]
+        if body.top_logprobs is not None:
+            if body.top_logprobs < 0:
+                raise _bad_request(f"top_logprobs must be >= 0, got {body.top_logprobs}.", "top_logprobs")
+            if body.top_logprobs > 0 and not body.logprobs:
+                raise _bad_request("top_logprobs requires logprobs=true.", "top_logprobs")
+        checks += [("response_format", fmt != "text")]
     else:
+        if body.logprobs is not None and body.logprobs < 0:
+            raise _bad_request(f"logprobs must be >= 0, got {body.logprobs}.", "logprobs")
         checks += [
             ("echo", bool(body.echo)),
-            ("logprobs", body.logprobs is not None),
             ("best_of", body.best_of not in (None, 1)),
             ("suffix", bool(body.suffix)),
         ]
@@ -235,10 +254,15 @@ def _resolve_max_tokens(
 def _sampling_params(
     body: ChatCompletionRequest | CompletionRequest, max_tokens: int
 ) -> SamplingParams:
+    """The engine's `SamplingParams` of a request body (choice 0; see `_choice_params`)."""
     if body.temperature is not None and body.temperature < 0:
         raise _bad_request(f"temperature must be >= 0, got {body.temperature}.", "temperature")
     if body.top_p is not None and not 0.0 < body.top_p <= 1.0:
         raise _bad_request(f"top_p must be in (0, 1], got {body.top_p}.", "top_p")
+    if isinstance(body, ChatCompletionRequest):
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        logprobs = body.logprobs
     params = SamplingParams(
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),
@@ -246,12 +270,26 @@ def _sampling_params(
         max_tokens=max_tokens,
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        n=body.n or 1,
+        skip_special_tokens=body.skip_special_tokens,
     )
     try:
         params.validate()
     except ValueError as e:
         raise _bad_request(str(e)) from None
     return params
+
+
+def _choice_params(params: SamplingParams) -> list[SamplingParams]:
+    """One engine request per choice: n = 1 each; with a seed, choice i samples with seed + i
+    (so choices are independent samples, and reproducible)."""
+    return [
+        dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i,
+                            stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
+        for i in range(params.n)
+    ]
 
 
 def _flatten_content(content: str | list[dict[str, Any]] | None, index: int) -> str:
@@ -284,37 +322,6 @@ def _template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------ engine plumbing
-
-
-@dataclass
-class _Generation:
-    """Accumulated state of one request's outputs."""
-
-    request_id: str
-    prompt_len: int
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_prompt_tokens: int | None = None
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-
-    def add(self, out: RequestOutput) -> None:
-        self.token_ids.extend(out.new_token_ids)
-        self.num_prompt_tokens = out.num_prompt_tokens
-        self.num_cached_tokens = out.num_cached_tokens
-        self.num_output_tokens = out.num_output_tokens
-        if out.finished:
-            self.finish_reason = out.finish_reason
-
-    def usage(self) -> UsageInfo:
-        prompt = self.num_prompt_tokens if self.num_prompt_tokens is not None else self.prompt_len
-        completion = self.num_output_tokens or len(self.token_ids)
-        return UsageInfo(
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            total_tokens=prompt + completion,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens),
-        )
 
 
 def _engine_error(e: BaseException, request_id: str) -> APIError:
@@ -386,6 +393,46 @@ class _RequestHandle:
                     await self.engine.abort(self.request_id)
                 except Exception:  # noqa: BLE001
                     logger.exception("Aborting request %s failed", self.request_id)
+
+
+class _Choices:
+    """The `n` engine requests (choices) of one API request and their accumulated outputs.
+
+    Choice i has request id `rid` when n == 1, else `f"{rid}-{i}"`."""
+
+    def __init__(self, engine: EngineClient, tokenizer: Any, prompt_ids: list[int],
+                 params: SamplingParams, rid: str) -> None:
+        self.request_id = rid
+        self.prompt_len = len(prompt_ids)
+        per_choice = _choice_params(params)
+        self.states = [RequestTextState(tokenizer, p, len(prompt_ids)) for p in per_choice]
+        self.handles: list[_RequestHandle] = []
+        try:
+            for i, p in enumerate(per_choice):
+                self.handles.append(
+                    _RequestHandle(engine, prompt_ids, p, rid if len(per_choice) == 1 else f"{rid}-{i}"))
+        except Exception as e:  # noqa: BLE001 - a synchronous rejection by the engine
+            raise _engine_error(e, rid) from None
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    async def close(self) -> None:
+        """Close every choice's engine stream (aborting unfinished ones)."""
+        for h in self.handles:
+            await h.close()
+
+    def usage(self) -> UsageInfo:
+        """Prompt counted once, completion tokens summed over choices, cached tokens of choice 0."""
+        first = self.states[0]
+        prompt = first.num_prompt_tokens if first.num_prompt_tokens is not None else self.prompt_len
+        completion = sum(st.num_output_tokens for st in self.states)
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=first.num_cached_tokens),
+        )
 
 
 class _AbortOnCloseStreamingResponse(StreamingResponse):
@@ -482,93 +529,124 @@ def build_app(
         if model is not None and model != served_model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
-    def _submit(prompt_ids: list[int], params: SamplingParams, rid: str) -> _RequestHandle:
+    async def _first_outputs(request: Request, ch: _Choices) -> list[RequestOutput | None]:
+        """Wait for every choice's first output before answering, so that an engine rejection
+        is a clean HTTP error; the client leaving meanwhile aborts the requests."""
         try:
-            return _RequestHandle(engine, prompt_ids, params, rid)
-        except Exception as e:  # noqa: BLE001 - a synchronous rejection by the engine
-            raise _engine_error(e, rid) from None
-
-    async def _first_output(request: Request, handle: _RequestHandle) -> RequestOutput | None:
-        """Wait for the first output before answering, so that an engine rejection is a clean
-        HTTP error; the client leaving meanwhile aborts the request."""
-        try:
-            return await _race_disconnect(request, handle.next())
+            return await _race_disconnect(request, asyncio.gather(*(h.next() for h in ch.handles)))
         except _ClientDisconnected:
-            await handle.close()
+            await ch.close()
             raise
         except BaseException as e:
-            await handle.close()
+            await ch.close()
             if isinstance(e, Exception):
-                raise _engine_error(e, handle.request_id) from None
+                raise _engine_error(e, ch.request_id) from None
             raise
 
-    async def _collect(request: Request, handle: _RequestHandle, gen: _Generation) -> None:
-        async def consume() -> None:
+    async def _run_nonstream(request: Request, ch: _Choices) -> bool:
+        """Collect every choice's whole output (a choice whose stop string matched is aborted in
+        the engine at once). False when the client disconnected (requests aborted)."""
+
+        async def consume(i: int) -> None:
+            handle, st = ch.handles[i], ch.states[i]
             while (out := await handle.next()) is not None:
-                gen.add(out)
-                if out.finished:
-                    return
-
-        try:
-            await _race_disconnect(request, consume())
-        except _ClientDisconnected:
-            logger.info("Client disconnected; aborted %s", handle.request_id)
-            raise
-        except Exception as e:
-            raise _engine_error(e, handle.request_id) from None
-        finally:
+                st.add(out)
+                if st.finished:
+                    break
+            if not st.finished:
+                st.finish("abort")
             await handle.close()
 
-    async def _run_nonstream(request: Request, handle: _RequestHandle, gen: _Generation) -> bool:
-        """Collect the whole output. False when the client disconnected (request aborted)."""
         try:
-            await _collect(request, handle, gen)
+            await _race_disconnect(request, asyncio.gather(*(consume(i) for i in range(len(ch)))))
         except _ClientDisconnected:
+            logger.info("Client disconnected; aborted %s", ch.request_id)
             return False
+        except Exception as e:
+            raise _engine_error(e, ch.request_id) from None
+        finally:
+            await ch.close()
         return True
 
     def _stream(
         request: Request,
-        handle: _RequestHandle,
-        gen: _Generation,
-        first: RequestOutput | None,
-        detok: IncrementalDetokenizer,
-        make_chunks: Callable[[str, str | None], list[dict[str, Any]]],
+        ch: _Choices,
+        firsts: list[RequestOutput | None],
+        make_chunks: Callable[[int, TextDelta, RequestTextState], list[dict[str, Any]]],
         make_usage_chunk: Callable[[UsageInfo], dict[str, Any]] | None,
         opening: list[dict[str, Any]],
     ) -> StreamingResponse:
+        """SSE over all choices: their outputs interleave as the engine produces them; a choice
+        stops at its stop string (and is aborted in the engine); then the usage chunk (when
+        asked) and `[DONE]`."""
+
         async def events() -> AsyncIterator[str]:
+            queue: asyncio.Queue = asyncio.Queue()
+            pumps: dict[int, asyncio.Task] = {}
+
+            async def pump(i: int) -> None:
+                try:
+                    while True:
+                        out = await ch.handles[i].next()
+                        queue.put_nowait((i, out, None))
+                        if out is None or out.finished:
+                            return
+                except Exception as e:  # noqa: BLE001 - forwarded to the stream
+                    queue.put_nowait((i, None, e))
+
+            async def stop_choice(i: int) -> None:
+                task = pumps.pop(i, None)
+                if task is not None and not task.done():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                await ch.handles[i].close()
+
+            pending = set(range(len(ch)))
+
+            async def apply(i: int, out: RequestOutput | None) -> list[dict[str, Any]]:
+                st = ch.states[i]
+                if i not in pending:
+                    return []
+                delta = st.add(out) if out is not None else st.finish("abort")
+                chunks = []
+                if delta.text or delta.logprobs or delta.finished:
+                    chunks = make_chunks(i, delta, st)
+                if st.finished:
+                    pending.discard(i)
+                    if not ch.handles[i].finished:
+                        await stop_choice(i)
+                return chunks
+
             try:
                 for d in opening:
                     yield _sse(d)
-                out = first
-                while out is not None:
-                    gen.add(out)
-                    delta = detok.step(out.new_token_ids, final=out.finished)
-                    finish = out.finish_reason if out.finished else None
-                    if delta or finish is not None:
-                        for d in make_chunks(delta, finish):
-                            yield _sse(d)
-                    if out.finished:
-                        break
+                for i, out in enumerate(firsts):
+                    for d in await apply(i, out):
+                        yield _sse(d)
+                    if i in pending:
+                        pumps[i] = asyncio.ensure_future(pump(i))
+                while pending:
                     if await request.is_disconnected():
-                        logger.info("Client disconnected; aborting %s", handle.request_id)
+                        logger.info("Client disconnected; aborting %s", ch.request_id)
                         return
-                    out = await handle.next()
-                if not handle.finished:
-                    # The engine ended the stream without a finished output.
-                    tail = detok.step([], final=True)
-                    for d in make_chunks(tail, "abort"):
+                    i, out, err = await queue.get()
+                    if err is not None:
+                        raise err
+                    for d in await apply(i, out):
                         yield _sse(d)
                 if make_usage_chunk is not None:
-                    yield _sse(make_usage_chunk(gen.usage()))
+                    yield _sse(make_usage_chunk(ch.usage()))
                 yield "data: [DONE]\n\n"
             except Exception as e:  # noqa: BLE001 - the status line is gone; report in-band
-                err = _engine_error(e, handle.request_id)
+                err = _engine_error(e, ch.request_id)
                 yield _sse(err.to_response().model_dump())
                 yield "data: [DONE]\n\n"
             finally:
-                await handle.close()
+                with anyio.CancelScope(shield=True):
+                    for task in pumps.values():
+                        task.cancel()
+                    await asyncio.gather(*pumps.values(), return_exceptions=True)
+                    await ch.close()
 
         return _AbortOnCloseStreamingResponse(
             events(),
@@ -607,7 +685,7 @@ def build_app(
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        """OpenAI chat completions, streaming (SSE) or not."""
+        """OpenAI chat completions, streaming (SSE) or not, with `n` choices."""
         body: ChatCompletionRequest = await _parse_body(request, ChatCompletionRequest)
         _check_model(body.model)
         _reject_unsupported(body)
@@ -642,45 +720,60 @@ def build_app(
             requested, param, len(prompt_ids), engine.max_model_len, "messages"
         )
         params = _sampling_params(body, max_tokens)
+        top_n = body.top_logprobs or 0
 
-        output = prepared.new_output(prompt)
+        def logprobs_of(lps) -> ChatChoiceLogprobs | None:
+            return None if params.logprobs is None else chat_logprobs(tokenizer, lps or [], top_n)
+
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        gen = _Generation(rid, len(prompt_ids))
-        handle = _submit(prompt_ids, params, rid)
+        ch = _Choices(engine, tokenizer, prompt_ids, params, rid)
+        outputs = [prepared.new_output(prompt) for _ in range(len(ch))]  # one parser per choice
 
         if not body.stream:
-            if not await _run_nonstream(request, handle, gen):
+            if not await _run_nonstream(request, ch):
                 return Response(status_code=499)  # nobody is listening
-            text = tokenizer.decode(gen.token_ids, skip_special_tokens=body.skip_special_tokens)
-            message, finish_reason = output.message(text, gen.finish_reason or "abort")
+            messages_out = [outputs[i].message(st.text, st.finish_reason or "abort") for i, st in enumerate(ch.states)]
             resp = ChatCompletionResponse(
                 id=rid,
                 created=created,
                 model=served_model_name,
-                choices=[ChatCompletionChoice(message=message, finish_reason=finish_reason)],
-                usage=gen.usage(),
+                choices=[
+                    ChatCompletionChoice(
+                        index=i,
+                        message=message,
+                        logprobs=logprobs_of(st.logprobs),
+                        finish_reason=finish_reason,
+                    )
+                    for i, (st, (message, finish_reason)) in enumerate(zip(ch.states, messages_out))
+                ],
+                usage=ch.usage(),
             )
             return JSONResponse(resp.model_dump(mode="json"))
 
         try:
-            first = await _first_output(request, handle)
+            firsts = await _first_outputs(request, ch)
         except _ClientDisconnected:
             return Response(status_code=499)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        def chunk(delta: DeltaMessage, finish: str | None) -> dict[str, Any]:
+        def chunk(i: int, delta: DeltaMessage, finish: str | None, lps=None) -> dict[str, Any]:
             return _chunk_dict(
                 ChatCompletionStreamResponse(
                     id=rid,
                     created=created,
                     model=served_model_name,
-                    choices=[ChatCompletionStreamChoice(delta=delta, finish_reason=finish)],
+                    choices=[ChatCompletionStreamChoice(index=i, delta=delta, logprobs=lps,
+                                                        finish_reason=finish)],
                 )
             )
 
-        def make_chunks(text: str, finish: str | None) -> list[dict[str, Any]]:
-            return [chunk(d, f) for d, f in output.deltas(text, finish)]
+        def make_chunks(i: int, d: TextDelta, st: RequestTextState) -> list[dict[str, Any]]:
+            lps = logprobs_of(d.logprobs) if d.logprobs else None
+            pairs = outputs[i].deltas(d.text, d.finish_reason)
+            if not pairs and lps is not None:  # text held back by a parser: still send the logprobs
+                pairs = [(DeltaMessage(), None)]
+            return [chunk(i, delta, finish, lps if k == 0 else None) for k, (delta, finish) in enumerate(pairs)]
 
         def usage_chunk(usage: UsageInfo) -> dict[str, Any]:
             return ChatCompletionStreamResponse(
@@ -689,13 +782,11 @@ def build_app(
 
         return _stream(
             request,
-            handle,
-            gen,
-            first,
-            IncrementalDetokenizer(tokenizer, body.skip_special_tokens),
+            ch,
+            firsts,
             make_chunks,
             usage_chunk if include_usage else None,
-            opening=[chunk(DeltaMessage(role="assistant", content=""), None)],
+            opening=[chunk(i, DeltaMessage(role="assistant", content=""), None) for i in range(len(ch))],
         )
 
     @v1.post("/completions")
@@ -724,39 +815,53 @@ def build_app(
             body.max_tokens, "max_tokens", len(prompt_ids), engine.max_model_len, "prompt"
         )
         params = _sampling_params(body, max_tokens)
+        top_n = body.logprobs or 0
 
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        gen = _Generation(rid, len(prompt_ids))
-        handle = _submit(prompt_ids, params, rid)
+        ch = _Choices(engine, tokenizer, prompt_ids, params, rid)
 
         if not body.stream:
-            if not await _run_nonstream(request, handle, gen):
+            if not await _run_nonstream(request, ch):
                 return Response(status_code=499)
-            text = tokenizer.decode(gen.token_ids, skip_special_tokens=body.skip_special_tokens)
             resp = CompletionResponse(
                 id=rid,
                 created=created,
                 model=served_model_name,
-                choices=[CompletionChoice(text=text, finish_reason=gen.finish_reason or "abort")],
-                usage=gen.usage(),
+                choices=[
+                    CompletionChoice(
+                        index=i,
+                        text=st.text,
+                        logprobs=None if params.logprobs is None
+                        else completion_logprobs(tokenizer, st.logprobs, top_n),
+                        finish_reason=st.finish_reason or "abort",
+                    )
+                    for i, st in enumerate(ch.states)
+                ],
+                usage=ch.usage(),
             )
             return JSONResponse(resp.model_dump(mode="json"))
 
         try:
-            first = await _first_output(request, handle)
+            firsts = await _first_outputs(request, ch)
         except _ClientDisconnected:
             return Response(status_code=499)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        offsets = [0] * len(ch)
 
-        def make_chunks(text: str, finish: str | None) -> list[dict[str, Any]]:
+        def make_chunks(i: int, d: TextDelta, st: RequestTextState) -> list[dict[str, Any]]:
+            lps = None
+            if d.logprobs:
+                lps = completion_logprobs(tokenizer, d.logprobs, top_n, offsets[i])
+                offsets[i] = lps.text_offset[-1] + len(lps.tokens[-1])
             return [
                 _chunk_dict(
                     CompletionResponse(
                         id=rid,
                         created=created,
                         model=served_model_name,
-                        choices=[CompletionChoice(text=text, finish_reason=finish)],
+                        choices=[CompletionChoice(index=i, text=d.text, logprobs=lps,
+                                                  finish_reason=d.finish_reason)],
                     )
                 )
             ]
@@ -768,10 +873,8 @@ def build_app(
 
         return _stream(
             request,
-            handle,
-            gen,
-            first,
-            IncrementalDetokenizer(tokenizer, body.skip_special_tokens),
+            ch,
+            firsts,
             make_chunks,
             usage_chunk if include_usage else None,
             opening=[],

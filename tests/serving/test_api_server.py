@@ -14,7 +14,7 @@ import pytest
 
 from serving.api import build_app
 from serving.api.detokenize import IncrementalDetokenizer
-from serving.types import RequestOutput, SamplingParams
+from serving.types import RequestOutput, SamplingParams, TokenLogprobs
 from tests.helpers.live_server import live_server
 
 API_KEY = "test-secret-key"
@@ -22,6 +22,11 @@ MODEL = "glm-test"
 MAX_MODEL_LEN = 256
 # The fake engine's answer: multi-byte characters split across byte-level tokens.
 REPLY = "Hello there! 你好世界 🙂 — the quick fox."
+
+
+def fake_logprobs(token: int) -> TokenLogprobs:
+    """The fake engine's logprobs of a token: itself at -0.25, then token+1.. at -1, -2, ..."""
+    return TokenLogprobs(token, -0.25, [(token, -0.25)] + [(token + k, -float(k)) for k in range(1, 20)])
 
 
 class FakeEngine:
@@ -100,6 +105,7 @@ class FakeEngine:
                     num_prompt_tokens=len(prompt_token_ids),
                     num_cached_tokens=0,
                     num_output_tokens=n_out,
+                    new_logprobs=None if params.logprobs is None else [fake_logprobs(t) for t in new],
                 )
         finally:
             if not finished:
@@ -355,11 +361,12 @@ def _chat(**fields) -> dict:
         (_chat(max_completion_tokens=0), "max_completion_tokens"),
         ({"model": MODEL, "messages": _user("Hi"), "temperature": -0.5}, "temperature"),
         ({"model": MODEL, "messages": _user("Hi"), "top_p": 0}, "top_p"),
-        ({"model": MODEL, "messages": _user("Hi"), "n": 2}, "n"),
-        ({"model": MODEL, "messages": _user("Hi"), "stop": ["\n"]}, "stop"),
-        ({"model": MODEL, "messages": _user("Hi"), "stop": "END"}, "stop"),
-        ({"model": MODEL, "messages": _user("Hi"), "logprobs": True}, "logprobs"),
         (_chat(stream_options={"include_usage": True}), "stream_options"),
+        (_chat(n=0), "n"),
+        (_chat(n=500), "n"),
+        (_chat(stop=["x", ""]), "stop"),
+        (_chat(top_logprobs=3), "top_logprobs"),
+        (_chat(logprobs=True, top_logprobs=-1), "top_logprobs"),
         ({"model": MODEL, "messages": []}, "messages"),
         ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages"),
         ({"model": MODEL, "messages": [{"role": "user", "content": [_IMAGE_PART]}]}, "messages"),
@@ -567,7 +574,8 @@ def test_cli_defaults_and_json_flags():
         (["--prefill-context-parallel-size", "2"], "--prefill-context-parallel-size"),
         (["--enable-expert-parallel"], "--enable-expert-parallel"),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
-        (["--enable-prefix-caching"], "--enable-prefix-caching"),
+        (["--num-gpu-blocks-override", "1"], "--num-gpu-blocks-override"),
+        (["--max-logprobs", "-1"], "--max-logprobs"),
         (["--speculative-config", '{"method": "mtp"}'], "--speculative-config"),
         (["--kv-transfer-config", "{}"], "--kv-transfer-config"),
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice"),  # without a tool parser

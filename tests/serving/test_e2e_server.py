@@ -13,7 +13,9 @@ import pytest
 from serving.run import build_server
 from tests.helpers.live_server import live_server
 
-ARGV = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "384", "--log-level", "warning"]
+# Same engine settings as test_llm (shared compiled steps through the persistent cache).
+ARGV = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "1024", "--enable-prefix-caching",
+        "--log-level", "warning"]
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +93,7 @@ def test_seeded_sampling_is_reproducible(client):
     ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
     ({"model": "glm-5.3-tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, 400),
     ({"model": "glm-5.3-tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}, 400),
-    ({"model": "glm-5.3-tiny", "messages": [{"role": "user", "content": "word " * 600}]}, 400),
+    ({"model": "glm-5.3-tiny", "messages": [{"role": "user", "content": "word " * 1100}]}, 400),
     ({"model": "glm-5.3-tiny", "prompt": [1, 2, 10**7], "max_tokens": 2}, 400),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, body, status):
@@ -195,3 +197,48 @@ def test_tool_requests_refused_on_the_real_server(server, parsing_server):
                                         tool_choice="required", max_tokens=2)
     r = pclient.chat.completions.create(model="glm-5.3-tiny", messages=body["messages"], tools=TOOLS, max_tokens=2)
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+
+
+def _metrics(base):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(base + "/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+
+def test_cached_tokens_in_usage_and_metrics(server, client):
+    base, _ = server
+    prompt = [(13 * i) % 430 + 10 for i in range(800)]
+    lab = (("model_name", "glm-5.3-tiny"),)
+    before = _metrics(base)
+    kw = dict(model="glm-5.3-tiny", prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
+              extra_body={"ignore_eos": True})
+    cold = client.completions.create(**kw)
+    warm = client.completions.create(**kw)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.usage.prompt_tokens_details.cached_tokens == 768
+    assert warm.choices[0].text == cold.choices[0].text
+    assert warm.choices[0].logprobs.tokens == cold.choices[0].logprobs.tokens
+    after = _metrics(base)
+    assert after[("vllm:prefix_cache_hits_total", lab)] - before.get(("vllm:prefix_cache_hits_total", lab), 0) == 768
+    assert after[("vllm:prompt_tokens_total", lab)] - before.get(("vllm:prompt_tokens_total", lab), 0) == 1600
+    assert after[("vllm:generation_tokens_total", lab)] - before.get(("vllm:generation_tokens_total", lab), 0) == 6
+    assert ("vllm:num_preemptions_total", lab) in after and ("vllm:kv_cache_usage_perc", lab) in after
+
+
+def test_chat_logprobs_n_and_stop_on_the_real_engine(client):
+    msgs = [{"role": "user", "content": "Say hi."}]
+    r = client.chat.completions.create(model="glm-5.3-tiny", messages=msgs, max_completion_tokens=6, temperature=0,
+                                       n=2, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    a, b = r.choices
+    assert a.message.content == b.message.content and r.usage.completion_tokens == 12
+    assert len(a.logprobs.content) == 6
+    for e in a.logprobs.content:  # greedy: the chosen token is the most likely one
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob
+    text = a.message.content
+    stop = next(c for c in text[1:] if c != "\ufffd")
+    s = client.chat.completions.create(model="glm-5.3-tiny", messages=msgs, max_completion_tokens=6, temperature=0,
+                                       stop=[stop], extra_body={"ignore_eos": True})
+    assert s.choices[0].message.content == text[: text.index(stop)] and s.choices[0].finish_reason == "stop"

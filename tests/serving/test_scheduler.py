@@ -16,6 +16,7 @@ import pytest
 
 from serving.block_pool import BlockPool
 from serving.kv_cache import KVCacheGroupSpec, KVCacheManager
+from serving.prefix_cache import PrefixCache
 from serving.request import Request, RequestStatus
 from serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.types import SamplingParams
@@ -73,6 +74,7 @@ class FakeRunner:
             for gi, g in enumerate(self.kv.groups):
                 blk, off = self._slots(sr.request_id, g, sr.positions)
                 assert (blk != 0).all()
+                assert all(self.kv.pool.refcount(int(b)) == 1 for b in blk), "write to a shared page"
                 self.arena[blk, off] = self._encode(tokens, sr.positions, gi)
         sampled: dict[str, list[int]] = {}
         for sr in out.scheduled:
@@ -97,7 +99,7 @@ class FakeRunner:
 
 class Engine:
     def __init__(self, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96,
-                 long_prefill_token_threshold=0, eos=(EOS,), tokens_per_step=1):
+                 long_prefill_token_threshold=0, eos=(EOS,), tokens_per_step=1, prefix_caching=False):
         self.pool = BlockPool(num_blocks)
         self.kv = KVCacheManager(
             self.pool,
@@ -106,7 +108,14 @@ class Engine:
         )
         self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
                                       long_prefill_token_threshold)
-        self.sched = Scheduler(self.config, self.kv, eos)
+        self.prefix_cache = PrefixCache(self.kv) if prefix_caching else None
+        self.evicted: list[int] = []
+        if self.prefix_cache is not None:
+            def on_reuse(block, tag):
+                self.evicted.append(block)
+                assert self.prefix_cache.on_block_reuse(block, tag)
+            self.pool.on_reuse = on_reuse
+        self.sched = Scheduler(self.config, self.kv, eos, self.prefix_cache)
         self.eos = set(eos)
         self.runner = FakeRunner(self.kv, tokens_per_step)
         self.streams: dict[str, list[int]] = {}

@@ -1,0 +1,59 @@
+"""OpenAI `logprobs` bodies from the engine's `TokenLogprobs` (chat and legacy completions shapes).
+
+Token strings are the tokenizer's text for the single token (special tokens kept); a byte-level
+token that is only part of a UTF-8 character decodes to U+FFFD, so chat entries also carry the
+token text's UTF-8 `bytes`, as OpenAI's do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from serving.api.protocol import (
+    ChatChoiceLogprobs,
+    ChatTokenLogprob,
+    ChatTokenLogprobContent,
+    CompletionLogprobs,
+)
+from serving.types import TokenLogprobs
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """The text of one token id (special tokens included)."""
+    return tokenizer.decode([int(token_id)], skip_special_tokens=False)
+
+
+def chat_logprobs(tokenizer: Any, lps: list[TokenLogprobs], top_n: int) -> ChatChoiceLogprobs:
+    """`choices[i].logprobs` of a chat completion: one `content` entry per token, each with its
+    `top_n` most likely alternatives."""
+
+    def entry(tid: int, lp: float) -> ChatTokenLogprob:
+        text = token_text(tokenizer, tid)
+        return ChatTokenLogprob(token=text, logprob=lp, bytes=list(text.encode("utf-8")))
+
+    content = []
+    for t in lps:
+        e = entry(t.token_id, t.logprob)
+        content.append(ChatTokenLogprobContent(
+            token=e.token, logprob=e.logprob, bytes=e.bytes,
+            top_logprobs=[entry(i, lp) for i, lp in t.top[:top_n]]))
+    return ChatChoiceLogprobs(content=content)
+
+
+def completion_logprobs(
+    tokenizer: Any, lps: list[TokenLogprobs], top_n: int, offset: int = 0
+) -> CompletionLogprobs:
+    """`choices[i].logprobs` of a completion: parallel lists per token. `top_logprobs[k]` maps
+    the `top_n` most likely tokens (and the sampled one) to their log-probabilities;
+    `text_offset` counts characters from `offset` (the text already sent for this choice)."""
+    out = CompletionLogprobs()
+    for t in lps:
+        text = token_text(tokenizer, t.token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(t.logprob)
+        out.text_offset.append(offset)
+        offset += len(text)
+        top = {token_text(tokenizer, i): lp for i, lp in t.top[:top_n]}
+        top.setdefault(text, t.logprob)
+        out.top_logprobs.append(top)
+    return out

@@ -1,0 +1,211 @@
+"""Engine statistics: per-step records, Prometheus metrics with vLLM's names, a periodic log line.
+
+The engine builds one `StepRecord` per step (and one per abort) and hands it to every stat
+logger it has (`LLMEngine.stat_loggers`). Two loggers exist:
+
+* `PrometheusStatLogger`: the metrics of DESIGN §6.2 under vLLM's names, labelled with
+  `model_name`, in its own `CollectorRegistry` (so many apps can live in one process, as in the
+  tests); serve them with `render()` (Prometheus text format). Gauges are read live from the
+  engine at scrape time.
+* `LoggingStatLogger`: every `interval_s` seconds, one INFO line with prompt and generation
+  throughput, running/waiting requests, KV cache usage, prefix-cache hit rate, preemptions and
+  the mean per-step host overhead (time spent outside the device step).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+logger = logging.getLogger(__name__)
+
+# Bucket edges in seconds / tokens (log-spaced; wide enough for CPU runs and large models).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(0, 7) for m in (1, 2, 5))
+
+
+@dataclass
+class FinishedRequestStats:
+    """One finished request: reason ("stop", "length", "abort"), end-to-end latency (s, from
+    arrival), token counts, and its decode time per output token (s; None below 2 tokens)."""
+
+    finish_reason: str
+    e2e_latency_s: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    time_per_output_token_s: float | None = None
+
+
+@dataclass
+class StepRecord:
+    """What one engine step (or an abort) changed.
+
+    num_prompt_tokens: prompt lengths of the requests that produced their first token.
+    num_generation_tokens: tokens generated. num_preemptions: requests preempted.
+    prefix_cache_queries / prefix_cache_hits: tokens looked up / found in the prefix cache.
+    ttft_s: time to first token of requests that produced it (s). inter_token_s: one entry per
+    later token (s since the request's previous token, spread evenly over tokens that arrived
+    together). finished: the requests that ended.
+    num_scheduled_tokens / host_s / device_s: step size and its host and device time (s); 0
+    for an abort record.
+    """
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    inter_token_s: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    host_s: float = 0.0
+    device_s: float = 0.0
+    is_step: bool = True
+
+
+@dataclass(frozen=True)
+class EngineGauges:
+    """Live engine state read at scrape/log time: callables returning the current values."""
+
+    num_requests_running: Callable[[], float]
+    num_requests_waiting: Callable[[], float]
+    kv_cache_usage: Callable[[], float]
+
+
+class PrometheusStatLogger:
+    """vLLM-named Prometheus metrics in a private registry.
+
+    Args:
+      model_name: value of the `model_name` label.
+      gauges: live engine state (see `EngineGauges`).
+      registry: the registry to register in (default: a new one).
+    """
+
+    def __init__(self, model_name: str, gauges: EngineGauges, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        lv = {"model_name": model_name}
+        r = self.registry
+
+        def gauge(name: str, doc: str, fn: Callable[[], float]) -> None:
+            Gauge(name, doc, labels, registry=r).labels(**lv).set_function(fn)
+
+        gauge("vllm:num_requests_running", "Requests in the running batch.", gauges.num_requests_running)
+        gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled (new and preempted).",
+              gauges.num_requests_waiting)
+        gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache pages in use (1 = full).", gauges.kv_cache_usage)
+
+        def counter(name: str, doc: str):
+            return Counter(name, doc, labels, registry=r).labels(**lv)
+
+        self.num_preemptions = counter("vllm:num_preemptions", "Cumulative preemptions (recompute).")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of requests that started generating.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Tokens found in the prefix cache.")
+        self._success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                                labels + ["finished_reason"], registry=r)
+        self._model_name = model_name
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name=model_name, finished_reason=reason)
+
+        def hist(name: str, doc: str, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(**lv)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token (s).", _TTFT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between consecutive output tokens (s).",
+                        _ITL_BUCKETS)
+        self.tpot = hist("vllm:time_per_output_token_seconds", "Time per output token (s); same samples "
+                         "as inter_token_latency_seconds.", _ITL_BUCKETS)
+        self.req_tpot = hist("vllm:request_time_per_output_token_seconds",
+                             "Per request: decode time / (output tokens - 1) (s).", _ITL_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to finish (s).", _E2E_BUCKETS)
+        self.req_prompt = hist("vllm:request_prompt_tokens", "Prompt tokens per finished request.", _TOKEN_BUCKETS)
+        self.req_gen = hist("vllm:request_generation_tokens", "Generated tokens per finished request.",
+                            _TOKEN_BUCKETS)
+
+    def record(self, rec: StepRecord) -> None:
+        """Apply one step's record."""
+        if rec.num_preemptions:
+            self.num_preemptions.inc(rec.num_preemptions)
+        if rec.num_prompt_tokens:
+            self.prompt_tokens.inc(rec.num_prompt_tokens)
+        if rec.num_generation_tokens:
+            self.generation_tokens.inc(rec.num_generation_tokens)
+        if rec.prefix_cache_queries:
+            self.prefix_queries.inc(rec.prefix_cache_queries)
+        if rec.prefix_cache_hits:
+            self.prefix_hits.inc(rec.prefix_cache_hits)
+        for v in rec.ttft_s:
+            self.ttft.observe(v)
+        for v in rec.inter_token_s:
+            self.itl.observe(v)
+            self.tpot.observe(v)
+        for f in rec.finished:
+            self._success.labels(model_name=self._model_name, finished_reason=f.finish_reason).inc()
+            self.e2e.observe(f.e2e_latency_s)
+            self.req_prompt.observe(f.num_prompt_tokens)
+            self.req_gen.observe(f.num_generation_tokens)
+            if f.time_per_output_token_s is not None:
+                self.req_tpot.observe(f.time_per_output_token_s)
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text exposition format."""
+        return generate_latest(self.registry)
+
+
+class LoggingStatLogger:
+    """Logs one line of engine statistics every `interval_s` seconds of steps (see the module
+    docstring)."""
+
+    def __init__(self, gauges: EngineGauges, interval_s: float = 5.0, log: logging.Logger = logger):
+        self.gauges = gauges
+        self.interval_s = interval_s
+        self.log = log
+        self._reset(time.monotonic())
+
+    def _reset(self, now: float) -> None:
+        self._t0 = now
+        self._prompt = self._gen = self._steps = self._preempt = self._q = self._h = 0
+        self._host = self._device = 0.0
+
+    def record(self, rec: StepRecord) -> None:
+        """Accumulate; log and restart the window once `interval_s` has passed."""
+        self._prompt += rec.num_prompt_tokens
+        self._gen += rec.num_generation_tokens
+        self._preempt += rec.num_preemptions
+        self._q += rec.prefix_cache_queries
+        self._h += rec.prefix_cache_hits
+        if rec.is_step:
+            self._steps += 1
+            self._host += rec.host_s
+            self._device += rec.device_s
+        now = time.monotonic()
+        if now - self._t0 >= self.interval_s:
+            self.log.info("%s", self.summary(now))
+            self._reset(now)
+
+    def summary(self, now: float | None = None) -> str:
+        """The statistics line for the current window."""
+        dt = max((now if now is not None else time.monotonic()) - self._t0, 1e-9)
+        steps = max(self._steps, 1)
+        host_share = self._host / max(self._host + self._device, 1e-12)
+        hit_rate = 100.0 * self._h / self._q if self._q else 0.0
+        return (f"Avg prompt throughput: {self._prompt / dt:.1f} tokens/s, "
+                f"Avg generation throughput: {self._gen / dt:.1f} tokens/s, "
+                f"Running: {self.gauges.num_requests_running():.0f} reqs, "
+                f"Waiting: {self.gauges.num_requests_waiting():.0f} reqs, "
+                f"KV cache usage: {100 * self.gauges.kv_cache_usage():.1f}%, "
+                f"Prefix cache hit rate: {hit_rate:.1f}%, Preemptions: {self._preempt}, "
+                f"Steps: {self._steps}, host overhead {1e3 * self._host / steps:.2f} ms/step "
+                f"({100 * host_share:.0f}% of step time), device {1e3 * self._device / steps:.2f} ms/step")

@@ -1,0 +1,134 @@
+"""Front-end output processing shared by the HTTP server and the offline `LLM`: incremental
+detokenization, stop strings, accumulated tokens, logprobs and usage of one request.
+
+Stop strings are matched on the detokenized text, host-side. Text is emitted only once it can no
+longer be the start of a stop string, so a stream never shows text past a stop, and a stop split
+across several tokens (or several stream increments) is still found. The stop string itself is
+not part of the output. Once a stop matches, the request is finished with reason "stop" and the
+caller must abort it in the engine (`RequestTextState.stopped`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from serving.detokenize import IncrementalDetokenizer
+from serving.types import RequestOutput, SamplingParams, TokenLogprobs
+
+
+class StopStringMatcher:
+    """Finds the first occurrence of any stop string in a growing text.
+
+    `feed(delta)` returns `(emit, stopped)`: the text that is safe to show now and whether a
+    stop string was found (then `emit` ends right before it). Text that could be the beginning
+    of a stop string is held back until it is decided; `feed("", final=True)` releases it.
+    """
+
+    def __init__(self, stop: list[str]):
+        self.stop = [s for s in stop if s]
+        self._text = ""
+        self._emitted = 0
+        self.stopped = False
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, bool]:
+        """Append `delta`; see the class docstring. After a stop, further input is ignored."""
+        if self.stopped:
+            return "", True
+        self._text += delta
+        text, start = self._text, self._emitted
+        if not self.stop:
+            self._emitted = len(text)
+            return text[start:], False
+        # Any match starts at or after `start` (earlier starts were held back or already found).
+        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            end = min(hits)
+            self.stopped = True
+            self._emitted = end
+            return text[start:end], True
+        safe = len(text)
+        if not final:
+            longest = max(len(s) for s in self.stop)
+            for p in range(max(start, len(text) - longest + 1), len(text)):
+                tail = text[p:]
+                if any(s.startswith(tail) for s in self.stop):
+                    safe = p
+                    break
+        self._emitted = safe
+        return text[start:safe], False
+
+
+@dataclass
+class TextDelta:
+    """What one engine increment adds to a request's visible output."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class RequestTextState:
+    """Accumulated output of one request (one choice).
+
+    tokenizer: has `decode(ids, skip_special_tokens=...)`. params: the request's sampling
+    params (`stop`, `logprobs`, `skip_special_tokens` are used).
+    """
+
+    tokenizer: Any
+    params: SamplingParams
+    prompt_len: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int | None = None
+    num_cached_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self._detok = IncrementalDetokenizer(self.tokenizer, self.params.skip_special_tokens)
+        self._stops = StopStringMatcher(list(self.params.stop or []))
+
+    @property
+    def stopped(self) -> bool:
+        """True when a stop string ended the output (the engine request must be aborted)."""
+        return self._stops.stopped
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated (up to and including the one that completed a stop string)."""
+        return len(self.token_ids)
+
+    def add(self, out: RequestOutput) -> TextDelta:
+        """Apply one engine increment (ignored once finished)."""
+        if self.finished:
+            return TextDelta("", [], None, True, self.finish_reason)
+        self.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs:
+            self.logprobs.extend(out.new_logprobs)
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_cached_tokens = out.num_cached_tokens
+        raw = self._detok.step(out.new_token_ids, final=out.finished)
+        emit, stopped = self._stops.feed(raw, final=out.finished)
+        self.text += emit
+        if stopped:
+            self.finished, self.finish_reason = True, "stop"
+        elif out.finished:
+            self.finished, self.finish_reason = True, out.finish_reason
+        lps = list(out.new_logprobs) if out.new_logprobs else ([] if self.params.logprobs is not None else None)
+        return TextDelta(emit, list(out.new_token_ids), lps, self.finished, self.finish_reason)
+
+    def finish(self, reason: str = "abort") -> TextDelta:
+        """End the output without a final engine increment (the stream ended early)."""
+        if self.finished:
+            return TextDelta("", [], None, True, self.finish_reason)
+        tail = self._detok.step([], final=True)
+        emit, stopped = self._stops.feed(tail, final=True)
+        self.text += emit
+        self.finished = True
+        self.finish_reason = "stop" if stopped else reason
+        return TextDelta(emit, [], None, True, self.finish_reason)

@@ -1,0 +1,154 @@
+"""Admission against the whole prompt, and prefix caching over the shared pool, on the scheduler
+with the paged fake runner of test_scheduler (it writes every token's KV through the slot
+mappings of both groups and reads the whole history back through the block tables before each
+sample, and refuses writes to shared pages): any wrongly shared, stale or evicted-but-still-used
+page changes the tokens, which are compared with each request run alone without any cache."""
+
+from __future__ import annotations
+
+import random
+
+from serving.prefix_cache import PrefixCache, chain_hash
+from serving.request import Request
+from tests.serving.test_scheduler import VOCAB, make_engine, prompt  # noqa: F401 (fixture)
+
+# The test groups have 4 (mla) and 16 (indexer) tokens per page: hash unit 4, hits in steps of 16.
+
+
+def test_long_prompts_are_admitted_whole_and_never_preempt_themselves(make_engine):
+    # 19 usable pages; each request needs 11 mla + 3 indexer pages for its 44 tokens, so only one
+    # fits at a time. Admitting against the first chunk alone would start both and then preempt.
+    e = make_engine(num_blocks=20, max_num_batched_tokens=8, max_model_len=64)
+    e.add("a", prompt(1, 40), max_tokens=4, ignore_eos=True)
+    e.add("b", prompt(2, 40), max_tokens=4, ignore_eos=True)
+    e.run()
+    e.check_against_reference()
+    assert e.sched.num_preemptions_total == 0
+    first_b = next(i for i, s in enumerate(e.steps) if any(r.request_id == "b" for r in s.scheduled))
+    last_a = max(i for i, s in enumerate(e.steps) if any(r.request_id == "a" for r in s.scheduled))
+    assert first_b > last_a
+
+
+def test_chain_hash_names_the_whole_prefix():
+    a = chain_hash(b"root", [1, 2, 3, 4])
+    assert chain_hash(a, [5, 6, 7, 8]) != chain_hash(chain_hash(b"root", [1, 2, 3, 5]), [5, 6, 7, 8])
+    assert chain_hash(a, [5, 6, 7, 8]) == chain_hash(chain_hash(b"root", [1, 2, 3, 4]), [5, 6, 7, 8])
+
+
+def test_hit_skips_compute_shares_pages_and_matches_the_uncached_tokens(make_engine):
+    e = make_engine(num_blocks=64, max_num_batched_tokens=64, max_model_len=96, prefix_caching=True)
+    base = prompt(3, 40)
+    e.add("a", base, max_tokens=5, ignore_eos=True)
+    e.run()
+    # b shares a's first 37 tokens: the usable hit is 32 (a multiple of lcm(4, 16) = 16).
+    e.add("b", base[:37] + prompt(4, 6), max_tokens=5, ignore_eos=True)
+    e.add("c", prompt(5, 30), max_tokens=3, ignore_eos=True)  # nothing in common
+    e.step()
+    sched = {s.request_id: s for s in e.steps[-1].scheduled}
+    assert (sched["b"].start_pos, sched["b"].num_new_tokens) == (32, 11)
+    assert (sched["c"].start_pos, sched["c"].num_new_tokens) == (0, 30)
+    assert e.added["b"].num_cached_tokens == 32 and e.added["c"].num_cached_tokens == 0
+    # A request that is the same as a's prompt while b runs shares b's pages (refcount 2).
+    e.add("d", base[:37] + prompt(4, 6), max_tokens=2, ignore_eos=True)
+    e.step()
+    shared = e.kv.block_table("b", "mla")[:8]
+    assert e.kv.block_table("d", "mla")[:8] == shared
+    assert all(e.pool.refcount(b) == 2 for b in shared)
+    assert e.kv.block_table("d", "indexer")[:2] == e.kv.block_table("b", "indexer")[:2]
+    e.run()
+    e.check_against_reference()
+    assert e.prefix_cache.hits == 32 + 32 and e.prefix_cache.queries == 40 + 43 + 30 + 43
+    assert [o for s in e.steps for o in s.scheduled if o.request_id == "d"][0].num_new_tokens == 11
+
+
+def test_whole_prompt_hit_recomputes_the_last_token(make_engine):
+    e = make_engine(num_blocks=64, max_num_batched_tokens=64, max_model_len=96, prefix_caching=True)
+    p = prompt(6, 48)
+    e.add("a", p, max_tokens=2, ignore_eos=True)
+    e.run()
+    e.add("b", p, max_tokens=2, ignore_eos=True)
+    e.step()
+    sr = e.steps[-1].scheduled[0]
+    assert (sr.start_pos, sr.num_new_tokens) == (32, 16)  # 47 usable tokens -> 32
+    e.run()
+    e.check_against_reference()
+
+
+def test_unreferenced_cached_pages_are_evicted_lru_under_pressure(make_engine):
+    e = make_engine(num_blocks=24, max_num_batched_tokens=64, max_model_len=64, prefix_caching=True)
+    first = prompt(7, 33)
+    e.add("a", first, max_tokens=1, ignore_eos=True)
+    e.run()
+    assert e.prefix_cache.num_entries == 8 + 2  # 32 tokens: 8 mla pages, 2 indexer pages
+    for i in range(3):  # fill the pool with other prompts: a's pages must be reused
+        e.add(f"x{i}", prompt(100 + i, 60), max_tokens=2, ignore_eos=True)
+        e.run()
+    assert e.evicted and e.prefix_cache.num_entries <= e.pool.num_usable_blocks
+    e.add("again", first, max_tokens=1, ignore_eos=True)
+    e.step()
+    assert e.added["again"].num_cached_tokens == 0  # evicted: recomputed, not read stale
+    e.run()
+    e.check_against_reference()
+    n = e.prefix_cache.num_entries
+    assert n and e.prefix_cache.reset() == n and e.prefix_cache.num_entries == 0
+    assert e.sched.audit() == []
+
+
+def test_random_shared_prefix_workload_with_preemption_and_eviction(make_engine):
+    rng = random.Random(11)
+    e = make_engine(num_blocks=26, max_num_seqs=4, max_num_batched_tokens=24, max_model_len=80,
+                    prefix_caching=True)
+    stems = [prompt(200 + i, 40) for i in range(3)]
+    aborted = set()
+    pending = [(rng.randrange(60), f"r{i}") for i in range(30)]
+    for step in range(6000):
+        for t, rid in [x for x in pending if x[0] <= step]:
+            stem = rng.choice(stems)
+            p = stem[: rng.randint(10, 40)] + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))]
+            e.add(rid, p, max_tokens=rng.randint(1, 20), ignore_eos=True)
+            pending.remove((t, rid))
+        if rng.random() < 0.01 and e.sched.requests:
+            rid = rng.choice(sorted(e.sched.requests))
+            e.sched.abort(rid)
+            aborted.add(rid)
+        if not pending and not e.sched.has_unfinished_requests():
+            break
+        e.step()
+    assert not pending and not e.sched.has_unfinished_requests()
+    e.check_against_reference(skip=aborted)
+    assert e.prefix_cache.hits > 0 and e.evicted and e.sched.num_preemptions_total > 0
+
+
+def test_lookup_needs_every_group(make_engine):
+    """A hit in the mla group alone (its 4-token pages) is not usable when the 16-token indexer
+    page covering it is not cached."""
+    e = make_engine(num_blocks=64, max_num_batched_tokens=64, max_model_len=96, prefix_caching=True)
+    e.add("a", prompt(9, 40), max_tokens=1, ignore_eos=True)
+    e.run()
+    block = e.kv.pool.free_queue()[-1]  # freed first among a's pages... find its indexer page 0:
+    block = next(b for b in range(1, 64) if getattr(e.pool.get_tag(b), "group", None) == "indexer")
+    assert e.prefix_cache.on_block_reuse(block, e.pool.clear_tag(block))  # as the pool would
+    req = Request("probe", prompt(9, 40))
+    hit, blocks = e.prefix_cache.lookup(req)
+    assert hit == 0 and blocks == {"mla": [], "indexer": []}
+
+
+def test_preempting_a_request_that_shares_pages_keeps_them_for_the_other(make_engine):
+    # 18 usable pages. a and b share a 32-token prefix (8 mla + 2 indexer pages); each grows to
+    # 53 tokens (14 + 4 pages), so both together (10 shared + 8 + 8) need 26: b must be preempted.
+    e = make_engine(num_blocks=19, max_num_batched_tokens=64, max_model_len=96, prefix_caching=True)
+    stem = prompt(12, 32)
+    e.add("a", stem + [1], max_tokens=20, ignore_eos=True)
+    e.step()
+    e.add("b", stem + [2], max_tokens=20, ignore_eos=True)
+    e.step()
+    assert e.added["b"].num_cached_tokens == 32
+    shared = e.kv.block_table("b", "mla")[:8] + e.kv.block_table("b", "indexer")[:2]
+    assert all(e.pool.refcount(blk) == 2 for blk in shared)
+    while e.added["b"].num_preemptions == 0:
+        e.step()
+    assert e.kv.block_table("a", "mla")[:8] + e.kv.block_table("a", "indexer")[:2] == shared
+    assert all(e.pool.refcount(blk) == 1 for blk in shared)  # b's references are gone, a's remain
+    e.run()
+    e.check_against_reference()
+    assert e.sched.num_preemptions_total >= 1
