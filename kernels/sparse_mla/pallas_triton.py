@@ -105,7 +105,7 @@ def _dot_nn(a, b, precision):
 
 
 def _kernel(row_base_ref, slots_ref, *refs, codec: RowCodec, n_lat: int, n_rope: int, tpp: int, row_words: int,
-            num_blocks: int, block_k: int, num_k_blocks: int, scale: float, precision: str):
+            num_blocks: int, block_k: int, blocks_per_split: int, scale: float, precision: str):
     q_lat_refs = refs[:n_lat]
     q_rope_refs = refs[n_lat:n_lat + n_rope]
     arena_ref = refs[n_lat + n_rope]
@@ -113,14 +113,15 @@ def _kernel(row_base_ref, slots_ref, *refs, codec: RowCodec, n_lat: int, n_rope:
     lse_ref = refs[-1]
 
     row_base = row_base_ref[0]
+    first_block = pl.program_id(2) * blocks_per_split
     q_lat = [r[...] for r in q_lat_refs]
     q_rope = [r[...] for r in q_rope_refs]
     bh = q_lat[0].shape[0]
     iotas = [lax.broadcasted_iota(jnp.int32, (1, n), 1) for _, n in codec.segments]
 
-    def body(kb, carry):
+    def body(i, carry):
         m, l, accs = carry
-        slots = slots_ref[pl.ds(kb * block_k, block_k)]
+        slots = slots_ref[pl.ds((first_block + i) * block_k, block_k)]
         valid = (slots >= tpp) & (slots < num_blocks * tpp)  # −1, null block, out of range: absent
         safe = jnp.where(valid, slots, 0)
         blk = (safe // tpp)[:, None]
@@ -147,7 +148,7 @@ def _kernel(row_base_ref, slots_ref, *refs, codec: RowCodec, n_lat: int, n_rope:
     m0 = jnp.full((bh,), -jnp.inf, jnp.float32)
     l0 = jnp.zeros((bh,), jnp.float32)
     acc0 = tuple(jnp.zeros((bh, q.shape[1]), jnp.float32) for q in q_lat)
-    m, l, accs = lax.fori_loop(0, num_k_blocks, body, (m0, l0, acc0))
+    m, l, accs = lax.fori_loop(0, blocks_per_split, body, (m0, l0, acc0))
     nonempty = l > 0
     inv = 1.0 / jnp.where(nonempty, l, 1.0)
     for o_ref, acc in zip(o_refs, accs):
@@ -155,9 +156,33 @@ def _kernel(row_base_ref, slots_ref, *refs, codec: RowCodec, n_lat: int, n_rope:
     lse_ref[...] = jnp.where(nonempty, jnp.where(nonempty, m, 0.0) + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf)
 
 
+def combine_splits(o_TSNA: jax.Array, lse_TSN: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Merge partial softmax results over disjoint key splits (log-sum-exp weights).
+
+    `o_TSNA` float32 `[T, S, N, A]` and `lse_TSN` `[T, S, N]` (−inf for an empty split) → `o [T, N, A]`,
+    `lse [T, N]` (−inf, o = 0 when every split is empty). Splits are summed in index order.
+    """
+    m = jnp.max(lse_TSN, axis=1)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(lse_TSN - m_safe[:, None])  # 0 for empty splits
+    total = jnp.sum(e, axis=1)
+    nonempty = total > 0
+    lse = jnp.where(nonempty, m_safe + jnp.log(jnp.where(nonempty, total, 1.0)), -jnp.inf)
+    w = e / jnp.where(nonempty, total, 1.0)[:, None]
+    return jnp.sum(w[..., None] * o_TSNA, axis=1), lse
+
+
+def auto_num_splits(T: int, head_blocks: int, k_blocks: int, target_programs: int = 264) -> int:
+    """Key splits so that T · head_blocks · splits reaches `target_programs` (two per SM of a
+    132-SM H200), a power of two, at most `k_blocks` (each split keeps ≥ 1 block of keys)."""
+    want = max(1, -(-target_programs // max(1, T * head_blocks)))
+    cap = 1 << (max(1, k_blocks).bit_length() - 1)  # largest power of two <= k_blocks
+    return min(next_power_of_two(want), cap)
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("layout", "component", "kv_lora_rank", "scale", "block_k", "block_h", "num_warps",
+    static_argnames=("layout", "component", "kv_lora_rank", "scale", "block_k", "block_h", "num_splits", "num_warps",
                      "num_stages", "precision", "interpret"),
 )
 def sparse_mla_pallas_triton(
@@ -172,6 +197,7 @@ def sparse_mla_pallas_triton(
     scale: float,
     block_k: int = 64,
     block_h: int = 64,
+    num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
     precision: str = "highest",
@@ -187,7 +213,9 @@ def sparse_mla_pallas_triton(
       layer: layer index inside the component (int or traced int32 scalar).
       kv_lora_rank: A. scale: softmax scale.
       block_k: slots per online-softmax step. block_h: heads per program (capped at the padded
-        head count). num_warps, num_stages: Triton launch parameters.
+        head count). num_splits: programs sharing one token's K slots (contiguous ranges of the
+        list, merged by `combine_splits`; None → `auto_num_splits`, which fills the GPU at small
+        decode batches). num_warps, num_stages: Triton launch parameters.
       precision: "highest" or "bf16" (module docstring).
       interpret: run the kernel in Pallas interpret mode (any backend; for tests).
     Returns:
@@ -211,7 +239,10 @@ def sparse_mla_pallas_triton(
     Np = max(16, next_power_of_two(N))
     bh = min(block_h, Np)
     K = topk_slots_TK.shape[1]
-    Kp = max(block_k, -(-K // block_k) * block_k)
+    k_blocks = max(1, -(-K // block_k))
+    splits = auto_num_splits(T, Np // bh, k_blocks) if num_splits is None else num_splits
+    per_split = -(-k_blocks // splits)
+    Kp = per_split * splits * block_k
     q_dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
     q = jnp.pad(q_TNC.astype(q_dtype), ((0, 0), (0, Np - N), (0, 0)))
     slots = jnp.pad(topk_slots_TK.astype(jnp.int32), ((0, 0), (0, Kp - K)), constant_values=-1)
@@ -219,21 +250,23 @@ def sparse_mla_pallas_triton(
     q_rope = to_lanes(q[..., A:], comp.row_dtype)
     row_base = (base + jnp.asarray(layer, jnp.int32) * (tpp * comp.row_words)).astype(jnp.int32).reshape(1)
 
-    grid = (T, Np // bh)
-    lane_spec = lambda w: pl.BlockSpec((None, bh, w), lambda t, h: (t, h, 0))  # noqa: E731
+    grid = (T, Np // bh, splits)
+    in_spec = lambda w: pl.BlockSpec((None, bh, w), lambda t, h, s: (t, h, 0))  # noqa: E731
+    out_spec = lambda w: pl.BlockSpec((None, None, bh, w), lambda t, h, s: (t, s, h, 0))  # noqa: E731
     in_specs = [
         pl.no_block_spec,
-        pl.BlockSpec((None, Kp), lambda t, h: (t, 0)),
-        *[lane_spec(x.shape[-1]) for x in q_lat],
-        *[lane_spec(x.shape[-1]) for x in q_rope],
+        pl.BlockSpec((None, Kp), lambda t, h, s: (t, 0)),
+        *[in_spec(x.shape[-1]) for x in q_lat],
+        *[in_spec(x.shape[-1]) for x in q_rope],
         pl.no_block_spec,
     ]
-    out_shape = [jax.ShapeDtypeStruct((T, Np, x.shape[-1]), jnp.float32) for x in q_lat]
-    out_shape.append(jax.ShapeDtypeStruct((T, Np), jnp.float32))
-    out_specs = [lane_spec(x.shape[-1]) for x in q_lat] + [pl.BlockSpec((None, bh), lambda t, h: (t, h))]
+    out_shape = [jax.ShapeDtypeStruct((T, splits, Np, x.shape[-1]), jnp.float32) for x in q_lat]
+    out_shape.append(jax.ShapeDtypeStruct((T, splits, Np), jnp.float32))
+    out_specs = [out_spec(x.shape[-1]) for x in q_lat]
+    out_specs.append(pl.BlockSpec((None, None, bh), lambda t, h, s: (t, s, h)))
     kernel = functools.partial(
         _kernel, codec=codec, n_lat=len(q_lat), n_rope=len(q_rope), tpp=tpp, row_words=comp.row_words,
-        num_blocks=num_blocks, block_k=block_k, num_k_blocks=Kp // block_k, scale=float(scale), precision=precision)
+        num_blocks=num_blocks, block_k=block_k, blocks_per_split=per_split, scale=float(scale), precision=precision)
     *o_lanes, lse = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -244,5 +277,9 @@ def sparse_mla_pallas_triton(
         interpret=interpret,
         name="sparse_mla",
     )(row_base, slots, *q_lat, *q_rope, kv_arena)
-    o = from_lanes(o_lanes)[:, :N]
-    return o, lse[:, :N]
+    o = from_lanes(o_lanes)  # [T, splits, Np, A]
+    if splits == 1:
+        o, lse = o[:, 0], lse[:, 0]
+    else:
+        o, lse = combine_splits(o, lse)
+    return o[:, :N], lse[:, :N]

@@ -43,6 +43,8 @@ def test_matches_reference_and_dense_maths(rng, row_dtype):
     lay, seqs, arena, slots, req, topk, q = _case(rng, row_dtype)
     layer = jnp.int32(1)  # traced layer index
     kw = dict(layout=lay, component="c", kv_lora_rank=A, scale=0.3)
+    # K = 20 → two blocks of 16; 20 heads → two head blocks; the automatic split count gives 2
+    # splits (one block each), so the log-sum-exp combine is exercised too.
     o, lse = sparse_mla_pallas_triton(q, arena, topk, layer, **kw, block_k=16, block_h=16, interpret=True)
     o_ref, lse_ref = sparse_mla_reference(q, arena, topk, layer, **kw)
     o, lse = np.asarray(o), np.asarray(lse)
@@ -83,7 +85,8 @@ def test_same_rows_elsewhere_give_bit_identical_output(rng):
     assert not np.array_equal(s1[0], s2[0])
     q = jnp.asarray(rng.standard_normal((2, 16, A + R)).astype(np.float32))
     pick = np.array([[5, 1, 7, -1] * 4, [0, 2, 3, 6] * 4])
-    kw = dict(layout=lay, component="c", kv_lora_rank=A, scale=0.2, block_k=16, block_h=16, interpret=True)
+    kw = dict(layout=lay, component="c", kv_lora_rank=A, scale=0.2, block_k=16, block_h=16, num_splits=1,
+              interpret=True)
     t1 = jnp.asarray(np.where(pick >= 0, s1[0][pick], -1).astype(np.int32))
     t2 = jnp.asarray(np.where(pick >= 0, s2[0][pick], -1).astype(np.int32))
     o1, l1 = sparse_mla_pallas_triton(q, arena1, t1, 0, **kw)
