@@ -198,7 +198,7 @@ def sparse_mla_pallas_triton(
     block_k: int = 64,
     block_h: int = 64,
     num_splits: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 2,
     precision: str = "highest",
     interpret: bool = False,
@@ -215,7 +215,8 @@ def sparse_mla_pallas_triton(
       block_k: slots per online-softmax step. block_h: heads per program (capped at the padded
         head count). num_splits: programs sharing one token's K slots (contiguous ranges of the
         list, merged by `combine_splits`; None → `auto_num_splits`, which fills the GPU at small
-        decode batches). num_warps, num_stages: Triton launch parameters.
+        decode batches). num_warps (None → 8 for ≥ 32 heads per program, else 4), num_stages:
+        Triton launch parameters.
       precision: "highest" or "bf16" (module docstring).
       interpret: run the kernel in Pallas interpret mode (any backend; for tests).
     Returns:
@@ -250,6 +251,8 @@ def sparse_mla_pallas_triton(
     q_rope = to_lanes(q[..., A:], comp.row_dtype)
     row_base = (base + jnp.asarray(layer, jnp.int32) * (tpp * comp.row_words)).astype(jnp.int32).reshape(1)
 
+    if num_warps is None:
+        num_warps = 8 if bh >= 32 else 4
     grid = (T, Np // bh, splits)
     in_spec = lambda w: pl.BlockSpec((None, bh, w), lambda t, h, s: (t, h, 0))  # noqa: E731
     out_spec = lambda w: pl.BlockSpec((None, None, bh, w), lambda t, h, s: (t, s, h, 0))  # noqa: E731
