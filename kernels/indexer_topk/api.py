@@ -17,6 +17,7 @@ unless `implementation` says otherwise.
 from __future__ import annotations
 
 import jax
+from jaxtyping import Array, Float, Int, UInt32
 
 from kernels.indexer_topk.pallas_triton import indexer_topk_pallas_triton, unsupported_reason
 from kernels.indexer_topk.reference import indexer_topk_reference
@@ -29,8 +30,11 @@ def default_implementation() -> str:
     return "pallas_triton" if jax.default_backend() == "gpu" else "xla"
 
 
-def indexer_topk(q_TID, w_TI, kv_arena, block_table_BP, req_idx_T, positions_T, layer, *, layout, component="indexer",
-                 topk, implementation: str | None = None, interpret: bool = False, precision: str | None = None):
+def indexer_topk(q_TID: Float[Array, "T I D"], w_TI: Float[Array, "T I"], kv_arena: UInt32[Array, "blocks page_words"],
+                 block_table_BP: Int[Array, "B P"], req_idx_T: Int[Array, " T"], positions_T: Int[Array, " T"],
+                 layer: Int[Array, ""] | int, *, layout, component="indexer", topk: int,
+                 implementation: str | None = None, interpret: bool = False,
+                 precision: str | None = None) -> tuple[Int[Array, "T K"], Int[Array, " T"]]:
     """`(topk_indices [T,K] int32, valid [T] int32)`; see `reference.indexer_topk_reference`.
 
     implementation: None (choose, module docstring), "xla" or "pallas_triton".

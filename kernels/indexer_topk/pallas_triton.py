@@ -185,6 +185,8 @@ def indexer_topk_pallas_triton(
     base, comp = layout.component(component)
     if Dk != comp.width:
         raise ValueError(f"query width {Dk} != key row width {comp.width}")
+    if T == 0:
+        return jnp.zeros((0, topk), jnp.int32), jnp.zeros((0,), jnp.int32)
     tpp = layout.tokens_per_page
     P = block_table_BP.shape[1]
     row_base = (base + jnp.asarray(layer, jnp.int32) * (tpp * comp.row_words)).astype(jnp.int32).reshape(1)

@@ -23,6 +23,7 @@ keeps them on this op (the sparse path) as well.
 from __future__ import annotations
 
 import jax
+from jaxtyping import Array, Float, Int, UInt32
 
 from kernels.sparse_mla.pallas_triton import sparse_mla_pallas_triton, unsupported_reason
 from kernels.sparse_mla.reference import sparse_mla_reference
@@ -35,8 +36,10 @@ def default_implementation() -> str:
     return "pallas_triton" if jax.default_backend() == "gpu" else "xla"
 
 
-def sparse_mla(q_TNC, kv_arena, topk_slots_TK, layer, *, layout, component="mla", kv_lora_rank, scale,
-               implementation: str | None = None, interpret: bool = False, precision: str | None = None):
+def sparse_mla(q_TNC: Float[Array, "T N C"], kv_arena: UInt32[Array, "blocks page_words"],
+               topk_slots_TK: Int[Array, "T K"], layer: Int[Array, ""] | int, *, layout, component="mla",
+               kv_lora_rank: int, scale: float, implementation: str | None = None, interpret: bool = False,
+               precision: str | None = None) -> tuple[Float[Array, "T N A"], Float[Array, "T N"]]:
     """`(o_lat [T,N,A] fp32, lse [T,N] fp32)`; see `reference.sparse_mla_reference` for the contract.
 
     implementation: None (choose, module docstring), "xla" or "pallas_triton".

@@ -234,6 +234,8 @@ def sparse_mla_pallas_triton(
     if C != comp.width:
         raise ValueError(f"q width {C} != cache row width {comp.width}")
     codec = mla_row_codec(comp.row_dtype, A, C - A)
+    if T == 0:
+        return jnp.zeros((0, N, A), jnp.float32), jnp.zeros((0, N), jnp.float32)
     tpp = layout.tokens_per_page
     num_blocks = kv_arena.shape[0]
 
