@@ -20,7 +20,10 @@ Reduction order: blocks are visited in top-k list order and, inside a block, the
 run over the block's list positions. Nothing in the order depends on the slot values (they only
 form addresses), so the same rows at other slots (a HiSparse hot buffer instead of their resident
 pages) give bit-identical outputs. The order differs from the reference's (one softmax over all K
-at once), so Pallas and reference agree to rounding, not bitwise.
+at once), so Pallas and reference agree to rounding, not bitwise. With `num_splits` > 1 the list
+is cut into equal contiguous ranges (by list position) whose partial results are merged in range
+order; the automatic split count depends on T and the head count, so a caller that needs the same
+bits for one token across different batch sizes passes `num_splits` explicitly.
 
 Precision (`precision=`):
   "highest"  fp32 operands, IEEE fp32 dots (Triton `input_precision=ieee`): the reference's
