@@ -233,7 +233,7 @@ def indexer_case(bench, key, *, B, S, I, Dk, K, row_dtype, impl, max_tokens, lab
     return rec
 
 
-def indexer_scores_only(bench, key, *, B, S, I, Dk, row_dtype, block_s=64, precision="bf16", interpret=False):
+def indexer_scores_only(bench, key, *, B, S, I, Dk, row_dtype, block_s=128, precision="bf16", interpret=False):
     """Diagnostic: the Pallas score kernel alone over all S keys in one launch (no top-k merge)."""
     from kernels.indexer_topk.pallas_triton import chunk_scores
     from kernels.pallas_rows import to_lanes
@@ -254,7 +254,7 @@ def indexer_scores_only(bench, key, *, B, S, I, Dk, row_dtype, block_s=64, preci
 
     nbytes = B * S * (4 * comp.row_words + 4) + B * P * 4  # keys, fp32 scores out, block table
     flops = B * S * (2 * I * Dk + 3 * I)
-    return bench.run(f"indexer scores-only pallas {row_dtype} B={B} S={S}", jax.jit(f),
+    return bench.run(f"indexer scores-only pallas {row_dtype} B={B} S={S} block_s={block_s}", jax.jit(f),
                      (q, w, arena, bt, req, pos), nbytes, flops, op="indexer_scores", impl="pallas_triton", B=B, S=S,
                      row_dtype=row_dtype)
 
@@ -317,12 +317,13 @@ FULL = dict(mla_rows=1 << 20, K=None, mla_decode=((64, (32, 128, 64, 1, 8)), (8,
                         (128, 1 << 20)),
             sweep_shapes=((64, 32), (8, 128)),
             sweep=((64, 64, 4, 2, None), (32, 64, 8, 3, None), (64, 32, 8, 2, None), (64, 64, 8, 3, None),
-                   (64, 64, 8, 2, 1), (128, 64, 8, 2, None), (64, 16, 4, 2, None)),
-            scores_only=((32, 131072), (128, 8192)), s_chunks=(16384, 65536), idx_diag=(32, 131072),
+                   (64, 64, 8, 2, 1), (64, 64, 8, 2, 2), (64, 64, 8, 2, 8), (64, 64, 8, 2, 16), (128, 64, 8, 2, None),
+                   (64, 16, 4, 2, None)),
+            scores_only=((32, 131072), (128, 8192)), block_s=(128, 64, 256), s_chunks=(16384, 65536), idx_diag=(32, 131072),
             mid=(32, 64), prefill_T=2048, ref_idx=(32, 8192), max_tokens=1 << 25, interpret=False)
 # --smoke: the same code paths at tiny sizes in interpret mode (checks the script itself on any backend).
 SMOKE = dict(mla_rows=1 << 12, K=64, mla_decode=((16, (2,)),), idx_decode=((2, 512),), sweep_shapes=((16, 2),),
-             sweep=((32, 16, 4, 2, None), (32, 16, 4, 2, 1)), scores_only=((2, 256),), s_chunks=(256,),
+             sweep=((32, 16, 4, 2, None), (32, 16, 4, 2, 1)), scores_only=((2, 256),), block_s=(128,), s_chunks=(256,),
              idx_diag=(2, 512), mid=(2, 16), prefill_T=4, ref_idx=(2, 256), max_tokens=1 << 12, interpret=True)
 
 
@@ -350,7 +351,8 @@ def gpu_plan(bench, cfg, sz):
                             label=f"bk={bk} bh={bh} w={nw} st={ns} sp={sp}")
     print("indexer diagnostics:")
     for B, S in sz["scores_only"]:
-        indexer_scores_only(bench, key, B=B, S=S, I=I, Dk=Dk, row_dtype="bfloat16", interpret=ip)
+        for bs in sz["block_s"]:
+            indexer_scores_only(bench, key, B=B, S=S, I=I, Dk=Dk, row_dtype="bfloat16", block_s=bs, interpret=ip)
     B, S = sz["idx_diag"]
     for sc in sz["s_chunks"]:
         indexer_case(bench, key, B=B, S=S, I=I, Dk=Dk, K=K, row_dtype="bfloat16", impl="pallas_triton",

@@ -159,7 +159,7 @@ def indexer_topk_pallas_triton(
     topk: int,
     t_chunk: int = 64,
     s_chunk: int = 4096,
-    block_s: int = 64,
+    block_s: int = 128,
     num_warps: int = 4,
     num_stages: int = 2,
     precision: str = "highest",

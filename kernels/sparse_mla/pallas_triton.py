@@ -175,11 +175,14 @@ def combine_splits(o_TSNA: jax.Array, lse_TSN: jax.Array) -> tuple[jax.Array, ja
     return jnp.sum(w[..., None] * o_TSNA, axis=1), lse
 
 
-def auto_num_splits(T: int, head_blocks: int, k_blocks: int, target_programs: int = 264) -> int:
+def auto_num_splits(T: int, head_blocks: int, k_blocks: int, max_splits: int | None = None,
+                    target_programs: int = 264) -> int:
     """Key splits so that T · head_blocks · splits reaches `target_programs` (two per SM of a
-    132-SM H200), a power of two, at most `k_blocks` (each split keeps ≥ 1 block of keys)."""
+    132-SM H200): a power of two, at most `k_blocks` (each split keeps ≥ 1 block of keys) and at
+    most `max_splits` (the caller's cap on the partial-output traffic)."""
     want = max(1, -(-target_programs // max(1, T * head_blocks)))
-    cap = 1 << (max(1, k_blocks).bit_length() - 1)  # largest power of two <= k_blocks
+    cap = min(k_blocks, max_splits or k_blocks)
+    cap = 1 << (max(1, cap).bit_length() - 1)  # largest power of two <= cap
     return min(next_power_of_two(want), cap)
 
 
@@ -218,7 +221,7 @@ def sparse_mla_pallas_triton(
       block_k: slots per online-softmax step. block_h: heads per program (capped at the padded
         head count). num_splits: programs sharing one token's K slots (contiguous ranges of the
         list, merged by `combine_splits`; None → `auto_num_splits`, which fills the GPU at small
-        decode batches). num_warps (None → 8 for ≥ 32 heads per program, else 4), num_stages:
+        decode batches while the fp32 partials stay under a quarter of the row bytes). num_warps (None → 8 for ≥ 32 heads per program, else 4), num_stages:
         Triton launch parameters.
       precision: "highest" or "bf16" (module docstring).
       interpret: run the kernel in Pallas interpret mode (any backend; for tests).
@@ -246,7 +249,13 @@ def sparse_mla_pallas_triton(
     bh = min(block_h, Np)
     K = topk_slots_TK.shape[1]
     k_blocks = max(1, -(-K // block_k))
-    splits = auto_num_splits(T, Np // bh, k_blocks) if num_splits is None else num_splits
+    if num_splits is None:
+        # Each split writes fp32 partials [bh, A] that the combine reads back: keep them under a
+        # quarter of the row bytes the split reads (rows ≥ 16 · bh · A / row_bytes per split).
+        rows_min = -(-16 * bh * A // (4 * comp.row_words))
+        splits = auto_num_splits(T, Np // bh, k_blocks, max_splits=max(1, (k_blocks * block_k) // rows_min))
+    else:
+        splits = num_splits
     per_split = -(-k_blocks // splits)
     Kp = per_split * splits * block_k
     q_dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32

@@ -43,9 +43,10 @@ def test_matches_reference_and_dense_maths(rng, row_dtype):
     lay, seqs, arena, slots, req, topk, q = _case(rng, row_dtype)
     layer = jnp.int32(1)  # traced layer index
     kw = dict(layout=lay, component="c", kv_lora_rank=A, scale=0.3)
-    # K = 20 → two blocks of 16; 20 heads → two head blocks; the automatic split count gives 2
-    # splits (one block each), so the log-sum-exp combine is exercised too.
-    o, lse = sparse_mla_pallas_triton(q, arena, topk, layer, **kw, block_k=16, block_h=16, interpret=True)
+    # K = 20 → two blocks of 16; 20 heads → two head blocks; two key splits of one block each, so
+    # the log-sum-exp combine is exercised too.
+    o, lse = sparse_mla_pallas_triton(q, arena, topk, layer, **kw, block_k=16, block_h=16, num_splits=2,
+                                      interpret=True)
     o_ref, lse_ref = sparse_mla_reference(q, arena, topk, layer, **kw)
     o, lse = np.asarray(o), np.asarray(lse)
     assert o.shape == (5, 20, A) and lse.shape == (5, 20)
