@@ -425,7 +425,13 @@ def main():
                 best[k] = r
     print("summary (best per shape): op, heads, batch, context → % of HBM bandwidth")
     for (op, N, T, S), r in sorted(best.items(), key=lambda kv: str(kv[0])):
-        print(f"  {op:13s} N={N} T/B={T} S={S}: {100 * r['hbm_fraction']:.1f}%  ({r['name']})")
+        target = ""
+        if backend == "gpu" and not args.smoke and r["impl"] == "pallas_triton":
+            if op == "sparse_mla" and T >= 32 and T < 1024:
+                target = f"  target 70%: {'met' if r['hbm_fraction'] >= 0.7 else 'MISSED'}"
+            elif op == "indexer_topk":
+                target = f"  target 60%: {'met' if r['hbm_fraction'] >= 0.6 else 'MISSED'}"
+        print(f"  {op:13s} N={N} T/B={T} S={S}: {100 * r['hbm_fraction']:.1f}%  ({r['name']}){target}")
     print(f"wrote {path}; total {time.perf_counter() - bench.t_start:.0f}s of cases")
 
 

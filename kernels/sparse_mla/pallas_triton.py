@@ -6,8 +6,9 @@ give `o_lat float32[T, N, A]` and `lse float32[T, N]` (natural log, −inf for a
 slot, never NaN). Decode (T = batch) and prefill (T = all new tokens of a ragged batch) are the
 same call: every query token carries its own K slots.
 
-Kernel (one program per (token t, block of `block_h` heads)):
-  * the program walks the token's K slots in blocks of `block_k`, in list order;
+Kernel (one program per (token t, block of `block_h` heads, key split)):
+  * the program walks its split's range of the token's K slots in blocks of `block_k`, in list
+    order (one split: all K; several: `combine_splits` merges the partial results);
   * for each block it loads the slots, turns each into (block = slot // tpp, word offset =
     row_base + (slot % tpp) · row_words) and gathers the row segments straight from the arena
     (`kv_arena uint32[num_blocks, page_words]`, one masked load per segment; −1 and null-block
@@ -36,6 +37,11 @@ Supported (else NotImplementedError, which the dispatch turns into the reference
 with a codec in `kernels.pallas_rows`; A / L and R / L powers of two and ≥ 16 (Triton's dot
 and its power-of-two tensor sizes; L = values per word); `block_k`, `block_h` powers of two
 ≥ 16. Heads are padded to a power of two ≥ 16 and K to a multiple of `block_k` with −1.
+A new row dtype (fp8_ds_mla) needs only a codec in `kernels.pallas_rows` (its word segments:
+latent bytes, tile scales, rope) — the kernel loads whatever segments the codec names.
+
+JAX 0.11 marks the Pallas Triton backend deprecated in favour of Mosaic GPU (a warning at
+lowering); the kernel keeps to the plain load/dot/reduce subset that both lower.
 """
 
 from __future__ import annotations
