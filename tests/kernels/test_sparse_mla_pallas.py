@@ -116,3 +116,23 @@ def test_dispatch(rng):
     fb = api.sparse_mla(q12, arena, topk, 1, **kw12, interpret=True)
     for a, b in zip(fb, sparse_mla_reference(q12, arena, topk, 1, **kw12)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_prefill_with_every_key_selected_is_dense_causal_attention(rng):
+    """A 10-token prompt whose top-k lists hold every causal key (K = 16 ≥ 10): the Pallas kernel
+    must equal dense causal softmax attention (float64 numpy) over the stored bf16 rows."""
+    lay = make_layout(A + R, num_layers=1, tpp=4, row_dtype="bfloat16")
+    S = 10
+    kv = rng.standard_normal((S, A + R)).astype(np.float32)
+    arena, _, slots = scatter_dense(lay, 6, [kv], 0, rng)
+    kv = np.asarray(jnp.asarray(kv).astype(jnp.bfloat16).astype(jnp.float32))
+    q = rng.standard_normal((S, 16, A + R)).astype(np.float32)
+    topk = np.array([[slots[0][s] if s <= t else -1 for s in range(16)] for t in range(S)], np.int32)
+    o, lse = sparse_mla_pallas_triton(jnp.asarray(q), arena, jnp.asarray(topk), 0, layout=lay, component="c",
+                                      kv_lora_rank=A, scale=0.5, block_k=16, block_h=16, interpret=True)
+    s = np.einsum("tnc,sc->tns", q.astype(np.float64), kv) * 0.5
+    s = np.where(np.tril(np.ones((S, S), bool))[:, None, :], s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - m)
+    np.testing.assert_allclose(np.asarray(o), (p / p.sum(-1, keepdims=True)) @ kv[:, :A], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), m[..., 0] + np.log(p.sum(-1)), atol=1e-5, rtol=1e-5)
