@@ -114,6 +114,17 @@ def key_row_codec(row_dtype: str, width: int) -> RowCodec:
     return RowCodec(segments=((0, width // L),), decode=decode, part_lanes=(L,))
 
 
+def word_alignment(*strides: int, cap: int = 16) -> int:
+    """Largest power of two (≤ `cap`) dividing every stride: the word alignment every row start
+    built from these strides is known to have. Kernels pass it to Triton as a divisibility hint
+    (`pl.multiple_of`) so that row loads can use 16-byte vector accesses."""
+    a = cap
+    for s in strides:
+        while a > 1 and s % a:
+            a //= 2
+    return a
+
+
 def is_power_of_two(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 

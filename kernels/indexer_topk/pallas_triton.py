@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels.paged.layout import GroupLayout
-from kernels.pallas_rows import RowCodec, is_power_of_two, key_row_codec, to_lanes
+from kernels.pallas_rows import RowCodec, is_power_of_two, key_row_codec, to_lanes, word_alignment
 
 PRECISIONS = ("highest", "bf16")
 _BIG = jnp.iinfo(jnp.int32).max
@@ -77,7 +77,7 @@ def unsupported_reason(layout: GroupLayout, component: str, num_heads: int, *, b
 
 
 def _scores_kernel(chunk_start_ref, row_base_ref, req_ref, pos_ref, w_ref, *refs, codec: RowCodec, n_lanes: int,
-                   tpp: int, row_words: int, pages: int, block_s: int, scale: float, precision: str):
+                   tpp: int, row_words: int, pages: int, block_s: int, scale: float, precision: str, align: int):
     q_refs = refs[:n_lanes]
     bt_ref, arena_ref, out_ref = refs[n_lanes:]
     t = pl.program_id(0)
@@ -89,7 +89,10 @@ def _scores_kernel(chunk_start_ref, row_base_ref, req_ref, pos_ref, w_ref, *refs
     in_table = (s <= pos) & (page < pages)
     blk = plgpu.load(bt_ref.at[req, jnp.where(in_table, page, 0)], mask=in_table, other=0)
     valid = in_table & (blk > 0)
-    start = row_base_ref[0] + (s % tpp) * row_words
+    row_base = row_base_ref[0]
+    if align > 1:
+        row_base = pl.multiple_of(row_base, align)  # proven by the wrapper's static strides
+    start = row_base + (s % tpp) * row_words
     (off, n), = codec.segments
     cols = lax.broadcasted_iota(jnp.int32, (1, n), 1)
     words = plgpu.load(arena_ref.at[jnp.where(valid, blk, 0)[:, None], start[:, None] + off + cols],
@@ -108,13 +111,14 @@ def _scores_kernel(chunk_start_ref, row_base_ref, req_ref, pos_ref, w_ref, *refs
 
 
 def chunk_scores(q_lanes, w_TI, req_T, pos_T, block_table_BP, kv_arena, row_base, chunk_start, *, layout, comp,
-                 s_chunk, block_s, num_warps, num_stages, precision, interpret):
+                 s_chunk, block_s, num_warps, num_stages, precision, interpret, base=None):
     """PALLAS: fp32 scores `[Tc, s_chunk]` of keys `chunk_start + [0, s_chunk)` (−inf where masked)."""
     Tc, I = w_TI.shape
     codec = key_row_codec(comp.row_dtype, comp.width)
     kernel = functools.partial(
         _scores_kernel, codec=codec, n_lanes=len(q_lanes), tpp=layout.tokens_per_page, row_words=comp.row_words,
-        pages=block_table_BP.shape[1], block_s=block_s, scale=comp.width ** -0.5, precision=precision)
+        pages=block_table_BP.shape[1], block_s=block_s, scale=comp.width ** -0.5, precision=precision,
+        align=1 if base is None else word_alignment(base, layout.tokens_per_page * comp.row_words))
     any_spec = pl.no_block_spec
     return pl.pallas_call(
         kernel,
@@ -212,7 +216,7 @@ def indexer_topk_pallas_triton(
             start = (c * s_chunk).astype(jnp.int32)
             score = chunk_scores(ql, w, req, pos, block_table_BP, kv_arena, row_base, start, layout=layout, comp=comp,
                                  s_chunk=s_chunk, block_s=block_s, num_warps=num_warps, num_stages=num_stages,
-                                 precision=precision, interpret=interpret)
+                                 precision=precision, interpret=interpret, base=base)
             return _merge(*carry, score, start + jnp.arange(s_chunk, dtype=jnp.int32), topk)
 
         init = (jnp.full((tc, topk), jnp.inf, jnp.float32), jnp.full((tc, topk), _BIG, jnp.int32))

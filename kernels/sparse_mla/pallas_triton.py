@@ -55,7 +55,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels.paged.layout import GroupLayout
-from kernels.pallas_rows import RowCodec, from_lanes, is_power_of_two, mla_row_codec, next_power_of_two, to_lanes
+from kernels.pallas_rows import (RowCodec, from_lanes, is_power_of_two, mla_row_codec, next_power_of_two, to_lanes,
+                                 word_alignment)
 
 PRECISIONS = ("highest", "bf16")
 
@@ -114,7 +115,7 @@ def _dot_nn(a, b, precision):
 
 
 def _kernel(row_base_ref, slots_ref, *refs, codec: RowCodec, n_lat: int, n_rope: int, tpp: int, row_words: int,
-            num_blocks: int, block_k: int, blocks_per_split: int, scale: float, precision: str):
+            num_blocks: int, block_k: int, blocks_per_split: int, scale: float, precision: str, align: int):
     q_lat_refs = refs[:n_lat]
     q_rope_refs = refs[n_lat:n_lat + n_rope]
     arena_ref = refs[n_lat + n_rope]
@@ -122,6 +123,8 @@ def _kernel(row_base_ref, slots_ref, *refs, codec: RowCodec, n_lat: int, n_rope:
     lse_ref = refs[-1]
 
     row_base = row_base_ref[0]
+    if align > 1:
+        row_base = pl.multiple_of(row_base, align)  # proven by the wrapper's static strides
     first_block = pl.program_id(2) * blocks_per_split
     q_lat = [r[...] for r in q_lat_refs]
     q_rope = [r[...] for r in q_rope_refs]
@@ -289,7 +292,8 @@ def sparse_mla_pallas_triton(
     out_specs.append(pl.BlockSpec((None, None, bh), lambda t, h, s: (t, s, h)))
     kernel = functools.partial(
         _kernel, codec=codec, n_lat=len(q_lat), n_rope=len(q_rope), tpp=tpp, row_words=comp.row_words,
-        num_blocks=num_blocks, block_k=block_k, blocks_per_split=per_split, scale=float(scale), precision=precision)
+        num_blocks=num_blocks, block_k=block_k, blocks_per_split=per_split, scale=float(scale), precision=precision,
+        align=word_alignment(base, tpp * comp.row_words))
     *o_lanes, lse = pl.pallas_call(
         kernel,
         out_shape=out_shape,

@@ -31,3 +31,11 @@ def test_mla_codec_splits_latent_and_rope(rng):
     np.testing.assert_array_equal(np.asarray(from_lanes(rope)), stored[:, A:])
     with pytest.raises(NotImplementedError):
         mla_row_codec("fp8_e4m3", A, R)
+
+
+def test_word_alignment_is_the_common_power_of_two():
+    from kernels.pallas_rows import word_alignment
+    assert word_alignment(0, 64 * 288) == 16  # bf16 MLA rows, first component
+    assert word_alignment(64 * 288, 64 * 164) == 16
+    assert word_alignment(8, 64 * 164) == 8
+    assert word_alignment(3, 64) == 1
