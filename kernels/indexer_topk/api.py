@@ -1,15 +1,58 @@
-"""Dispatch for the indexer top-k: the reference is the only implementation in this build."""
+"""Dispatch for the indexer top-k: picks an implementation for the backend, falling back to the reference.
+
+Implementations (the registry `IMPLEMENTATIONS`):
+  "xla"            `reference.indexer_topk_reference`: pure JAX, the CPU path and the oracle.
+  "pallas_triton"  `pallas_triton.indexer_topk_pallas_triton`: Pallas score kernel (Triton
+                   lowering) with the reference's two-key sort merge in JAX.
+
+Default choice (`implementation=None`): "pallas_triton" when JAX's default backend is "gpu",
+else "xla". The Pallas path is skipped (reference used instead) when its `unsupported_reason`
+names one: key row dtypes without a lane codec in `kernels.pallas_rows` (today: anything but
+float32 / bfloat16), indexer head counts or key lane widths that are not powers of two ≥ 16. An
+explicit `implementation=` is used as given and raises NotImplementedError when unsupported.
+`interpret=True` runs the Pallas kernel in interpret mode on any backend (tests) and selects it
+unless `implementation` says otherwise.
+"""
 
 from __future__ import annotations
 
+import jax
+from jaxtyping import Array, Float, Int, UInt32
+
+from kernels.indexer_topk.pallas_triton import indexer_topk_pallas_triton, unsupported_reason
 from kernels.indexer_topk.reference import indexer_topk_reference
 
-IMPLEMENTATIONS = {"xla": indexer_topk_reference}
+IMPLEMENTATIONS = {"xla": indexer_topk_reference, "pallas_triton": indexer_topk_pallas_triton}
 
 
-def indexer_topk(q_TID, w_TI, kv_arena, block_table_BP, req_idx_T, positions_T, layer, *, layout, component="indexer",
-                 topk, implementation: str | None = None):
-    """`(topk_indices [T,K] int32, valid [T] int32)`; see `reference.indexer_topk_reference`."""
-    impl = IMPLEMENTATIONS[implementation or "xla"]
-    return impl(q_TID, w_TI, kv_arena, block_table_BP, req_idx_T, positions_T, layer, layout=layout, component=component,
-                topk=topk)
+def default_implementation() -> str:
+    """"pallas_triton" on a GPU backend, "xla" elsewhere."""
+    return "pallas_triton" if jax.default_backend() == "gpu" else "xla"
+
+
+def indexer_topk(q_TID: Float[Array, "T I D"], w_TI: Float[Array, "T I"], kv_arena: UInt32[Array, "blocks page_words"],
+                 block_table_BP: Int[Array, "B P"], req_idx_T: Int[Array, " T"], positions_T: Int[Array, " T"],
+                 layer: Int[Array, ""] | int, *, layout, component="indexer", topk: int,
+                 implementation: str | None = None, interpret: bool = False,
+                 precision: str | None = None) -> tuple[Int[Array, "T K"], Int[Array, " T"]]:
+    """`(topk_indices [T,K] int32, valid [T] int32)`; see `reference.indexer_topk_reference`.
+
+    implementation: None (choose, module docstring), "xla" or "pallas_triton".
+    interpret: Pallas interpret mode (tests). precision: Pallas only; None → "bf16" for bfloat16
+      queries, "highest" otherwise.
+    Raises:
+      KeyError: unknown implementation name.
+      NotImplementedError: an explicitly requested Pallas configuration it does not support.
+    """
+    explicit = implementation is not None
+    name = implementation or ("pallas_triton" if interpret else default_implementation())
+    impl = IMPLEMENTATIONS[name]
+    args = (q_TID, w_TI, kv_arena, block_table_BP, req_idx_T, positions_T, layer)
+    if name == "xla":
+        return impl(*args, layout=layout, component=component, topk=topk)
+    if precision is None:
+        precision = "bf16" if q_TID.dtype == jax.numpy.bfloat16 else "highest"
+    reason = unsupported_reason(layout, component, q_TID.shape[1], precision=precision, interpret=interpret)
+    if reason is not None and not explicit:
+        return indexer_topk_reference(*args, layout=layout, component=component, topk=topk)
+    return impl(*args, layout=layout, component=component, topk=topk, precision=precision, interpret=interpret)
