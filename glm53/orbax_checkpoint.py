@@ -133,7 +133,7 @@ def save(model: GlmForCausalLM, path: str | os.PathLike, *, source_dir: str | os
         if jax.process_index() == 0:
             bar.set_postfix_str("config and tokenizer")
             with open(os.path.join(out, "config.json"), "w") as f:
-                json.dump(_hf_config_for_storage(model.cfg, leaves[0].dtype), f, indent=2, sort_keys=True)
+                json.dump(_hf_config_for_storage(model.cfg, model.dtype), f, indent=2, sort_keys=True)
             copied = []
             if source_dir is not None:
                 for name in SIDE_FILES:
@@ -146,7 +146,8 @@ def save(model: GlmForCausalLM, path: str | os.PathLike, *, source_dir: str | os
                 "format": FORMAT_NAME,
                 "version": FORMAT_VERSION,
                 "params_dir": PARAMS_DIR,
-                "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
+                "dtype": jnp.dtype(model.dtype).name,
+                "dtypes": dtypes,
                 "with_mtp": model.mtp is not None,
                 "num_parameters": int(sum(int(np.prod(x.shape)) for x in leaves)),
                 "bytes": int(sum(x.nbytes for x in leaves)),
@@ -253,7 +254,8 @@ def restore_params(path: str | os.PathLike, cfg: GlmConfig, *, dtype=jnp.float32
                    progress: bool = True) -> dict:
     """Read the parameter pytree of `GlmForCausalLM(cfg, dtype)` from an orbax checkpoint.
 
-    Each leaf is restored as a `jax.Array` of `dtype` with the sharding `shardings` assigns it
+    Each leaf is restored as a `jax.Array` of the model's dtype for it (`dtype`; the MoE router
+    stays float32) with the sharding `shardings` assigns it
     (see `ShardingSpec`); tensorstore reads, per device, only the chunks overlapping its shard.
     Raises CheckpointError when the stored shapes do not match `cfg` (all mismatches listed).
     """
@@ -262,7 +264,7 @@ def restore_params(path: str | os.PathLike, cfg: GlmConfig, *, dtype=jnp.float32
     manifest = read_manifest(path)
     with_mtp = cfg.num_mtp_layers > 0
     check_against_config(path, cfg, with_mtp=with_mtp)
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype)), abstract_params(cfg, dtype))
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_params(cfg, dtype))
     sh = resolve_shardings(shardings, target)
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), target, sh)
     params_dir = os.path.join(os.path.abspath(os.fspath(path)), manifest.get("params_dir", PARAMS_DIR))
@@ -282,7 +284,8 @@ def restore(path: str | os.PathLike, *, dtype=jnp.float32, shardings: ShardingSp
 
     Args:
       path: a directory written by `save` / scripts/convert_checkpoint.py.
-      dtype: the model's parameter dtype (the stored dtype is cast while reading).
+      dtype: the model's parameter dtype (the stored dtype is cast while reading; the MoE router
+        stays float32 as in `GlmForCausalLM`).
       shardings: where each parameter goes (see `ShardingSpec`; default: the first local device).
       with_mtp: restore the MTP layer (False skips it even when stored).
       progress: tqdm bar over the restore units.
