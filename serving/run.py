@@ -34,8 +34,14 @@ def build_server(argv: list[str] | None = None):
     from serving.cli_args import make_arg_parser, validate_args
     from serving.engine import EngineArgs, LLMEngine
 
+    from sharding.distributed import initialize as init_distributed
+
     args = make_arg_parser().parse_args(argv)
     validate_args(args)
+    try:  # before anything creates a JAX backend
+        init_distributed(args.distributed_config)
+    except RuntimeError as e:
+        raise SystemExit(f"error: {e}") from e
     _enable_compilation_cache()
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
