@@ -2,7 +2,7 @@
 checkpoint that `python -m serving.run --model DST` and `glm53.loader.load_model` restore directly
 onto any mesh.
 
-    PYTHONPATH=. python scripts/convert_checkpoint.py SRC DST [--dtype bfloat16|float32] [--no-mtp] [--overwrite]
+    PYTHONPATH=. python scripts/convert_checkpoint.py SRC DST [--dtype bfloat16|float32] [--no-mtp] [--overwrite] [--compress]
 
 The parameters are built in the model's layout by `glm53.loader` (FP8 blocks dequantised,
 linears transposed, experts and IndexShare groups stacked, `kv_b_proj` split) and written with
@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="stored parameter dtype (default bfloat16)")
     p.add_argument("--no-mtp", action="store_true", help="leave the MTP layer out")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument("--compress", action="store_true",
+                   help="zstd-compress the stored chunks (smaller, slower to restore)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
 
@@ -56,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t1 = time.perf_counter()
-    out = orbax_checkpoint.save(model, args.dst, source_dir=args.src, overwrite=args.overwrite, progress=progress)
+    out = orbax_checkpoint.save(model, args.dst, source_dir=args.src, overwrite=args.overwrite,
+                               compress=args.compress, progress=progress)
     t2 = time.perf_counter()
     manifest = orbax_checkpoint.read_manifest(out)
     print(f"wrote {out}: {manifest['num_parameters']:,} parameters, {manifest['bytes'] / 2**30:.3f} GiB "
