@@ -11,6 +11,8 @@
 * Shared layers carry no indexer weights; the MTP layer is `model.layers.{num_hidden_layers}`.
 * A missing, unexpected or mis-shaped tensor raises `CheckpointError` naming the key and the
   expected shape (the table is `glm53.checkpoint_keys.expected_checkpoint_shapes`).
+* `load_model` also accepts a pre-sharded orbax directory (glm53/orbax_checkpoint.py), detected by
+  its `glm53_orbax.json`.
 """
 
 from __future__ import annotations

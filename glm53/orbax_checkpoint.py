@@ -130,6 +130,7 @@ def save(model: GlmForCausalLM, path: str | os.PathLike, *, source_dir: str | os
     with tqdm(total=3, desc="saving orbax checkpoint", disable=not progress, unit="stage") as bar:
         if jax.process_index() == 0:
             os.makedirs(out, exist_ok=True)
+        _sync("glm53-orbax-save-start")
         bar.set_postfix_str("parameters")
         ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=compress)).save(
             os.path.join(out, PARAMS_DIR), tree)
@@ -162,7 +163,16 @@ def save(model: GlmForCausalLM, path: str | os.PathLike, *, source_dir: str | os
             with open(os.path.join(out, MARKER_FILE), "w") as f:  # last: marks a complete checkpoint
                 json.dump(manifest, f, indent=2)
         bar.update(bar.total - bar.n)
+    _sync("glm53-orbax-save-done")  # nobody returns before the marker exists
     return out
+
+
+def _sync(name: str) -> None:
+    """Barrier across processes (no-op in a single-process run)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
@@ -229,6 +239,8 @@ def resolve_shardings(spec: ShardingSpec, target: dict) -> dict:
         return jax.tree.map(lambda _: spec, target)
     if callable(spec):
         spec = spec(target)
+    if isinstance(spec, nnx.State):
+        spec = nnx.to_pure_dict(spec)
     shard_leaves = jax.tree.leaves(spec, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     if len(shard_leaves) != len(jax.tree.leaves(target)):
         raise ValueError(f"shardings: {len(shard_leaves)} leaves for {len(jax.tree.leaves(target))} parameters")

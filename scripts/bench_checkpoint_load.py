@@ -12,8 +12,8 @@ Every load runs in a fresh Python process (no JAX state or compile cache shared)
 from the `load_model` call to every parameter being ready (`block_until_ready`), model dtype
 bfloat16 (the stored dtype, so neither path converts). The files were just written, so both
 formats read from a warm page cache: the numbers compare the loaders, not the disks. With
-`--devices N` (simulated CPU devices) a second pair of runs places the parameters on an
-(ep=2, tp=N/2) layout: safetensors loads on one device then moves, orbax reads each shard straight
+`--devices N` (simulated CPU devices) a second pair of runs places the parameters on a
+TP N/2 × EP 2 layout (tests/helpers/param_sharding.py): safetensors loads on one device then moves, orbax reads each shard straight
 onto its device.
 """
 
@@ -59,10 +59,10 @@ def _measure(path: str, devices: int) -> None:
     from glm53.orbax_checkpoint import param_tree
 
     shardings = None
-    if devices > 1:
-        from tests.helpers.param_sharding import make_mesh, simple_rules
+    if devices > 1:  # TP N/2 × EP 2: sharding/rules.py when present, else a stand-in rule
+        from tests.helpers.param_sharding import layout_shardings
 
-        shardings = simple_rules(make_mesh(jax.devices(), ep=2, tp=devices // 2))
+        shardings = layout_shardings(jax.devices(), tp=devices // 2, ep=2)
     jax.devices()  # backend start-up is not part of the load
     t0 = time.perf_counter()
     model = load_model(path, dtype=jnp.bfloat16, progress=False, shardings=shardings)

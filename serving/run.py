@@ -2,7 +2,10 @@
 
 With no arguments it serves the embedded tiny GLM-5.3-structured checkpoint (generated on first
 use under `$GLM53_HOME` or `~/.cache/glm53`) on http://127.0.0.1:8000. Flags follow vLLM's names;
-unsupported combinations fail at start-up with a message naming the flag.
+unsupported combinations fail at start-up with a message naming the flag. `--model` takes an HF
+safetensors directory or an orbax directory from scripts/convert_checkpoint.py. The multi-process
+flags (`--coordinator-address`, `--num-processes`, `--process-id`, ...; sharding/distributed.py)
+initialise `jax.distributed` before any JAX backend exists.
 """
 
 from __future__ import annotations

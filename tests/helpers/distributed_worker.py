@@ -1,9 +1,10 @@
 """One process of the two-process test (tests/sharding/test_distributed.py).
 
 Joins `jax.distributed` through sharding.distributed, checks that the 2 × 4 simulated CPU devices
-form one global mesh of 8, restores the orbax checkpoint straight onto an (ep=2, tp=4) layout (each
+form one global mesh of 8, restores the orbax checkpoint straight onto a TP 4 × EP 2 layout (each
 process reads only the shards of its own devices) and runs one jitted prefill forward whose
-inputs are global arrays; the replicated logits are written to OUT_NPZ.
+inputs are global arrays; the replicated logits are written to OUT_NPZ. Layout: TP 4 × EP 2
+(tests/helpers/param_sharding.py).
 Usage: python -m tests.helpers.distributed_worker COORDINATOR PROCESS_ID CKPT_DIR OUT_NPZ PROMPT_IDS
 (PROMPT_IDS comma-separated). The device count comes from XLA_FLAGS, set by the parent.
 """
@@ -30,13 +31,13 @@ def main(coordinator: str, process_id: str, ckpt: str, out: str, prompt: str) ->
     from glm53.batch import single_sequence_batch
     from glm53.kv_layout import build_kv_layout
     from glm53.loader import load_model
-    from tests.helpers.param_sharding import make_mesh, simple_rules
+    from tests.helpers.param_sharding import layout_shardings
 
     assert jax.process_count() == 2 and jax.local_device_count() == 4 and jax.device_count() == 8
-    mesh = make_mesh(jax.devices(), ep=2, tp=4)
-    assert {d.process_index for d in mesh.devices.flat} == {0, 1}
-    model = load_model(ckpt, shardings=simple_rules(mesh), progress=False)
+    model = load_model(ckpt, shardings=layout_shardings(jax.devices(), tp=4, ep=2), progress=False)
     leaf = model.stack.layers[0].mlp.experts.gate_proj[...]
+    mesh = leaf.sharding.mesh
+    assert {d.process_index for d in mesh.devices.flat} == {0, 1} and mesh.size == 8
     assert not leaf.is_fully_addressable and len(leaf.addressable_shards) == 4
 
     layout = build_kv_layout(model.cfg, "float32")
