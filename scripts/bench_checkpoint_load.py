@@ -13,8 +13,8 @@ from the `load_model` call to every parameter being ready (`block_until_ready`),
 bfloat16 (the stored dtype, so neither path converts). The files were just written, so both
 formats read from a warm page cache: the numbers compare the loaders, not the disks. With
 `--devices N` (simulated CPU devices) a second pair of runs places the parameters on a
-TP N/2 × EP 2 layout (tests/helpers/param_sharding.py): safetensors loads on one device then moves, orbax reads each shard straight
-onto its device.
+TP N/2 × EP 2 layout (tests/helpers/param_sharding.py): safetensors loads on one device then
+moves, orbax reads each shard straight onto its device.
 """
 
 from __future__ import annotations
