@@ -11,11 +11,14 @@
 * Shared layers carry no indexer weights; the MTP layer is `model.layers.{num_hidden_layers}`.
 * A missing, unexpected or mis-shaped tensor raises `CheckpointError` naming the key and the
   expected shape (the table is `glm53.checkpoint_keys.expected_checkpoint_shapes`).
+* `load_model` also accepts a pre-sharded orbax directory (glm53/orbax_checkpoint.py), detected by
+  its `glm53_orbax.json`.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable
 
 import jax
@@ -194,10 +197,32 @@ def load_weights(model: GlmForCausalLM, ckpt: SafetensorsCheckpoint | str, *, pr
     return model
 
 
-def load_model(path: str, *, dtype=jnp.float32, with_mtp: bool = True, progress: bool = True) -> GlmForCausalLM:
-    """Config + weights from an HF checkpoint directory → a ready `GlmForCausalLM`."""
+def load_model(path: str, *, dtype=jnp.float32, with_mtp: bool = True, progress: bool = True,
+               shardings=None) -> GlmForCausalLM:
+    """Config + weights from a checkpoint directory → a ready `GlmForCausalLM`.
+
+    `path` is an HF safetensors directory or an orbax directory written by
+    `glm53.orbax_checkpoint.save` / scripts/convert_checkpoint.py (detected by its
+    `glm53_orbax.json`). `shardings` (see `glm53.orbax_checkpoint.ShardingSpec`) places the
+    parameters: an orbax checkpoint is read straight into those shards; safetensors weights are
+    loaded on the default device, then moved. Raises FileNotFoundError for a missing directory and
+    CheckpointError for a directory that is neither format or that does not match its config.
+    """
+    from glm53 import orbax_checkpoint
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory not found: {path}")
+    if orbax_checkpoint.is_orbax_checkpoint(path):
+        return orbax_checkpoint.restore(path, dtype=dtype, shardings=shardings, with_mtp=with_mtp,
+                                        progress=progress)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise CheckpointError(f"{path} is not a checkpoint directory: it has no config.json "
+                              f"(expected an HF safetensors directory or a glm53 orbax checkpoint)")
     cfg = GlmConfig.from_pretrained(path)
     if not with_mtp:
         cfg = cfg.replace(num_nextn_predict_layers=0)
     model = GlmForCausalLM(cfg, dtype=dtype)
-    return load_weights(model, SafetensorsCheckpoint(path), progress=progress)
+    model = load_weights(model, SafetensorsCheckpoint(path), progress=progress)
+    if shardings is not None:
+        orbax_checkpoint.shard_model(model, shardings)
+    return model

@@ -2,7 +2,10 @@
 
 With no arguments it serves the embedded tiny GLM-5.3-structured checkpoint (generated on first
 use under `$GLM53_HOME` or `~/.cache/glm53`) on http://127.0.0.1:8000. Flags follow vLLM's names;
-unsupported combinations fail at start-up with a message naming the flag.
+unsupported combinations fail at start-up with a message naming the flag. `--model` takes an HF
+safetensors directory or an orbax directory from scripts/convert_checkpoint.py. The multi-process
+flags (`--coordinator-address`, `--num-processes`, `--process-id`, ...; sharding/distributed.py)
+initialise `jax.distributed` before any JAX backend exists.
 """
 
 from __future__ import annotations
@@ -34,8 +37,14 @@ def build_server(argv: list[str] | None = None):
     from serving.engine import EngineArgs, LLMEngine
     from serving.metrics import PrometheusStatLogger
 
+    from sharding.distributed import initialize as init_distributed
+
     args = make_arg_parser().parse_args(argv)
     validate_args(args)
+    try:  # before anything creates a JAX backend
+        init_distributed(args.distributed_config)
+    except RuntimeError as e:
+        raise SystemExit(f"error: {e}") from e
     _enable_compilation_cache()
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
