@@ -48,7 +48,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -244,6 +243,14 @@ def check_tokens(ours: list[list[int]], hf: list[list[int]], k: int) -> tuple[in
     return same, len(ours)
 
 
+def first_divergence(ours: list[list[int]], hf: list[list[int]]) -> list[int | None]:
+    """Per row, the index of the first generated token where the two differ (None: all equal)."""
+    out = []
+    for a, b in zip(ours, hf):
+        out.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None))
+    return out
+
+
 def table(rows: list[dict]) -> str:
     head = (f"{'batch':>5} | {'ours tok/s':>10} | {'HF tok/s':>9} | {'ours/HF':>7} | {'step ms':>7} | "
             f"{'device ms':>9} | {'host ms':>7} | {'host %':>6} | {'ours prefill ms':>15} | {'HF prefill ms':>13}")
@@ -334,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             same_all, _ = check_tokens(ours[B]["tokens"], h["tokens"], args.new_tokens)
             row["greedy_match"] = {"first_k": args.check_tokens, "rows_equal_first_k": same,
                                    "rows_equal_all": same_all, "rows": n,
+                                   "first_divergence": first_divergence(ours[B]["tokens"], h["tokens"]),
                                    "ours_row0": ours[B]["tokens"][0][:args.check_tokens],
                                    "hf_row0": h["tokens"][0][:args.check_tokens]}
             sanity.append(f"batch {B}: {same}/{n} rows equal in the first {args.check_tokens} greedy tokens "

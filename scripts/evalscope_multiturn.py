@@ -170,16 +170,18 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 # ----------------------------------------------------------------------------------- checks
 def check_results(result_dir: str, expected_turns: int, prefix_caching: bool) -> dict:
-    """Read evalscope's summaries; → {"checks": [...], "ok": bool, numbers}."""
+    """Read evalscope's summaries; → {"checks": [...], "ok": bool, numbers}.
+
+    Had evalscope not read the server's cached_tokens it would have counted each turn's whole
+    previous context as cached: an eligible cache hit rate of exactly 100% in every trace."""
     with open(os.path.join(result_dir, "benchmark_summary.json")) as f:
         summary = json.load(f)
     trace_path = os.path.join(result_dir, "trace_summary.json")
-    trace = json.load(open(trace_path)) if os.path.exists(trace_path) else None
-    flat = _flatten(summary)
-    succeeded = _first(flat, ("succeed", "success"))
-    failed = _first(flat, ("failed",))
-    hit_rate = _first(flat, ("cache hit rate",))
-    eligible = _first(_flatten(trace) if trace else {}, ("eligible cache hit rate",))
+    trace = json.load(open(trace_path)) if os.path.exists(trace_path) else {"rows": []}
+    rows = {r.get("metric"): r for r in trace.get("rows", [])}
+    eligible = rows.get("Eligible Cache Hit Rate (%)")
+    succeeded = summary.get("Success Requests")
+    failed = summary.get("Failed Requests")
     checks = []
 
     def check(name: str, ok: bool, detail: str) -> None:
@@ -187,36 +189,19 @@ def check_results(result_dir: str, expected_turns: int, prefix_caching: bool) ->
 
     check("every turn succeeded", succeeded == expected_turns and not failed,
           f"{succeeded} succeeded, {failed} failed, {expected_turns} expected")
-    check("evalscope reports an eligible cache hit rate", eligible is not None, f"{eligible}")
+    check("evalscope reports an eligible cache hit rate", eligible is not None, json.dumps(eligible))
     if eligible is not None:
-        check("eligible cache hit rate is not the estimate's 100.00%", abs(eligible - 100.0) > 1e-6,
-              f"{eligible:.2f}%")
+        check("eligible cache hit rate is not the estimate's 100.00%", abs(eligible["mean"] - 100.0) > 1e-6,
+              f"mean {eligible['mean']:.2f}%, traces {eligible['min']:.2f}%..{eligible['max']:.2f}%")
         if prefix_caching:
-            check("prefix caching hits (eligible rate > 0)", eligible > 0, f"{eligible:.2f}%")
+            check("prefix caching hits (eligible rate > 0)", eligible["mean"] > 0, f"{eligible['mean']:.2f}%")
+        else:  # the server reports cached_tokens = 0 on every turn
+            check("without prefix caching evalscope reads 0 cached tokens", eligible["max"] == 0.0,
+                  f"traces {eligible['min']:.2f}%..{eligible['max']:.2f}%")
     return {"checks": checks, "ok": all(c["ok"] for c in checks), "succeeded_requests": succeeded,
-            "failed_requests": failed, "kv_cache_hit_rate_pct": hit_rate, "eligible_cache_hit_rate_pct": eligible,
+            "failed_requests": failed, "kv_cache_hit_rate_pct": summary.get("KV Cache Hit Rate (%)"),
+            "eligible_cache_hit_rate_pct": eligible["mean"] if eligible else None,
             "benchmark_summary": summary, "trace_summary": trace}
-
-
-def _flatten(obj, prefix: str = "") -> dict:
-    """Nested dicts/lists → {"lower-cased key path": value}."""
-    out = {}
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(_flatten(v, f"{prefix}{str(k).lower()}/"))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            out.update(_flatten(v, f"{prefix}{i}/"))
-    else:
-        out[prefix.rstrip("/")] = obj
-    return out
-
-
-def _first(flat: dict, needles: tuple[str, ...]):
-    """The first numeric value whose key path contains one of `needles` (preferring the mean)."""
-    hits = [(k, v) for k, v in flat.items() if any(n in k for n in needles) and isinstance(v, (int, float))]
-    hits.sort(key=lambda kv: ("mean" not in kv[0], len(kv[0])))
-    return hits[0][1] if hits else None
 
 
 # ----------------------------------------------------------------------------------- main
