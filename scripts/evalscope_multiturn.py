@@ -23,18 +23,19 @@ shows as an eligible cache hit rate of exactly 100.00%. This script:
 4. runs `evalscope perf --multi-turn --dataset custom_multi_turn` against it (greedy, streaming,
    `--max-tokens N` with `ignore_eos` so every answer has N tokens);
 5. checks that every turn of every conversation succeeded and that evalscope's eligible cache hit
-   rate is not the estimate's 100.00% (with prefix caching on, also that it is above 0), then
-   stops the server.
+   rate is not the estimate's 100.00% (with prefix caching on, also that it is above 0; without
+   it, that it is 0 in every conversation), then stops the server.
 
     PYTHONPATH=. python scripts/evalscope_multiturn.py --out runs/evalscope
 
 Outputs under DIR: `multiturn.jsonl`, `server.log`, `evalscope_stdout.txt` (evalscope's printed
-report), `evalscope/multiturn/` (evalscope's own files: `benchmark_summary.json`,
+report), `evalscope/multiturn/parallel_P_number_N/` (evalscope's own files: `benchmark_summary.json`,
 `trace_summary.json`, `benchmark_percentile.json`, `benchmark.log`, its sqlite db) and
 `evalscope_multiturn.json` (this script's checks). Exit status 0 when every check passed.
 
 Options: `--conversations 8`, `--turns 3`, `--parallel 4`, `--max-tokens 16`,
-`--user-words 60` (words per user turn), `--model DIR`, `--server-timeout 900` (seconds to a
+`--first-turn-words 300`, `--user-words 60` (words per later user turn; this tokenizer
+makes about 3.3 tokens of a word), `--model DIR`, `--server-timeout 900` (seconds to a
 healthy server), `--run-timeout 1800`, `--server-arg ARG` (repeatable, passed to serving.run).
 """
 
@@ -91,8 +92,15 @@ def find_evalscope(explicit: str | None, venv: str) -> str:
 
 
 # ----------------------------------------------------------------------------------- data set
-def write_dataset(path: str, conversations: int, turns: int, user_words: int, seed: int) -> int:
-    """`conversations` lines of [system, user, assistant, user, …, user] → number of user turns."""
+def write_dataset(path: str, conversations: int, turns: int, first_turn_words: int, user_words: int,
+                  seed: int) -> int:
+    """`conversations` lines of [system, user, assistant, user, …, user] → number of user turns.
+
+    The first user turn is long (`first_turn_words` words) so that the context a second turn
+    shares with the first covers at least one whole page of every KV cache group (a prefix-cache
+    hit comes in multiples of the least common multiple of the groups' tokens per page: 768 tokens
+    on the tiny checkpoint); each conversation's words differ, so hits come from the conversation's
+    own history, not from other conversations."""
     rng = random.Random(seed)
     system = ("You are a helpful assistant. Answer every question of the user in a few sentences, "
               "and keep the earlier turns of the conversation in mind.")
@@ -102,7 +110,8 @@ def write_dataset(path: str, conversations: int, turns: int, user_words: int, se
             for t in range(turns):
                 if t:
                     msgs.append({"role": "assistant", "content": "(replaced by the server's answer)"})
-                words = " ".join(rng.choice(_WORDS) for _ in range(user_words))
+                n = first_turn_words if t == 0 else user_words
+                words = " ".join(rng.choice(_WORDS) for _ in range(n))
                 msgs.append({"role": "user", "content": f"Conversation {c}, turn {t + 1}: {words}?"})
             f.write(json.dumps(msgs) + "\n")
     return conversations * turns
@@ -215,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--parallel", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--first-turn-words", type=int, default=300)
     p.add_argument("--user-words", type=int, default=60)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None)
@@ -230,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     version = subprocess.run([evalscope_py, "-c", "import evalscope; print(evalscope.__version__)"],
                              capture_output=True, text=True).stdout.strip()
     data_path = os.path.join(out, "multiturn.jsonl")
-    expected = write_dataset(data_path, args.conversations, args.turns, args.user_words, args.seed)
+    expected = write_dataset(data_path, args.conversations, args.turns, args.first_turn_words, args.user_words,
+                             args.seed)
 
     supported, why = prefix_caching_supported()
     prefix_caching = supported and not args.no_prefix_caching
