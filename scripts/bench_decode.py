@@ -5,14 +5,17 @@ For each batch size (default 1, 8, 32) the same workload runs through both:
 * ours: `serving.engine.LLMEngine` (the server's engine: scheduler, paged KV arena, one jitted
   step per token bucket, sampling on device), greedy, `ignore_eos`, fixed `max_tokens`;
 * HF: `GlmMoeDsaForCausalLM.from_pretrained(checkpoint)` + `generate` (greedy, EOS disabled,
-  `max_new_tokens` = the same count, prompts padded on the left with the
-  checkpoint's pad token and an attention mask), in fp32 on CPU.
+  `max_new_tokens` = the same count, prompts padded on the left with the checkpoint's pad token
+  and an attention mask), in fp32 on CPU.
 
 Both sides get the same prompts (random token ids of the regular vocabulary, fixed seed) and
 generate the same number of new tokens. Only the steady decode phase is compared: for ours the
 steps after every request of the batch has its first token (each of them schedules exactly one
 token per request), for HF the forward passes after the first one (a logits processor stamps
-the time of every generation step). Prefill time is reported separately.
+the time of every generation step). Prefill time is reported separately. The HF model lives in a
+worker process for the whole run and the two sides alternate, one run each per round
+(`--repeats` rounds per batch after one warm-up each), so both see the same background load;
+the median run of each side is reported, with every round's ratio.
 
 Reported per batch: decode tokens/s of both and their ratio (ours/HF; the figure of merit),
 ours' mean step wall time, device time (`ModelRunner.last.device_s`: dispatch of the jitted step
@@ -23,7 +26,7 @@ share of the step time. A sanity line compares the first greedy tokens of every 
 HF setup. torch for Python 3.12 on PyPI is the CUDA build (it pulls several GB of CUDA
 libraries), so the HF half runs in a subprocess under another interpreter that has
 `torch` (a CPU build) and `transformers>=5.23` (which has `glm_moe_dsa`); this file is its entry
-point too (`--hf-worker`, stdlib-only at import). For example:
+point too (`--hf-worker`; the file imports only the standard library at module level). For example:
 
     python3.11 -m venv /tmp/v311
     /tmp/v311/bin/pip install torch 'transformers>=5.23' safetensors numpy
@@ -31,10 +34,10 @@ point too (`--hf-worker`, stdlib-only at import). For example:
 
 `--hf-python` defaults to `$HF_PYTHON`, else the current interpreter when it can import torch
 and transformers. Other options: `--model DIR` (default: the embedded tiny checkpoint),
-`--batches 1,8,32`, `--prompt-len 32`, `--new-tokens 64`, `--repeats 3` (the median run of each
-side is reported), `--max-model-len 512` (the engine's context limit: its indexer scans the
-block-table width it implies), `--num-gpu-blocks-override N`, `--check-tokens 4`,
-`--hf-threads 1`, `--skip-hf`. Writes `DIR/bench_decode.json` and prints a table.
+`--batches 1,8,32`, `--prompt-len 32`, `--new-tokens 64`, `--repeats 3`, `--max-model-len 512`
+(the engine's context limit, which sets its block-table width),
+`--num-gpu-blocks-override N`, `--check-tokens 4`, `--hf-threads 1`, `--skip-hf`. Writes
+`DIR/bench_decode.json` and prints a table.
 
 `--hf-threads` defaults to 1: on a loaded 2-core machine torch's default of one OpenMP thread
 per core made each HF decode step 10-40x slower (0.3-0.75 s instead of 16-35 ms per step of the
@@ -45,6 +48,7 @@ ratio; 1 thread is HF's fastest setting there. Pass `--hf-threads 0` on an idle 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -120,14 +124,15 @@ def run_ours_once(engine, prompts: list[list[int]], new_tokens: int, tag: str) -
     }
 
 
-def bench_ours(args, model_dir: str, batches: list[int], prompts_by_batch: dict) -> tuple[dict, dict]:
+def build_engine(args, model_dir: str, batches: list[int]):
+    """The engine, sized so that every batch prefills in one step. → (engine, setup facts)."""
     import jax
 
     from serving.engine import EngineArgs, LLMEngine
     from serving.run import _enable_compilation_cache
 
     _enable_compilation_cache()
-    max_batched = max(512, max(batches) * args.prompt_len)  # every batch prefills in one step
+    max_batched = max(512, max(batches) * args.prompt_len)
     eargs = EngineArgs(model=model_dir, max_model_len=args.max_model_len, max_num_seqs=max(batches),
                        max_num_batched_tokens=max_batched, num_gpu_blocks_override=args.num_gpu_blocks_override,
                        compile_progress=False)
@@ -138,17 +143,11 @@ def bench_ours(args, model_dir: str, batches: list[int], prompts_by_batch: dict)
              "max_model_len": args.max_model_len, "num_kv_blocks": engine.runner.kv_arena.shape[0],
              "kv_arena_mib": engine.runner.kv_arena.nbytes / 2**20, "dtype": str(engine.runner.kv_arena.dtype),
              "jax": jax.__version__, "device": str(jax.devices()[0])}
-    results = {}
-    for B in batches:
-        run_ours_once(engine, prompts_by_batch[B], min(4, args.new_tokens), f"warm{B}")  # first execution
-        runs = [run_ours_once(engine, prompts_by_batch[B], args.new_tokens, f"b{B}r{k}") for k in range(args.repeats)]
-        results[B] = median_run(runs)
-        print(f"  ours  batch {B:>3}: {results[B]['decode_tok_s']:10.1f} tok/s", flush=True)
-    return setup, results
+    return engine, setup
 
 
 def median_run(runs: list[dict]) -> dict:
-    """The run with the median decode throughput, plus the spread of all runs."""
+    """The run with the median decode throughput, plus the throughput of every run."""
     ordered = sorted(runs, key=lambda r: r["decode_tok_s"])
     med = dict(ordered[len(ordered) // 2])
     med["decode_tok_s_all"] = [r["decode_tok_s"] for r in runs]
@@ -156,8 +155,12 @@ def median_run(runs: list[dict]) -> dict:
 
 
 # ----------------------------------------------------------------------------------- HF
-def hf_worker(spec: dict) -> dict:
-    """Runs under the HF interpreter: every batch of `spec` through `generate`; → results."""
+def hf_worker(spec: dict) -> int:
+    """Runs under the HF interpreter. Loads the model, then answers one JSON line on stdout for each
+    JSON request line on stdin: {"prompts": [[ids]], "new_tokens": n} → timings and tokens;
+    {"setup": true} → versions. Everything else it prints goes to stderr."""
+    proto = sys.stdout
+    sys.stdout = sys.stderr
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
@@ -168,11 +171,13 @@ def hf_worker(spec: dict) -> dict:
     kwargs = {"dtype": torch.float32}
     if spec.get("attn_implementation"):
         kwargs["attn_implementation"] = spec["attn_implementation"]
+    transformers.logging.set_verbosity_error()  # the load report lists the MTP layer's unused weights
+    transformers.utils.logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(spec["model"], **kwargs).eval()
-    gen_cfg = model.generation_config
-    gen_cfg.eos_token_id = None  # run to max_new_tokens, as ignore_eos does on our side
+    # Run to max_new_tokens, as ignore_eos does on our side: generate() fills fields left unset in
+    # the config it is given from the model's own generation config, so clear EOS there too.
+    model.generation_config.eos_token_id = None
     pad = spec["pad_token_id"]
-    new = spec["new_tokens"]
 
     class StepClock(LogitsProcessor):
         """Records the wall time at which each generation step's logits are ready."""
@@ -189,10 +194,11 @@ def hf_worker(spec: dict) -> dict:
         ids = torch.tensor([[pad] * (L - len(p)) + p for p in prompts], dtype=torch.long)
         mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
         clock = StepClock()
+        gen_cfg = copy.deepcopy(model.generation_config)
+        gen_cfg.update(max_new_tokens=n, do_sample=False, pad_token_id=pad, eos_token_id=None)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                                 pad_token_id=pad, generation_config=gen_cfg,
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg,
                                  logits_processor=LogitsProcessorList([clock]))
         t1 = time.perf_counter()
         B = len(prompts)
@@ -204,16 +210,17 @@ def hf_worker(spec: dict) -> dict:
                 "decode_steps": steps, "decode_tokens": B * steps, "decode_tok_s": B * steps / decode_s,
                 "step_ms": 1e3 * decode_s / steps, "tokens": out[:, L:].tolist()}
 
-    results = {}
-    for B_str, prompts in spec["prompts"].items():
-        once(prompts, min(4, new))  # warm-up
-        runs = [once(prompts, new) for _ in range(spec["repeats"])]
-        results[B_str] = median_run(runs)
-        print(f"  HF    batch {int(B_str):>3}: {results[B_str]['decode_tok_s']:10.1f} tok/s", file=sys.stderr, flush=True)
-    return {"setup": {"torch": torch.__version__, "transformers": transformers.__version__,
-                      "python": platform.python_version(), "torch_threads": torch.get_num_threads(),
-                      "attn_implementation": model.config._attn_implementation},
-            "results": results}
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("setup"):
+            res = {"torch": torch.__version__, "transformers": transformers.__version__,
+                   "python": platform.python_version(), "torch_threads": torch.get_num_threads(),
+                   "attn_implementation": model.config._attn_implementation}
+        else:
+            res = once(req["prompts"], req["new_tokens"])
+        proto.write(json.dumps(res) + "\n")
+        proto.flush()
+    return 0
 
 
 def default_hf_python() -> str | None:
@@ -223,17 +230,51 @@ def default_hf_python() -> str | None:
     return sys.executable if probe.returncode == 0 else None
 
 
-def bench_hf(hf_python: str, spec: dict, out_dir: str) -> dict:
-    spec_path = os.path.join(out_dir, "hf_spec.json")
-    res_path = os.path.join(out_dir, "hf_results.json")
-    with open(spec_path, "w") as f:
-        json.dump(spec, f)
-    cmd = [hf_python, os.path.abspath(__file__), "--hf-worker", spec_path, "--hf-result", res_path]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"HF worker failed (exit {proc.returncode}): {' '.join(cmd)}")
-    with open(res_path) as f:
-        return json.load(f)
+class HFClient:
+    """The HF worker subprocess (see `hf_worker`), driven one request at a time."""
+
+    def __init__(self, hf_python: str, spec: dict, out_dir: str):
+        spec_path = os.path.join(out_dir, "hf_spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        self.cmd = [hf_python, os.path.abspath(__file__), "--hf-worker", spec_path]
+        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(self, req: dict) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"HF worker failed (exit {self.proc.wait()}): {' '.join(self.cmd)}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def bench(args, engine, hf: HFClient | None, batches: list[int], prompts: dict) -> dict:
+    """For each batch: one warm-up of each side, then `repeats` rounds of ours-then-HF (the two
+    sides alternate, so both see the same background load). → {B: {"ours": run, "hf": run}}."""
+    out = {}
+    warm = min(4, args.new_tokens)
+    for B in batches:
+        run_ours_once(engine, prompts[B], warm, f"warm{B}")
+        if hf:
+            hf.ask({"prompts": prompts[B], "new_tokens": warm})
+        ours_runs, hf_runs = [], []
+        for k in range(args.repeats):
+            ours_runs.append(run_ours_once(engine, prompts[B], args.new_tokens, f"b{B}r{k}"))
+            if hf:
+                hf_runs.append(hf.ask({"prompts": prompts[B], "new_tokens": args.new_tokens}))
+        out[B] = {"ours": median_run(ours_runs), "hf": median_run(hf_runs) if hf else None}
+        if hf:
+            out[B]["pair_ratios"] = [o["decode_tok_s"] / h["decode_tok_s"] for o, h in zip(ours_runs, hf_runs)]
+        msg = f"  batch {B:>3}: ours {out[B]['ours']['decode_tok_s']:10.1f} tok/s"
+        if hf:
+            msg += f", HF {out[B]['hf']['decode_tok_s']:10.1f} tok/s"
+        print(msg, flush=True)
+    return out
 
 
 # ----------------------------------------------------------------------------------- report
@@ -286,15 +327,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch intra-op threads for HF (0: torch's default; see the docstring)")
     p.add_argument("--skip-hf", action="store_true", help="measure only our engine")
     p.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--hf-result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.hf_worker:
         with open(args.hf_worker) as f:
-            res = hf_worker(json.load(f))
-        with open(args.hf_result, "w") as f:
-            json.dump(res, f)
-        return 0
+            return hf_worker(json.load(f))
     if not args.out:
         p.error("--out is required")
     if args.new_tokens < 2:
@@ -322,27 +359,32 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"model {model_dir}; prompts {args.prompt_len} tokens, {args.new_tokens} new tokens, "
           f"batches {batches}, {args.repeats} repeats", flush=True)
-    ours_setup, ours = bench_ours(args, model_dir, batches, prompts)
-    hf = None
+    engine, ours_setup = build_engine(args, model_dir, batches)
+    client = None
     if hf_python:
-        spec = {"model": model_dir, "pad_token_id": pad, "new_tokens": args.new_tokens, "repeats": args.repeats,
-                "attn_implementation": args.hf_attn_implementation, "threads": args.hf_threads,
-                "prompts": {str(B): prompts[B] for B in batches}}
-        hf = bench_hf(hf_python, spec, args.out)
+        client = HFClient(hf_python, {"model": model_dir, "pad_token_id": pad, "threads": args.hf_threads,
+                                      "attn_implementation": args.hf_attn_implementation}, args.out)
+    try:
+        res = bench(args, engine, client, batches, prompts)
+        hf_setup = client.ask({"setup": True}) if client else None
+    finally:
+        if client:
+            client.close()
 
     rows, sanity = [], []
     for B in batches:
-        row = {"batch": B, "ours": {k: v for k, v in ours[B].items() if k != "tokens"}}
-        if hf:
-            h = hf["results"][str(B)]
+        o, h = res[B]["ours"], res[B]["hf"]
+        row = {"batch": B, "ours": {k: v for k, v in o.items() if k != "tokens"}}
+        if h:
             row["hf"] = {k: v for k, v in h.items() if k != "tokens"}
-            row["ratio"] = ours[B]["decode_tok_s"] / h["decode_tok_s"]
-            same, n = check_tokens(ours[B]["tokens"], h["tokens"], args.check_tokens)
-            same_all, _ = check_tokens(ours[B]["tokens"], h["tokens"], args.new_tokens)
+            row["ratio"] = o["decode_tok_s"] / h["decode_tok_s"]
+            row["pair_ratios"] = res[B]["pair_ratios"]
+            same, n = check_tokens(o["tokens"], h["tokens"], args.check_tokens)
+            same_all, _ = check_tokens(o["tokens"], h["tokens"], args.new_tokens)
             row["greedy_match"] = {"first_k": args.check_tokens, "rows_equal_first_k": same,
                                    "rows_equal_all": same_all, "rows": n,
-                                   "first_divergence": first_divergence(ours[B]["tokens"], h["tokens"]),
-                                   "ours_row0": ours[B]["tokens"][0][:args.check_tokens],
+                                   "first_divergence": first_divergence(o["tokens"], h["tokens"]),
+                                   "ours_row0": o["tokens"][0][:args.check_tokens],
                                    "hf_row0": h["tokens"][0][:args.check_tokens]}
             sanity.append(f"batch {B}: {same}/{n} rows equal in the first {args.check_tokens} greedy tokens "
                           f"({same_all}/{n} in all {args.new_tokens}); row 0 ours "
@@ -354,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                      "new_tokens": args.new_tokens, "repeats": args.repeats, "seed": args.seed,
                      "greedy": True, "ignore_eos": True},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-        "ours_setup": ours_setup, "hf_setup": hf["setup"] if hf else None, "hf_python": hf_python,
+        "ours_setup": ours_setup, "hf_setup": hf_setup, "hf_python": hf_python,
         "rows": rows, "sanity": sanity,
         "definitions": {
             "decode_tok_s": "batch x decode steps / wall time of the steady decode phase",
@@ -362,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             "device_ms": "ModelRunner.last.device_s: jitted step dispatch until sampled tokens are on the host",
             "host_ms": "LLMEngine.host_overhead_s per step: step wall time minus device time",
             "host_share": "host_ms / step_ms",
+            "ratio": "ours decode_tok_s / HF decode_tok_s (median runs); pair_ratios: per interleaved round",
         },
     }
     path = os.path.join(args.out, "bench_decode.json")
