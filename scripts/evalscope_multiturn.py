@@ -45,6 +45,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -125,8 +126,8 @@ def prefix_caching_supported() -> tuple[bool, str]:
 
     try:
         validate_args(make_arg_parser().parse_args(["--enable-prefix-caching"]))
-    except Exception as e:  # noqa: BLE001 - ArgumentError or SystemExit-like refusals
-        return False, str(e)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the server's refusal, or a parser without the flag
+        return False, str(e) or type(e).__name__
     return True, ""
 
 
@@ -248,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     if not supported:
         print(f"prefix caching: not available in this checkout ({why}); running without it", flush=True)
 
+    result_dir = os.path.join(out, "evalscope", RUN_NAME)
+    shutil.rmtree(result_dir, ignore_errors=True)  # evalscope would add to an earlier run's database
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = os.path.join(out, "server.log")
@@ -274,7 +277,6 @@ def main(argv: list[str] | None = None) -> int:
     if run.returncode != 0:
         raise SystemExit(f"evalscope exited with {run.returncode} (see {out}/evalscope_stdout.txt)")
 
-    result_dir = os.path.join(out, "evalscope", RUN_NAME)
     cands = [d for d, _, files in os.walk(result_dir) if "benchmark_summary.json" in files]
     if not cands:
         raise SystemExit(f"no benchmark_summary.json under {result_dir}")
