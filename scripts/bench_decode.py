@@ -1,0 +1,422 @@
+"""Decode throughput of our engine vs HF transformers' `generate`, side by side in one run.
+
+For each batch size (default 1, 8, 32) the same workload runs through both:
+
+* ours: `serving.engine.LLMEngine` (the server's engine: scheduler, paged KV arena, one jitted
+  step per token bucket, sampling on device), greedy, `ignore_eos`, fixed `max_tokens`;
+* HF: `GlmMoeDsaForCausalLM.from_pretrained(checkpoint)` + `generate` (greedy, EOS disabled,
+  `max_new_tokens` = the same count, prompts padded on the left with the checkpoint's pad token
+  and an attention mask), in fp32 on CPU.
+
+Both sides get the same prompts (random token ids of the regular vocabulary, fixed seed) and
+generate the same number of new tokens. Only the steady decode phase is compared: for ours the
+steps after every request of the batch has its first token (each of them schedules exactly one
+token per request), for HF the forward passes after the first one (a logits processor stamps
+the time of every generation step). Prefill time is reported separately. The HF model lives in a
+worker process for the whole run and the two sides alternate, one run each per round
+(`--repeats` rounds per batch after one warm-up each), so both see the same background load;
+the median run of each side is reported, with every round's ratio.
+
+Reported per batch: decode tokens/s of both and their ratio (ours/HF; the figure of merit),
+ours' mean step wall time, device time (`ModelRunner.last.device_s`: dispatch of the jitted step
+until its sampled tokens are on the host) and host overhead (`LLMEngine.host_overhead_s`: step
+wall time minus device time: scheduling, input preparation, output processing) and the host
+share of the step time. A sanity line compares the first greedy tokens of every row of both.
+
+HF setup. torch for Python 3.12 on PyPI is the CUDA build (it pulls several GB of CUDA
+libraries), so the HF half runs in a subprocess under another interpreter that has
+`torch` (a CPU build) and `transformers>=5.23` (which has `glm_moe_dsa`); this file is its entry
+point too (`--hf-worker`; the file imports only the standard library at module level). For example:
+
+    python3.11 -m venv /tmp/v311
+    /tmp/v311/bin/pip install torch 'transformers>=5.23' safetensors numpy
+    PYTHONPATH=. python scripts/bench_decode.py --out runs/bench --hf-python /tmp/v311/bin/python
+
+`--hf-python` defaults to `$HF_PYTHON`, else the current interpreter when it can import torch
+and transformers. Other options: `--model DIR` (default: the embedded tiny checkpoint),
+`--batches 1,8,32`, `--prompt-len 32`, `--new-tokens 64`, `--repeats 3`, `--max-model-len 512`
+(the engine's context limit, which sets its block-table width),
+`--num-gpu-blocks-override N`, `--check-tokens 4`, `--hf-threads 1`, `--skip-hf`. Writes
+`DIR/bench_decode.json` and prints a table.
+
+`--hf-threads` defaults to 1: on a loaded 2-core machine torch's default of one OpenMP thread
+per core made each HF decode step 10-40x slower (0.3-0.75 s instead of 16-35 ms per step of the
+tiny model at batch 1, the OpenMP workers waiting on each other), which would flatter our
+ratio; 1 thread is HF's fastest setting there. Pass `--hf-threads 0` on an idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ----------------------------------------------------------------------------------- workload
+def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    """`batch` prompts of `prompt_len` token ids drawn uniformly from [0, vocab) (deterministic)."""
+    import random
+
+    rng = random.Random(seed * 1_000_003 + batch)
+    return [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
+
+
+def regular_vocab_size(model_dir: str) -> int:
+    """Ids below the first added token (the BPE vocabulary), read from tokenizer.json."""
+    with open(os.path.join(model_dir, "tokenizer.json"), encoding="utf-8") as f:
+        tok = json.load(f)
+    added = [t["id"] for t in tok.get("added_tokens", [])]
+    return min(added) if added else len(tok["model"]["vocab"])
+
+
+# ----------------------------------------------------------------------------------- ours
+def run_ours_once(engine, prompts: list[list[int]], new_tokens: int, tag: str) -> dict:
+    """One batch through `engine`; returns timings and every row's generated ids."""
+    from serving.types import SamplingParams
+
+    B = len(prompts)
+    ids = [f"{tag}-{i}" for i in range(B)]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+    tokens = {rid: [] for rid in ids}
+    prefill_s = decode_s = device_s = host_s = 0.0
+    prefill_steps = decode_steps = 0
+    t_start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        steady = all(tokens[r] for r in ids)  # every row has its first token: this step is pure decode
+        h0 = engine.host_overhead_s
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t0
+        for o in outs:
+            if o.request_id in tokens:
+                tokens[o.request_id].extend(o.new_token_ids)
+        if steady:
+            if engine.runner.last.num_tokens != B:
+                raise RuntimeError(f"a decode step of batch {B} scheduled {engine.runner.last.num_tokens} tokens")
+            decode_s += dt
+            device_s += engine.runner.last.device_s
+            host_s += engine.host_overhead_s - h0
+            decode_steps += 1
+        else:
+            prefill_s += dt
+            prefill_steps += 1
+    total_s = time.perf_counter() - t_start
+    problems = engine.audit()
+    if problems:
+        raise RuntimeError(f"engine audit failed: {problems[:3]}")
+    if any(len(tokens[r]) != new_tokens for r in ids):
+        raise RuntimeError("a request did not generate the requested number of tokens")
+    return {
+        "total_s": total_s, "prefill_s": prefill_s, "prefill_steps": prefill_steps,
+        "decode_s": decode_s, "decode_steps": decode_steps, "decode_tokens": B * decode_steps,
+        "decode_tok_s": B * decode_steps / decode_s,
+        "step_ms": 1e3 * decode_s / decode_steps, "device_ms": 1e3 * device_s / decode_steps,
+        "host_ms": 1e3 * host_s / decode_steps, "host_share": host_s / decode_s,
+        "tokens": [tokens[r] for r in ids],
+    }
+
+
+def build_engine(args, model_dir: str, batches: list[int]):
+    """The engine, sized so that every batch prefills in one step. → (engine, setup facts)."""
+    import jax
+
+    from serving.engine import EngineArgs, LLMEngine
+    from serving.run import _enable_compilation_cache
+
+    _enable_compilation_cache()
+    max_batched = max(512, max(batches) * args.prompt_len)
+    eargs = EngineArgs(model=model_dir, max_model_len=args.max_model_len, max_num_seqs=max(batches),
+                       max_num_batched_tokens=max_batched, num_gpu_blocks_override=args.num_gpu_blocks_override,
+                       compile_progress=False)
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_args(eargs)
+    setup = {"load_and_compile_s": time.perf_counter() - t0, "buckets": list(engine.runner.buckets),
+             "max_num_seqs": max(batches), "max_num_batched_tokens": max_batched,
+             "max_model_len": args.max_model_len, "num_kv_blocks": engine.runner.kv_arena.shape[0],
+             "kv_arena_mib": engine.runner.kv_arena.nbytes / 2**20, "dtype": str(engine.runner.kv_arena.dtype),
+             "jax": jax.__version__, "device": str(jax.devices()[0])}
+    return engine, setup
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median decode throughput, plus the throughput of every run."""
+    ordered = sorted(runs, key=lambda r: r["decode_tok_s"])
+    med = dict(ordered[len(ordered) // 2])
+    med["decode_tok_s_all"] = [r["decode_tok_s"] for r in runs]
+    return med
+
+
+# ----------------------------------------------------------------------------------- HF
+def hf_worker(spec: dict) -> int:
+    """Runs under the HF interpreter. Loads the model, then answers one JSON line on stdout for each
+    JSON request line on stdin: {"prompts": [[ids]], "new_tokens": n} → timings and tokens;
+    {"setup": true} → versions. Everything else it prints goes to stderr."""
+    proto = sys.stdout
+    sys.stdout = sys.stderr
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    torch.manual_seed(0)
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    kwargs = {"dtype": torch.float32}
+    if spec.get("attn_implementation"):
+        kwargs["attn_implementation"] = spec["attn_implementation"]
+    transformers.logging.set_verbosity_error()  # the load report lists the MTP layer's unused weights
+    transformers.utils.logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], **kwargs).eval()
+    # Run to max_new_tokens, as ignore_eos does on our side: generate() fills fields left unset in
+    # the config it is given from the model's own generation config, so clear EOS there too.
+    model.generation_config.eos_token_id = None
+    pad = spec["pad_token_id"]
+
+    class StepClock(LogitsProcessor):
+        """Records the wall time at which each generation step's logits are ready."""
+
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    def once(prompts, n):
+        L = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (L - len(p)) + p for p in prompts], dtype=torch.long)
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+        clock = StepClock()
+        gen_cfg = copy.deepcopy(model.generation_config)
+        gen_cfg.update(max_new_tokens=n, do_sample=False, pad_token_id=pad, eos_token_id=None)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg,
+                                 logits_processor=LogitsProcessorList([clock]))
+        t1 = time.perf_counter()
+        B = len(prompts)
+        steps = len(clock.times) - 1
+        if out.shape[1] - L != n or steps != n - 1:
+            raise RuntimeError(f"HF generated {out.shape[1] - L} tokens in {steps + 1} steps, expected {n}")
+        decode_s = clock.times[-1] - clock.times[0]
+        return {"total_s": t1 - t0, "prefill_s": clock.times[0] - t0, "decode_s": decode_s,
+                "decode_steps": steps, "decode_tokens": B * steps, "decode_tok_s": B * steps / decode_s,
+                "step_ms": 1e3 * decode_s / steps, "tokens": out[:, L:].tolist()}
+
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("setup"):
+            res = {"torch": torch.__version__, "transformers": transformers.__version__,
+                   "python": platform.python_version(), "torch_threads": torch.get_num_threads(),
+                   "attn_implementation": model.config._attn_implementation}
+        else:
+            res = once(req["prompts"], req["new_tokens"])
+        proto.write(json.dumps(res) + "\n")
+        proto.flush()
+    return 0
+
+
+def default_hf_python() -> str | None:
+    if os.environ.get("HF_PYTHON"):
+        return os.environ["HF_PYTHON"]
+    probe = subprocess.run([sys.executable, "-c", "import torch, transformers"], capture_output=True)
+    return sys.executable if probe.returncode == 0 else None
+
+
+class HFClient:
+    """The HF worker subprocess (see `hf_worker`), driven one request at a time."""
+
+    def __init__(self, hf_python: str, spec: dict, out_dir: str):
+        spec_path = os.path.join(out_dir, "hf_spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        self.cmd = [hf_python, os.path.abspath(__file__), "--hf-worker", spec_path]
+        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(self, req: dict) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"HF worker failed (exit {self.proc.wait()}): {' '.join(self.cmd)}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def bench(args, engine, hf: HFClient | None, batches: list[int], prompts: dict) -> dict:
+    """For each batch: one warm-up of each side, then `repeats` rounds of ours-then-HF (the two
+    sides alternate, so both see the same background load). → {B: {"ours": run, "hf": run}}."""
+    out = {}
+    warm = min(4, args.new_tokens)
+    for B in batches:
+        run_ours_once(engine, prompts[B], warm, f"warm{B}")
+        if hf:
+            hf.ask({"prompts": prompts[B], "new_tokens": warm})
+        ours_runs, hf_runs = [], []
+        for k in range(args.repeats):
+            ours_runs.append(run_ours_once(engine, prompts[B], args.new_tokens, f"b{B}r{k}"))
+            if hf:
+                hf_runs.append(hf.ask({"prompts": prompts[B], "new_tokens": args.new_tokens}))
+        out[B] = {"ours": median_run(ours_runs), "hf": median_run(hf_runs) if hf else None}
+        if hf:
+            out[B]["pair_ratios"] = [o["decode_tok_s"] / h["decode_tok_s"] for o, h in zip(ours_runs, hf_runs)]
+        msg = f"  batch {B:>3}: ours {out[B]['ours']['decode_tok_s']:10.1f} tok/s"
+        if hf:
+            msg += f", HF {out[B]['hf']['decode_tok_s']:10.1f} tok/s"
+        print(msg, flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------------- report
+def check_tokens(ours: list[list[int]], hf: list[list[int]], k: int) -> tuple[int, int]:
+    """Rows whose first k greedy tokens agree, out of all rows."""
+    same = sum(1 for a, b in zip(ours, hf) if list(a[:k]) == list(b[:k]))
+    return same, len(ours)
+
+
+def first_divergence(ours: list[list[int]], hf: list[list[int]]) -> list[int | None]:
+    """Per row, the index of the first generated token where the two differ (None: all equal)."""
+    out = []
+    for a, b in zip(ours, hf):
+        out.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None))
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'batch':>5} | {'ours tok/s':>10} | {'HF tok/s':>9} | {'ours/HF':>7} | {'step ms':>7} | "
+            f"{'device ms':>9} | {'host ms':>7} | {'host %':>6} | {'ours prefill ms':>15} | {'HF prefill ms':>13}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        hf = r.get("hf")
+        lines.append(
+            f"{r['batch']:>5} | {r['ours']['decode_tok_s']:>10.1f} | "
+            f"{(hf['decode_tok_s'] if hf else float('nan')):>9.1f} | {r.get('ratio', float('nan')):>6.1f}x | "
+            f"{r['ours']['step_ms']:>7.2f} | {r['ours']['device_ms']:>9.2f} | {r['ours']['host_ms']:>7.2f} | "
+            f"{100 * r['ours']['host_share']:>5.1f}% | {1e3 * r['ours']['prefill_s']:>15.1f} | "
+            f"{(1e3 * hf['prefill_s'] if hf else float('nan')):>13.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help="directory for bench_decode.json (required unless --hf-worker)")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny checkpoint)")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="KV arena pages (default: the engine's sizing, 512 MiB on CPU)")
+    p.add_argument("--check-tokens", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hf-python", default=None, help="interpreter with torch + transformers (default: $HF_PYTHON "
+                   "or this one if it has them)")
+    p.add_argument("--hf-attn-implementation", default=None, help="HF attention backend (default: HF's choice)")
+    p.add_argument("--hf-threads", type=int, default=1,
+                   help="torch intra-op threads for HF (0: torch's default; see the docstring)")
+    p.add_argument("--skip-hf", action="store_true", help="measure only our engine")
+    p.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.hf_worker:
+        with open(args.hf_worker) as f:
+            return hf_worker(json.load(f))
+    if not args.out:
+        p.error("--out is required")
+    if args.new_tokens < 2:
+        p.error("--new-tokens must be >= 2 (one prefill token + decode steps)")
+    os.makedirs(args.out, exist_ok=True)
+    sys.path.insert(0, REPO_ROOT)
+    from glm53.tiny_checkpoint import default_model_dir
+
+    model_dir = args.model or str(default_model_dir())
+    with open(os.path.join(model_dir, "config.json")) as f:
+        hf_cfg = json.load(f)
+    pad = hf_cfg.get("pad_token_id")
+    if pad is None:
+        eos = hf_cfg.get("eos_token_id")
+        pad = eos[0] if isinstance(eos, list) else (eos or 0)
+    batches = [int(b) for b in args.batches.split(",")]
+    vocab = regular_vocab_size(model_dir) if os.path.exists(os.path.join(model_dir, "tokenizer.json")) \
+        else hf_cfg["vocab_size"]
+    prompts = {B: make_prompts(B, args.prompt_len, vocab, args.seed) for B in batches}
+
+    hf_python = None if args.skip_hf else (args.hf_python or default_hf_python())
+    if not args.skip_hf and hf_python is None:
+        raise SystemExit("no interpreter with torch + transformers: pass --hf-python (see the docstring) "
+                         "or --skip-hf")
+
+    print(f"model {model_dir}; prompts {args.prompt_len} tokens, {args.new_tokens} new tokens, "
+          f"batches {batches}, {args.repeats} repeats", flush=True)
+    engine, ours_setup = build_engine(args, model_dir, batches)
+    client = None
+    if hf_python:
+        client = HFClient(hf_python, {"model": model_dir, "pad_token_id": pad, "threads": args.hf_threads,
+                                      "attn_implementation": args.hf_attn_implementation}, args.out)
+    try:
+        res = bench(args, engine, client, batches, prompts)
+        hf_setup = client.ask({"setup": True}) if client else None
+    finally:
+        if client:
+            client.close()
+
+    rows, sanity = [], []
+    for B in batches:
+        o, h = res[B]["ours"], res[B]["hf"]
+        row = {"batch": B, "ours": {k: v for k, v in o.items() if k != "tokens"}}
+        if h:
+            row["hf"] = {k: v for k, v in h.items() if k != "tokens"}
+            row["ratio"] = o["decode_tok_s"] / h["decode_tok_s"]
+            row["pair_ratios"] = res[B]["pair_ratios"]
+            same, n = check_tokens(o["tokens"], h["tokens"], args.check_tokens)
+            same_all, _ = check_tokens(o["tokens"], h["tokens"], args.new_tokens)
+            row["greedy_match"] = {"first_k": args.check_tokens, "rows_equal_first_k": same,
+                                   "rows_equal_all": same_all, "rows": n,
+                                   "first_divergence": first_divergence(o["tokens"], h["tokens"]),
+                                   "ours_row0": o["tokens"][0][:args.check_tokens],
+                                   "hf_row0": h["tokens"][0][:args.check_tokens]}
+            sanity.append(f"batch {B}: {same}/{n} rows equal in the first {args.check_tokens} greedy tokens "
+                          f"({same_all}/{n} in all {args.new_tokens}); row 0 ours "
+                          f"{row['greedy_match']['ours_row0']} HF {row['greedy_match']['hf_row0']}")
+        rows.append(row)
+
+    report = {
+        "workload": {"model": model_dir, "batches": batches, "prompt_len": args.prompt_len,
+                     "new_tokens": args.new_tokens, "repeats": args.repeats, "seed": args.seed,
+                     "greedy": True, "ignore_eos": True},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "ours_setup": ours_setup, "hf_setup": hf_setup, "hf_python": hf_python,
+        "rows": rows, "sanity": sanity,
+        "definitions": {
+            "decode_tok_s": "batch x decode steps / wall time of the steady decode phase",
+            "step_ms": "mean wall time of one decode step (LLMEngine.step)",
+            "device_ms": "ModelRunner.last.device_s: jitted step dispatch until sampled tokens are on the host",
+            "host_ms": "LLMEngine.host_overhead_s per step: step wall time minus device time",
+            "host_share": "host_ms / step_ms",
+            "ratio": "ours decode_tok_s / HF decode_tok_s (median runs); pair_ratios: per interleaved round",
+        },
+    }
+    path = os.path.join(args.out, "bench_decode.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print()
+    print(table(rows))
+    for s in sanity:
+        print("sanity:", s)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
