@@ -167,8 +167,8 @@ class LLMEngine:
         engine = cls(model, layout, nblocks, args, eos, path)
         logger.info("%s", engine_capacity_summary(layout, nblocks, args.max_model_len, args.max_num_seqs))
         if engine.prefix_cache is not None:
-            logger.info("prefix caching on: hash unit %d tokens, hits in steps of %d tokens (lcm of the groups' "
-                        "tokens per page)", engine.prefix_cache.unit, engine.prefix_cache.align)
+            logger.info("prefix caching on: hits in steps of %d tokens (the hash unit); pages a hit covers in "
+                        "part are copied on write", engine.prefix_cache.unit)
         secs = engine.runner.compile(progress=args.compile_progress)
         logger.info("compiled %d step buckets %s in %.1fs", len(engine.runner.buckets), engine.runner.buckets, secs)
         return engine

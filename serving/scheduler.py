@@ -112,13 +112,16 @@ class ScheduledRequest:
 @dataclass
 class SchedulerOutput:
     """One step: the scheduled requests in batch order (running ones first, then newly admitted
-    ones), their total token count, the ids preempted while building the step, and the ids that
-    finished or were aborted since the previous step (the runner drops their cached state)."""
+    ones), their total token count, the ids preempted while building the step, the ids that
+    finished or were aborted since the previous step (the runner drops their cached state), and
+    the whole-page copies `(source block, destination block)` that must run on the device before
+    the step's forward pass (copy-on-write of prefix-cache pages a hit covers only in part)."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     preempted: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
+    page_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -278,16 +281,19 @@ class Scheduler:
             and len(self.running) < cfg.max_num_seqs
         ):
             req = self.waiting[0]
-            hit, cached_blocks = 0, None
+            hit = None
             if self.prefix_cache is not None:
-                hit, cached_blocks = self.prefix_cache.lookup(req)
-            if not self.kv.allocate_slots(req.request_id, req.num_tokens, cached_blocks):
+                hit = self.prefix_cache.lookup(req)
+            if not self.kv.allocate_slots(req.request_id, req.num_tokens, hit and hit.blocks,
+                                          hit and hit.copy_from):
                 break
-            if self.prefix_cache is not None:
+            num_hit = 0
+            if hit is not None:
                 self.prefix_cache.record_query(req.num_tokens, hit)
+                num_hit = hit.num_tokens
             if req.num_preemptions == 0:
-                req.num_cached_tokens = hit
-            req.num_computed_tokens = hit
+                req.num_cached_tokens = num_hit
+            req.num_computed_tokens = num_hit
             num_new = self._num_new_tokens(req, budget)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -301,6 +307,7 @@ class Scheduler:
             num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
             preempted=preempted,
             finished_ids=self._finished_since_step,
+            page_copies=self.kv.take_page_copies(),
         )
         self._finished_since_step = []
         return out
@@ -343,7 +350,7 @@ class Scheduler:
                 if status is not None:
                     break
             if self.prefix_cache is not None:
-                self.prefix_cache.cache_full_pages(req)
+                self.prefix_cache.cache_computed_units(req)
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
@@ -436,7 +443,7 @@ class Scheduler:
         self._release_row(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.num_published_pages = {}
+        req.num_published_units = 0
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(req)
