@@ -76,6 +76,7 @@ class ModelRunner:
         self.max_logprobs = max_logprobs
         self.last = StepStats()
         self.last_logprobs: dict[str, TokenLogprobs] = {}
+        self.num_page_copies = 0  # whole-page copies run on the device so far
         graphdef = self.graphdef
         k = max(1, min(max_logprobs, model.cfg.vocab_size))
 
@@ -159,6 +160,7 @@ class ModelRunner:
             raise ValueError(f"{len(sched.page_copies)} page copies in one step, at most {self.max_page_copies}")
         if sched.page_copies:
             copies[:, : len(sched.page_copies)] = np.asarray(sched.page_copies, np.int32).T
+            self.num_page_copies += len(sched.page_copies)
         return batch, (temperature, top_p, seeds, steps, *copies)
 
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> dict[str, list[int]]:
