@@ -15,8 +15,10 @@ The baseline policy of DESIGN §6 (after vLLM v1). Each `schedule()` call builds
    pages half-way and preempts itself (DESIGN §6.1: room for the request fully resident).
    Admission stops at the first request whose pages do not fit. A prompt longer than the
    remaining budget gets a chunk and continues next step.
-   With a `PrefixCache`, an admitted request first looks up its longest cached prefix; the hit
-   pages are shared (one more reference each) and its computation starts after them.
+   With a `PrefixCache`, an admitted request first looks up its longest cached prefix (in
+   64-token units); the pages wholly inside the hit are shared (one more reference each), a page
+   the hit ends inside is copied on write (`SchedulerOutput.page_copies`), and its computation
+   starts after the hit.
 
 A preempted request resumes by prefilling all of its tokens so far (prompt and generated ones),
 so with a deterministic model it produces exactly the tokens it would have produced otherwise.
@@ -44,6 +46,9 @@ from serving.kv_cache import KVCacheManager
 from serving.prefix_cache import PrefixCache
 from serving.request import Request, RequestStatus
 from serving.types import RequestOutput
+
+
+_ABORT_STATUS = {"abort": RequestStatus.FINISHED_ABORTED, "stop": RequestStatus.FINISHED_STOPPED}
 
 
 @dataclass(frozen=True)
@@ -229,12 +234,21 @@ class Scheduler:
         """The live (waiting or running) request with this id, or None."""
         return self.requests.get(request_id)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str, finished_reason: str = "abort") -> RequestOutput | None:
         """Remove a waiting or running request, freeing its pages and state row.
 
-        Returns its final RequestOutput (finish_reason "abort"), or None when the id is unknown
-        or already finished.
+        finished_reason: "abort", or "stop" when the front end ended the request because its
+            output matched a stop string (the engine does not see stop strings).
+
+        Returns its final RequestOutput (with that finish_reason), or None when the id is
+        unknown or already finished.
+
+        Raises:
+          ValueError: another finished_reason.
         """
+        status = _ABORT_STATUS.get(finished_reason)
+        if status is None:
+            raise ValueError(f"finished_reason must be one of {sorted(_ABORT_STATUS)}, got {finished_reason!r}")
         req = self.requests.get(request_id)
         if req is None:
             return None
@@ -242,7 +256,7 @@ class Scheduler:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
-        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        self._finish(req, status)
         return self._output(req, [])
 
     # ------------------------------------------------------------------ scheduling

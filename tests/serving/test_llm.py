@@ -146,8 +146,13 @@ def test_stop_strings_end_the_output_before_the_match(llm):
             stop = cand
             break
     assert stop is not None
+    before = _samples(llm)
     out = llm.generate([prompt], greedy(max_tokens=16, stop=[stop]))[0].outputs[0]
     assert out.text == text[: text.index(stop)] and out.finish_reason == "stop"
+    after = _samples(llm)
+    for reason, n in (("stop", 1), ("abort", 0), ("length", 0)):  # the engine request is aborted at the stop
+        key = ("vllm:request_success_total", (("finished_reason", reason), ("model_name", "tiny")))
+        assert after.get(key, 0) - before.get(key, 0) == n, reason
     assert out.token_ids == full.token_ids[: len(out.token_ids)] and len(out.token_ids) < 16
     assert llm.generate([prompt], greedy(max_tokens=3))[0].outputs[0].finish_reason == "length"
 
