@@ -30,7 +30,7 @@ from glm53.kv_layout import KVCacheLayout
 from glm53.model import GlmForCausalLM
 from kernels.paged import copy_pages
 from serving.kv_cache import KVCacheManager
-from serving.sampling import compute_logprobs, sample_tokens
+from serving.sampling import sample_with_logprobs
 from serving.scheduler import SchedulerOutput
 from serving.types import TokenLogprobs
 
@@ -84,12 +84,12 @@ class ModelRunner:
         self.max_page_copies = max_num_seqs * len(layout.groups)
 
         @functools.partial(jax.jit, donate_argnums=(2,))
-        def step(state, batch: ForwardBatch, kv_arena, temperature, top_p, seeds, steps, copy_src, copy_dst):
+        def step(state, batch: ForwardBatch, kv_arena, temperature, top_p, seeds, steps, want_logprobs, copy_src,
+                 copy_dst):
             kv_arena = copy_pages(kv_arena, copy_src, copy_dst)  # copy-on-write pages, before any write
             model = nnx.merge(graphdef, state)
             logits, _, kv_arena = model(batch, kv_arena, layout)
-            tokens = sample_tokens(logits, temperature, top_p, seeds, steps)
-            return (tokens, *compute_logprobs(logits, tokens, k)), kv_arena
+            return sample_with_logprobs(logits, temperature, top_p, seeds, steps, want_logprobs, k), kv_arena
 
         self._step = step
 
@@ -104,7 +104,8 @@ class ModelRunner:
             logits_indices_B=np.zeros(B, np.int32))
         z = np.zeros(B, np.float32)
         copies = np.full((2, self.max_page_copies), -1, np.int32)
-        return batch, (z, np.ones(B, np.float32), np.zeros(B, np.uint32), np.zeros(B, np.int32), *copies)
+        return batch, (z, np.ones(B, np.float32), np.zeros(B, np.uint32), np.zeros(B, np.int32), np.bool_(False),
+                       *copies)
 
     def compile(self, progress: bool = True) -> float:
         """Compile every bucket (runs each once on padding rows, which write nothing). → seconds."""
@@ -161,7 +162,9 @@ class ModelRunner:
         if sched.page_copies:
             copies[:, : len(sched.page_copies)] = np.asarray(sched.page_copies, np.int32).T
             self.num_page_copies += len(sched.page_copies)
-        return batch, (temperature, top_p, seeds, steps, *copies)
+        want_lp = np.bool_(any(sr.sample and sr.request.sampling_params.logprobs is not None
+                               for sr in sched.scheduled))
+        return batch, (temperature, top_p, seeds, steps, want_lp, *copies)
 
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> dict[str, list[int]]:
         """Run one step; returns sampled tokens for the requests whose chunk samples.
@@ -174,7 +177,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         out, self.kv_arena = self._step(self.state, jax.tree.map(jnp.asarray, batch), self.kv_arena,
                                         *map(jnp.asarray, extra))
-        want_lp = any(sr.sample and sr.request.sampling_params.logprobs is not None for sr in sched.scheduled)
+        want_lp = bool(extra[4])
         toks, tok_lp, top_ids, top_lp = jax.device_get(out if want_lp else out[:1] + (None,) * 3)
         t2 = time.perf_counter()
         self.last = StepStats(sched.num_scheduled_tokens, batch.input_ids_T.shape[0], t1 - t0, t2 - t1)
