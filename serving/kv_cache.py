@@ -288,12 +288,12 @@ class KVCacheManager:
         copies = {name: int(b) for name, b in (copy_from or {}).items()}
         if cached_blocks or copies:
             if request_id in self._tables:
-                raise ValueError(f"cached_blocks given for {request_id!r}, which already has tables")
+                raise ValueError(f"cached_blocks or copy_from given for {request_id!r}, which already has tables")
             unknown = (set(cached_blocks or {}) | set(copies)) - set(self._spec)
             if unknown:
-                raise ValueError(f"cached_blocks names unknown groups {sorted(unknown)}")
+                raise ValueError(f"cached_blocks or copy_from names unknown groups {sorted(unknown)}")
             if any(b == NULL_BLOCK for bs in cached.values() for b in bs) or NULL_BLOCK in copies.values():
-                raise ValueError("cached_blocks must not contain the null block")
+                raise ValueError("cached_blocks and copy_from must not name the null block")
             for b in copies.values():
                 self.pool.refcount(b)  # range check
         base = self.blocks_needed(request_id, new_total_tokens)
