@@ -55,10 +55,10 @@ def main() -> None:
                   f"host overhead {host_ms:.2f} ms/step")
     cold = statistics.median(r["seconds"] for r in rows if r["kind"] == "cold")
     warm = statistics.median(r["seconds"] for r in rows if r["kind"] == "warm")
-    summary = dict(prompt_len=a.prompt_len, hit_unit=engine.prefix_cache.align, cold_s=cold, warm_s=warm,
+    summary = dict(prompt_len=a.prompt_len, hit_unit=engine.prefix_cache.unit, cold_s=cold, warm_s=warm,
                    speedup=cold / warm, rows=rows)
     print(f"median prefill {a.prompt_len} tokens: cold {cold:.3f} s, warm {warm:.3f} s "
-          f"({cold / warm:.1f}x faster; hits in steps of {engine.prefix_cache.align} tokens)")
+          f"({cold / warm:.1f}x faster; hits in steps of {engine.prefix_cache.unit} tokens)")
     assert engine.audit() == []
     if a.out:
         os.makedirs(a.out, exist_ok=True)

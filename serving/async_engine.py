@@ -65,12 +65,13 @@ class AsyncEngine:
             with self._cv:
                 alive = self._queues.pop(request_id, None) is not None
                 if alive:
-                    self._inbox.append(("abort", request_id))
+                    self._inbox.append(("abort", request_id, "abort"))
                     self._cv.notify()
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, finished_reason: str = "abort") -> None:
+        """Abort a request; finished_reason "stop" when a stop string ended it."""
         with self._cv:
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(("abort", request_id, finished_reason))
             self._cv.notify()
 
     def shutdown(self) -> None:
@@ -105,7 +106,7 @@ class AsyncEngine:
                 loop = done.get_loop()
                 loop.call_soon_threadsafe(_settle, done, err)
             else:
-                self.engine.abort(item[1])
+                self.engine.abort(item[1], item[2])
 
     def _loop(self) -> None:
         try:

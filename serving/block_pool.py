@@ -168,6 +168,23 @@ class BlockPool:
                 del self._free_queue[block]
             self._refcount[block] += 1
 
+    def claim(self, block: int) -> None:
+        """Hand out one specific free page (refcount 1), as `allocate` would: a tag it carries is
+        cleared and reported to `on_reuse` before this returns. Contents are kept, so the new
+        owner may go on from what the page holds.
+
+        Raises:
+          ValueError: the page is out of range, the NULL_BLOCK or not free.
+        """
+        self._check_id(block)
+        if block not in self._free_queue:
+            raise ValueError(f"block {block} is not free")
+        del self._free_queue[block]
+        self._refcount[block] = 1
+        tag = self._tags.pop(block, None)
+        if tag is not None and self.on_reuse is not None:
+            self.on_reuse(block, tag)
+
     def set_tag(self, block: int, tag: Any) -> None:
         """Attach `tag` (any non-None value) to `block`, replacing an earlier tag.
 

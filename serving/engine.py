@@ -167,8 +167,8 @@ class LLMEngine:
         engine = cls(model, layout, nblocks, args, eos, path)
         logger.info("%s", engine_capacity_summary(layout, nblocks, args.max_model_len, args.max_num_seqs))
         if engine.prefix_cache is not None:
-            logger.info("prefix caching on: hash unit %d tokens, hits in steps of %d tokens (lcm of the groups' "
-                        "tokens per page)", engine.prefix_cache.unit, engine.prefix_cache.align)
+            logger.info("prefix caching on: hits in steps of %d tokens (the hash unit); pages a hit covers in "
+                        "part are copied on write", engine.prefix_cache.unit)
         secs = engine.runner.compile(progress=args.compile_progress)
         logger.info("compiled %d step buckets %s in %.1fs", len(engine.runner.buckets), engine.runner.buckets, secs)
         return engine
@@ -195,11 +195,13 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         self.scheduler.add_request(Request(request_id, list(map(int, prompt_token_ids)), params))
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str, finished_reason: str = "abort") -> RequestOutput | None:
         """Abort a waiting or running request (frees its pages); its final output, or None when
-        the id is unknown or finished."""
+        the id is unknown or finished. finished_reason "stop" (a stop string matched in the
+        front end) counts it under `vllm:request_success_total{finished_reason="stop"}`.
+        Raises ValueError for a reason other than "abort" or "stop"."""
         req = self.scheduler.get_request(request_id)
-        out = self.scheduler.abort(request_id)
+        out = self.scheduler.abort(request_id, finished_reason)
         if out is not None and req is not None:
             rec = StepRecord(is_step=False)
             rec.finished.append(self._finished_stats(req, time.monotonic()))

@@ -127,6 +127,7 @@ class KVCacheManager:
         self._spec = {g.name: g for g in self.groups}
         self.max_blocks_per_request: dict[str, int | None] = {n: caps.get(n) for n in names}
         self._tables: dict[str, dict[str, BlockTable]] = {}
+        self._page_copies: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ queries
 
@@ -257,6 +258,7 @@ class KVCacheManager:
         request_id: str,
         new_total_tokens: int,
         cached_blocks: Mapping[str, Sequence[int]] | None = None,
+        copy_from: Mapping[str, int] | None = None,
     ) -> bool:
         """Append pages to every group's table so that `new_total_tokens` positions fit.
 
@@ -264,26 +266,41 @@ class KVCacheManager:
             (prefix-cache hits): each gets one more reference (a free one is revived out of the
             free queue, contents intact) and is placed at the head of the table, read-only by
             convention (only positions past them are written).
+        copy_from: for a request without tables only, per group, a page whose contents the
+            request's first new page in that group must start from (copy-on-write of a page that
+            a prefix-cache hit covers only in part; the request then writes the positions past
+            the hit). A held source is copied: a fresh page is allocated and the copy
+            `(source, new page)` is queued for the device (`take_page_copies`), to run before the
+            step's forward pass; the source is never written. A free source (nobody else reads
+            it) is taken over in place instead (`BlockPool.claim`: its tag is dropped through
+            `on_reuse`, so it is no longer published), and no copy is needed.
 
         All or nothing: returns False (changing nothing) when the pool lacks free pages for all
         groups together, counting the cached pages that must leave the free queue. A request
         seen for the first time gets (possibly empty) tables.
 
         Raises:
-          ValueError: as `blocks_needed`; cached_blocks for a request that already has tables,
-            naming an unknown group or the null block.
+          ValueError: as `blocks_needed`; cached_blocks or copy_from for a request that already
+            has tables, naming an unknown group or the null block; copy_from for a group that
+            gets no new page.
         """
         cached = {g.name: list(map(int, (cached_blocks or {}).get(g.name, ()))) for g in self.groups}
-        if cached_blocks:
+        copies = {name: int(b) for name, b in (copy_from or {}).items()}
+        if cached_blocks or copies:
             if request_id in self._tables:
-                raise ValueError(f"cached_blocks given for {request_id!r}, which already has tables")
-            unknown = set(cached_blocks) - set(self._spec)
+                raise ValueError(f"cached_blocks or copy_from given for {request_id!r}, which already has tables")
+            unknown = (set(cached_blocks or {}) | set(copies)) - set(self._spec)
             if unknown:
-                raise ValueError(f"cached_blocks names unknown groups {sorted(unknown)}")
-            if any(b == NULL_BLOCK for bs in cached.values() for b in bs):
-                raise ValueError("cached_blocks must not contain the null block")
+                raise ValueError(f"cached_blocks or copy_from names unknown groups {sorted(unknown)}")
+            if any(b == NULL_BLOCK for bs in cached.values() for b in bs) or NULL_BLOCK in copies.values():
+                raise ValueError("cached_blocks and copy_from must not name the null block")
+            for b in copies.values():
+                self.pool.refcount(b)  # range check
         base = self.blocks_needed(request_id, new_total_tokens)
         needed = {g.name: max(0, base[g.name] - len(cached[g.name])) for g in self.groups}
+        for name in copies:
+            if needed[name] == 0:
+                raise ValueError(f"copy_from names group {name!r}, which gets no new page")
         revived = len({b for bs in cached.values() for b in bs if self.pool.is_free(b)})
         if sum(needed.values()) + revived > self.pool.num_free:
             return False
@@ -292,10 +309,30 @@ class KVCacheManager:
             if cached[g.name]:
                 self.pool.incref(cached[g.name])
                 tables[g.name].blocks.extend(cached[g.name])
+        claimed: dict[str, int] = {}
+        for name, src in copies.items():  # before allocating, which could hand a free source out
+            if self.pool.is_free(src):
+                self.pool.claim(src)
+                claimed[name] = src
         for g in self.groups:
-            if needed[g.name]:
-                tables[g.name].blocks.extend(self.pool.allocate(needed[g.name]))
+            n = needed[g.name]
+            if g.name in claimed:
+                tables[g.name].blocks.append(claimed[g.name])
+                n -= 1
+            if n:
+                new = self.pool.allocate(n)
+                if g.name in copies and g.name not in claimed:
+                    self._page_copies.append((copies[g.name], new[0]))
+                tables[g.name].blocks.extend(new)
         return True
+
+    def take_page_copies(self) -> list[tuple[int, int]]:
+        """The `(source, destination)` page copies queued by `allocate_slots` since the last
+        call; clears the queue. Sources were held when queued and destinations were free, so no
+        page is both a source and a destination until the pool reuses a source: run the copies
+        (in any order) before any page is freed again, i.e. in the step they were made for."""
+        out, self._page_copies = self._page_copies, []
+        return out
 
     def free(self, request_id: str) -> None:
         """Return every owned page of the request to the pool and forget its tables.

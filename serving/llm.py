@@ -186,7 +186,7 @@ class LLM:
                     st = states[out.request_id][2]
                     st.add(out)
                     if st.stopped and not out.finished:
-                        engine.abort(out.request_id)
+                        engine.abort(out.request_id, "stop")
                     if st.finished:
                         pending.discard(out.request_id)
                         bar.update(1)

@@ -59,7 +59,7 @@ class Request:
         state, ...), assigned by the scheduler while the request runs, None otherwise.
     num_preemptions: times this request was preempted (its KV dropped and recomputed).
     block_hashes: chained prefix hashes of its full hash units (filled by the prefix cache).
-    num_published_pages: per group, leading pages already offered to the prefix cache.
+    num_published_units: leading hash units already offered to the prefix cache.
     first_token_time / last_token_time: `time.monotonic()` of its first and latest generated
         token (None before the first), for the latency metrics.
 
@@ -78,7 +78,7 @@ class Request:
     state_row: int | None = None
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
-    num_published_pages: dict[str, int] = field(default_factory=dict)
+    num_published_units: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
 

@@ -4,7 +4,10 @@ The step (`forward + sample`) is compiled for a fixed set of token-count buckets
 (with a progress bar); the KV arena is donated so it is updated in place. A step's token count
 is padded up to the next bucket, and the largest bucket is `max_num_batched_tokens`, so a step is
 never padded past its token budget. Request rows are padded to `max_num_seqs + 1` (the last row
-is the all-null padding row), block tables to the width that covers `max_model_len`.
+is the all-null padding row), block tables to the width that covers `max_model_len`. The step
+first runs the scheduler's whole-page copies (`SchedulerOutput.page_copies`, copy-on-write of
+prefix-cache pages), passed as two int32 arrays of fixed size padded with −1 (a loop over the
+valid entries only, so a step without copies pays nothing).
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from tqdm import tqdm
 from glm53.batch import ForwardBatch
 from glm53.kv_layout import KVCacheLayout
 from glm53.model import GlmForCausalLM
+from kernels.paged import copy_pages
 from serving.kv_cache import KVCacheManager
-from serving.sampling import compute_logprobs, sample_tokens
+from serving.sampling import sample_with_logprobs
 from serving.scheduler import SchedulerOutput
 from serving.types import TokenLogprobs
 
@@ -72,15 +76,20 @@ class ModelRunner:
         self.max_logprobs = max_logprobs
         self.last = StepStats()
         self.last_logprobs: dict[str, TokenLogprobs] = {}
+        self.num_page_copies = 0  # whole-page copies run on the device so far
         graphdef = self.graphdef
         k = max(1, min(max_logprobs, model.cfg.vocab_size))
 
+        # A step copies at most one page per group for each request it admits.
+        self.max_page_copies = max_num_seqs * len(layout.groups)
+
         @functools.partial(jax.jit, donate_argnums=(2,))
-        def step(state, batch: ForwardBatch, kv_arena, temperature, top_p, seeds, steps):
+        def step(state, batch: ForwardBatch, kv_arena, temperature, top_p, seeds, steps, want_logprobs, copy_src,
+                 copy_dst):
+            kv_arena = copy_pages(kv_arena, copy_src, copy_dst)  # copy-on-write pages, before any write
             model = nnx.merge(graphdef, state)
             logits, _, kv_arena = model(batch, kv_arena, layout)
-            tokens = sample_tokens(logits, temperature, top_p, seeds, steps)
-            return (tokens, *compute_logprobs(logits, tokens, k)), kv_arena
+            return sample_with_logprobs(logits, temperature, top_p, seeds, steps, want_logprobs, k), kv_arena
 
         self._step = step
 
@@ -94,14 +103,16 @@ class ModelRunner:
             block_tables={g: np.zeros((B, w), np.int32) for g, w in self.widths.items()},
             logits_indices_B=np.zeros(B, np.int32))
         z = np.zeros(B, np.float32)
-        return batch, z, np.ones(B, np.float32), np.zeros(B, np.uint32), np.zeros(B, np.int32)
+        copies = np.full((2, self.max_page_copies), -1, np.int32)
+        return batch, (z, np.ones(B, np.float32), np.zeros(B, np.uint32), np.zeros(B, np.int32), np.bool_(False),
+                       *copies)
 
     def compile(self, progress: bool = True) -> float:
         """Compile every bucket (runs each once on padding rows, which write nothing). → seconds."""
         t0 = time.perf_counter()
         for T in tqdm(self.buckets, desc="compiling step buckets", disable=not progress, unit="bucket"):
-            batch, t, p, s, k = self._dummy(T)
-            out, self.kv_arena = self._step(self.state, jax.tree.map(jnp.asarray, batch), self.kv_arena, t, p, s, k)
+            batch, extra = self._dummy(T)
+            out, self.kv_arena = self._step(self.state, jax.tree.map(jnp.asarray, batch), self.kv_arena, *extra)
             jax.block_until_ready(out)
         return time.perf_counter() - t0
 
@@ -145,7 +156,15 @@ class ModelRunner:
             off += n
         tables = {g: kv.block_table_array(rids, g, w) for g, w in self.widths.items()}
         batch = ForwardBatch(ids, pos, req, slots, tables, logits_idx)
-        return batch, (temperature, top_p, seeds, steps)
+        copies = np.full((2, self.max_page_copies), -1, np.int32)
+        if len(sched.page_copies) > self.max_page_copies:
+            raise ValueError(f"{len(sched.page_copies)} page copies in one step, at most {self.max_page_copies}")
+        if sched.page_copies:
+            copies[:, : len(sched.page_copies)] = np.asarray(sched.page_copies, np.int32).T
+            self.num_page_copies += len(sched.page_copies)
+        want_lp = np.bool_(any(sr.sample and sr.request.sampling_params.logprobs is not None
+                               for sr in sched.scheduled))
+        return batch, (temperature, top_p, seeds, steps, want_lp, *copies)
 
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> dict[str, list[int]]:
         """Run one step; returns sampled tokens for the requests whose chunk samples.
@@ -154,11 +173,11 @@ class ModelRunner:
         then maps the request id to the sampled token's `TokenLogprobs` (top alternatives cut
         to the requested number)."""
         t0 = time.perf_counter()
-        batch, (t, p, s, k) = self.prepare(sched, kv)
+        batch, extra = self.prepare(sched, kv)
         t1 = time.perf_counter()
         out, self.kv_arena = self._step(self.state, jax.tree.map(jnp.asarray, batch), self.kv_arena,
-                                        jnp.asarray(t), jnp.asarray(p), jnp.asarray(s), jnp.asarray(k))
-        want_lp = any(sr.sample and sr.request.sampling_params.logprobs is not None for sr in sched.scheduled)
+                                        *map(jnp.asarray, extra))
+        want_lp = bool(extra[4])
         toks, tok_lp, top_ids, top_lp = jax.device_get(out if want_lp else out[:1] + (None,) * 3)
         t2 = time.perf_counter()
         self.last = StepStats(sched.num_scheduled_tokens, batch.input_ids_T.shape[0], t1 - t0, t2 - t1)

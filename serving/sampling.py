@@ -2,6 +2,12 @@
 
 A request's random stream is `fold_in(PRNGKey(seed), step)` where step counts its generated
 tokens, so its tokens do not depend on which other requests share the batch.
+
+Work that no row needs is skipped inside the jitted step with `lax.cond` (both branches are
+compiled once, so there is no extra compile per combination): the per-row sort of temperature
+sampling runs only when some row has temperature > 0, the log-softmax and top-k of logprobs only
+when the step's `want_logprobs` flag is set. At GLM-5.3's vocabulary these are the costly parts
+of the sampling head (scripts/bench_logprobs_cost.py).
 """
 
 from __future__ import annotations
@@ -27,8 +33,11 @@ def sample_tokens(logits_BV: jax.Array, temperature_B: jax.Array, top_p_B: jax.A
         choice = jax.random.categorical(key, masked)
         return order[choice].astype(jnp.int32)
 
-    sampled = jax.vmap(one)(logits_BV, temperature_B, top_p_B, seed_B.astype(jnp.uint32), step_B)
-    return jnp.where(temperature_B > 0, sampled, greedy)
+    def with_sampling():
+        sampled = jax.vmap(one)(logits_BV, temperature_B, top_p_B, seed_B.astype(jnp.uint32), step_B)
+        return jnp.where(temperature_B > 0, sampled, greedy)
+
+    return jax.lax.cond(jnp.any(temperature_B > 0), with_sampling, lambda: greedy)
 
 
 def compute_logprobs(logits_BV: jax.Array, token_B: jax.Array, k: int):
@@ -48,3 +57,21 @@ def compute_logprobs(logits_BV: jax.Array, token_B: jax.Array, k: int):
     token_lp_B = jnp.take_along_axis(lp_BV, token_B[:, None].astype(jnp.int32), axis=-1)[:, 0]
     top_lp_BK, top_ids_BK = jax.lax.top_k(lp_BV, k)
     return token_lp_B, top_ids_BK.astype(jnp.int32), top_lp_BK
+
+
+def sample_with_logprobs(logits_BV: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array, seed_B: jax.Array,
+                         step_B: jax.Array, want_logprobs: jax.Array, k: int):
+    """The sampling head of the step: `sample_tokens`, then `compute_logprobs` only when the
+    bool scalar `want_logprobs` is set (some request of the step asked for logprobs).
+
+    Returns `(tokens_B int32, token_logprob_B fp32, top_ids_BK int32, top_logprobs_BK fp32)`;
+    the last three are zeros when `want_logprobs` is False.
+    """
+    tokens_B = sample_tokens(logits_BV, temperature_B, top_p_B, seed_B, step_B)
+    B = logits_BV.shape[0]
+
+    def skipped():
+        return jnp.zeros((B,), jnp.float32), jnp.zeros((B, k), jnp.int32), jnp.zeros((B, k), jnp.float32)
+
+    lps = jax.lax.cond(want_logprobs, lambda: compute_logprobs(logits_BV, tokens_B, k), skipped)
+    return (tokens_B, *lps)

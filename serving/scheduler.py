@@ -15,8 +15,10 @@ The baseline policy of DESIGN §6 (after vLLM v1). Each `schedule()` call builds
    pages half-way and preempts itself (DESIGN §6.1: room for the request fully resident).
    Admission stops at the first request whose pages do not fit. A prompt longer than the
    remaining budget gets a chunk and continues next step.
-   With a `PrefixCache`, an admitted request first looks up its longest cached prefix; the hit
-   pages are shared (one more reference each) and its computation starts after them.
+   With a `PrefixCache`, an admitted request first looks up its longest cached prefix (in
+   64-token units); the pages wholly inside the hit are shared (one more reference each), a page
+   the hit ends inside is copied on write (`SchedulerOutput.page_copies`), and its computation
+   starts after the hit.
 
 A preempted request resumes by prefilling all of its tokens so far (prompt and generated ones),
 so with a deterministic model it produces exactly the tokens it would have produced otherwise.
@@ -44,6 +46,9 @@ from serving.kv_cache import KVCacheManager
 from serving.prefix_cache import PrefixCache
 from serving.request import Request, RequestStatus
 from serving.types import RequestOutput
+
+
+_ABORT_STATUS = {"abort": RequestStatus.FINISHED_ABORTED, "stop": RequestStatus.FINISHED_STOPPED}
 
 
 @dataclass(frozen=True)
@@ -112,13 +117,16 @@ class ScheduledRequest:
 @dataclass
 class SchedulerOutput:
     """One step: the scheduled requests in batch order (running ones first, then newly admitted
-    ones), their total token count, the ids preempted while building the step, and the ids that
-    finished or were aborted since the previous step (the runner drops their cached state)."""
+    ones), their total token count, the ids preempted while building the step, the ids that
+    finished or were aborted since the previous step (the runner drops their cached state), and
+    the whole-page copies `(source block, destination block)` that must run on the device before
+    the step's forward pass (copy-on-write of prefix-cache pages a hit covers only in part)."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     preempted: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
+    page_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -226,12 +234,21 @@ class Scheduler:
         """The live (waiting or running) request with this id, or None."""
         return self.requests.get(request_id)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str, finished_reason: str = "abort") -> RequestOutput | None:
         """Remove a waiting or running request, freeing its pages and state row.
 
-        Returns its final RequestOutput (finish_reason "abort"), or None when the id is unknown
-        or already finished.
+        finished_reason: "abort", or "stop" when the front end ended the request because its
+            output matched a stop string (the engine does not see stop strings).
+
+        Returns its final RequestOutput (with that finish_reason), or None when the id is
+        unknown or already finished.
+
+        Raises:
+          ValueError: another finished_reason.
         """
+        status = _ABORT_STATUS.get(finished_reason)
+        if status is None:
+            raise ValueError(f"finished_reason must be one of {sorted(_ABORT_STATUS)}, got {finished_reason!r}")
         req = self.requests.get(request_id)
         if req is None:
             return None
@@ -239,7 +256,7 @@ class Scheduler:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
-        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        self._finish(req, status)
         return self._output(req, [])
 
     # ------------------------------------------------------------------ scheduling
@@ -278,16 +295,19 @@ class Scheduler:
             and len(self.running) < cfg.max_num_seqs
         ):
             req = self.waiting[0]
-            hit, cached_blocks = 0, None
+            hit = None
             if self.prefix_cache is not None:
-                hit, cached_blocks = self.prefix_cache.lookup(req)
-            if not self.kv.allocate_slots(req.request_id, req.num_tokens, cached_blocks):
+                hit = self.prefix_cache.lookup(req)
+            if not self.kv.allocate_slots(req.request_id, req.num_tokens, hit and hit.blocks,
+                                          hit and hit.copy_from):
                 break
-            if self.prefix_cache is not None:
+            num_hit = 0
+            if hit is not None:
                 self.prefix_cache.record_query(req.num_tokens, hit)
+                num_hit = hit.num_tokens
             if req.num_preemptions == 0:
-                req.num_cached_tokens = hit
-            req.num_computed_tokens = hit
+                req.num_cached_tokens = num_hit
+            req.num_computed_tokens = num_hit
             num_new = self._num_new_tokens(req, budget)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -301,6 +321,7 @@ class Scheduler:
             num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
             preempted=preempted,
             finished_ids=self._finished_since_step,
+            page_copies=self.kv.take_page_copies(),
         )
         self._finished_since_step = []
         return out
@@ -343,7 +364,7 @@ class Scheduler:
                 if status is not None:
                     break
             if self.prefix_cache is not None:
-                self.prefix_cache.cache_full_pages(req)
+                self.prefix_cache.cache_computed_units(req)
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
@@ -436,7 +457,7 @@ class Scheduler:
         self._release_row(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.num_published_pages = {}
+        req.num_published_units = 0
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(req)

@@ -1,7 +1,8 @@
-"""Paged KV arena: layout and row access (cache writes, gathers, position→slot)."""
+"""Paged KV arena: layout and row access (cache writes, gathers, position→slot, page copies)."""
 
 from kernels.paged.layout import CacheComponent, GroupLayout, fit_tokens_per_page, row_words
 from kernels.paged.ops import (
+    copy_pages,
     decode_rows,
     encode_rows,
     gather_rows,
@@ -13,6 +14,7 @@ from kernels.paged.ops import (
 )
 
 __all__ = [
+    "copy_pages",
     "CacheComponent",
     "GroupLayout",
     "fit_tokens_per_page",

@@ -112,3 +112,27 @@ def positions_to_slots(
     block = block_table_BP[req_idx_T[:, None], page]
     slots = block * tokens_per_page + p % tokens_per_page
     return jnp.where((positions >= 0) & (block > 0), slots, -1).astype(jnp.int32)
+
+
+def copy_pages(kv_arena: jax.Array, src_C: jax.Array, dst_C: jax.Array) -> jax.Array:
+    """Whole-page copies `kv_arena[dst_C[i]] = kv_arena[src_C[i]]`, applied in order i = 0, 1, ...
+
+    Args:
+      kv_arena: `uint32[num_blocks, page_words]` (donate it: the copies are done in place).
+      src_C, dst_C: int32 `[C]` block ids. The valid entries come first; the first entry with
+        `dst_C < 0` and everything after it are padding (not copied). A copy reads the arena as
+        left by the copies before it, so a page may be copied out and then overwritten in the
+        same call.
+
+    Returns:
+      The updated arena. The loop runs only over the valid entries (a while loop with a traced
+      trip count), so padding costs nothing.
+    """
+    valid = dst_C >= 0
+    n = jnp.argmin(jnp.concatenate([valid, jnp.zeros((1,), bool)]))  # leading valid entries
+
+    def body(i, arena):
+        page = lax.dynamic_slice_in_dim(arena, src_C[i], 1, axis=0)
+        return lax.dynamic_update_slice_in_dim(arena, page, dst_C[i], axis=0)
+
+    return lax.fori_loop(0, n.astype(jnp.int32), body, kv_arena)

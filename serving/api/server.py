@@ -367,6 +367,7 @@ class _RequestHandle:
         self.request_id = rid
         self.finished = False
         self._closed = False
+        self._aborted = False
         self._iter: AsyncIterator[RequestOutput] = aiter(engine.generate(prompt_ids, params, rid))
 
     async def next(self) -> RequestOutput | None:
@@ -376,23 +377,33 @@ class _RequestHandle:
             self.finished = True
         return out
 
-    async def close(self) -> None:
-        """Close the engine iterator and, unless the request finished, abort it. Idempotent."""
+    async def abort(self, finished_reason: str = "abort") -> None:
+        """Abort the engine request unless it finished or was aborted already; finished_reason
+        "stop" when a stop string ended it. Call it before anything that closes or cancels the
+        output iterator (closing the iterator aborts the request with reason "abort")."""
+        if self.finished or self._aborted:
+            return
+        self._aborted = True
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.engine.abort(self.request_id, finished_reason)
+            except Exception:  # noqa: BLE001 - cleanup must not mask the real outcome
+                logger.exception("Aborting request %s failed", self.request_id)
+
+    async def close(self, finished_reason: str = "abort") -> None:
+        """Abort the request unless it finished (see `abort`), then close the engine iterator.
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
         with anyio.CancelScope(shield=True):
+            await self.abort(finished_reason)
             aclose = getattr(self._iter, "aclose", None)
             if aclose is not None:
                 try:
                     await aclose()
                 except Exception:  # noqa: BLE001 - cleanup must not mask the real outcome
                     logger.exception("Closing the output stream of %s failed", self.request_id)
-            if not self.finished:
-                try:
-                    await self.engine.abort(self.request_id)
-                except Exception:  # noqa: BLE001
-                    logger.exception("Aborting request %s failed", self.request_id)
 
 
 class _Choices:
@@ -555,7 +566,7 @@ def build_app(
                     break
             if not st.finished:
                 st.finish("abort")
-            await handle.close()
+            await handle.close("stop" if st.stopped else "abort")
 
         try:
             await _race_disconnect(request, asyncio.gather(*(consume(i) for i in range(len(ch)))))
@@ -595,6 +606,7 @@ def build_app(
                     queue.put_nowait((i, None, e))
 
             async def stop_choice(i: int) -> None:
+                await ch.handles[i].abort("stop" if ch.states[i].stopped else "abort")  # before the cancel
                 task = pumps.pop(i, None)
                 if task is not None and not task.done():
                     task.cancel()

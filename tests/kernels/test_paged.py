@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.paged import decode_rows, encode_rows, positions_to_slots, read_cache, write_cache
+from kernels.paged import copy_pages, decode_rows, encode_rows, positions_to_slots, read_cache, write_cache
 from tests.kernels.conftest import make_layout, scatter_dense
 
 
@@ -51,3 +51,17 @@ def test_positions_to_slots_matches_formula(rng):
                 want[t, k] = bt[req[t], p // tpp] * tpp + p % tpp
     np.testing.assert_array_equal(got, want)
     assert got[0, 4] == -1  # page 2 of request 0 is the null block
+
+
+def test_copy_pages_in_order_with_padding(rng):
+    arena = rng.integers(0, 2**32, size=(6, 10), dtype=np.uint32)
+    # 1 -> 2, then 2 -> 3 (reads the copy just made), then 4 -> 1; padding after the first -1.
+    src = np.array([1, 2, 4, 5, 0], np.int32)
+    dst = np.array([2, 3, 1, -1, 5], np.int32)
+    ref = arena.copy()
+    for s, d in zip(src[:3], dst[:3]):
+        ref[d] = ref[s]
+    out = np.asarray(copy_pages(jnp.asarray(arena), jnp.asarray(src), jnp.asarray(dst)))
+    np.testing.assert_array_equal(out, ref)
+    none = np.asarray(copy_pages(jnp.asarray(arena), jnp.asarray(src), jnp.full(5, -1, jnp.int32)))
+    np.testing.assert_array_equal(none, arena)

@@ -55,7 +55,7 @@ class FakeEngine:
     def is_healthy(self) -> bool:
         return self.healthy
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, finished_reason: str = "abort") -> None:
         with self.changed:
             self.aborted.append(request_id)
             self.changed.notify_all()

@@ -228,3 +228,16 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_claim_hands_out_one_specific_free_page():
+    seen = []
+    pool = BlockPool(5, on_reuse=lambda b, t: seen.append((b, t)))
+    a = pool.allocate(3)
+    pool.set_tag(a[1], "t")
+    pool.free(a)
+    pool.claim(a[1])
+    assert pool.refcount(a[1]) == 1 and seen == [(a[1], "t")] and pool.get_tag(a[1]) is None
+    assert a[1] not in pool.free_queue() and pool.audit() == []
+    with pytest.raises(ValueError, match="not free"):
+        pool.claim(a[1])

@@ -74,7 +74,7 @@ class ScriptedEngine:
     def is_healthy(self) -> bool:
         return True
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, finished_reason: str = "abort") -> None:
         pass
 
     async def generate(self, prompt_token_ids, params: SamplingParams, request_id: str):

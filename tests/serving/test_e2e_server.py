@@ -228,7 +228,7 @@ def test_cached_tokens_in_usage_and_metrics(server, client):
     assert ("vllm:num_preemptions_total", lab) in after and ("vllm:kv_cache_usage_perc", lab) in after
 
 
-def test_chat_logprobs_n_and_stop_on_the_real_engine(client):
+def test_chat_logprobs_n_and_stop_on_the_real_engine(server, client):
     msgs = [{"role": "user", "content": "Say hi."}]
     r = client.chat.completions.create(model="glm-5.3-tiny", messages=msgs, max_completion_tokens=6, temperature=0,
                                        n=2, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
@@ -239,6 +239,24 @@ def test_chat_logprobs_n_and_stop_on_the_real_engine(client):
         assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob
     text = a.message.content
     stop = next(c for c in text[1:] if c != "\ufffd")
-    s = client.chat.completions.create(model="glm-5.3-tiny", messages=msgs, max_completion_tokens=6, temperature=0,
-                                       stop=[stop], extra_body={"ignore_eos": True})
+    base = server[0]
+    before = _metrics(base)
+    kw = dict(model="glm-5.3-tiny", messages=msgs, max_completion_tokens=12, temperature=0, stop=[stop],
+              extra_body={"ignore_eos": True})
+    s = client.chat.completions.create(**kw)
     assert s.choices[0].message.content == text[: text.index(stop)] and s.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text[: text.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # Both engine requests were aborted at the stop string: counted as "stop", not "abort".
+
+    def success_delta():
+        after = _metrics(base)
+        keys = {r: ("vllm:request_success_total", (("finished_reason", r), ("model_name", "glm-5.3-tiny")))
+                for r in ("stop", "abort", "length")}
+        return {r: after.get(k, 0) - before.get(k, 0) for r, k in keys.items()}
+
+    deadline = time.monotonic() + 30  # the abort reaches the engine thread after the reply is sent
+    while success_delta()["stop"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert success_delta() == {"stop": 2, "abort": 0, "length": 0}

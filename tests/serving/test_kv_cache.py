@@ -253,3 +253,29 @@ def test_random_operations_keep_audit_clean():
         kv.free(rid)
     assert pool.num_free == pool.num_usable_blocks
     assert kv.audit() == []
+
+
+def test_copy_from_copies_a_held_page_and_takes_over_a_free_one():
+    reused = []
+    pool, kv = make(num_blocks=20, mtp=False)
+    pool.on_reuse = lambda b, tag: reused.append((b, tag))
+    assert kv.allocate_slots("a", 20)  # mla 5 pages, indexer 2
+    a_mla, a_idx = kv.block_table("a", "mla"), kv.block_table("a", "indexer")
+    # b reuses 8 tokens: two shared mla pages, and indexer page 0 (16 tokens) copied on write.
+    assert kv.allocate_slots("b", 12, {"mla": a_mla[:2]}, {"indexer": a_idx[0]})
+    b_idx = kv.block_table("b", "indexer")
+    assert kv.block_table("b", "mla")[:2] == a_mla[:2] and b_idx[0] != a_idx[0]
+    assert kv.take_page_copies() == [(a_idx[0], b_idx[0])] and kv.take_page_copies() == []
+    assert pool.refcount(a_idx[0]) == 1 and kv.audit() == []
+    # Once nobody holds the source, it is taken over in place (tag dropped through on_reuse).
+    pool.set_tag(a_idx[1], "cached")
+    kv.free("a")
+    free_before = pool.num_free
+    assert kv.allocate_slots("c", 30, None, {"indexer": a_idx[1]})
+    assert kv.block_table("c", "indexer")[0] == a_idx[1] and kv.take_page_copies() == []
+    assert reused == [(a_idx[1], "cached")] and pool.get_tag(a_idx[1]) is None
+    assert free_before - pool.num_free == 8 + 2 and kv.audit() == []
+    with pytest.raises(ValueError, match="no new page"):
+        kv.allocate_slots("d", 0, None, {"indexer": a_idx[0]})
+    with pytest.raises(ValueError, match="already has tables"):
+        kv.allocate_slots("b", 40, None, {"indexer": a_idx[0]})

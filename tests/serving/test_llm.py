@@ -72,7 +72,7 @@ def test_prefix_cache_hit_skips_compute_and_matches_the_uncached_run(llm):
     warm = llm.generate([prompt], params)[0]
     s2 = engine.num_steps
     assert llm.metrics.prefix_hits._value.get() - hits == 768  # vllm:prefix_cache_hits counts tokens
-    # Hits come in steps of lcm(64, 768) = 768 tokens (serving/prefix_cache.py).
+    # 799 usable tokens -> 768 (hits in 64-token units); 768 is a whole indexer page: no copy.
     assert cold.num_cached_tokens == 0 and warm.num_cached_tokens == 768
     assert s1 - s0 == 13 + 3  # 800 tokens in 64-token chunks, then 3 decodes
     assert s2 - s1 == 1 + 3  # only the 32 uncached tokens are prefilled
@@ -80,6 +80,42 @@ def test_prefix_cache_hit_skips_compute_and_matches_the_uncached_run(llm):
     for a, b in zip(warm.outputs[0].logprobs, cold.outputs[0].logprobs):
         assert a.top[0][0] == b.top[0][0]
         assert abs(a.logprob - b.logprob) < 1e-4  # same fp32 maths, other chunking
+    assert engine.audit() == []
+
+
+def test_partial_page_hits_copy_on_write_and_match_the_uncached_run(llm):
+    """Hits of 64, 128 and 832 tokens end inside a 768-token indexer page that a running request
+    still fills: each new request gets a device copy of that page (three copies in one step) and
+    produces the tokens and logprobs of its uncached run."""
+    engine = llm.engine
+    stem = np.random.default_rng(7).integers(10, 450, 900).tolist()
+    params = greedy(max_tokens=3, logprobs=5)
+    engine.add_request("stem", stem, greedy(max_tokens=100))
+    while engine.scheduler.get_request("stem").num_output_tokens == 0:
+        engine.step()
+    prompts = {n: stem[:n] + [5 + n % 7] * 8 for n in (64, 128, 832)}
+    copies, hits = engine.runner.num_page_copies, engine.prefix_cache.hits
+    for n, p in prompts.items():
+        engine.add_request(f"warm{n}", p, params)
+    warm: dict[str, list] = {}
+    first = True
+    while any(engine.scheduler.get_request(f"warm{n}") for n in prompts):
+        for out in engine.step():
+            warm.setdefault(out.request_id, []).extend(out.new_logprobs or [])
+        if first:  # all three admitted in the first step, each copying the stem's indexer page
+            assert engine.runner.num_page_copies - copies == 3
+            first = False
+    engine.abort("stem")
+    assert engine.prefix_cache.hits - hits == 64 + 128 + 832
+    for n, p in prompts.items():
+        engine.prefix_cache.reset()  # every page is free now: nothing stays cached
+        cold = llm.generate([p], params)[0]
+        assert cold.num_cached_tokens == 0
+        got = warm[f"warm{n}"]
+        assert [lp.token_id for lp in got] == cold.outputs[0].token_ids
+        for a, b in zip(got, cold.outputs[0].logprobs):
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            np.testing.assert_allclose([v for _, v in a.top], [v for _, v in b.top], atol=1e-4)  # other chunking
     assert engine.audit() == []
 
 
@@ -110,8 +146,13 @@ def test_stop_strings_end_the_output_before_the_match(llm):
             stop = cand
             break
     assert stop is not None
+    before = _samples(llm)
     out = llm.generate([prompt], greedy(max_tokens=16, stop=[stop]))[0].outputs[0]
     assert out.text == text[: text.index(stop)] and out.finish_reason == "stop"
+    after = _samples(llm)
+    for reason, n in (("stop", 1), ("abort", 0), ("length", 0)):  # the engine request is aborted at the stop
+        key = ("vllm:request_success_total", (("finished_reason", reason), ("model_name", "tiny")))
+        assert after.get(key, 0) - before.get(key, 0) == n, reason
     assert out.token_ids == full.token_ids[: len(out.token_ids)] and len(out.token_ids) < 16
     assert llm.generate([prompt], greedy(max_tokens=3))[0].outputs[0].finish_reason == "length"
 

@@ -12,7 +12,8 @@ from serving.prefix_cache import PrefixCache, chain_hash
 from serving.request import Request
 from tests.serving.test_scheduler import VOCAB, make_engine, prompt  # noqa: F401 (fixture)
 
-# The test groups have 4 (mla) and 16 (indexer) tokens per page: hash unit 4, hits in steps of 16.
+# The test groups have 4 (mla) and 16 (indexer) tokens per page: hash unit 4, hits in steps of 4;
+# an indexer page a hit ends inside is copied on write (or taken over when nobody holds it).
 
 
 def test_long_prompts_are_admitted_whole_and_never_preempt_themselves(make_engine):
@@ -35,30 +36,70 @@ def test_chain_hash_names_the_whole_prefix():
     assert chain_hash(a, [5, 6, 7, 8]) == chain_hash(chain_hash(b"root", [1, 2, 3, 4]), [5, 6, 7, 8])
 
 
+def _run_keeping_tables(e, rid):
+    """Run until `rid` finishes; returns its last block tables."""
+    tables = {}
+    while rid in e.sched.requests:
+        if e.kv.has_request(rid):
+            tables = {g: e.kv.block_table(rid, g) for g in ("mla", "indexer")}
+        e.step()
+    e.run()
+    return tables
+
+
 def test_hit_skips_compute_shares_pages_and_matches_the_uncached_tokens(make_engine):
     e = make_engine(num_blocks=64, max_num_batched_tokens=64, max_model_len=96, prefix_caching=True)
     base = prompt(3, 40)
     e.add("a", base, max_tokens=5, ignore_eos=True)
-    e.run()
-    # b shares a's first 37 tokens: the usable hit is 32 (a multiple of lcm(4, 16) = 16).
+    a_tables = _run_keeping_tables(e, "a")
+    # b shares a's first 37 tokens: the hit is 36 (9 units of 4). It ends inside a's third indexer
+    # page (positions 32..47), which nobody holds any more: b takes it over, no copy.
     e.add("b", base[:37] + prompt(4, 6), max_tokens=5, ignore_eos=True)
     e.add("c", prompt(5, 30), max_tokens=3, ignore_eos=True)  # nothing in common
     e.step()
     sched = {s.request_id: s for s in e.steps[-1].scheduled}
-    assert (sched["b"].start_pos, sched["b"].num_new_tokens) == (32, 11)
+    assert (sched["b"].start_pos, sched["b"].num_new_tokens) == (36, 7)
     assert (sched["c"].start_pos, sched["c"].num_new_tokens) == (0, 30)
-    assert e.added["b"].num_cached_tokens == 32 and e.added["c"].num_cached_tokens == 0
-    # A request that is the same as a's prompt while b runs shares b's pages (refcount 2).
+    assert e.added["b"].num_cached_tokens == 36 and e.added["c"].num_cached_tokens == 0
+    assert e.kv.block_table("b", "mla")[:9] == a_tables["mla"][:9]
+    assert e.kv.block_table("b", "indexer")[:3] == a_tables["indexer"][:3]
+    assert e.steps[-1].page_copies == [] and e.prefix_cache.copies == 1
+    # d (= b's prompt) arrives while b decodes: hit 40, ten shared mla pages, two shared indexer
+    # pages, and b's third indexer page (b still writes to it) copied to a page of d's own.
     e.add("d", base[:37] + prompt(4, 6), max_tokens=2, ignore_eos=True)
     e.step()
-    shared = e.kv.block_table("b", "mla")[:8]
-    assert e.kv.block_table("d", "mla")[:8] == shared
+    shared = e.kv.block_table("b", "mla")[:10]
+    assert e.kv.block_table("d", "mla")[:10] == shared
     assert all(e.pool.refcount(b) == 2 for b in shared)
-    assert e.kv.block_table("d", "indexer")[:2] == e.kv.block_table("b", "indexer")[:2]
+    b_idx, d_idx = e.kv.block_table("b", "indexer"), e.kv.block_table("d", "indexer")
+    assert d_idx[:2] == b_idx[:2] and d_idx[2] != b_idx[2]
+    assert e.steps[-1].page_copies == [(b_idx[2], d_idx[2])] and e.runner.num_copies == 1
     e.run()
     e.check_against_reference()
-    assert e.prefix_cache.hits == 32 + 32 and e.prefix_cache.queries == 40 + 43 + 30 + 43
-    assert [o for s in e.steps for o in s.scheduled if o.request_id == "d"][0].num_new_tokens == 11
+    assert e.prefix_cache.hits == 36 + 40 and e.prefix_cache.queries == 40 + 43 + 30 + 43
+    assert [o for s in e.steps for o in s.scheduled if o.request_id == "d"][0].num_new_tokens == 3
+
+
+def test_copy_happens_exactly_when_a_hit_ends_inside_a_held_page(make_engine):
+    """Hits of 4, 8, 16, 20 and 36 tokens on pages a running request holds: a device copy for
+    every hit that is not a multiple of the 16-token indexer page, none for the others."""
+    e = make_engine(num_blocks=128, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=96,
+                    prefix_caching=True)
+    stem = prompt(13, 40)
+    e.add("owner", stem, max_tokens=40, ignore_eos=True)  # keeps every page held
+    e.step()
+    for n in (4, 8, 16, 20, 36):
+        copies = e.runner.num_copies
+        e.add(f"h{n}", stem[:n] + [n % VOCAB] * 3, max_tokens=3, ignore_eos=True)
+        e.step()
+        sr = next(s for s in e.steps[-1].scheduled if s.request_id == f"h{n}")
+        assert sr.start_pos == e.added[f"h{n}"].num_cached_tokens == n
+        assert e.runner.num_copies - copies == (1 if n % 16 else 0), n
+        if n % 16:
+            owner = e.kv.block_table("owner", "indexer")[n // 16]
+            assert e.steps[-1].page_copies == [(owner, e.kv.block_table(f"h{n}", "indexer")[n // 16])]
+    e.run()
+    e.check_against_reference()
 
 
 def test_whole_prompt_hit_recomputes_the_last_token(make_engine):
@@ -69,7 +110,7 @@ def test_whole_prompt_hit_recomputes_the_last_token(make_engine):
     e.add("b", p, max_tokens=2, ignore_eos=True)
     e.step()
     sr = e.steps[-1].scheduled[0]
-    assert (sr.start_pos, sr.num_new_tokens) == (32, 16)  # 47 usable tokens -> 32
+    assert (sr.start_pos, sr.num_new_tokens) == (44, 4)  # 47 usable tokens -> 44 (units of 4)
     e.run()
     e.check_against_reference()
 
@@ -117,20 +158,27 @@ def test_random_shared_prefix_workload_with_preemption_and_eviction(make_engine)
     assert not pending and not e.sched.has_unfinished_requests()
     e.check_against_reference(skip=aborted)
     assert e.prefix_cache.hits > 0 and e.evicted and e.sched.num_preemptions_total > 0
+    # Both copy-on-write paths ran: device copies (held pages) and pages taken over (free ones).
+    assert 0 < e.runner.num_copies < e.prefix_cache.copies
 
 
 def test_lookup_needs_every_group(make_engine):
-    """A hit in the mla group alone (its 4-token pages) is not usable when the 16-token indexer
-    page covering it is not cached."""
+    """A hit in the mla group alone (its 4-token pages) is cut where the indexer pages covering
+    it are no longer cached."""
     e = make_engine(num_blocks=64, max_num_batched_tokens=64, max_model_len=96, prefix_caching=True)
     e.add("a", prompt(9, 40), max_tokens=1, ignore_eos=True)
     e.run()
-    block = e.kv.pool.free_queue()[-1]  # freed first among a's pages... find its indexer page 0:
-    block = next(b for b in range(1, 64) if getattr(e.pool.get_tag(b), "group", None) == "indexer")
-    assert e.prefix_cache.on_block_reuse(block, e.pool.clear_tag(block))  # as the pool would
-    req = Request("probe", prompt(9, 40))
-    hit, blocks = e.prefix_cache.lookup(req)
-    assert hit == 0 and blocks == {"mla": [], "indexer": []}
+    hit = e.prefix_cache.lookup(Request("probe", prompt(9, 40)))
+    # 39 usable tokens -> 36: indexer pages 0 and 1 whole, page 2 up to position 35 (copy-on-write).
+    assert hit.num_tokens == 36 and len(hit.blocks["mla"]) == 9 and len(hit.blocks["indexer"]) == 2
+    assert set(hit.copy_from) == {"indexer"}
+    for page, expect in ((1, 16), (0, 0)):
+        block = hit.blocks["indexer"][page]
+        assert e.prefix_cache.on_block_reuse(block, e.pool.clear_tag(block))  # as the pool would
+        assert e.prefix_cache.audit() == []
+        again = e.prefix_cache.lookup(Request("probe", prompt(9, 40)))
+        assert again.num_tokens == expect and again.copy_from == {}
+        assert len(again.blocks["mla"]) == expect // 4 and len(again.blocks["indexer"]) == expect // 16
 
 
 def test_preempting_a_request_that_shares_pages_keeps_them_for_the_other(make_engine):

@@ -1,9 +1,10 @@
 """Scheduler: continuous batching, chunked prefill, preemption by recompute, stops, aborts.
 
-The "model" is a deterministic function of the token history. The fake runner writes every
-scheduled token into a simulated paged arena through the slot mappings of every KV cache group and
-reads the whole history back through the block tables before sampling, so a page that is shared,
-reused too early or left stale changes the tokens. Every test compares token streams with a
+The "model" is a deterministic function of the token history. The fake runner runs the step's
+page copies, writes every scheduled token into a simulated paged arena through the slot mappings
+of every KV cache group and reads the whole history back through the block tables before
+sampling, so a page that is shared, reused too early, copied wrongly or left stale changes the
+tokens. Every test compares token streams with a
 reference that runs each request alone (no batching, no paging, no preemption).
 """
 
@@ -55,6 +56,7 @@ class FakeRunner:
         self.tokens_per_step = tokens_per_step
         max_tpp = max(g.tokens_per_page for g in kv.groups)
         self.arena = np.full((kv.pool.num_blocks, max_tpp), -1, dtype=np.int64)
+        self.num_copies = 0
 
     @staticmethod
     def _encode(token, pos, gi):
@@ -66,7 +68,13 @@ class FakeRunner:
         return slots // g.tokens_per_page, slots % g.tokens_per_page
 
     def step(self, out: SchedulerOutput) -> dict[str, list[int]]:
-        # Every write of the step first (like one forward pass), then the reads.
+        # Page copies first, then every write of the step (like one forward pass), then the reads.
+        srcs, dsts = [c[0] for c in out.page_copies], [c[1] for c in out.page_copies]
+        assert not set(srcs) & set(dsts) and len(set(dsts)) == len(dsts)
+        for src, dst in out.page_copies:
+            assert self.kv.pool.refcount(src) >= 1 and self.kv.pool.refcount(dst) == 1
+            self.arena[dst] = self.arena[src]
+        self.num_copies += len(out.page_copies)
         for sr in out.scheduled:
             assert sr.request.status is RequestStatus.RUNNING
             tokens = sr.token_ids
