@@ -8,8 +8,9 @@ IMPLEMENTATIONS = {"xla": indexer_topk_reference}
 
 
 def indexer_topk(q_TID, w_TI, kv_arena, block_table_BP, req_idx_T, positions_T, layer, *, layout, component="indexer",
-                 topk, implementation: str | None = None):
-    """`(topk_indices [T,K] int32, valid [T] int32)`; see `reference.indexer_topk_reference`."""
+                 topk, return_scores: bool = False, implementation: str | None = None):
+    """`(topk_indices [T,K] int32, valid [T] int32)` (+ `scores [T,K]` fp32 with `return_scores`);
+    see `reference.indexer_topk_reference`."""
     impl = IMPLEMENTATIONS[implementation or "xla"]
     return impl(q_TID, w_TI, kv_arena, block_table_BP, req_idx_T, positions_T, layer, layout=layout, component=component,
-                topk=topk)
+                topk=topk, return_scores=return_scores)
