@@ -25,8 +25,11 @@ from tqdm import tqdm
 from glm53.batch import ForwardBatch
 from glm53.kv_layout import KVCacheLayout
 from glm53.model import GlmForCausalLM
+from glm53.parallel_batch import empty_parallel_arena, pcp_reorder, shard_batch
 from serving.kv_cache import KVCacheManager
 from serving.sampling import sample_tokens
+from sharding.mesh import ParallelLayout
+from sharding.rules import shard_params
 from serving.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -59,14 +62,28 @@ class ModelRunner:
     """
 
     def __init__(self, model: GlmForCausalLM, layout: KVCacheLayout, num_blocks: int, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, seed: int = 0):
+                 max_num_batched_tokens: int, max_model_len: int, seed: int = 0,
+                 parallel: ParallelLayout | None = None):
         self.layout = layout
+        self.parallel = parallel
         self.graphdef, self.state = nnx.split(model)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.buckets = token_buckets(max_num_batched_tokens)
-        self.widths = {g.name: math.ceil(max_model_len / g.tokens_per_page) for g in layout.groups}
-        self.kv_arena = layout.empty_arena(num_blocks)
+        dcp = parallel.dcp if parallel is not None else 1  # under DCP an engine page spans tpp × dcp tokens
+        self.widths = {g.name: math.ceil(max_model_len / (g.tokens_per_page * dcp)) for g in layout.groups}
+        if parallel is None:
+            self.kv_arena = layout.empty_arena(num_blocks)
+        else:
+            if parallel.dp != 1:
+                raise ValueError("--data-parallel-size > 1: the engine runs one attention replica "
+                                 "(the model step supports DP through glm53.parallel_batch.stack_replicas)")
+            bad = [b for b in self.buckets if b % (2 * parallel.pcp)]
+            if bad:
+                raise ValueError(f"--prefill-context-parallel-size {parallel.pcp} needs every token bucket to be a "
+                                 f"multiple of {2 * parallel.pcp}; {bad} are not (--max-num-batched-tokens)")
+            self.state = shard_params(self.state, parallel)
+            self.kv_arena = empty_parallel_arena(layout, num_blocks, parallel)
         self.seed = seed
         self.last = StepStats()
         graphdef = self.graphdef
@@ -74,7 +91,7 @@ class ModelRunner:
         @functools.partial(jax.jit, donate_argnums=(2,))
         def step(state, batch: ForwardBatch, kv_arena, temperature, top_p, seeds, steps):
             model = nnx.merge(graphdef, state)
-            logits, _, kv_arena = model(batch, kv_arena, layout)
+            logits, _, kv_arena = model(batch, kv_arena, layout, parallel)
             return sample_tokens(logits, temperature, top_p, seeds, steps), kv_arena
 
         self._step = step
@@ -96,9 +113,15 @@ class ModelRunner:
         t0 = time.perf_counter()
         for T in tqdm(self.buckets, desc="compiling step buckets", disable=not progress, unit="bucket"):
             batch, t, p, s, k = self._dummy(T)
-            toks, self.kv_arena = self._step(self.state, jax.tree.map(jnp.asarray, batch), self.kv_arena, t, p, s, k)
+            toks, self.kv_arena = self._step(self.state, self._place(batch), self.kv_arena, t, p, s, k)
             toks.block_until_ready()
         return time.perf_counter() - t0
+
+    def _place(self, batch: ForwardBatch) -> ForwardBatch:
+        """Host batch → device arrays (PCP load-balanced token order and the mesh under a layout)."""
+        if self.parallel is None:
+            return jax.tree.map(jnp.asarray, batch)
+        return shard_batch(pcp_reorder(batch, self.parallel.pcp), self.parallel)
 
     # ------------------------------------------------------------------ step
     def prepare(self, sched: SchedulerOutput, kv: KVCacheManager):
@@ -147,7 +170,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         batch, (t, p, s, k) = self.prepare(sched, kv)
         t1 = time.perf_counter()
-        toks, self.kv_arena = self._step(self.state, jax.tree.map(jnp.asarray, batch), self.kv_arena,
+        toks, self.kv_arena = self._step(self.state, self._place(batch), self.kv_arena,
                                          jnp.asarray(t), jnp.asarray(p), jnp.asarray(s), jnp.asarray(k))
         toks = np.asarray(toks)
         t2 = time.perf_counter()
