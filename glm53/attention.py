@@ -21,6 +21,8 @@ tables over `REQUESTS`, the arena over `KV_REPLICA` × `KV_CONTEXT`) and runs on
 * DCP over PCP ("KV to queries", prefill style): the persistent cache stays sharded; per layer the
   shards of the batch's pages are all-gathered into a temporary full copy and each rank runs the
   kernels on its own queries against it.
+* DCP over TP × PCP: both at once — the PCP part of the shards is gathered into a temporary copy
+  that is still round-robin sharded over TP, and the TP part runs queries-to-KV as above.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from glm53.batch import ForwardBatch
@@ -62,36 +65,62 @@ def _shard_map(par: ParallelLayout, f, in_specs, out_specs):
 def _kv_mode(par: ParallelLayout | None) -> str:
     if par is None or par.is_single_device:
         return "local"
+    return "dcp" if par.axes(KV_CONTEXT) else "replicated"
+
+
+def _dcp_axes(par: ParallelLayout) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(DCP axes whose shards are gathered into a temporary copy: those that also split the
+    queries' tokens, i.e. pcp; DCP axes kept sharded with queries sent to the KV: tp)."""
     axes = par.axes(KV_CONTEXT)
-    if not axes:
-        return "replicated"
-    return "dcp_tp" if axes == ("tp",) else "dcp_pcp"
+    return tuple(a for a in axes if a == "pcp"), tuple(a for a in axes if a != "pcp")
 
 
-def _dcp_rank(par: ParallelLayout):
-    return jax.lax.axis_index(par.axes(KV_CONTEXT))
+def _split_size(par: ParallelLayout, axes) -> int:
+    return int(np.prod([par.mesh.shape[a] for a in axes])) if axes else 1
 
 
-def _full_copy(kv_arena, block_table_BP, g: GroupLayout, component: str, layer, par: ParallelLayout):
-    """Temporary full copy (one layer) of the batch's pages from the DCP shards.
+def _gathered_copy(kv_arena, block_table_BP, g: GroupLayout, component: str, layer, par: ParallelLayout):
+    """Temporary copy (one layer) of the batch's pages, all-gathered over the DCP axes that split
+    the queries' tokens (PCP), for attention and indexing of this rank's own queries.
 
-    Every rank gathers its `g`-row share of each block-table page, the shares are all-gathered
-    over the DCP axes and reassembled into full `g·N`-token pages. Returns (arena of 1 + B·P pages,
-    its GroupLayout with one layer, block table `[B, P]` pointing at it; null stays null).
+    Each rank gathers its `g`-row share of every block-table page; the shares are all-gathered over
+    the gathered axes and reassembled. Without a remaining DCP axis the result holds full pages of
+    `g·N` tokens; with one (TP × PCP), this TP rank's round-robin share of each page (`g · pcp`
+    rows), i.e. a DCP-over-TP shard with pages of `g · pcp` tokens.
+
+    Returns (arena of 1 + B·P pages, its GroupLayout with one layer, block table `[B, P]` into it;
+    null entries stay null).
     """
+    gather, split = _dcp_axes(par)
     n, inter, tpp = par.dcp, par.config.dcp_kv_cache_interleave_size, g.tokens_per_page
+    n_split = _split_size(par, split)
+    n_gather = n // n_split
     B, P = block_table_BP.shape
     slots = block_table_BP[:, :, None] * tpp + jnp.arange(tpp, dtype=jnp.int32)
     rows = gather_rows(kv_arena, slots, g, component, layer)  # [B, P, g, W]
-    allr = jax.lax.all_gather(rows, par.axes(KV_CONTEXT), axis=0)  # [N, B, P, g, W]
-    owner, local = cp.dcp_page_gather_index(n, inter, tpp)
-    full = allr[owner, :, :, local]  # [g*N, B, P, W]
-    full = jnp.moveaxis(full, 0, 2).reshape(B * P, -1)
-    temp = jnp.concatenate([jnp.zeros((1, full.shape[1]), full.dtype), full], axis=0)
+    allr = jax.lax.all_gather(rows, gather, axis=0)  # [n_gather, B, P, g, W]
+    t = jax.lax.axis_index(split) if split else 0
+    j = jnp.arange(tpp * n_gather, dtype=jnp.int32)  # row of the temporary page
+    o = (j // inter) * inter * n_split + t * inter + j % inter  # its offset in the engine page
+    src_rank = ((o // inter) % n) // n_split  # index along the gathered axes (rank = gather · n_split + t)
+    src_row = (o // (inter * n)) * inter + o % inter
+    part = allr[src_rank, :, :, src_row]  # [g·n_gather, B, P, W]
+    part = jnp.moveaxis(part, 0, 2).reshape(B * P, -1)
+    temp = jnp.concatenate([jnp.zeros((1, part.shape[1]), part.dtype), part], axis=0)
     _, comp = g.component(component)
-    tg = GroupLayout(g.name + "_full", tpp * n, (dataclasses.replace(comp, num_layers=1),))
+    tg = GroupLayout(g.name + "_gathered", tpp * n_gather, (dataclasses.replace(comp, num_layers=1),))
     ids = 1 + jnp.arange(B * P, dtype=jnp.int32).reshape(B, P)
     return temp, tg, jnp.where(block_table_BP > 0, ids, 0)
+
+
+def _read_view(arena, bt, g: GroupLayout, component: str, layer, par: ParallelLayout):
+    """What this rank's queries read: (arena, group layout, block table, layer, DCP axes still
+    sharded, their size). Gathers a temporary copy over the PCP part of the DCP axes first."""
+    gather, split = _dcp_axes(par)
+    if gather:
+        arena, g, bt = _gathered_copy(arena, bt, g, component, layer, par)
+        layer = 0
+    return arena, g, bt, layer, split, _split_size(par, split)
 
 
 # ---------------------------------------------------------------------- cache write
@@ -114,8 +143,8 @@ def write_kv(kv_arena: jax.Array, rows_TW: jax.Array, batch: ForwardBatch, layou
     def body(arena, rows, slots, lyr):
         rows = col.all_gather_tiled(rows, pcp_axes)
         slots = col.all_gather_tiled(slots, pcp_axes)
-        if mode != "replicated":
-            slots = cp.dcp_local_slots(slots, _dcp_rank(par), par.dcp, par.config.dcp_kv_cache_interleave_size,
+        if mode == "dcp":
+            slots = cp.dcp_local_slots(slots, jax.lax.axis_index(par.axes(KV_CONTEXT)), par.dcp, par.config.dcp_kv_cache_interleave_size,
                                        g.tokens_per_page)
         return write_cache(arena, rows, slots, g, component, lyr)
 
@@ -143,16 +172,17 @@ def select_topk(q_TID: jax.Array, w_TI: jax.Array, kv_arena: jax.Array, batch: F
         if mode == "replicated":
             idx, _ = indexer_topk(q, w, arena, bt, req, pos, lyr, layout=g, component="indexer", topk=topk)
             return idx
-        if mode == "dcp_pcp":
-            temp, tg, tbt = _full_copy(arena, bt, g, "indexer", lyr, par)
-            idx, _ = indexer_topk(q, w, temp, tbt, req, pos, 0, layout=tg, component="indexer", topk=topk)
+        arena, gv, bt, lyr, split, n = _read_view(arena, bt, g, "indexer", lyr, par)
+        if not split:
+            idx, _ = indexer_topk(q, w, arena, bt, req, pos, lyr, layout=gv, component="indexer", topk=topk)
             return idx
-        r = _dcp_rank(par)
-        lim = cp.dcp_causal_limit(pos, r, par.dcp, inter, g.tokens_per_page)
-        loc, _, score = indexer_topk(q, w, arena, bt, req, lim, lyr, layout=g, component="indexer", topk=topk,
+        # Queries to KV: score this rank's shard, then merge the per-rank top-k lists.
+        r = jax.lax.axis_index(split)
+        lim = cp.dcp_causal_limit(pos, r, n, inter, gv.tokens_per_page)
+        loc, _, score = indexer_topk(q, w, arena, bt, req, lim, lyr, layout=gv, component="indexer", topk=topk,
                                      return_scores=True)
-        glob = cp.dcp_global_positions(loc, r, par.dcp, inter, g.tokens_per_page)
-        idx, _ = col.global_topk_merge(score, glob, par.axes(KV_CONTEXT))
+        glob = cp.dcp_global_positions(loc, r, n, inter, gv.tokens_per_page)
+        idx, _ = col.global_topk_merge(score, glob, split)
         return idx
 
     f = _shard_map(par, body, (s["arena"], s["tok3"], s["tok2"], s["bt"], s["tok"], s["tok"], s["rep"]), s["tok2"])
@@ -180,15 +210,15 @@ def sparse_attention(q_abs_TNC: jax.Array, kv_arena: jax.Array, topk_TK: jax.Arr
         if mode == "replicated":
             o, _ = attend(q, arena, positions_to_slots(topk, bt, req, tpp), lyr, layout=g)
             return o
-        if mode == "dcp_pcp":
-            temp, tg, tbt = _full_copy(arena, bt, g, "mla", lyr, par)
-            o, _ = attend(q, temp, positions_to_slots(topk, tbt, req, tg.tokens_per_page), 0, layout=tg)
+        arena, gv, bt, lyr, split, n = _read_view(arena, bt, g, "mla", lyr, par)
+        if not split:
+            o, _ = attend(q, arena, positions_to_slots(topk, bt, req, gv.tokens_per_page), lyr, layout=gv)
             return o
-        axes = par.axes(KV_CONTEXT)
-        q_all = col.all_gather_tiled(q, axes, axis=1)  # every head, for this rank's KV shard
-        loc = cp.dcp_local_positions(topk, _dcp_rank(par), par.dcp, inter, tpp)
-        o, lse = attend(q_all, arena, positions_to_slots(loc, bt, req, tpp), lyr, layout=g)
-        o, _ = col.merge_partials(o, lse, axes, par.config.dcp_comm_backend)
+        # Queries to KV: every head over this rank's shard, (o, lse) partials merged per head.
+        q_all = col.all_gather_tiled(q, split, axis=1)
+        loc = cp.dcp_local_positions(topk, jax.lax.axis_index(split), n, inter, gv.tokens_per_page)
+        o, lse = attend(q_all, arena, positions_to_slots(loc, bt, req, gv.tokens_per_page), lyr, layout=gv)
+        o, _ = col.merge_partials(o, lse, split, par.config.dcp_comm_backend)
         return o
 
     f = _shard_map(par, body, (s["arena"], s["heads3"], s["tok2"], s["bt"], s["tok"], s["rep"]), s["heads3"])

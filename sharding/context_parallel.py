@@ -82,13 +82,6 @@ def dcp_local_slots(slots, rank, n: int, interleave: int, tokens_per_page: int):
     return xp.where(mine, local, -1)
 
 
-def dcp_page_gather_index(n: int, interleave: int, tokens_per_page: int) -> tuple[np.ndarray, np.ndarray]:
-    """For each offset o of a full `g·N`-token page: (owner rank, local row). Rebuilds a full page
-    from the N ranks' `g`-row pages."""
-    o = np.arange(tokens_per_page * n)
-    return (o // interleave) % n, (o // (interleave * n)) * interleave + o % interleave
-
-
 def pcp_chunk_order(num_tokens: int, n: int) -> np.ndarray:
     """Load-balanced PCP order: a permutation of range(num_tokens) whose n equal contiguous slices
     are, for rank g, chunks g and 2n−1−g of the 2n equal chunks. Raises ValueError unless 2n

@@ -57,8 +57,11 @@ class ParallelConfig:
     decode_context_parallel_size (--decode-context-parallel-size; must equal the TP size or the
     PCP size: the KV is sharded over those devices), enable_expert_parallel
     (--enable-expert-parallel), dcp_comm_backend (--dcp-comm-backend: "ag_rs" all-gather +
-    reduce-scatter, or "a2a" all-to-all), dcp_kv_cache_interleave_size (token t lives on DCP rank
-    `(t // I) % N`; must divide 64).
+    reduce-scatter, or "a2a" all-to-all), dcp_kv_cache_interleave_size
+    (--dcp-kv-cache-interleave-size: token t lives on DCP rank `(t // I) % N`; must divide 64).
+
+    The decode context parallel size must be the TP size, the PCP size or TP × PCP (the attention
+    group the KV is sharded over); when TP == PCP == DCP the KV is sharded over TP.
 
     Raises ValueError (naming the flag) for sizes < 1, an unknown backend, a DCP size that matches
     no attention group, or an interleave that does not divide 64.
@@ -80,10 +83,11 @@ class ParallelConfig:
         if self.dcp_comm_backend not in DCP_COMM_BACKENDS:
             raise ValueError(f"--dcp-comm-backend must be one of {DCP_COMM_BACKENDS}, got {self.dcp_comm_backend!r}")
         dcp, tp, pcp = self.decode_context_parallel_size, self.tensor_parallel_size, self.prefill_context_parallel_size
-        if dcp > 1 and dcp not in (tp, pcp):
+        if dcp > 1 and dcp not in (tp, pcp, tp * pcp):
             raise ValueError(
-                f"--decode-context-parallel-size {dcp} must equal the tensor parallel size ({tp}) or the prefill "
-                f"context parallel size ({pcp}): the KV is sharded over the devices of one attention group")
+                f"--decode-context-parallel-size {dcp} must equal the tensor parallel size ({tp}), the prefill "
+                f"context parallel size ({pcp}) or their product ({tp * pcp}): the KV is sharded over the devices "
+                "of one attention group")
         if 64 % self.dcp_kv_cache_interleave_size:
             raise ValueError(f"--dcp-kv-cache-interleave-size must divide 64, got {self.dcp_kv_cache_interleave_size}")
 
@@ -102,7 +106,9 @@ class ParallelConfig:
         dcp = self.decode_context_parallel_size
         if dcp == 1:
             return ()
-        return ("tp",) if dcp == self.tensor_parallel_size else ("pcp",)
+        if dcp == self.tensor_parallel_size:
+            return ("tp",)
+        return ("pcp",) if dcp == self.prefill_context_parallel_size else ("pcp", "tp")
 
 
 def make_mesh(config: ParallelConfig, devices=None) -> Mesh:

@@ -32,6 +32,8 @@ LAYOUTS = {
     "pcp2": ParallelConfig(prefill_context_parallel_size=2),
     "pcp4": ParallelConfig(prefill_context_parallel_size=4),
     "pcp4_dcp4": ParallelConfig(prefill_context_parallel_size=4, decode_context_parallel_size=4),
+    "pcp2_tp4_dcp8_a2a": ParallelConfig(prefill_context_parallel_size=2, tensor_parallel_size=4,
+                                        decode_context_parallel_size=8, dcp_comm_backend="a2a"),
     "pcp2_dcp2_tp4_ep8": ParallelConfig(prefill_context_parallel_size=2, decode_context_parallel_size=2,
                                         tensor_parallel_size=4, enable_expert_parallel=True),
 }

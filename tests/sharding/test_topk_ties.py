@@ -5,7 +5,8 @@ exact in fp32 and most are tied (five distinct values over 200 keys, K = 16): th
 almost every query row falls inside a run of equal scores spread round-robin over the ranks.
 Oracle: numpy sorting by (−score, position) — the total-order rule of DESIGN §3.3 — and the
 single-device path. Covers the DCP-over-TP merge (per-rank top-k + `global_topk_merge`) and the
-DCP-over-PCP temporary full copy, written through the parallel cache-write path.
+DCP-over-PCP temporary full copy and DCP over TP × PCP (both), written through the parallel
+cache-write path.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def case():
     ParallelConfig(tensor_parallel_size=4, decode_context_parallel_size=4),
     ParallelConfig(tensor_parallel_size=8, decode_context_parallel_size=8, dcp_kv_cache_interleave_size=4),
     ParallelConfig(prefill_context_parallel_size=4, decode_context_parallel_size=4),
-], ids=["dcp4_tp", "dcp8_tp_i4", "dcp4_pcp"])
+    ParallelConfig(prefill_context_parallel_size=2, tensor_parallel_size=4, decode_context_parallel_size=8),
+], ids=["dcp4_tp", "dcp8_tp_i4", "dcp4_pcp", "dcp8_pcp2_tp4"])
 def test_ties_across_dcp_ranks(case, cfg):
     keys, q, w, expect = case
     par = ParallelLayout.create(cfg)
