@@ -71,3 +71,41 @@ def test_layout_matches_single_device(name, model_setup, reference):
     assert worst <= TOL
     if par.dcp > 1:
         check_dcp_shards(model_setup, par, arena, blocks, ref_arena, ref_blocks)
+
+
+def test_mtp_layer_under_pcp_tp_dcp(model_setup):
+    """The MTP layer (its own KV group, indexer and MoE) under PCP2 × TP4 × DCP8 gives the
+    single-device MTP logits for one 48-token prefill chunk (backbone hidden states from the same
+    layout, as the engine would use them)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from glm53.parallel_batch import empty_parallel_arena, replica_batch, shard_batch, stack_replicas
+    from sharding.rules import shard_params
+    from tests.sharding.conftest import CHUNK, allocate
+
+    _, layout, graphdef, state, prompts = model_setup
+
+    def run(par):
+        dcp = par.dcp if par is not None else 1
+        blocks, nb = allocate(layout, dcp)
+        b0 = replica_batch(layout, [(prompts[0][:CHUNK], 0, blocks)], CHUNK, 2, dcp, logits_all=True)
+        b1 = replica_batch(layout, [(prompts[0][1:CHUNK + 1], 0, blocks)], CHUNK, 2, dcp, logits_all=True)
+
+        def f(st, b0, b1, arena):
+            m = nnx.merge(graphdef, st)
+            _, h, arena = m(b0, arena, layout, par)
+            return m.mtp_logits(b1, h, arena, layout, par)[0]
+
+        if par is None:
+            return np.asarray(jax.jit(f)(state, *(jax.tree.map(jnp.asarray, b) for b in (b0, b1)),
+                                         layout.empty_arena(nb)))
+        put = lambda b: shard_batch(stack_replicas([b], par.pcp), par)  # noqa: E731
+        return np.asarray(jax.jit(f)(shard_params(state, par), put(b0), put(b1), empty_parallel_arena(layout, nb, par)))
+
+    ref = run(None)
+    got = run(ParallelLayout.create(LAYOUTS["pcp2_tp4_dcp8_a2a"]))
+    worst = float(np.abs(got - ref).max())
+    print(f"\nMTP: max |Δlogit| vs one device = {worst:.2e}")
+    assert worst <= TOL
