@@ -129,7 +129,8 @@ def write_kv(kv_arena: jax.Array, rows_TW: jax.Array, batch: ForwardBatch, layou
     """Write this step's new rows `[T, width]` for one layer into the group's pages (slot_mapping).
 
     Under PCP the rows (and their slots) of all PCP ranks of the replica are all-gathered first;
-    under DCP each rank keeps only the rows it owns. Slots are engine slots (pages of
+    they arrive in load-balanced chunk order and the slot travelling with each row puts it back at
+    its position (the order restore). Under DCP each rank keeps only the rows it owns. Slots are engine slots (pages of
     `tokens_per_page × dcp` tokens).
     """
     g = layout.group(group)
@@ -144,7 +145,8 @@ def write_kv(kv_arena: jax.Array, rows_TW: jax.Array, batch: ForwardBatch, layou
         rows = col.all_gather_tiled(rows, pcp_axes)
         slots = col.all_gather_tiled(slots, pcp_axes)
         if mode == "dcp":
-            slots = cp.dcp_local_slots(slots, jax.lax.axis_index(par.axes(KV_CONTEXT)), par.dcp, par.config.dcp_kv_cache_interleave_size,
+            rank = jax.lax.axis_index(par.axes(KV_CONTEXT))
+            slots = cp.dcp_local_slots(slots, rank, par.dcp, par.config.dcp_kv_cache_interleave_size,
                                        g.tokens_per_page)
         return write_cache(arena, rows, slots, g, component, lyr)
 

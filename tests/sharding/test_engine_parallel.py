@@ -19,7 +19,8 @@ from serving.engine import EngineArgs, LLMEngine
 from serving.types import SamplingParams
 from sharding.mesh import ParallelConfig
 
-PROMPTS = {"a": list(range(5, 25)), "b": [(7 * i) % 300 + 4 for i in range(70)], "c": [(13 * i) % 400 + 4 for i in range(100)]}
+PROMPTS = {"a": list(range(5, 25)), "b": [(7 * i) % 300 + 4 for i in range(70)],
+           "c": [(13 * i) % 400 + 4 for i in range(100)]}
 MAX_TOKENS = 6
 EPS = 1e-4
 

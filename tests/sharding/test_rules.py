@@ -40,7 +40,8 @@ def test_every_glm53_parameter_has_a_rule_and_full_size_splits():
     """The real GLM-5.3 shapes (abstract, nothing allocated) under TP8 and DP8+EP8."""
     cfg = preset("glm-5.3")
     state = _abstract_state(cfg)
-    for c in (ParallelConfig(tensor_parallel_size=8), ParallelConfig(data_parallel_size=8, enable_expert_parallel=True)):
+    for c in (ParallelConfig(tensor_parallel_size=8),
+              ParallelConfig(data_parallel_size=8, enable_expert_parallel=True)):
         par = ParallelLayout.create(c)
         sh = _flat(param_shardings(state, par))
         shapes = {k: v.shape for k, v in _flat(state).items()}
