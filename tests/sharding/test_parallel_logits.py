@@ -32,6 +32,8 @@ LAYOUTS = {
     "pcp2": ParallelConfig(prefill_context_parallel_size=2),
     "pcp4": ParallelConfig(prefill_context_parallel_size=4),
     "pcp4_dcp4": ParallelConfig(prefill_context_parallel_size=4, decode_context_parallel_size=4),
+    "dp2_pcp2_tp2_dcp2": ParallelConfig(data_parallel_size=2, prefill_context_parallel_size=2, tensor_parallel_size=2,
+                                        decode_context_parallel_size=2),  # DCP over TP (TP wins a tie with PCP)
     "pcp2_tp4_dcp8_a2a": ParallelConfig(prefill_context_parallel_size=2, tensor_parallel_size=4,
                                         decode_context_parallel_size=8, dcp_comm_backend="a2a"),
     "pcp2_dcp2_tp4_ep8": ParallelConfig(prefill_context_parallel_size=2, decode_context_parallel_size=2,
