@@ -1,41 +1,234 @@
 """The one boundary between the model and the attention kernels.
 
-Model code calls these three functions; they own the choice of kernel (and, later, the
-`shard_map` and partition specs for DCP/PCP), so changing a kernel or a parallel layout does not
-touch the model files. All take the arena `uint32[num_blocks, page_words]` and return it updated
-where they write (the arena is threaded functionally and donated at the jit boundary).
+Model code calls these three functions; they own the choice of kernel, the `shard_map` and the
+partition specs, so changing a kernel or a parallel layout does not touch the model files. All
+take the arena `uint32[num_blocks, page_words]` and return it updated where they write (the arena
+is threaded functionally and donated at the jit boundary).
+
+With `parallel=None` (one device) the kernels run directly. With a `ParallelLayout` each function
+is a `shard_map` over the mesh (tokens split over `TOKENS`, heads over `ATTN_HEADS`, block
+tables over `REQUESTS`, the arena over `KV_REPLICA` × `KV_CONTEXT`) and runs one of three modes:
+
+* no DCP — every rank of a replica holds the whole cache: under PCP the new rows of the replica's
+  tokens are all-gathered before the cache write (so every PCP rank's cache stays complete), and
+  each rank indexes and attends only its own queries (and its own heads under TP).
+* DCP over TP ("queries to KV", decode style): rank r stores positions `(p // I) % N == r`
+  (sharding/context_parallel.py). The indexer scores each rank's shard, and the per-rank top-k
+  lists are merged with the total-order tie rule (`global_topk_merge`). Sparse MLA all-gathers
+  the queries' heads, attends the rank's shard for all heads, and the `(o, lse)` partials are
+  merged NaN-safe by `ag_rs` (all-gather lse + reduce-scatter o) or `a2a` (all-to-all + local
+  merge), leaving each rank its own heads.
+* DCP over PCP ("KV to queries", prefill style): the persistent cache stays sharded; per layer the
+  shards of the batch's pages are all-gathered into a temporary full copy and each rank runs the
+  kernels on its own queries against it.
+* DCP over TP × PCP: both at once — the PCP part of the shards is gathered into a temporary copy
+  that is still round-robin sharded over TP, and the TP part runs queries-to-KV as above.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from functools import partial
+
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
 
 from glm53.batch import ForwardBatch
 from glm53.kv_layout import KVCacheLayout
 from kernels.indexer_topk import indexer_topk
-from kernels.paged import positions_to_slots, write_cache
+from kernels.paged import GroupLayout, gather_rows, positions_to_slots, write_cache
 from kernels.sparse_mla import sparse_mla
+from sharding import collectives as col
+from sharding import context_parallel as cp
+from sharding.mesh import ATTN_HEADS, KV_CONTEXT, KV_REPLICA, REQUESTS, TOKENS, ParallelLayout
 
 
+# ---------------------------------------------------------------------- helpers
+def _specs(par: ParallelLayout):
+    return dict(
+        arena=par.spec((KV_REPLICA, KV_CONTEXT), None),
+        tok=par.spec(TOKENS),
+        tok2=par.spec(TOKENS, None),
+        heads3=par.spec(TOKENS, ATTN_HEADS, None),
+        tok3=par.spec(TOKENS, None, None),
+        bt=par.spec(REQUESTS, None),
+        rep=PartitionSpec(),
+    )
+
+
+def _shard_map(par: ParallelLayout, f, in_specs, out_specs):
+    return jax.shard_map(f, mesh=par.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def _kv_mode(par: ParallelLayout | None) -> str:
+    if par is None or par.is_single_device:
+        return "local"
+    return "dcp" if par.axes(KV_CONTEXT) else "replicated"
+
+
+def _dcp_axes(par: ParallelLayout) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(DCP axes whose shards are gathered into a temporary copy: those that also split the
+    queries' tokens, i.e. pcp; DCP axes kept sharded with queries sent to the KV: tp)."""
+    axes = par.axes(KV_CONTEXT)
+    return tuple(a for a in axes if a == "pcp"), tuple(a for a in axes if a != "pcp")
+
+
+def _split_size(par: ParallelLayout, axes) -> int:
+    return int(np.prod([par.mesh.shape[a] for a in axes])) if axes else 1
+
+
+def _gathered_copy(kv_arena, block_table_BP, g: GroupLayout, component: str, layer, par: ParallelLayout):
+    """Temporary copy (one layer) of the batch's pages, all-gathered over the DCP axes that split
+    the queries' tokens (PCP), for attention and indexing of this rank's own queries.
+
+    Each rank gathers its `g`-row share of every block-table page; the shares are all-gathered over
+    the gathered axes and reassembled. Without a remaining DCP axis the result holds full pages of
+    `g·N` tokens; with one (TP × PCP), this TP rank's round-robin share of each page (`g · pcp`
+    rows), i.e. a DCP-over-TP shard with pages of `g · pcp` tokens.
+
+    Returns (arena of 1 + B·P pages, its GroupLayout with one layer, block table `[B, P]` into it;
+    null entries stay null).
+    """
+    gather, split = _dcp_axes(par)
+    n, inter, tpp = par.dcp, par.config.dcp_kv_cache_interleave_size, g.tokens_per_page
+    n_split = _split_size(par, split)
+    n_gather = n // n_split
+    B, P = block_table_BP.shape
+    slots = block_table_BP[:, :, None] * tpp + jnp.arange(tpp, dtype=jnp.int32)
+    rows = gather_rows(kv_arena, slots, g, component, layer)  # [B, P, g, W]
+    allr = jax.lax.all_gather(rows, gather, axis=0)  # [n_gather, B, P, g, W]
+    t = jax.lax.axis_index(split) if split else 0
+    j = jnp.arange(tpp * n_gather, dtype=jnp.int32)  # row of the temporary page
+    o = (j // inter) * inter * n_split + t * inter + j % inter  # its offset in the engine page
+    src_rank = ((o // inter) % n) // n_split  # index along the gathered axes (rank = gather · n_split + t)
+    src_row = (o // (inter * n)) * inter + o % inter
+    part = allr[src_rank, :, :, src_row]  # [g·n_gather, B, P, W]
+    part = jnp.moveaxis(part, 0, 2).reshape(B * P, -1)
+    temp = jnp.concatenate([jnp.zeros((1, part.shape[1]), part.dtype), part], axis=0)
+    _, comp = g.component(component)
+    tg = GroupLayout(g.name + "_gathered", tpp * n_gather, (dataclasses.replace(comp, num_layers=1),))
+    ids = 1 + jnp.arange(B * P, dtype=jnp.int32).reshape(B, P)
+    return temp, tg, jnp.where(block_table_BP > 0, ids, 0)
+
+
+def _read_view(arena, bt, g: GroupLayout, component: str, layer, par: ParallelLayout):
+    """What this rank's queries read: (arena, group layout, block table, layer, DCP axes still
+    sharded, their size). Gathers a temporary copy over the PCP part of the DCP axes first."""
+    gather, split = _dcp_axes(par)
+    if gather:
+        arena, g, bt = _gathered_copy(arena, bt, g, component, layer, par)
+        layer = 0
+    return arena, g, bt, layer, split, _split_size(par, split)
+
+
+# ---------------------------------------------------------------------- cache write
 def write_kv(kv_arena: jax.Array, rows_TW: jax.Array, batch: ForwardBatch, layout: KVCacheLayout,
-             group: str, component: str, layer) -> jax.Array:
-    """Write this step's new rows `[T, width]` for one layer into the group's pages (slot_mapping)."""
-    return write_cache(kv_arena, rows_TW, batch.slot_mapping[group], layout.group(group), component, layer)
+             group: str, component: str, layer, parallel: ParallelLayout | None = None) -> jax.Array:
+    """Write this step's new rows `[T, width]` for one layer into the group's pages (slot_mapping).
+
+    Under PCP the rows (and their slots) of all PCP ranks of the replica are all-gathered first;
+    they arrive in load-balanced chunk order and the slot travelling with each row puts it back at
+    its position (the order restore). Under DCP each rank keeps only the rows it owns. Slots are engine slots (pages of
+    `tokens_per_page × dcp` tokens).
+    """
+    g = layout.group(group)
+    mode = _kv_mode(parallel)
+    if mode == "local":
+        return write_cache(kv_arena, rows_TW, batch.slot_mapping[group], g, component, layer)
+    par = parallel
+    s = _specs(par)
+    pcp_axes = ("pcp",) if par.pcp > 1 else ()
+
+    def body(arena, rows, slots, lyr):
+        rows = col.all_gather_tiled(rows, pcp_axes)
+        slots = col.all_gather_tiled(slots, pcp_axes)
+        if mode == "dcp":
+            rank = jax.lax.axis_index(par.axes(KV_CONTEXT))
+            slots = cp.dcp_local_slots(slots, rank, par.dcp, par.config.dcp_kv_cache_interleave_size,
+                                       g.tokens_per_page)
+        return write_cache(arena, rows, slots, g, component, lyr)
+
+    f = _shard_map(par, body, (s["arena"], s["tok2"], s["tok"], s["rep"]), s["arena"])
+    return f(kv_arena, rows_TW, batch.slot_mapping[group], layer)
 
 
+# ---------------------------------------------------------------------- indexer
 def select_topk(q_TID: jax.Array, w_TI: jax.Array, kv_arena: jax.Array, batch: ForwardBatch,
-                layout: KVCacheLayout, group: str, layer, topk: int) -> jax.Array:
-    """Indexer top-k: request-local positions `[T, K]` (−1 padding), tie rule of the reference."""
-    idx, _ = indexer_topk(q_TID, w_TI, kv_arena, batch.block_tables[group], batch.req_idx_T, batch.positions_T,
-                          layer, layout=layout.group(group), component="indexer", topk=topk)
-    return idx
+                layout: KVCacheLayout, group: str, layer, topk: int,
+                parallel: ParallelLayout | None = None) -> jax.Array:
+    """Indexer top-k: request-local positions `[T, K]` (−1 padding), tie rule of the reference
+    (higher score, then lower position) — also across DCP ranks."""
+    g = layout.group(group)
+    mode = _kv_mode(parallel)
+    if mode == "local":
+        idx, _ = indexer_topk(q_TID, w_TI, kv_arena, batch.block_tables[group], batch.req_idx_T, batch.positions_T,
+                              layer, layout=g, component="indexer", topk=topk)
+        return idx
+    par = parallel
+    s = _specs(par)
+    inter = par.config.dcp_kv_cache_interleave_size
+
+    def body(arena, q, w, bt, req, pos, lyr):
+        if mode == "replicated":
+            idx, _ = indexer_topk(q, w, arena, bt, req, pos, lyr, layout=g, component="indexer", topk=topk)
+            return idx
+        arena, gv, bt, lyr, split, n = _read_view(arena, bt, g, "indexer", lyr, par)
+        if not split:
+            idx, _ = indexer_topk(q, w, arena, bt, req, pos, lyr, layout=gv, component="indexer", topk=topk)
+            return idx
+        # Queries to KV: score this rank's shard, then merge the per-rank top-k lists.
+        r = jax.lax.axis_index(split)
+        lim = cp.dcp_causal_limit(pos, r, n, inter, gv.tokens_per_page)
+        loc, _, score = indexer_topk(q, w, arena, bt, req, lim, lyr, layout=gv, component="indexer", topk=topk,
+                                     return_scores=True)
+        glob = cp.dcp_global_positions(loc, r, n, inter, gv.tokens_per_page)
+        idx, _ = col.global_topk_merge(score, glob, split)
+        return idx
+
+    f = _shard_map(par, body, (s["arena"], s["tok3"], s["tok2"], s["bt"], s["tok"], s["tok"], s["rep"]), s["tok2"])
+    return f(kv_arena, q_TID, w_TI, batch.block_tables[group], batch.req_idx_T, batch.positions_T, layer)
 
 
+# ---------------------------------------------------------------------- sparse MLA
 def sparse_attention(q_abs_TNC: jax.Array, kv_arena: jax.Array, topk_TK: jax.Array, batch: ForwardBatch,
-                     layout: KVCacheLayout, group: str, layer, *, kv_lora_rank: int, scale: float) -> jax.Array:
+                     layout: KVCacheLayout, group: str, layer, *, kv_lora_rank: int, scale: float,
+                     parallel: ParallelLayout | None = None) -> jax.Array:
     """Absorbed sparse MLA over the selected positions → `o_lat [T, N, A]` fp32."""
     g = layout.group(group)
-    slots = positions_to_slots(topk_TK, batch.block_tables[group], batch.req_idx_T, g.tokens_per_page)
-    o, _ = sparse_mla(q_abs_TNC, kv_arena, slots, layer, layout=g, component="mla",
-                      kv_lora_rank=kv_lora_rank, scale=scale)
-    return o
+    tpp = g.tokens_per_page
+    mode = _kv_mode(parallel)
+    attend = partial(sparse_mla, component="mla", kv_lora_rank=kv_lora_rank, scale=scale)
+    if mode == "local":
+        slots = positions_to_slots(topk_TK, batch.block_tables[group], batch.req_idx_T, tpp)
+        o, _ = attend(q_abs_TNC, kv_arena, slots, layer, layout=g)
+        return o
+    par = parallel
+    s = _specs(par)
+    inter = par.config.dcp_kv_cache_interleave_size
+
+    def body(arena, q, topk, bt, req, lyr):
+        if mode == "replicated":
+            o, _ = attend(q, arena, positions_to_slots(topk, bt, req, tpp), lyr, layout=g)
+            return o
+        arena, gv, bt, lyr, split, n = _read_view(arena, bt, g, "mla", lyr, par)
+        if not split:
+            o, _ = attend(q, arena, positions_to_slots(topk, bt, req, gv.tokens_per_page), lyr, layout=gv)
+            return o
+        # Queries to KV: every head over this rank's shard, (o, lse) partials merged per head.
+        q_all = col.all_gather_tiled(q, split, axis=1)
+        loc = cp.dcp_local_positions(topk, jax.lax.axis_index(split), n, inter, gv.tokens_per_page)
+        o, lse = attend(q_all, arena, positions_to_slots(loc, bt, req, gv.tokens_per_page), lyr, layout=gv)
+        o, _ = col.merge_partials(o, lse, split, par.config.dcp_comm_backend)
+        return o
+
+    f = _shard_map(par, body, (s["arena"], s["heads3"], s["tok2"], s["bt"], s["tok"], s["rep"]), s["heads3"])
+    return f(kv_arena, q_abs_TNC, topk_TK, batch.block_tables[group], batch.req_idx_T, layer)
+
+
+def engine_tokens_per_page(layout: KVCacheLayout, group: str, parallel: ParallelLayout | None = None) -> int:
+    """Tokens one engine page of `group` spans: the group's tokens_per_page × the DCP size."""
+    n = parallel.dcp if parallel is not None else 1
+    return layout.group(group).tokens_per_page * n
+

@@ -32,7 +32,7 @@ class DecoderLayer(nnx.Module):
         a, kv_arena, topk = self.self_attn(self.input_layernorm(x_TD), kv_arena, ctx, mla_layer, index_layer,
                                            topk_prev_TK)
         x_TD = x_TD + a
-        x_TD = x_TD + self.mlp(self.post_attention_layernorm(x_TD))
+        x_TD = x_TD + self.mlp(self.post_attention_layernorm(x_TD), parallel=ctx.parallel)
         return x_TD, kv_arena, topk
 
 

@@ -20,6 +20,7 @@ from glm53.batch import ForwardBatch
 from glm53.config import GlmConfig
 from glm53.kv_layout import KVCacheLayout
 from glm53.layers import LayerNorm, Linear, RMSNorm, apply_rope_interleaved, mm
+from sharding.mesh import ParallelLayout
 
 
 @dataclass
@@ -32,6 +33,7 @@ class LayerContext:
     sin: jax.Array
     group: str = "mla"          # KV group holding this layer's latent rows
     index_group: str = "indexer"  # KV group holding this layer's indexer keys
+    parallel: ParallelLayout | None = None  # the mesh and roles (None: one device)
 
 
 class Indexer(nnx.Module):
@@ -85,13 +87,13 @@ class MLAttention(nnx.Module):
         c_kv = self.kv_a_layernorm(kv[:, :A])
         k_pe = apply_rope_interleaved(kv[:, A:], ctx.cos, ctx.sin)
         kv_arena = attention.write_kv(kv_arena, jnp.concatenate([c_kv, k_pe], -1), ctx.batch, ctx.layout,
-                                      ctx.group, "mla", mla_layer)
+                                      ctx.group, "mla", mla_layer, parallel=ctx.parallel)
         if self.indexer is not None:
             qI, w, kI = self.indexer.project(h_TD, c_q, ctx.cos, ctx.sin)
             kv_arena = attention.write_kv(kv_arena, kI, ctx.batch, ctx.layout, ctx.index_group, "indexer",
-                                          index_layer)
+                                          index_layer, parallel=ctx.parallel)
             topk = attention.select_topk(qI, w, kv_arena, ctx.batch, ctx.layout, ctx.index_group, index_layer,
-                                         cfg.index_topk)
+                                         cfg.index_topk, parallel=ctx.parallel)
         else:
             topk = topk_prev_TK
         # Absorb W_UK into the queries (fp32 accumulation): q_abs = [W_UK^T q_nope | q_pe].
@@ -99,7 +101,7 @@ class MLAttention(nnx.Module):
                            precision=lax.Precision.HIGHEST)
         q_abs = jnp.concatenate([q_lat, q_pe.astype(jnp.float32)], -1)
         o_lat = attention.sparse_attention(q_abs, kv_arena, topk, ctx.batch, ctx.layout, ctx.group, mla_layer,
-                                           kv_lora_rank=A, scale=cfg.softmax_scale)
+                                           kv_lora_rank=A, scale=cfg.softmax_scale, parallel=ctx.parallel)
         o = jnp.einsum("tna,nav->tnv", o_lat, self.w_uv[...].astype(jnp.float32),
                        preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
         out = mm(o.reshape(T, -1).astype(h_TD.dtype), self.o_proj.weight[...])

@@ -26,6 +26,7 @@ from glm53.decoder import DecoderGroup, DecoderLayer, scan_groups
 from glm53.kv_layout import KVCacheLayout
 from glm53.layers import Linear, RMSNorm, mm, rope_cos_sin
 from glm53.mla import LayerContext
+from sharding.mesh import TOKENS, ParallelLayout, constrain
 
 
 class Embedding(nnx.Module):
@@ -72,14 +73,18 @@ class GlmForCausalLM(nnx.Module):
     def dtype(self):
         return self.embed_tokens.weight.dtype
 
-    def hidden_states(self, batch: ForwardBatch, kv_arena: jax.Array, layout: KVCacheLayout):
-        """Backbone forward → (final-normed hidden `[T, D]`, updated kv_arena)."""
+    def hidden_states(self, batch: ForwardBatch, kv_arena: jax.Array, layout: KVCacheLayout,
+                      parallel: ParallelLayout | None = None):
+        """Backbone forward → (final-normed hidden `[T, D]`, updated kv_arena).
+
+        `parallel`: the mesh and roles when the parameters, batch and arena are sharded
+        (sharding/rules.py); None on one device."""
         cfg = self.cfg
         batch = jax.tree.map(jnp.asarray, batch)
         cos, sin = rope_cos_sin(batch.positions_T, cfg.qk_rope_head_dim, cfg.rope_theta)
-        ctx = LayerContext(batch=batch, layout=layout, cos=cos, sin=sin)
+        ctx = LayerContext(batch=batch, layout=layout, cos=cos, sin=sin, parallel=parallel)
         full = cfg.full_layers
-        x = self.embed_tokens(batch.input_ids_T)
+        x = constrain(self.embed_tokens(batch.input_ids_T), parallel, TOKENS, None)
         topk = None
         for i, layer in zip(self.plan.head, self.layers):
             idx_layer = full.index(i) if cfg.indexer_types[i] == "full" else 0
@@ -93,12 +98,14 @@ class GlmForCausalLM(nnx.Module):
         """`lm_head` in fp32 → `[T, vocab]`."""
         return mm(h_TD, self.lm_head.weight[...]).astype(jnp.float32)
 
-    def __call__(self, batch: ForwardBatch, kv_arena: jax.Array, layout: KVCacheLayout):
+    def __call__(self, batch: ForwardBatch, kv_arena: jax.Array, layout: KVCacheLayout,
+                 parallel: ParallelLayout | None = None):
         """→ (logits fp32 `[len(logits_indices), vocab]`, hidden `[T, D]`, kv_arena)."""
-        h, kv_arena = self.hidden_states(batch, kv_arena, layout)
+        h, kv_arena = self.hidden_states(batch, kv_arena, layout, parallel)
         return self.logits(h[jnp.asarray(batch.logits_indices_B)]), h, kv_arena
 
-    def mtp_logits(self, batch: ForwardBatch, hidden_TD: jax.Array, kv_arena: jax.Array, layout: KVCacheLayout):
+    def mtp_logits(self, batch: ForwardBatch, hidden_TD: jax.Array, kv_arena: jax.Array, layout: KVCacheLayout,
+                   parallel: ParallelLayout | None = None):
         """MTP step: `batch.input_ids_T[i]` is token i+1 paired with backbone hidden `hidden_TD[i]`
         (final-normed) at position `batch.positions_T[i]` = i; uses the `mtp` KV group.
         → (logits fp32 `[len(logits_indices), vocab]` predicting token i+2, kv_arena)."""
@@ -108,8 +115,9 @@ class GlmForCausalLM(nnx.Module):
         m = self.mtp
         batch = jax.tree.map(jnp.asarray, batch)
         cos, sin = rope_cos_sin(batch.positions_T, cfg.qk_rope_head_dim, cfg.rope_theta)
-        ctx = LayerContext(batch=batch, layout=layout, cos=cos, sin=sin, group="mtp", index_group="mtp")
-        e = m.enorm(self.embed_tokens(batch.input_ids_T))
+        ctx = LayerContext(batch=batch, layout=layout, cos=cos, sin=sin, group="mtp", index_group="mtp",
+                           parallel=parallel)
+        e = m.enorm(constrain(self.embed_tokens(batch.input_ids_T), parallel, TOKENS, None))
         u = m.eh_proj(jnp.concatenate([e, m.hnorm(hidden_TD.astype(e.dtype))], axis=-1))
         x, kv_arena, _ = m.block(u, kv_arena, ctx, 0, 0, None)
         h = m.shared_head_norm(x)

@@ -16,6 +16,8 @@ from jax import lax
 
 from glm53.config import GlmConfig
 from glm53.layers import Linear
+from sharding import collectives as col
+from sharding.mesh import EXPERT_COLS, EXPERTS, TOKENS
 
 
 class DenseMLP(nnx.Module):
@@ -26,7 +28,8 @@ class DenseMLP(nnx.Module):
         self.up_proj = Linear(d, inter, dtype=dtype, stack=stack)
         self.down_proj = Linear(inter, d, dtype=dtype, stack=stack)
 
-    def __call__(self, x):
+    def __call__(self, x, parallel=None):
+        """`parallel` is unused: TP column/row splits come from the parameter shardings."""
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -59,8 +62,44 @@ class Router(nnx.Module):
         return w * cfg.routed_scaling_factor, ids.astype(jnp.int32)
 
 
+def routed_experts(x_TD, weights_TK, ids_TK, gate_EDI, up_EDI, down_EID, first_expert=0):
+    """Grouped-matmul SwiGLU over the experts `first_expert .. first_expert + E_local − 1` held in
+    `gate/up [E_local, D, I]`, `down [E_local, I, D]`; assignments to other experts contribute 0.
+
+    → fp32 `[T, D]`: Σ over this shard's assignments of weight · expert(x). With every expert
+    local (`first_expert = 0`, E_local = E) it is the whole routed-expert output.
+    """
+    T, k = ids_TK.shape
+    E_local = gate_EDI.shape[0]
+    flat = ids_TK.reshape(-1) - first_expert
+    mine = (flat >= 0) & (flat < E_local)
+    key = jnp.where(mine, flat, E_local)  # other shards' assignments sort last, outside every group
+    order = jnp.argsort(key, stable=True)
+    tok = order // k
+    xs = x_TD[tok]
+    sizes = jnp.bincount(key, length=E_local + 1)[:E_local].astype(jnp.int32)
+
+    def gmm(a, w):
+        return lax.ragged_dot(a, w.astype(a.dtype), sizes, preferred_element_type=jnp.float32,
+                              precision=lax.Precision.HIGHEST)
+
+    h = jax.nn.silu(gmm(xs, gate_EDI)) * gmm(xs, up_EDI)
+    y = gmm(h.astype(x_TD.dtype), down_EID)
+    keep = mine[order][:, None]
+    y = jnp.where(keep, y * weights_TK.reshape(-1)[order][:, None], 0.0)
+    return jnp.zeros((T, y.shape[-1]), jnp.float32).at[tok].add(y)
+
+
 class Experts(nnx.Module):
-    """Routed experts stacked: gate/up `[E, D, I]`, down `[E, I, D]`."""
+    """Routed experts stacked: gate/up `[E, D, I]`, down `[E, I, D]`.
+
+    Under a parallel layout the experts are split by roles (sharding/rules.py): `EXPERTS` (EP:
+    every device holds E / devices experts) and `EXPERT_COLS` (TP without EP: each expert's
+    intermediate columns). Dispatch/combine (all-gather + reduce-scatter): the tokens of every
+    shard that holds other experts are all-gathered, each device computes its experts for all of
+    them, and the partial outputs are summed back — reduce-scattered to the token owners over the
+    token axes, summed over the others.
+    """
 
     def __init__(self, cfg: GlmConfig, *, dtype, stack=()):
         E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -68,23 +107,29 @@ class Experts(nnx.Module):
         self.up_proj = nnx.Param(jnp.zeros((*stack, E, D, I), dtype))
         self.down_proj = nnx.Param(jnp.zeros((*stack, E, I, D), dtype))
 
-    def __call__(self, x_TD, weights_TK, ids_TK):
-        T, k = ids_TK.shape
-        E = self.gate_proj.shape[0]
-        flat = ids_TK.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        tok = order // k
-        xs = x_TD[tok]
-        sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    def __call__(self, x_TD, weights_TK, ids_TK, parallel=None):
+        args = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        if parallel is None or parallel.is_single_device:
+            return routed_experts(x_TD, weights_TK, ids_TK, *args).astype(x_TD.dtype)
+        par = parallel
+        tok_axes = par.axes(TOKENS)
+        ep_axes, col_axes = par.axes(EXPERTS), par.axes(EXPERT_COLS)
+        model_axes = ep_axes + tuple(a for a in col_axes if a not in ep_axes)
+        gather_axes = tuple(a for a in tok_axes if a in model_axes)
+        sum_axes = tuple(a for a in model_axes if a not in gather_axes)
+        E_local = self.gate_proj.shape[0] // par.size(EXPERTS)
 
-        def gmm(a, w):
-            return lax.ragged_dot(a, w.astype(a.dtype), sizes, preferred_element_type=jnp.float32,
-                                  precision=lax.Precision.HIGHEST)
+        def body(x, w, ids, gate, up, down):
+            x, w, ids = (col.all_gather_tiled(a, gather_axes) for a in (x, w, ids))
+            first = jax.lax.axis_index(ep_axes) * E_local if ep_axes else 0
+            y = col.psum(routed_experts(x, w, ids, gate, up, down, first), sum_axes)
+            return col.reduce_scatter_tiled(y, gather_axes)
 
-        h = jax.nn.silu(gmm(xs, self.gate_proj[...])) * gmm(xs, self.up_proj[...])
-        y = gmm(h.astype(x_TD.dtype), self.down_proj[...])
-        y = y * weights_TK.reshape(-1)[order][:, None]
-        return jnp.zeros((T, y.shape[-1]), jnp.float32).at[tok].add(y).astype(x_TD.dtype)
+        t2 = par.spec(TOKENS, None)
+        f = jax.shard_map(body, mesh=par.mesh, check_vma=False, out_specs=t2,
+                          in_specs=(t2, t2, t2, par.spec(EXPERTS, None, EXPERT_COLS),
+                                    par.spec(EXPERTS, None, EXPERT_COLS), par.spec(EXPERTS, EXPERT_COLS, None)))
+        return f(x_TD, weights_TK, ids_TK, *args).astype(x_TD.dtype)
 
 
 class MoE(nnx.Module):
@@ -94,6 +139,6 @@ class MoE(nnx.Module):
         self.shared_experts = DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                        dtype=dtype, stack=stack)
 
-    def __call__(self, x_TD):
+    def __call__(self, x_TD, parallel=None):
         w, ids = self.gate(x_TD)
-        return self.experts(x_TD, w, ids) + self.shared_experts(x_TD)
+        return self.experts(x_TD, w, ids, parallel) + self.shared_experts(x_TD)

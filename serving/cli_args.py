@@ -103,9 +103,11 @@ def make_arg_parser() -> argparse.ArgumentParser:
 
     par = p.add_argument_group("parallelism")
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    par.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     par.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1)
     par.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
     par.add_argument("--dcp-comm-backend", choices=["ag_rs", "a2a"], default="ag_rs")
+    par.add_argument("--dcp-kv-cache-interleave-size", type=int, default=1)
     par.add_argument("--enable-expert-parallel", action="store_true")
 
     dist = p.add_argument_group(
@@ -156,10 +158,26 @@ def _not_yet(flag: str) -> ArgumentError:
     return ArgumentError(f"not supported yet in this build: {flag}")
 
 
+def parallel_config(args: argparse.Namespace):
+    """The `sharding.mesh.ParallelConfig` of the parallelism flags (ArgumentError naming the flag)."""
+    from sharding.mesh import ParallelConfig
+
+    try:
+        return ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+            prefill_context_parallel_size=args.prefill_context_parallel_size,
+            decode_context_parallel_size=args.decode_context_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel, dcp_comm_backend=args.dcp_comm_backend,
+            dcp_kv_cache_interleave_size=args.dcp_kv_cache_interleave_size)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Raise `ArgumentError` naming the flag for values this build cannot serve.
 
-    Also replaces the JSON flag strings on `args` by the parsed dicts.
+    Also replaces the JSON flag strings on `args` by the parsed dicts and sets `args.parallel`
+    (a `ParallelConfig`).
     """
     for name in JSON_FLAGS:
         flag = "--" + name.replace("_", "-")
@@ -175,6 +193,8 @@ def validate_args(args: argparse.Namespace) -> None:
         ("tensor_parallel_size", 1),
         ("prefill_context_parallel_size", 1),
         ("decode_context_parallel_size", 1),
+        ("data_parallel_size", 1),
+        ("dcp_kv_cache_interleave_size", 1),
     ):
         value = getattr(args, name)
         if value is not None and value < lo:
@@ -199,16 +219,9 @@ def validate_args(args: argparse.Namespace) -> None:
             f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"
         )
 
-    for name in (
-        "tensor_parallel_size",
-        "prefill_context_parallel_size",
-        "decode_context_parallel_size",
-    ):
-        value = getattr(args, name)
-        if value != 1:
-            raise _not_yet(f"--{name.replace('_', '-')} {value} (only 1)")
-    if args.enable_expert_parallel:
-        raise _not_yet("--enable-expert-parallel")
+    args.parallel = parallel_config(args)
+    if args.data_parallel_size != 1:
+        raise _not_yet(f"--data-parallel-size {args.data_parallel_size} in the server (the model step supports it)")
     if args.kv_cache_dtype != "auto":
         raise _not_yet(f"--kv-cache-dtype {args.kv_cache_dtype}")
     if args.speculative_config is not None:

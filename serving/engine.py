@@ -30,6 +30,7 @@ from serving.request import Request
 from serving.runner import ModelRunner
 from serving.scheduler import Scheduler, SchedulerConfig
 from serving.types import RequestOutput, SamplingParams
+from sharding.mesh import ParallelConfig, ParallelLayout
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class EngineArgs:
     max_logprobs: int = 20
     disable_log_stats: bool = False
     log_stats_interval_s: float = 5.0
+    parallel: ParallelConfig | None = None  # TP / PCP / DCP / EP sizes (None: one device)
 
 
 def _model_dtype(name: str, device) -> jnp.dtype:
@@ -109,8 +111,12 @@ class LLMEngine:
         self.config = model.cfg
         self.layout = layout
         self.pool = BlockPool(num_blocks, on_reuse=self._on_block_reuse)
-        groups = [KVCacheGroupSpec(g.name, g.tokens_per_page) for g in layout.groups]
-        caps = {g.name: math.ceil(args.max_model_len / g.tokens_per_page) for g in layout.groups}
+        par = args.parallel
+        self.parallel = (ParallelLayout.create(par) if par is not None and par.num_devices > 1 else None)
+        dcp = par.decode_context_parallel_size if self.parallel is not None else 1
+        # Under DCP an engine page spans tokens_per_page x dcp tokens (each rank stores its share).
+        groups = [KVCacheGroupSpec(g.name, g.tokens_per_page * dcp) for g in layout.groups]
+        caps = {g.name: math.ceil(args.max_model_len / s.tokens_per_page) for g, s in zip(layout.groups, groups)}
         self.kv = KVCacheManager(self.pool, groups, caps)
         self.prefix_cache = PrefixCache(self.kv) if args.enable_prefix_caching else None
         self.scheduler = Scheduler(
@@ -119,7 +125,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, layout, num_blocks, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len, seed=args.seed,
-                                  max_logprobs=args.max_logprobs)
+                                  max_logprobs=args.max_logprobs, parallel=self.parallel)
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_steps = 0
         self.host_overhead_s = 0.0

@@ -28,9 +28,12 @@ from tqdm import tqdm
 from glm53.batch import ForwardBatch
 from glm53.kv_layout import KVCacheLayout
 from glm53.model import GlmForCausalLM
+from glm53.parallel_batch import empty_parallel_arena, pcp_reorder, shard_batch
 from kernels.paged import copy_pages
 from serving.kv_cache import KVCacheManager
 from serving.sampling import sample_with_logprobs
+from sharding.mesh import ParallelLayout
+from sharding.rules import arena_shards, shard_params
 from serving.scheduler import SchedulerOutput
 from serving.types import TokenLogprobs
 
@@ -64,14 +67,28 @@ class ModelRunner:
     """
 
     def __init__(self, model: GlmForCausalLM, layout: KVCacheLayout, num_blocks: int, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, seed: int = 0, max_logprobs: int = 20):
+                 max_num_batched_tokens: int, max_model_len: int, seed: int = 0, max_logprobs: int = 20,
+                 parallel: ParallelLayout | None = None):
         self.layout = layout
+        self.parallel = parallel
         self.graphdef, self.state = nnx.split(model)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.buckets = token_buckets(max_num_batched_tokens)
-        self.widths = {g.name: math.ceil(max_model_len / g.tokens_per_page) for g in layout.groups}
-        self.kv_arena = layout.empty_arena(num_blocks)
+        dcp = parallel.dcp if parallel is not None else 1  # under DCP an engine page spans tpp × dcp tokens
+        self.widths = {g.name: math.ceil(max_model_len / (g.tokens_per_page * dcp)) for g in layout.groups}
+        if parallel is None:
+            self.kv_arena = layout.empty_arena(num_blocks)
+        else:
+            if parallel.dp != 1:
+                raise ValueError("--data-parallel-size > 1: the engine runs one attention replica "
+                                 "(the model step supports DP through glm53.parallel_batch.stack_replicas)")
+            bad = [b for b in self.buckets if b % (2 * parallel.pcp)]
+            if bad:
+                raise ValueError(f"--prefill-context-parallel-size {parallel.pcp} needs every token bucket to be a "
+                                 f"multiple of {2 * parallel.pcp}; {bad} are not (--max-num-batched-tokens)")
+            self.state = shard_params(self.state, parallel)
+            self.kv_arena = empty_parallel_arena(layout, num_blocks, parallel)
         self.seed = seed
         self.max_logprobs = max_logprobs
         self.last = StepStats()
@@ -80,15 +97,19 @@ class ModelRunner:
         graphdef = self.graphdef
         k = max(1, min(max_logprobs, model.cfg.vocab_size))
 
-        # A step copies at most one page per group for each request it admits.
-        self.max_page_copies = max_num_seqs * len(layout.groups)
+        # A step copies at most one page per group for each request it admits. Under a parallel
+        # layout the arena holds one `num_blocks` shard per (replica, DCP rank), rows
+        # [s * num_blocks, (s + 1) * num_blocks); an engine page is copied in every shard.
+        self.num_blocks = num_blocks
+        self.arena_shards = arena_shards(parallel) if parallel is not None else 1
+        self.max_page_copies = max_num_seqs * len(layout.groups) * self.arena_shards
 
         @functools.partial(jax.jit, donate_argnums=(2,))
         def step(state, batch: ForwardBatch, kv_arena, temperature, top_p, seeds, steps, want_logprobs, copy_src,
                  copy_dst):
             kv_arena = copy_pages(kv_arena, copy_src, copy_dst)  # copy-on-write pages, before any write
             model = nnx.merge(graphdef, state)
-            logits, _, kv_arena = model(batch, kv_arena, layout)
+            logits, _, kv_arena = model(batch, kv_arena, layout, parallel)
             return sample_with_logprobs(logits, temperature, top_p, seeds, steps, want_logprobs, k), kv_arena
 
         self._step = step
@@ -112,9 +133,15 @@ class ModelRunner:
         t0 = time.perf_counter()
         for T in tqdm(self.buckets, desc="compiling step buckets", disable=not progress, unit="bucket"):
             batch, extra = self._dummy(T)
-            out, self.kv_arena = self._step(self.state, jax.tree.map(jnp.asarray, batch), self.kv_arena, *extra)
+            out, self.kv_arena = self._step(self.state, self._place(batch), self.kv_arena, *extra)
             jax.block_until_ready(out)
         return time.perf_counter() - t0
+
+    def _place(self, batch: ForwardBatch) -> ForwardBatch:
+        """Host batch → device arrays (PCP load-balanced token order and the mesh under a layout)."""
+        if self.parallel is None:
+            return jax.tree.map(jnp.asarray, batch)
+        return shard_batch(pcp_reorder(batch, self.parallel.pcp), self.parallel)
 
     # ------------------------------------------------------------------ step
     def prepare(self, sched: SchedulerOutput, kv: KVCacheManager):
@@ -157,10 +184,14 @@ class ModelRunner:
         tables = {g: kv.block_table_array(rids, g, w) for g, w in self.widths.items()}
         batch = ForwardBatch(ids, pos, req, slots, tables, logits_idx)
         copies = np.full((2, self.max_page_copies), -1, np.int32)
-        if len(sched.page_copies) > self.max_page_copies:
-            raise ValueError(f"{len(sched.page_copies)} page copies in one step, at most {self.max_page_copies}")
         if sched.page_copies:
-            copies[:, : len(sched.page_copies)] = np.asarray(sched.page_copies, np.int32).T
+            pairs = np.asarray(sched.page_copies, np.int32).T  # [2, C] engine block ids
+            shard_base = np.arange(self.arena_shards, dtype=np.int32) * self.num_blocks
+            pairs = (pairs[:, None, :] + shard_base[None, :, None]).reshape(2, -1)
+            if pairs.shape[1] > self.max_page_copies:
+                raise ValueError(f"{len(sched.page_copies)} page copies in one step, at most "
+                                 f"{self.max_page_copies // self.arena_shards}")
+            copies[:, : pairs.shape[1]] = pairs
             self.num_page_copies += len(sched.page_copies)
         want_lp = np.bool_(any(sr.sample and sr.request.sampling_params.logprobs is not None
                                for sr in sched.scheduled))
@@ -175,8 +206,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         batch, extra = self.prepare(sched, kv)
         t1 = time.perf_counter()
-        out, self.kv_arena = self._step(self.state, jax.tree.map(jnp.asarray, batch), self.kv_arena,
-                                        *map(jnp.asarray, extra))
+        out, self.kv_arena = self._step(self.state, self._place(batch), self.kv_arena, *map(jnp.asarray, extra))
         want_lp = bool(extra[4])
         toks, tok_lp, top_ids, top_lp = jax.device_get(out if want_lp else out[:1] + (None,) * 3)
         t2 = time.perf_counter()

@@ -33,23 +33,29 @@ def default_implementation() -> str:
 def indexer_topk(q_TID: Float[Array, "T I D"], w_TI: Float[Array, "T I"], kv_arena: UInt32[Array, "blocks page_words"],
                  block_table_BP: Int[Array, "B P"], req_idx_T: Int[Array, " T"], positions_T: Int[Array, " T"],
                  layer: Int[Array, ""] | int, *, layout, component="indexer", topk: int,
-                 implementation: str | None = None, interpret: bool = False,
-                 precision: str | None = None) -> tuple[Int[Array, "T K"], Int[Array, " T"]]:
-    """`(topk_indices [T,K] int32, valid [T] int32)`; see `reference.indexer_topk_reference`.
+                 return_scores: bool = False, implementation: str | None = None, interpret: bool = False,
+                 precision: str | None = None):
+    """`(topk_indices [T,K] int32, valid [T] int32)`, plus `scores [T,K]` fp32 with
+    `return_scores` (DCP merges per-rank lists by score); see `reference.indexer_topk_reference`.
 
     implementation: None (choose, module docstring), "xla" or "pallas_triton".
     interpret: Pallas interpret mode (tests). precision: Pallas only; None → "bf16" for bfloat16
       queries, "highest" otherwise.
     Raises:
       KeyError: unknown implementation name.
-      NotImplementedError: an explicitly requested Pallas configuration it does not support.
+      NotImplementedError: an explicitly requested Pallas configuration it does not support
+        (including `return_scores`, which only the reference provides).
     """
     explicit = implementation is not None
     name = implementation or ("pallas_triton" if interpret else default_implementation())
     impl = IMPLEMENTATIONS[name]
     args = (q_TID, w_TI, kv_arena, block_table_BP, req_idx_T, positions_T, layer)
     if name == "xla":
-        return impl(*args, layout=layout, component=component, topk=topk)
+        return impl(*args, layout=layout, component=component, topk=topk, return_scores=return_scores)
+    if return_scores:
+        if explicit:
+            raise NotImplementedError("return_scores is provided by the reference implementation only")
+        return indexer_topk_reference(*args, layout=layout, component=component, topk=topk, return_scores=True)
     if precision is None:
         precision = "bf16" if q_TID.dtype == jax.numpy.bfloat16 else "highest"
     reason = unsupported_reason(layout, component, q_TID.shape[1], precision=precision, interpret=interpret)

@@ -62,11 +62,12 @@ def _topk_chunk(q_TID, w_TI, req_T, pos_T, block_table_BP, kv_arena, layer, layo
     init = (jnp.full((T, topk), jnp.inf, jnp.float32), jnp.full((T, topk), _BIG, jnp.int32))
     best_neg, best_pos = lax.fori_loop(0, n_chunks, body, init)
     valid = best_pos != _BIG
-    return jnp.where(valid, best_pos, -1).astype(jnp.int32), jnp.sum(valid, axis=-1).astype(jnp.int32)
+    return (jnp.where(valid, best_pos, -1).astype(jnp.int32), jnp.sum(valid, axis=-1).astype(jnp.int32),
+            jnp.where(valid, -best_neg, -jnp.inf))
 
 
 @functools.partial(
-    jax.jit, static_argnames=("layout", "component", "topk", "t_chunk", "s_chunk")
+    jax.jit, static_argnames=("layout", "component", "topk", "t_chunk", "s_chunk", "return_scores")
 )
 def indexer_topk_reference(
     q_TID: jax.Array,
@@ -82,7 +83,8 @@ def indexer_topk_reference(
     topk: int,
     t_chunk: int = 64,
     s_chunk: int = 512,
-) -> tuple[jax.Array, jax.Array]:
+    return_scores: bool = False,
+) -> tuple[jax.Array, ...]:
     """Top-k key positions per query token from the paged indexer-key cache.
 
     Args:
@@ -95,8 +97,10 @@ def indexer_topk_reference(
         must already be written). A padding row may use position 0 with an all-null table.
       layer: layer index inside the component (may be traced).
       topk: K.
+      return_scores: also return the selected scores (the DCP global merge needs them).
     Returns:
-      topk_indices int32 `[T, K]` (positions, tie rule above, −1 padding) and valid int32 `[T]`.
+      topk_indices int32 `[T, K]` (positions, tie rule above, −1 padding) and valid int32 `[T]`;
+      with `return_scores`, also scores float32 `[T, K]` (−inf for padding).
     """
     T, _, Dk = q_TID.shape
     scale = Dk ** -0.5
@@ -108,7 +112,8 @@ def indexer_topk_reference(
         return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=value).reshape(nc, tc, *x.shape[1:])
 
     args = (padded(q_TID), padded(w_TI), padded(req_idx_T), padded(positions_T))
-    idx, valid = lax.map(
+    idx, valid, scores = lax.map(
         lambda a: _topk_chunk(*a, block_table_BP, kv_arena, layer, layout, component, topk, s_chunk, scale), args
     )
-    return idx.reshape(nc * tc, topk)[:T], valid.reshape(nc * tc)[:T]
+    out = (idx.reshape(nc * tc, topk)[:T], valid.reshape(nc * tc)[:T])
+    return out + (scores.reshape(nc * tc, topk)[:T],) if return_scores else out

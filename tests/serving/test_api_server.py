@@ -569,10 +569,11 @@ def test_cli_defaults_and_json_flags():
 @pytest.mark.parametrize(
     "argv, flag",
     [
-        (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
-        (["-dcp", "2"], "--decode-context-parallel-size"),
-        (["--prefill-context-parallel-size", "2"], "--prefill-context-parallel-size"),
-        (["--enable-expert-parallel"], "--enable-expert-parallel"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+        (["-dcp", "2"], "--decode-context-parallel-size"),  # no attention group of 2 devices
+        (["--prefill-context-parallel-size", "0"], "--prefill-context-parallel-size"),
+        (["--data-parallel-size", "2"], "--data-parallel-size"),
+        (["-tp", "2", "-dcp", "2", "--dcp-kv-cache-interleave-size", "3"], "--dcp-kv-cache-interleave-size"),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
         (["--num-gpu-blocks-override", "1"], "--num-gpu-blocks-override"),
         (["--max-logprobs", "-1"], "--max-logprobs"),
