@@ -25,20 +25,28 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 
-def stable_topk(x, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):  # noqa: A002 (torch's name)
-    """`torch.topk` with a defined tie order: among equal values the lower index comes first.
+def stable_topk(x, k: int, dim: int = -1, largest: bool = True, sorted: bool = True,  # noqa: A002 (torch's name)
+                lower_first: bool = True):
+    """`torch.topk` with a defined tie order: among equal values the lower index comes first (the
+    higher one with `lower_first=False`).
 
     Returns torch's `topk` named tuple (values, indices), sorted (descending when `largest`).
     """
     import torch
 
+    if not lower_first:
+        n = x.shape[dim]
+        flipped = stable_topk(x.flip(dim), k, dim, largest, sorted)
+        return torch.return_types.topk((flipped.values, n - 1 - flipped.indices))
     order = torch.sort(x, dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
     return torch.return_types.topk((x.gather(dim, order), order))
 
 
 @contextmanager
-def position_tie_rule():
-    """Within the block, HF's DSA indexer breaks top-k ties by lower position (see module docstring)."""
+def position_tie_rule(lower_first: bool = True):
+    """Within the block, HF's DSA indexer breaks top-k ties by lower position (see module docstring;
+    by higher position with `lower_first=False`, a deliberately different rule for checking that a
+    fixture tells tie rules apart)."""
     import torch
     from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf_mod
 
@@ -46,8 +54,11 @@ def position_tie_rule():
     orig_forward = indexer.forward
     native_topk = torch.Tensor.topk
 
+    def topk(x, k, dim=-1, largest=True, sorted=True):  # noqa: A002
+        return stable_topk(x, k, dim, largest, sorted, lower_first)
+
     def forward(self, *args, **kwargs):
-        torch.Tensor.topk = stable_topk
+        torch.Tensor.topk = topk
         try:
             return orig_forward(self, *args, **kwargs)
         finally:
