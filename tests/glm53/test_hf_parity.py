@@ -4,9 +4,9 @@ Fixtures come from `scripts/make_hf_goldens.py` (tests/fixtures/hf/README.md): `
 (index_topk >= seq len), `sparse` (index_topk 8 < 40 with IndexShare shared layers, sharded
 checkpoint, group-limited routing) and `ties` (index_topk 16 < 40 with independent indexer heads:
 exact-zero index scores tie at the top-k boundary, which our tie rule, lower position first,
-decides; HF's indexer is run with the same rule, as torch.topk's tie order is arbitrary). Tolerance: max |Δlogit| <= 1e-4 in fp32 (the two
-implementations differ only in summation order: absorbed vs expanded MLA, grouped vs looped
-experts).
+decides; HF's indexer is run with the same rule, as torch.topk's tie order is arbitrary).
+Tolerance: max |Δlogit| <= 1e-4 in fp32 (the two implementations differ only in summation order:
+absorbed vs expanded MLA, grouped vs looped experts).
 """
 
 import math
