@@ -10,9 +10,17 @@ HF transformers' `GlmMoeDsaForCausalLM` (fp32, CPU, eager attention) under
 * `sparse` -- index_topk (8) well below the sequence length (40), IndexShare shared layers given
               by an explicit `indexer_types` list; sharded checkpoint with
               `model.safetensors.index.json`; group-limited routing (n_group 2, topk_group 1).
+* `ties`   -- index_topk (16) below the sequence length (40) with independent indexer heads, so
+              exact-zero index scores tie at the top-k boundary (as they do on the tiny default
+              checkpoint); IndexShare given by `index_topk_pattern`.
 
-This script deliberately imports nothing from the project (it runs under Python 3.11, where the
-project's JAX version does not install). It needs its own environment:
+HF's indexer keeps an arbitrary subset of exactly tied keys (`torch.topk`), so every fixture is
+computed with HF's indexer top-k ties broken by lower position, our rule
+(`scripts/hf_tie_rule.py`); only `ties` has such ties.
+
+This script deliberately imports nothing from the project's packages (it runs under Python 3.11,
+where the project's JAX version does not install; its one local import is the sibling
+`scripts/hf_tie_rule.py`). It needs its own environment:
 
     python3.11 -m venv /tmp/v311
     /tmp/v311/bin/pip install torch==2.13.0 'transformers>=5.23' safetensors numpy
@@ -27,7 +35,11 @@ Options: `--out DIR` (default `tests/fixtures/hf`), `--only NAME` (one fixture).
 For every candidate seed the script runs the model with recorders on the indexer and the MoE router
 and rejects the seed when a top-k selection boundary is a near-tie (indexer: relative gap below
 1e-4 of the row's largest |valid score|; router: absolute gap below 1e-4), so that an independent
-fp32 implementation selects exactly the same keys and experts. It then writes the checkpoint,
+fp32 implementation selects exactly the same keys and experts. In `ties` an exact tie at the
+boundary is accepted when it is robust: the tied value is 0, every zero-score key has all head
+dot products at least 1e-4 (relative) below 0, and the nearest non-zero scores are 1e-4
+(relative) away from 0; the tie rule alone then decides, and the seed must make the tie rule
+matter (logits under the opposite rule, higher position first, differ by more than 1e-2). It then writes the checkpoint,
 reloads it with `GlmMoeDsaForCausalLM.from_pretrained` and checks the logits reproduce bit-exactly.
 """
 
@@ -56,6 +68,9 @@ from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 from transformers.masking_utils import create_causal_mask
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf_mod
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hf_tie_rule import position_tie_rule  # noqa: E402 (sibling script)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "hf"
 
@@ -63,6 +78,8 @@ DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "hf"
 INDEXER_REL_MARGIN = 1e-4
 ROUTER_ABS_MARGIN = 1e-4
 MAX_SEED_TRIES = 200
+# `ties`: the opposite tie rule must move some logit by more than this (100x the test tolerance).
+TIE_RULE_MIN_DELTA = 1e-2
 
 BATCH = 2
 # IndexShare plan shared by both fixtures: full = {0, 1, 2, 6}; groups {0} {1} {2..5} {6..9}.
@@ -140,6 +157,22 @@ FIXTURES = {
         "seed": 2000,
         "sharded": True,
         "antipodal_indexer_heads": True,
+    },
+    "ties": {
+        "config": {
+            **_BASE_CONFIG,
+            "intermediate_size": 64,
+            "moe_intermediate_size": 16,
+            "q_lora_rank": 48,
+            "n_group": 1,
+            "topk_group": 1,
+            "index_topk": 16,
+            "index_topk_pattern": "FFFSSSFSSS",
+        },
+        "seq_len": 40,
+        "seed": 3000,
+        "sharded": False,
+        "zero_ties": True,
     },
 }
 
@@ -285,7 +318,8 @@ def recording():
     """Patch the HF indexer and router to record their selection inputs; yields the record lists.
 
     Indexer records hold the fp32 index scores (recomputed with the module's own weights and HF's
-    math), the causal validity mask and the indices HF selected. Router records hold the
+    math), the per-head products before the ReLU, the causal validity mask and the indices HF
+    selected. Router records hold the
     selection scores, the bias-corrected scores and HF's chosen experts.
     """
     idx_records: list[dict] = []
@@ -306,13 +340,14 @@ def recording():
             q_rot, k_rot = hf_mod.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
             q = torch.cat([q_rot, q_pass], -1)
             k = torch.cat([k_rot, k_pass], -1).squeeze(2)
-            s = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.softmax_scale)
+            pre = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.softmax_scale
+            s = F.relu(pre)  # [B, S, heads, T]
             w = self.weights_proj(hidden_states).float() * (self.n_heads ** -0.5)
             scores = torch.matmul(w.unsqueeze(-2), s).squeeze(-2)  # [B, S, T]
             valid = attention_mask == 0 if attention_mask.dtype != torch.bool else attention_mask
         idx_records.append({
             "layer": self.layer_idx, "scores": scores, "valid": valid.expand_as(scores), "sel": sel.long(),
-            "k": self.index_topk,
+            "k": self.index_topk, "pre": pre,
         })
         return sel
 
@@ -334,16 +369,25 @@ def recording():
         hf_mod.GlmMoeDsaTopkRouter.forward = orig_rt
 
 
-def indexer_gaps(rec: dict) -> tuple[float, float, torch.Tensor]:
-    """Smallest (absolute, relative) k-th vs (k+1)-th valid-score gap over rows with > k valid keys.
+def indexer_gaps(rec: dict, allow_zero_ties: bool = False) -> tuple[float, float, torch.Tensor, int]:
+    """Smallest (absolute, relative) top-k boundary gap over rows with > k valid keys, HF's selection
+    as a sorted set, and the number of rows whose boundary is an exact tie at zero.
 
-    Also checks that HF's selection equals the top-k of the recomputed scores on those rows, and
-    returns HF's selection as a sorted set [B, S, k] (ascending positions, -1 padded, causally
-    invalid entries dropped).
+    A row's gap is the k-th minus the (k+1)-th highest valid score. With `allow_zero_ties`, a row
+    whose boundary is an exact tie is scored instead by how robust the tie is: 0 unless the tied
+    value is exactly 0 and every zero-score key has all its head products (before the ReLU) below
+    0; otherwise the smallest of the distances to 0 of the nearest non-zero scores and of the
+    zero-score keys' largest head products (the relative version divides the latter by the row's
+    largest |head product|, the others by the row's largest |valid score|).
+
+    Also checks that HF's selection equals the top-k of the recomputed scores with ties broken by
+    lower position, and returns HF's selection as a sorted set [B, S, k] (ascending positions, -1
+    padded, causally invalid entries dropped).
     """
-    scores, valid, sel, k = rec["scores"], rec["valid"], rec["sel"], rec["k"]
+    scores, valid, sel, k, pre = rec["scores"], rec["valid"], rec["sel"], rec["k"], rec["pre"]
     B, S, T = scores.shape
     min_abs, min_rel = math.inf, math.inf
+    zero_ties = 0
     sets = torch.full((B, S, k), -1, dtype=torch.int64)
     for b in range(B):
         for t in range(S):
@@ -357,12 +401,24 @@ def indexer_gaps(rec: dict) -> tuple[float, float, torch.Tensor]:
             order = torch.argsort(v, descending=True, stable=True)
             gap = float(v[order[k - 1]] - v[order[k]])
             scale = float(v.abs().max())
+            rel = gap / scale if scale > 0 else 0.0
+            if gap == 0 and allow_zero_ties:
+                zero_ties += 1
+                zero = v == 0
+                heads = pre[b, t][:, vpos]  # [heads, valid keys]
+                if float(v[order[k - 1]]) != 0 or not bool((heads[:, zero].max(0).values < 0).all()):
+                    gap = rel = 0.0
+                else:
+                    head_margin = float(-heads[:, zero].max())
+                    head_scale = float(heads.abs().max())
+                    nonzero = v[~zero].abs()
+                    gap = min(float(nonzero.min()) if len(nonzero) else math.inf, head_margin)
+                    rel = min(float(nonzero.min()) / scale if len(nonzero) else math.inf, head_margin / head_scale)
             min_abs = min(min_abs, gap)
-            min_rel = min(min_rel, gap / scale if scale > 0 else 0.0)
-            if gap > 0:
-                mine = sorted(int(vpos[j]) for j in order[:k])
-                assert mine == chosen, f"layer {rec['layer']}: recomputed top-k differs from HF's"
-    return min_abs, min_rel, sets
+            min_rel = min(min_rel, rel)
+            mine = sorted(int(vpos[j]) for j in order[:k])
+            assert mine == chosen, f"layer {rec['layer']}: recomputed top-k differs from HF's"
+    return min_abs, min_rel, sets, zero_ties
 
 
 def router_gap(rec: dict) -> float:
@@ -452,13 +508,15 @@ class MTPHead(nn.Module):
         return model.lm_head(self.shared_head_norm(out))
 
 
-def run_fixture(cfg: dict, ckpt: dict[str, torch.Tensor], input_ids: torch.Tensor) -> dict:
-    """Backbone + MTP forward with recorders; returns arrays and the observed selection gaps."""
+def run_fixture(cfg: dict, ckpt: dict[str, torch.Tensor], input_ids: torch.Tensor,
+                allow_zero_ties: bool = False) -> dict:
+    """Backbone + MTP forward with recorders and the lower-position tie rule; returns arrays, the
+    observed selection gaps and the number of exact-zero top-k boundary ties (see `indexer_gaps`)."""
     model = build_model(cfg, ckpt)
     mtp = MTPHead(cfg).eval()
     mtp.load_from_checkpoint(ckpt, cfg)
     L = cfg["num_hidden_layers"]
-    with torch.no_grad(), recording() as (idx_recs, rt_recs):
+    with torch.no_grad(), position_tie_rule(), recording() as (idx_recs, rt_recs):
         hidden = model.model(input_ids=input_ids).last_hidden_state
         logits = model.lm_head(hidden)
         full_logits = model(input_ids=input_ids).logits
@@ -467,10 +525,11 @@ def run_fixture(cfg: dict, ckpt: dict[str, torch.Tensor], input_ids: torch.Tenso
     assert torch.equal(logits, full_logits)
     idx_recs = idx_recs[n_backbone_idx // 2:]  # keep the second backbone run (identical) and the MTP run
     min_abs, min_rel = math.inf, math.inf
+    zero_ties = 0
     backbone_sets, mtp_sets = [], None
     for rec in idx_recs:
-        a, r, sets = indexer_gaps(rec)
-        min_abs, min_rel = min(min_abs, a), min(min_rel, r)
+        a, r, sets, z = indexer_gaps(rec, allow_zero_ties)
+        min_abs, min_rel, zero_ties = min(min_abs, a), min(min_rel, r), zero_ties + z
         if rec["layer"] == L:
             mtp_sets = sets
         else:
@@ -485,6 +544,7 @@ def run_fixture(cfg: dict, ckpt: dict[str, torch.Tensor], input_ids: torch.Tenso
         "mtp_logits": mtp_logits,
         "topk_abs": min_abs,
         "topk_rel": min_rel,
+        "zero_ties": zero_ties,
         "router_gap": rgap,
         "topk_indices": torch.stack(backbone_sets),
         "mtp_topk_indices": mtp_sets,
@@ -550,7 +610,7 @@ def verify_reload(d: Path, cfg: dict, input_ids: torch.Tensor, logits: torch.Ten
     assert not info.get("mismatched_keys"), f"mismatched keys on reload: {info['mismatched_keys']}"
     unexpected = sorted(info["unexpected_keys"])
     assert all(k.startswith(f"model.layers.{L}.") for k in unexpected), unexpected[:5]
-    with torch.no_grad():
+    with torch.no_grad(), position_tie_rule():
         again = model(input_ids=input_ids).logits
     if not torch.equal(again, logits):
         raise AssertionError(f"reloaded logits differ: max |d| = {(again - logits).abs().max().item():.3e}")
@@ -565,6 +625,16 @@ def dense_attention_delta(cfg: dict, ckpt: dict[str, torch.Tensor], input_ids: t
     return float((dense - logits).abs().max())
 
 
+def tie_rule_deltas(model: GlmMoeDsaForCausalLM, input_ids: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
+    """max |logits - golden| with HF's indexer ties broken by higher position first, and with
+    HF's native `torch.topk` order: how much the tie rule matters for this fixture."""
+    with torch.no_grad():
+        with position_tie_rule(lower_first=False):
+            higher = model(input_ids=input_ids).logits
+        native = model(input_ids=input_ids).logits
+    return float((higher - logits).abs().max()), float((native - logits).abs().max())
+
+
 def generate(name: str, out_root: Path) -> dict:
     """Search seeds for one fixture, write it, verify the reload; returns summary facts."""
     spec = FIXTURES[name]
@@ -573,7 +643,8 @@ def generate(name: str, out_root: Path) -> dict:
         g = torch.Generator().manual_seed(seed + 7919)
         input_ids = torch.randint(0, cfg["vocab_size"], (BATCH, S), generator=g, dtype=torch.int64)
         ckpt = make_checkpoint(cfg, seed, spec.get("antipodal_indexer_heads", False))
-        res = run_fixture(cfg, ckpt, input_ids)
+        ties = spec.get("zero_ties", False)
+        res = run_fixture(cfg, ckpt, input_ids, allow_zero_ties=ties)
         if res["topk_rel"] < INDEXER_REL_MARGIN:
             print(f"[{name}] seed {seed} rejected: top-k boundary gap {res['topk_rel']:.3e} (relative) "
                   f"< margin {INDEXER_REL_MARGIN:g}")
@@ -582,6 +653,12 @@ def generate(name: str, out_root: Path) -> dict:
             print(f"[{name}] seed {seed} rejected: router top-k boundary gap {res['router_gap']:.3e} "
                   f"< margin {ROUTER_ABS_MARGIN:g}")
             continue
+        if ties:
+            res["tie_delta"], res["native_delta"] = tie_rule_deltas(res["model"], input_ids, res["logits"])
+            if res["tie_delta"] < TIE_RULE_MIN_DELTA:
+                print(f"[{name}] seed {seed} rejected: {res['zero_ties']} exact-zero boundary ties, but the "
+                      f"opposite tie rule moves the logits only {res['tie_delta']:.3e} < {TIE_RULE_MIN_DELTA:g}")
+                continue
         break
     else:
         raise RuntimeError(f"{name}: no acceptable seed in {MAX_SEED_TRIES} tries")
@@ -604,6 +681,12 @@ def generate(name: str, out_root: Path) -> dict:
         "router_margin": np.float32(res["router_gap"]),
         "seed": np.int64(seed),
     }
+    if ties:
+        arrays.update({
+            "zero_tie_rows": np.int64(res["zero_ties"]),
+            "tie_rule_delta": np.float32(res["tie_delta"]),
+            "native_topk_delta": np.float32(res["native_delta"]),
+        })
     _write_npz(d / "golden.npz", arrays)
     files.append("golden.npz")
     for f in files:
@@ -617,12 +700,16 @@ def generate(name: str, out_root: Path) -> dict:
         "topk_abs": res["topk_abs"], "topk_rel": res["topk_rel"], "router_gap": res["router_gap"],
         "ignored_on_reload": len(ignored), "dense_delta": delta, "logit_std": float(lg.std()),
         "argmax_distinct": int(lg.argmax(-1).unique().numel()), "mtp_std": float(res["mtp_logits"].std()),
-        "cfg": cfg,
+        "cfg": cfg, "zero_ties": res["zero_ties"], "tie_delta": res.get("tie_delta"),
+        "native_delta": res.get("native_delta"),
     }
     print(f"[{name}] seed {seed} accepted: {size / 1024:.1f} KB, logits std {info['logit_std']:.3f}, "
           f"{info['argmax_distinct']} distinct argmax tokens, mtp logits std {info['mtp_std']:.3f}, "
           f"max|logits(dense attn) - logits| = {delta:.3e}; reload bit-exact "
           f"({len(ignored)} MTP keys ignored by HF's loader)")
+    if ties:
+        print(f"[{name}] {res['zero_ties']} exact-zero top-k boundary ties; max|logits - golden| with ties broken "
+              f"by higher position {res['tie_delta']:.3e}, with torch.topk's own order {res['native_delta']:.3e}")
     return info
 
 
@@ -637,13 +724,22 @@ def write_readme(out_root: Path, infos: list[dict]) -> None:
     rows = []
     for i in infos:
         c = i["cfg"]
-        ishare = "explicit `indexer_types`" if "indexer_types" in c else "`index_topk_freq` 4 / `index_skip_topk_offset` 3"
+        if "indexer_types" in c:
+            ishare = "explicit `indexer_types`"
+        elif "index_topk_pattern" in c:
+            ishare = f"`index_topk_pattern` \"{c['index_topk_pattern']}\""
+        else:
+            ishare = "`index_topk_freq` 4 / `index_skip_topk_offset` 3"
         layout = "sharded (3 files + index json)" if len(i["files"]) > 3 else "single `model.safetensors`"
         rows.append(
             f"| `{i['name']}` | {i['seq_len']} | {c['index_topk']} | {ishare} | {c['n_group']}/{c['topk_group']} | "
             f"{c['q_lora_rank']} | {c['intermediate_size']}/{c['moe_intermediate_size']} | {layout} | {i['seed']} | "
             f"{_fmt_gap(i['topk_abs'])} (rel {_fmt_gap(i['topk_rel'])}) | {i['router_gap']:.3e} | {i['size_kb']:.0f} KB |"
         )
+    tie_info = next((i for i in infos if i["tie_delta"] is not None), None)
+    ties_rows = tie_info["zero_ties"] if tie_info else "n/a"
+    ties_delta = f"{tie_info['tie_delta']:.2f}" if tie_info else "n/a"
+    ties_native = f"{tie_info['native_delta']:.2f}" if tie_info else "n/a"
     text = f"""# HF golden fixtures (`glm_moe_dsa`)
 
 Generated by `scripts/make_hf_goldens.py` with torch {torch.__version__} and transformers
@@ -657,7 +753,7 @@ python3.11 -m venv /tmp/v311
 
 ## Fixtures
 
-Both are tiny random checkpoints shaped like GLM-5.3: vocab 256, hidden 64, 10 layers (dense MLP
+All are tiny random checkpoints shaped like GLM-5.3: vocab 256, hidden 64, 10 layers (dense MLP
 0-2, MoE 3-9), 4 heads, kv_lora_rank 128, qk_nope/qk_rope/v head dims 32/16/32, indexer 4 heads x 32,
 8 routed experts (top-2) + 1 shared, routed_scaling_factor 2.5, norm_topk_prob, rope_theta 8e6
 (given both as `rope_theta` and `rope_parameters`), `rms_norm_eps` 1e-6, one MTP layer
@@ -677,6 +773,12 @@ Batch B = 2 different random sequences, positions 0..S-1, no padding.
   (MTP included) has antipodal head pairs: in `wq_b` (viewed [heads, head_dim, q_lora_rank]) head
   1 = -head 0 and head 3 = -head 2, so no index score is an exact zero (see Tie handling). Its
   `weights_proj` rows stay independent, so head order still matters.
+* `ties`: index_topk = 16 < S = 40 with four independent indexer heads, as in the tiny default
+  checkpoint: about 1/16 of all index scores are exactly 0 and {ties_rows} rows (full layers and
+  MTP, both sequences) have their top-k boundary inside a run of exactly tied zero scores, so the
+  tie rule alone decides which keys are kept (see Tie handling). Breaking those ties by higher
+  position instead moves the logits by up to {ties_delta}, torch.topk's own order by up to
+  {ties_native}: this fixture fails any other tie rule.
 
 ## Files per fixture directory
 
@@ -706,6 +808,9 @@ Batch B = 2 different random sequences, positions 0..S-1, no padding.
 | `topk_margin_rel` | scalar float32 | the same gap divided by the row's largest |valid score| (minimum over rows) |
 | `router_margin` | scalar float32 | smallest router selection-boundary gap (group choice and expert choice, bias-corrected sigmoid scores), absolute |
 | `seed` | scalar int64 | the accepted weight seed (inputs use seed + 7919) |
+| `zero_tie_rows` | scalar int64 | (`ties` only) rows whose top-k boundary is an exact tie at 0 (their `topk_margin` counts the robustness of the tie, see Tie handling) |
+| `tie_rule_delta` | scalar float32 | (`ties` only) max abs logit change when HF breaks the ties by higher position instead |
+| `native_topk_delta` | scalar float32 | (`ties` only) max abs logit change with torch.topk's own tie order (HF as shipped) |
 
 ## MTP convention
 
@@ -721,18 +826,29 @@ start at 0.
 ## Tie handling
 
 With 4 independent indexer heads, 1/16 of all index scores are exactly 0 (every head's ReLU input
-negative), exact-zero ties land on the top-k boundary in most rows, and torch breaks top-k ties in
-an arbitrary order (not lowest position first), so such a golden cannot be matched. The `sparse`
-fixture therefore uses antipodal indexer heads (above), and the generator rejects a seed (printing
+negative) and exact-zero ties often land on the top-k boundary. HF's indexer ends with
+`index_scores.topk(...)`, and torch keeps an arbitrary subset of tied values (not the lowest
+positions, and not even the same subset in a full forward and in a cached decode step). Every
+golden is therefore computed with HF's indexer top-k patched to our tie rule, higher score then
+lower position (`scripts/hf_tie_rule.py`; the scoring maths is HF's own). This changes nothing
+where the boundary has no tie (`dense`, `sparse`) and decides the `ties` fixture.
+
+Ties that fp32 rounding could resolve differently in another implementation must not decide a
+golden: the `sparse` fixture uses antipodal indexer heads (above), and the generator rejects a seed (printing
 `seed N rejected: top-k boundary gap X < margin`) when any indexer selection boundary (k-th vs
 (k+1)-th highest valid score, in rows with more than k valid keys, over every full layer and the
 MTP layer) has a gap below {INDEXER_REL_MARGIN:g} times the largest absolute valid score of that
 row, or when any router boundary (group choice, expert choice) has an absolute gap below
-{ROUTER_ABS_MARGIN:g} (printing `seed N rejected: router top-k boundary gap X < margin`). Every
-selection in the accepted fixtures is therefore unique with that margin, about 100 times the
-fp32 discrepancy between two implementations (an independent fp32 re-implementation with
-absorbed MLA reproduces `logits` and `mtp_logits` to ~1e-5), so any tie rule selects the same
-keys and experts.
+{ROUTER_ABS_MARGIN:g} (printing `seed N rejected: router top-k boundary gap X < margin`). In `dense`
+and `sparse` every selection is therefore unique with that margin, about 100 times the fp32
+discrepancy between two implementations (an independent fp32 re-implementation with absorbed MLA
+reproduces `logits` and `mtp_logits` to ~1e-5), so any tie rule selects the same keys and experts.
+In `ties` a boundary that is an exact tie is accepted only when it is robust: the tied value is
+exactly 0, every zero-score key has all its head products below 0 by at least {INDEXER_REL_MARGIN:g}
+of the row's largest |head product| (so it stays exactly 0 under rounding), and the nearest
+non-zero scores are at least {INDEXER_REL_MARGIN:g} (relative) away from 0; the seed must also move
+the logits by more than {TIE_RULE_MIN_DELTA:g} under the opposite tie rule. Its selections are
+then fixed by the tie rule alone.
 
 ## HF conventions these goldens embody
 
@@ -748,6 +864,7 @@ keys and experts.
   `finfo.min`, not `-inf`.
 * Indexer: `I[t,s] = sum_j w[t,j] * relu(q[t,j] . k[s] * index_head_dim^-0.5)`,
   `w = weights_proj(h) * index_n_heads^-0.5` where `h` is the layer's input-layernormed hidden.
+  Top-k ties: higher score first, then lower position (HF patched, see Tie handling).
 * Router: `s = sigmoid(h @ W_gate^T)` in fp32; choice scores `s + e_score_correction_bias`; group
   score = sum of the top-2 choice scores in the group; top `topk_group` groups kept; top-k experts
   over the kept groups' choice scores; weights = `s` (no bias) of the chosen experts, divided by
@@ -758,9 +875,9 @@ keys and experts.
 
 * The checkpoint directory is reloaded with `GlmMoeDsaForCausalLM.from_pretrained(dir,
   dtype=torch.float32)` (HF converts per-expert keys to its fused form on load; the MTP layer's keys
-  are reported as unexpected and ignored) and reproduces `logits` bit-exactly.
-* HF's indexer selection is checked against the top-k of independently recomputed scores and the
-  router's against the recomputed bias-corrected scores.
+  are reported as unexpected and ignored) and reproduces `logits` bit-exactly (tie rule patched).
+* HF's indexer selection is checked against the top-k of independently recomputed scores (ties
+  by lower position) and the router's against the recomputed bias-corrected scores.
 """
     (out_root / "README.md").write_text(text)
 

@@ -1,10 +1,12 @@
 """Parity with HF transformers' GlmMoeDsaForCausalLM on tiny random checkpoints (fp32).
 
 Fixtures come from `scripts/make_hf_goldens.py` (tests/fixtures/hf/README.md): `dense`
-(index_topk >= seq len) and `sparse` (index_topk 8 < 40 with IndexShare shared layers, sharded
-checkpoint, group-limited routing). Tolerance: max |Δlogit| <= 1e-4 in fp32 (the two
-implementations differ only in summation order: absorbed vs expanded MLA, grouped vs looped
-experts).
+(index_topk >= seq len), `sparse` (index_topk 8 < 40 with IndexShare shared layers, sharded
+checkpoint, group-limited routing) and `ties` (index_topk 16 < 40 with independent indexer heads:
+exact-zero index scores tie at the top-k boundary, which our tie rule, lower position first,
+decides; HF's indexer is run with the same rule, as torch.topk's tie order is arbitrary).
+Tolerance: max |Δlogit| <= 1e-4 in fp32 (the two implementations differ only in summation order:
+absorbed vs expanded MLA, grouped vs looped experts).
 """
 
 import math
@@ -23,7 +25,7 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["dense", "sparse"])
+@pytest.fixture(scope="module", params=["dense", "sparse", "ties"])
 def fixture(request):
     path = os.path.join(FIXTURES, request.param)
     lm = api.load(path)
@@ -47,6 +49,15 @@ def test_sparse_fixture_really_selects():
     gold = np.load(os.path.join(FIXTURES, "sparse", "golden.npz"))
     assert cfg.index_topk < gold["input_ids"].shape[1]
     assert "shared" in cfg.indexer_types and cfg.n_group > 1
+
+
+def test_ties_fixture_really_ties():
+    """Guard: in the ties fixture the top-k boundary falls in exact ties that decide the output."""
+    cfg = api.load(os.path.join(FIXTURES, "ties")).config
+    gold = np.load(os.path.join(FIXTURES, "ties", "golden.npz"))
+    assert cfg.index_topk < gold["input_ids"].shape[1] and "shared" in cfg.indexer_types
+    assert gold["zero_tie_rows"] > 0
+    assert gold["tie_rule_delta"] > 100 * TOL  # the opposite tie rule would fail test_logits_match_hf
 
 
 def test_mtp_logits_match_hf(fixture):

@@ -106,3 +106,14 @@ def test_greedy_agreement_helpers():
     assert bench.check_tokens(ours, hf, 2) == (2, 3)
     assert bench.check_tokens(ours, hf, 4) == (1, 3)
     assert bench.first_divergence(ours, hf) == [None, 2, 0]
+
+
+def test_divergences_apply_the_near_tie_rule():
+    ours = [[1, 2, 3], [5, 6, 7], [9, 9, 9]]
+    ref = [[1, 2, 3], [5, 0, 7], [0, 9, 9]]
+    gaps = [[1.0, 1.0, 1.0], [1.0, 3e-5, 1.0], [0.5, 1.0, 1.0]]
+    assert bench.divergences(ours, ref, gaps) == [
+        None,
+        {"token": 1, "ref_top2_gap": 3e-5, "near_tie": True},
+        {"token": 0, "ref_top2_gap": 0.5, "near_tie": False},
+    ]
