@@ -54,7 +54,10 @@ def make_arg_parser() -> argparse.ArgumentParser:
     sch = p.add_argument_group("scheduler and cache")
     sch.add_argument("--max-num-batched-tokens", type=int, default=None)
     sch.add_argument("--max-num-seqs", type=int, default=None)
-    sch.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    sch.add_argument(
+        "--kv-cache-dtype", choices=["auto", "bfloat16", "fp8"], default="auto",
+        help="KV cache format: auto (the model dtype), bfloat16, or fp8 (fp8_ds_mla latent + fp8 indexer keys).",
+    )
     sch.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False
     )
@@ -146,8 +149,6 @@ def validate_args(args: argparse.Namespace) -> None:
             raise _not_yet(f"--{name.replace('_', '-')} {value} (only 1)")
     if args.enable_expert_parallel:
         raise _not_yet("--enable-expert-parallel")
-    if args.kv_cache_dtype != "auto":
-        raise _not_yet(f"--kv-cache-dtype {args.kv_cache_dtype}")
     if args.enable_prefix_caching:
         raise _not_yet("--enable-prefix-caching")
     if args.speculative_config is not None:

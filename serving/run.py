@@ -53,7 +53,7 @@ def build_server(argv: list[str] | None = None):
         model=model, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs or 32, max_num_batched_tokens=args.max_num_batched_tokens or 512,
         gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks_override=args.num_gpu_blocks_override,
-        seed=args.seed)
+        seed=args.seed, kv_cache_dtype=args.kv_cache_dtype)
     try:
         engine = LLMEngine.from_args(eargs)
     except (ValueError, FileNotFoundError) as e:

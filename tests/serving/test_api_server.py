@@ -561,7 +561,6 @@ def test_cli_defaults_and_json_flags():
         (["-dcp", "2"], "--decode-context-parallel-size"),
         (["--prefill-context-parallel-size", "2"], "--prefill-context-parallel-size"),
         (["--enable-expert-parallel"], "--enable-expert-parallel"),
-        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
         (["--enable-prefix-caching"], "--enable-prefix-caching"),
         (["--speculative-config", '{"method": "mtp"}'], "--speculative-config"),
         (["--kv-transfer-config", "{}"], "--kv-transfer-config"),
