@@ -114,7 +114,7 @@ def indexer_topk_reference(
     component: str = "indexer",
     topk: int,
     t_chunk: int = 64,
-    s_chunk: int = 8192,
+    s_chunk: int = 4096,
     s_block: int = 512,
 ) -> tuple[jax.Array, jax.Array]:
     """Top-k key positions per query token from the paged indexer-key cache.
