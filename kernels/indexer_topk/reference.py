@@ -9,9 +9,20 @@ Tie rule (a total order, relied on by the DCP global merge): higher score first,
 position first. Output: request-local positions `[T, K]` in that order, −1 padding, and the valid
 count per row.
 
-Memory: queries are processed `t_chunk` at a time and keys `s_chunk` at a time with a running
-top-k merge, so temporaries are `O(t_chunk · (heads · s_chunk + K + s_chunk))` — never
-`[T, heads, S]`. For each query chunk the key loop stops at the chunk's largest position.
+Key rows may be any row dtype of `kernels/paged` (float32, bfloat16, fp8 with a per-token scale,
+dequantised to fp32 on read). For `fp8_per_token_hadamard` keys the queries are rotated by the
+same Hadamard matrix as the stored keys (`to_key_basis`), which leaves q·k unchanged.
+
+Chunking: queries `t_chunk` at a time (lax.map); for each query chunk, keys in chunks of `s_chunk`
+positions (stopping at the chunk's largest position), each scored `s_block` keys at a time into
+a `[t_chunk, s_chunk]` score buffer, then merged into the running top-k with one stable
+`lax.top_k` over `[t_chunk, K + s_chunk]` (few large merges: XLA's CPU top-k costs ~5× less per
+element on 4K-wide rows than on 512-wide ones). When every token of a query chunk belongs to one
+request (prefill), each key block is gathered and decoded once for the whole chunk; otherwise per
+token. Temporaries: `O(t_chunk · (s_chunk + K + heads · s_block + s_block · Dk))`, never
+`[T, heads, S]`. Measured with XLA's compiled memory analysis for a 32K × 32K single-request
+prefill (scripts/long_context.py): 23 MiB of temporaries at GLM-5.3's shapes (32 heads × 128,
+top-k 2048, fp8 keys; 27 MiB with bf16 keys), beside the 256 MiB `[T, K]` output.
 """
 
 from __future__ import annotations
