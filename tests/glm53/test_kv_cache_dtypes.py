@@ -5,9 +5,12 @@ HF goldens (tests/fixtures/hf) were computed with an fp32 cache. A rounded cache
 hidden state a little (bf16: 2^-9 relative per stored value; fp8 e4m3: up to 2^-4), and wherever
 the perturbation crosses a router boundary (the fixtures' smallest router gap is 2.7e-4) one token
 takes a different expert and its logits jump by O(1). So the bounds are stated per position as
-quantiles of max|Δlogit| (logits have rms ≈ 1): measured on the `dense` fixture (all keys
-selected, so no indexer boundary): bf16 median 0.011, 90% of positions <= 0.11; fp8 median 0.19,
-argmax agreement 39/48. The `sparse` fixture is not used here: its top-k margin (1.2e-4 relative)
+quantiles of max|Δlogit| (logits have rms ≈ 1), measured on the `dense` fixture (all keys
+selected, so no indexer boundary) over its 48 positions: bf16 median 0.011, p90 ≈ 0.1, max 1.4
+(router flips), argmax agreement 48/48; fp8 median 0.19, p90 ≈ 0.9, max 1.6, argmax agreement
+39/48. Bounds: bf16 median <= 0.03, p90 <= 0.2, max <= 2, agreement >= 95%; fp8 median <= 0.4,
+p90 <= 1.2, max <= 3, agreement >= 70%. A wrong byte layout or scale gives O(1) errors at every
+position and fails the medians. The `sparse` fixture is not used here: its top-k margin (1.2e-4 relative)
 is far below both roundings, so its selections legitimately change.
 """
 
@@ -195,8 +198,8 @@ def test_greedy_bf16_cache_equals_dense_attention_when_all_keys_fit(tiny, sparse
     equal plain causal attention over the same (bf16) cache."""
     lm, pages, nblocks = tiny
     cfg = lm.config
-    prompt = [int(t) for t in np.random.default_rng(7).integers(5, cfg.vocab_size, 40)]
-    n = cfg.index_topk - len(prompt)
+    prompt = [int(t) for t in np.random.default_rng(7).integers(5, cfg.vocab_size, 24)]
+    n = cfg.index_topk // 2 - len(prompt)  # 32 positions <= index_topk: every key is selected
     sparse_logits, sparse_toks, _ = decode(sparse_step, lm.layout, pages, lm.layout.empty_arena(nblocks), 0,
                                            prompt, n)
     monkeypatch.setattr(attention_mod, "sparse_attention", dense_causal_attention)
@@ -204,7 +207,7 @@ def test_greedy_bf16_cache_equals_dense_attention_when_all_keys_fit(tiny, sparse
                                          prompt, n)
     same = assert_equal_streams(dense_toks, dense_logits[len(prompt) - 1:], sparse_toks)
     # Same maths up to fp32 summation order; such a difference can flip the bf16 rounding of a value
-    # written to a later layer's cache (2^-9 relative), so logits agree to ~1e-3 (measured 1.4e-3),
+    # written to a later layer's cache (2^-9 relative), so logits agree to ~1e-3 (measured 2.2e-3),
     # not ~1e-6 as with an fp32 cache.
     upto = len(prompt) + same
     print(f"\nsparse vs dense max |Δlogit| {np.abs(dense_logits[:upto] - sparse_logits[:upto]).max():.3g}")
