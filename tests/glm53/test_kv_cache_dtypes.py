@@ -30,6 +30,8 @@ from glm53.batch import ForwardBatch
 from glm53.capacity import kv_bytes_per_token
 from glm53.config import preset
 from glm53.kv_layout import build_kv_layout
+from glm53.layers import rope_cos_sin
+from kernels.indexer_topk.reference import indexer_topk_reference
 from kernels.paged import positions_to_slots, read_cache
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf", "dense")
@@ -214,11 +216,34 @@ def test_greedy_bf16_cache_equals_dense_attention_when_all_keys_fit(tiny, sparse
     assert np.abs(dense_logits[:upto] - sparse_logits[:upto]).max() < 5e-3
 
 
+def check_indexer_at_8k(lm, pages, arena, prompt):
+    """Layer 0's chunked indexer selection for the last prompt token, over the LONG keys the model
+    wrote, equals a dense float64 numpy top-k (tie rule: higher score, then lower position)."""
+    cfg, m = lm.config, lm.model
+    layer0 = m.layers[0]
+    att = layer0.self_attn
+    h = layer0.input_layernorm(m.embed_tokens(jnp.asarray(prompt[-1:])))
+    cos, sin = rope_cos_sin(jnp.asarray([LONG - 1]), cfg.qk_rope_head_dim, cfg.rope_theta)
+    qI, w, _ = att.indexer.project(h, att.q_a_layernorm(att.q_a_proj(h)), cos, sin)
+    g = lm.layout.group("indexer")
+    pos = np.arange(LONG)
+    slots = pages["indexer"][pos // g.tokens_per_page] * g.tokens_per_page + pos % g.tokens_per_page
+    keys = np.asarray(read_cache(arena, jnp.asarray(slots, jnp.int32), g, "indexer", 0), np.float64)
+    dots = np.asarray(qI[0], np.float64) @ keys.T
+    score = (np.asarray(w[0], np.float64)[:, None] * np.maximum(dots, 0)).sum(0) * cfg.index_head_dim ** -0.5
+    want = np.lexsort((pos, -score))[:cfg.index_topk]
+    got, valid = indexer_topk_reference(qI, w, arena, jnp.asarray(np.stack([pages["indexer"]] * 2)),
+                                        jnp.zeros(1, jnp.int32), jnp.asarray([LONG - 1], jnp.int32), 0, layout=g,
+                                        topk=cfg.index_topk)
+    assert np.asarray(got)[0].tolist() == want.tolist() and int(valid[0]) == cfg.index_topk
+
+
 def test_8k_prefill_then_decode_equals_the_full_forward(tiny, sparse_step):
     """An 8K-token prompt (indexer: 128 query chunks, keys in two 4096-key chunks of 512-key blocks,
     top-k 64 of up to 8K). Run A prefills the first LONG−3 tokens and decodes the last three (and
     then three greedy tokens); run B prefills all LONG tokens in one step. DESIGN §10: incremental
-    decode equals the full forward; the logits of the same positions agree, greedy streams equal."""
+    decode equals the full forward; the logits of the same positions agree, greedy streams equal.
+    Independently, layer 0's selection at 8K is checked against dense numpy scores."""
     lm, pages, nblocks = tiny
     cfg = lm.config
     prompt = [int(t) for t in np.random.default_rng(11).integers(5, cfg.vocab_size, LONG)]
@@ -229,6 +254,7 @@ def test_8k_prefill_then_decode_equals_the_full_forward(tiny, sparse_step):
     inc, greedy_a, _ = decode(sparse_step, lm.layout, pages, arena_a, LONG - 3, prompt[-3:], 3)
     lb, arena_b = step(make_batch(lm.layout, pages, prompt, 0, logits_rows=rows), lm.layout.empty_arena(nblocks))
     lb = np.asarray(lb)
+    check_indexer_at_8k(lm, pages, arena_b, prompt)
     g0 = int(lb[-1].argmax())
     full_b, greedy_b, _ = decode(sparse_step, lm.layout, pages, arena_b, LONG, [g0], 2)
     greedy_b = [g0] + greedy_b
