@@ -100,7 +100,11 @@ def pack_bytes(codes: jax.Array) -> jax.Array:
 
 
 def unpack_bytes(words: jax.Array) -> jax.Array:
-    """Words `uint32[..., n]` → byte values `uint32[..., 4n]` (inverse of `pack_bytes`)."""
+    """Words `uint32[..., n]` → byte values `uint32[..., 4n]` (inverse of `pack_bytes`).
+
+    Value 4i + j is byte j of word i; a kernel that avoids the final reshape can keep the
+    `[..., n, 4]` shape and view its other operand the same way.
+    """
     w = words.astype(jnp.uint32)
     b = jnp.stack([(w >> s) & 0xFF for s in _SHIFTS], axis=-1)
     return b.reshape(*words.shape[:-1], words.shape[-1] * 4)
