@@ -21,8 +21,15 @@ from kernels.paged.layout import CacheComponent, GroupLayout, fit_tokens_per_pag
 
 MLA_TOKENS_PER_PAGE = 64
 
-# --kv-cache-dtype → row dtype of the MLA latent and indexer-key rows.
-CACHE_ROW_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
+# Cache dtype name → (row dtype of the MLA latent rows, row dtype of the indexer keys)
+# (byte layouts in kernels/paged/layout.py and kernels/paged/fp8.py). "fp8" is the production
+# format of DESIGN §4.2: fp8_ds_mla latent rows (656 B/token/layer at full size) and e4m3 indexer
+# keys with one fp32 scale per token (132 B), Hadamard-rotated (DESIGN §3.3) unless disabled.
+CACHE_ROW_DTYPES = {
+    "float32": ("float32", "float32"),
+    "bfloat16": ("bfloat16", "bfloat16"),
+    "fp8": ("fp8_ds_mla", "fp8_per_token_hadamard"),
+}
 
 
 @dataclass(frozen=True)
@@ -54,23 +61,34 @@ class KVCacheLayout:
         return jax.device_put(arr, device) if device is not None else arr
 
 
-def build_kv_layout(cfg: GlmConfig, cache_dtype: str = "float32", with_mtp: bool = True) -> KVCacheLayout:
-    """Lay out the groups of `cfg` for rows stored as `cache_dtype` ("float32" or "bfloat16").
+def build_kv_layout(cfg: GlmConfig, cache_dtype: str = "float32", with_mtp: bool = True, *,
+                    indexer_hadamard: bool = True) -> KVCacheLayout:
+    """Lay out the groups of `cfg` for rows stored as `cache_dtype` ("float32", "bfloat16" or "fp8").
 
-    Raises ValueError for an unknown cache dtype.
+    indexer_hadamard: with "fp8", rotate the indexer keys (and queries) by the Hadamard matrix
+    before quantising (needs a power-of-two index_head_dim); ignored for the other dtypes.
+    Raises ValueError for an unknown cache dtype or widths the fp8 formats cannot hold
+    (kv_lora_rank not a multiple of 128, odd qk_rope_head_dim, index_head_dim not a multiple of 4).
     """
     if cache_dtype not in CACHE_ROW_DTYPES:
         raise ValueError(f"cache dtype {cache_dtype!r} not supported; choose one of {sorted(CACHE_ROW_DTYPES)}")
-    rd = CACHE_ROW_DTYPES[cache_dtype]
-    mla = CacheComponent("mla", cfg.num_hidden_layers, cfg.mla_row_width, rd)
+    mla_rd, idx_rd = CACHE_ROW_DTYPES[cache_dtype]
+    if idx_rd == "fp8_per_token_hadamard" and not indexer_hadamard:
+        idx_rd = "fp8_per_token"
+    rope = cfg.qk_rope_head_dim if mla_rd == "fp8_ds_mla" else 0
+
+    def mla_rows(n):
+        return CacheComponent("mla", n, cfg.mla_row_width, mla_rd, rope_dim=rope)
+
+    def index_keys(n):
+        return CacheComponent("indexer", n, cfg.index_head_dim, idx_rd)
+
+    mla = mla_rows(cfg.num_hidden_layers)
     page_words = cfg.num_hidden_layers * MLA_TOKENS_PER_PAGE * mla.row_words
     groups = [GroupLayout("mla", MLA_TOKENS_PER_PAGE, (mla,))]
-    idx = (CacheComponent("indexer", len(cfg.full_layers), cfg.index_head_dim, rd),)
+    idx = (index_keys(len(cfg.full_layers)),)
     groups.append(GroupLayout("indexer", fit_tokens_per_page(page_words, idx), idx))
     if with_mtp and cfg.num_mtp_layers > 0:
-        comps = (
-            CacheComponent("mla", cfg.num_mtp_layers, cfg.mla_row_width, rd),
-            CacheComponent("indexer", cfg.num_mtp_layers, cfg.index_head_dim, rd),
-        )
+        comps = (mla_rows(cfg.num_mtp_layers), index_keys(cfg.num_mtp_layers))
         groups.append(GroupLayout("mtp", fit_tokens_per_page(page_words, comps), comps))
     return KVCacheLayout(page_words=page_words, groups=tuple(groups))

@@ -62,7 +62,10 @@ def make_arg_parser() -> argparse.ArgumentParser:
     sch = p.add_argument_group("scheduler and cache")
     sch.add_argument("--max-num-batched-tokens", type=int, default=None)
     sch.add_argument("--max-num-seqs", type=int, default=None)
-    sch.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    sch.add_argument(
+        "--kv-cache-dtype", choices=["auto", "bfloat16", "fp8"], default="auto",
+        help="KV cache format: auto (the model dtype), bfloat16, or fp8 (fp8_ds_mla latent + fp8 indexer keys).",
+    )
     sch.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False
     )
@@ -222,8 +225,6 @@ def validate_args(args: argparse.Namespace) -> None:
     args.parallel = parallel_config(args)
     if args.data_parallel_size != 1:
         raise _not_yet(f"--data-parallel-size {args.data_parallel_size} in the server (the model step supports it)")
-    if args.kv_cache_dtype != "auto":
-        raise _not_yet(f"--kv-cache-dtype {args.kv_cache_dtype}")
     if args.speculative_config is not None:
         raise _not_yet("--speculative-config")
     if args.kv_transfer_config is not None:

@@ -61,6 +61,7 @@ class EngineArgs:
     disable_log_stats: bool = False
     log_stats_interval_s: float = 5.0
     parallel: ParallelConfig | None = None  # TP / PCP / DCP / EP sizes (None: one device)
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "bfloat16" or "fp8"
 
 
 def _model_dtype(name: str, device) -> jnp.dtype:
@@ -162,7 +163,8 @@ class LLMEngine:
                              f"{cfg.max_position_embeddings}")
         if args.max_num_batched_tokens < 1 or args.max_num_seqs < 1:
             raise ValueError("--max-num-batched-tokens and --max-num-seqs must be >= 1")
-        layout = build_kv_layout(cfg, jnp.dtype(dtype).name, with_mtp=False)
+        cache_dtype = jnp.dtype(dtype).name if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+        layout = build_kv_layout(cfg, cache_dtype, with_mtp=False)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(jax.tree.map(lambda v: v, model)) if hasattr(x, "nbytes"))
         nblocks = num_kv_blocks(layout.page_bytes, args, device, weight_bytes)
         logger.info("model %s loaded in %.1fs (%s, %.1f MiB of weights); KV arena %d pages x %.2f MiB "

@@ -63,7 +63,8 @@ def build_server(argv: list[str] | None = None):
         max_num_seqs=args.max_num_seqs or 32, max_num_batched_tokens=args.max_num_batched_tokens or 512,
         gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks_override=args.num_gpu_blocks_override,
         seed=args.seed, enable_prefix_caching=args.enable_prefix_caching, max_logprobs=args.max_logprobs,
-        disable_log_stats=args.disable_log_stats, parallel=args.parallel)
+        disable_log_stats=args.disable_log_stats, parallel=args.parallel,
+        kv_cache_dtype=args.kv_cache_dtype)
     try:
         engine = LLMEngine.from_args(eargs)
     except (ValueError, FileNotFoundError) as e:

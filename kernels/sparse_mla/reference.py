@@ -9,7 +9,9 @@ Maths (DeepSeek-V3.2 DSA, GLM-5.x; DESIGN §3.2): for query token t and head n,
 
 The reduction order over k depends only on the order of `topk_slots` (the top-k positions), not
 on where rows live, so a row read from a hot slot gives the same result as the same row read in
-place. Peak temporaries: `[t_chunk, K, A+R]` gathered rows plus `[t_chunk, N, K]` scores.
+place. Rows may be any row dtype of `kernels/paged` (float32, bfloat16, `fp8_ds_mla`); they are
+dequantised to fp32 on read (`read_cache`) and every product accumulates in fp32.
+Peak temporaries: `[t_chunk, K, A+R]` gathered rows plus `[t_chunk, N, K]` scores.
 """
 
 from __future__ import annotations

@@ -574,7 +574,6 @@ def test_cli_defaults_and_json_flags():
         (["--prefill-context-parallel-size", "0"], "--prefill-context-parallel-size"),
         (["--data-parallel-size", "2"], "--data-parallel-size"),
         (["-tp", "2", "-dcp", "2", "--dcp-kv-cache-interleave-size", "3"], "--dcp-kv-cache-interleave-size"),
-        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
         (["--num-gpu-blocks-override", "1"], "--num-gpu-blocks-override"),
         (["--max-logprobs", "-1"], "--max-logprobs"),
         (["--speculative-config", '{"method": "mtp"}'], "--speculative-config"),
