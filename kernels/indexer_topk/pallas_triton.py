@@ -48,7 +48,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels.paged.layout import GroupLayout
-from kernels.pallas_rows import RowCodec, is_power_of_two, key_row_codec, to_lanes, word_alignment
+from kernels.paged.ops import to_key_basis
+from kernels.pallas_rows import RowCodec, is_power_of_two, key_row_codec, piece_addressing, to_lanes, word_alignment
 
 PRECISIONS = ("highest", "bf16")
 _BIG = jnp.iinfo(jnp.int32).max
@@ -63,9 +64,8 @@ def unsupported_reason(layout: GroupLayout, component: str, num_heads: int, *, b
     except (KeyError, NotImplementedError) as e:
         return str(e)
     min_dot = 1 if interpret else 16
-    (_, n_words), = codec.segments
     L = codec.part_lanes[0]
-    if not is_power_of_two(n_words) or comp.width // L < min_dot:
+    if any(not is_power_of_two(n) for _, _, n in codec.segments) or comp.width // L < min_dot:
         return f"key lane width {comp.width // L} must be a power of two >= {min_dot}"
     if not is_power_of_two(num_heads) or num_heads < min_dot:
         return f"indexer heads {num_heads} must be a power of two >= {min_dot}"
@@ -76,8 +76,8 @@ def unsupported_reason(layout: GroupLayout, component: str, num_heads: int, *, b
     return None
 
 
-def _scores_kernel(chunk_start_ref, row_base_ref, req_ref, pos_ref, w_ref, *refs, codec: RowCodec, n_lanes: int,
-                   tpp: int, row_words: int, pages: int, block_s: int, scale: float, precision: str, align: int):
+def _scores_kernel(chunk_start_ref, row_base_ref, req_ref, pos_ref, w_ref, *refs, codec: RowCodec, pieces: tuple,
+                   n_lanes: int, tpp: int, pages: int, block_s: int, scale: float, precision: str, align: int):
     q_refs = refs[:n_lanes]
     bt_ref, arena_ref, out_ref = refs[n_lanes:]
     t = pl.program_id(0)
@@ -92,12 +92,14 @@ def _scores_kernel(chunk_start_ref, row_base_ref, req_ref, pos_ref, w_ref, *refs
     row_base = row_base_ref[0]
     if align > 1:
         row_base = pl.multiple_of(row_base, align)  # proven by the wrapper's static strides
-    start = row_base + (s % tpp) * row_words
-    (off, n), = codec.segments
-    cols = lax.broadcasted_iota(jnp.int32, (1, n), 1)
-    words = plgpu.load(arena_ref.at[jnp.where(valid, blk, 0)[:, None], start[:, None] + off + cols],
-                       mask=valid[:, None], other=0)
-    (k_lanes,) = codec.decode(words)  # float32 [block_s, Dk/L] each
+    o = s % tpp
+    blk_col = jnp.where(valid, blk, 0)[:, None]
+    words = [
+        plgpu.load(arena_ref.at[blk_col, (row_base + const + o * stride)[:, None]
+                                + lax.broadcasted_iota(jnp.int32, (1, n), 1)], mask=valid[:, None], other=0)
+        for const, stride, n in pieces
+    ]
+    (k_lanes,) = codec.decode(*words)  # float32 [block_s, Dk/L] each
     dt = jnp.bfloat16 if precision == "bf16" else jnp.float32
     prec = None if precision == "bf16" else lax.Precision.HIGHEST
     dots = None
@@ -107,6 +109,7 @@ def _scores_kernel(chunk_start_ref, row_base_ref, req_ref, pos_ref, w_ref, *refs
         dots = d if dots is None else dots + d
     w = w_ref[...].astype(jnp.float32)
     score = jnp.sum(w[:, None] * jnp.maximum(dots, 0.0), axis=0) * scale
+    score = jnp.where(score == 0, 0.0, score)  # −0.0 ties with +0.0 (the sort orders them otherwise)
     out_ref[...] = jnp.where(valid, score, -jnp.inf)
 
 
@@ -116,7 +119,8 @@ def chunk_scores(q_lanes, w_TI, req_T, pos_T, block_table_BP, kv_arena, row_base
     Tc, I = w_TI.shape
     codec = key_row_codec(comp.row_dtype, comp.width)
     kernel = functools.partial(
-        _scores_kernel, codec=codec, n_lanes=len(q_lanes), tpp=layout.tokens_per_page, row_words=comp.row_words,
+        _scores_kernel, codec=codec, pieces=piece_addressing(codec, comp.segments, layout.tokens_per_page),
+        n_lanes=len(q_lanes), tpp=layout.tokens_per_page,
         pages=block_table_BP.shape[1], block_s=block_s, scale=comp.width ** -0.5, precision=precision,
         align=1 if base is None else word_alignment(base, layout.tokens_per_page * comp.row_words))
     any_spec = pl.no_block_spec
@@ -147,7 +151,7 @@ def _merge(best_neg, best_pos, score_TS, pos_S, topk):
 @functools.partial(
     jax.jit,
     static_argnames=("layout", "component", "topk", "t_chunk", "s_chunk", "block_s", "num_warps", "num_stages",
-                     "precision", "interpret"),
+                     "precision", "return_scores", "interpret"),
 )
 def indexer_topk_pallas_triton(
     q_TID: jax.Array,
@@ -167,16 +171,20 @@ def indexer_topk_pallas_triton(
     num_warps: int = 4,
     num_stages: int = 2,
     precision: str = "highest",
+    return_scores: bool = False,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, ...]:
     """Top-k key positions per query token (Pallas scores, JAX merge).
 
-    Args: as `reference.indexer_topk_reference`, plus
+    Args: as `reference.indexer_topk_reference` (queries in the model basis: for Hadamard key
+      rows they are rotated here, outside the kernel), plus
       t_chunk, s_chunk: query tokens and key positions per step (bound the temporaries).
       block_s: key positions per program. num_warps, num_stages: Triton launch parameters.
       precision: "highest" or "bf16". interpret: Pallas interpret mode (any backend; for tests).
+      return_scores: also return the selected fp32 scores (the DCP global merge needs them).
     Returns:
-      topk_indices int32 `[T, topk]` (positions, tie rule, −1 padding) and valid int32 `[T]`.
+      topk_indices int32 `[T, topk]` (positions, tie rule, −1 padding) and valid int32 `[T]`;
+      with `return_scores`, also scores float32 `[T, topk]` (−inf for padding; +0.0, never −0.0).
     Raises:
       NotImplementedError: configuration outside the supported set (module docstring).
     """
@@ -190,7 +198,8 @@ def indexer_topk_pallas_triton(
     if Dk != comp.width:
         raise ValueError(f"query width {Dk} != key row width {comp.width}")
     if T == 0:
-        return jnp.zeros((0, topk), jnp.int32), jnp.zeros((0,), jnp.int32)
+        out = (jnp.zeros((0, topk), jnp.int32), jnp.zeros((0,), jnp.int32))
+        return out + (jnp.zeros((0, topk), jnp.float32),) if return_scores else out
     tpp = layout.tokens_per_page
     P = block_table_BP.shape[1]
     row_base = (base + jnp.asarray(layer, jnp.int32) * (tpp * comp.row_words)).astype(jnp.int32).reshape(1)
@@ -202,7 +211,9 @@ def indexer_topk_pallas_triton(
     def padded(x, value=0):
         return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=value).reshape(nc, tc, *x.shape[1:])
 
-    q_lanes = tuple(padded(x) for x in to_lanes(q_TID.astype(q_dtype), comp.row_dtype))
+    codec = key_row_codec(comp.row_dtype, comp.width)
+    q_key = to_key_basis(q_TID, comp.row_dtype)  # fp32; rotated like the stored keys (Hadamard rows)
+    q_lanes = tuple(padded(x) for x in to_lanes(q_key.astype(q_dtype), codec.part_lanes[0]))
     # Padding rows: position −1 sees no key, so they never read the arena.
     args = (q_lanes, padded(w_TI.astype(jnp.float32)), padded(req_idx_T.astype(jnp.int32)),
             padded(positions_T.astype(jnp.int32), -1))
@@ -220,9 +231,11 @@ def indexer_topk_pallas_triton(
             return _merge(*carry, score, start + jnp.arange(s_chunk, dtype=jnp.int32), topk)
 
         init = (jnp.full((tc, topk), jnp.inf, jnp.float32), jnp.full((tc, topk), _BIG, jnp.int32))
-        _, best_pos = lax.fori_loop(0, n_chunks, body, init)
+        best_neg, best_pos = lax.fori_loop(0, n_chunks, body, init)
         valid = best_pos != _BIG
-        return jnp.where(valid, best_pos, -1).astype(jnp.int32), jnp.sum(valid, axis=-1).astype(jnp.int32)
+        return (jnp.where(valid, best_pos, -1).astype(jnp.int32), jnp.sum(valid, axis=-1).astype(jnp.int32),
+                jnp.where(valid, -best_neg, -jnp.inf))
 
-    idx, valid = lax.map(one_chunk, args)
-    return idx.reshape(nc * tc, topk)[:T], valid.reshape(nc * tc)[:T]
+    idx, valid, scores = lax.map(one_chunk, args)
+    out = (idx.reshape(nc * tc, topk)[:T], valid.reshape(nc * tc)[:T])
+    return out + (scores.reshape(nc * tc, topk)[:T],) if return_scores else out
