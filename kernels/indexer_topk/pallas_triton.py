@@ -9,8 +9,10 @@ Which part is Pallas:
   * PALLAS: `_scores_kernel`, one program per (query token, `block_s` key positions of the current
     key chunk). It looks the positions' pages up in the token's block-table row, gathers the key
     rows straight from the arena (`kv_arena uint32[num_blocks, page_words]`, masked loads: keys
-    after the query's position, past the table, or in the null block are never read), decodes
-    them with the row dtype's codec (`kernels.pallas_rows`), computes the `[I, block_s]` head
+    after the query's position, past the table, or in the null block are never read; fp8 keys
+    load their code words from the page's key segment and their scale word from its scale
+    segment), decodes them with the row dtype's codec (`kernels.pallas_rows`; fp8: e4m3 · the
+    token's fp32 scale, as the reference dequantises), computes the `[I, block_s]` head
     dots with one matrix product per lane, applies ReLU, the head weights and the scale, and
     writes fp32 scores (−inf where masked) for the chunk.
   * JAX: the loops over query chunks (`lax.map`, `t_chunk` tokens) and key chunks
@@ -29,8 +31,11 @@ inputs whose dots are exact in fp32 (the tests' small integers) give identical s
 
 Precision: "highest" (fp32 operands, IEEE dots; default) or "bf16" (queries and keys rounded to
 bf16 for the tensor cores, fp32 accumulation). Supported (else NotImplementedError): row dtypes
-with a codec; I a power of two (≥ 16 on GPU); Dk / L a power of two (≥ 16 on GPU); `block_s` a
-power of two ≥ 16 dividing `s_chunk`.
+with a codec (float32, bfloat16, fp8_per_token, fp8_per_token_hadamard); I a power of two (≥ 16
+on GPU); Dk / L a power of two (≥ 16 on GPU; L = 4 for fp8, so Dk = 128 gives 32); `block_s` a
+power of two ≥ 16 dividing `s_chunk`. Hadamard keys: the queries are rotated into the key basis
+(`to_key_basis`, one `[T, I, Dk] × [Dk, Dk]` product) before the kernel, which never sees H.
+`return_scores=True` also returns the selected scores (the merge keeps them anyway).
 
 Known cost: each program reads its own token's keys, so the many query tokens of one request in
 a prefill re-read the same keys (served from L2 when they run close together); a tile of tokens

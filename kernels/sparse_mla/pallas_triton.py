@@ -9,11 +9,13 @@ same call: every query token carries its own K slots.
 Kernel (one program per (token t, block of `block_h` heads, key split)):
   * the program walks its split's range of the token's K slots in blocks of `block_k`, in list
     order (one split: all K; several: `combine_splits` merges the partial results);
-  * for each block it loads the slots, turns each into (block = slot // tpp, word offset =
-    row_base + (slot % tpp) · row_words) and gathers the row segments straight from the arena
-    (`kv_arena uint32[num_blocks, page_words]`, one masked load per segment; −1 and null-block
-    slots are masked, never read);
-  * the words are decoded by the row dtype's codec (`kernels.pallas_rows`) into float32 lanes;
+  * for each block it loads the slots, turns each into (block = slot // tpp, token o = slot % tpp)
+    and gathers the row's pieces straight from the arena (`kv_arena uint32[num_blocks,
+    page_words]`, one masked load per piece at `row_base + constant + o · stride`,
+    `kernels.pallas_rows.piece_addressing`; −1 and null-block slots are masked, never read);
+  * the words are decoded by the row dtype's codec (`kernels.pallas_rows`) into float32 lanes
+    (fp8_ds_mla: e4m3 codes · their tile's fp32 scale, bf16 rope; dequantised in registers, the
+    same values the reference's `read_cache` gives);
   * scores `q·k · scale` (sum of per-lane dots over the latent and rope lanes) update an online
     softmax (running max m, running sum l, accumulator acc [block_h, A]) with fp32 state.
 
@@ -34,11 +36,12 @@ Precision (`precision=`):
              the probabilities lose bits, ~1e-2 relative).
 
 Supported (else NotImplementedError, which the dispatch turns into the reference): row dtypes
-with a codec in `kernels.pallas_rows`; A / L and R / L powers of two and ≥ 16 (Triton's dot
-and its power-of-two tensor sizes; L = values per word); `block_k`, `block_h` powers of two
-≥ 16. Heads are padded to a power of two ≥ 16 and K to a multiple of `block_k` with −1.
-A new row dtype (fp8_ds_mla) needs only a codec in `kernels.pallas_rows` (its word segments:
-latent bytes, tile scales, rope) — the kernel loads whatever segments the codec names.
+with a codec in `kernels.pallas_rows` (float32, bfloat16, fp8_ds_mla); A / L and R / L powers of
+two and ≥ 16 (Triton's dot and its power-of-two tensor sizes; L = values per word: 4 for the
+fp8 latent, 2 for its bf16 rope; at A = 512, R = 64: 128 and 32); `block_k`, `block_h` powers of
+two ≥ 16. Heads are padded to a power of two ≥ 16 and K to a multiple of `block_k` with −1.
+A new row dtype needs only a codec in `kernels.pallas_rows`: the kernel loads whatever pieces
+the codec names (fp8_ds_mla: latent codes, one word per tile scale, rope).
 
 JAX 0.11 marks the Pallas Triton backend deprecated in favour of Mosaic GPU (a warning at
 lowering); the kernel keeps to the plain load/dot/reduce subset that both lower.

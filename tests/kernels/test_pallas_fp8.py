@@ -129,8 +129,8 @@ def _indexer_case(rng, row_dtype, integer):
     return lay, stored, bt, req, pos, args
 
 
-@pytest.mark.parametrize("row_dtype,integer,K", [("fp8_per_token", True, 9),  # S = K + 1 (pos 9) and S < K (pos 4, 2)
-                                                 ("fp8_per_token_hadamard", False, 10)])  # S = K
+# K = 9: S = K + 1 (pos 9) and S < K (pos 4, 2); K = 10: S = K (pos 9).
+@pytest.mark.parametrize("row_dtype,integer,K", [("fp8_per_token", True, 9), ("fp8_per_token_hadamard", False, 10)])
 def test_indexer_reads_fp8_keys(rng, row_dtype, integer, K):
     lay, stored, bt, req, pos, args = _indexer_case(rng, row_dtype, integer)
     ref = [np.asarray(x) for x in indexer_topk_reference(*args, layout=lay, component="c", topk=K, return_scores=True)]
