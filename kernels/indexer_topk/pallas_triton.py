@@ -18,7 +18,10 @@ Which part is Pallas:
   * JAX: the loops over query chunks (`lax.map`, `t_chunk` tokens) and key chunks
     (`lax.fori_loop`, `s_chunk` positions, stopping at the chunk's largest position), and the
     running top-k merge after each key chunk: `lax.sort` on (−score, position) with two keys,
-    exactly the reference's selection, so equal scores give identical selections.
+    exactly the reference's selection, so equal scores give identical selections. Only chunk
+    keys scoring strictly above the current k-th best can enter (`_merge`); when every row has
+    few of them (≤ s_chunk/16 or ≤ s_chunk/4) they are packed into a small buffer first, so a
+    long-context decode sorts `topk + 256` pairs per chunk instead of `topk + 4096`.
 
 Peak temporaries per step: scores `float32[t_chunk, s_chunk]` plus the merge's
 `[t_chunk, topk + s_chunk]` (score, position) pairs and the sort's workspace — with the defaults
@@ -143,20 +146,59 @@ def chunk_scores(q_lanes, w_TI, req_T, pos_T, block_table_BP, kv_arena, row_base
     )(chunk_start.reshape(1), row_base, req_T, pos_T, w_TI, *q_lanes, block_table_BP, kv_arena)
 
 
-def _merge(best_neg, best_pos, score_TS, pos_S, topk):
-    """JAX: keep the `topk` best of (running best ∪ chunk) by (higher score, lower position)."""
-    valid = score_TS > -jnp.inf
-    neg = jnp.where(valid, -score_TS, jnp.inf)
-    pos = jnp.where(valid, jnp.broadcast_to(pos_S[None, :], score_TS.shape), _BIG)
+def _sort_merge(best_neg, best_pos, neg, pos, topk):
+    """The `topk` smallest (−score, position) pairs of (running best ∪ candidates): one two-key sort."""
     ns, ps = lax.sort((jnp.concatenate([best_neg, neg], -1), jnp.concatenate([best_pos, pos], -1)),
                       dimension=-1, num_keys=2)
     return ns[..., :topk], ps[..., :topk]
 
 
+def _compact(neg, pos, keep, cap):
+    """Per row, the `keep` entries (at most `cap` of them, in column order) packed into `[Tc, cap]`
+    buffers padded with (inf, _BIG)."""
+    Tc = neg.shape[0]
+    slot = jnp.where(keep, jnp.cumsum(keep, axis=-1) - 1, cap)  # cap: out of range, dropped
+    rows = jnp.broadcast_to(jnp.arange(Tc)[:, None], neg.shape)
+    buf_n = jnp.full((Tc, cap), jnp.inf, neg.dtype).at[rows, slot].set(neg, mode="drop")
+    buf_p = jnp.full((Tc, cap), _BIG, pos.dtype).at[rows, slot].set(pos, mode="drop")
+    return buf_n, buf_p
+
+
+def merge_caps(s_chunk: int, topk: int) -> tuple[int, ...]:
+    """Candidate-buffer sizes of `_merge`'s cheap tiers (s_chunk/16, s_chunk/4; none ≥ s_chunk)."""
+    return tuple(sorted({c for c in (s_chunk // 16, s_chunk // 4) if 1 <= c < s_chunk}))
+
+
+def _merge(best_neg, best_pos, score_TS, pos_S, topk, caps=()):
+    """JAX: keep the `topk` best of (running best ∪ chunk) by (higher score, lower position).
+
+    Threshold merge: every running-best position is below every chunk position (chunks go in
+    position order), so a chunk key enters the top-k only if its score is STRICTLY above the
+    current k-th best score (on an equal score the earlier, kept key wins; while fewer than
+    `topk` are kept the threshold is −inf: every valid key is a candidate). If every row has at
+    most `cap` candidates (the smallest such cap in `caps`), they are packed into a `[Tc, cap]`
+    buffer and sorted with the running best (`topk + cap` wide instead of `topk + s_chunk`);
+    otherwise the full two-key sort runs. Either way the selection is exactly the full sort's.
+    """
+    valid = score_TS > -jnp.inf
+    neg = jnp.where(valid, -score_TS, jnp.inf)
+    pos = jnp.where(valid, jnp.broadcast_to(pos_S[None, :], score_TS.shape), _BIG)
+    if not caps:
+        return _sort_merge(best_neg, best_pos, neg, pos, topk)
+    keep = neg < best_neg[:, topk - 1:topk]  # score > k-th best score (inf: not full yet → all valid)
+    n_max = jnp.max(jnp.sum(keep, axis=-1))
+    def packed(cap):
+        return lambda bn, bp, n, p, k: _sort_merge(bn, bp, *_compact(n, p, k, cap), topk)
+
+    branches = [packed(c) for c in caps] + [lambda bn, bp, n, p, k: _sort_merge(bn, bp, n, p, topk)]
+    tier = jnp.sum(n_max > jnp.asarray(caps, jnp.int32)).astype(jnp.int32)  # first cap that holds n_max
+    return lax.switch(tier, branches, best_neg, best_pos, neg, pos, keep)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("layout", "component", "topk", "t_chunk", "s_chunk", "block_s", "num_warps", "num_stages",
-                     "precision", "return_scores", "interpret"),
+                     "precision", "return_scores", "threshold_merge", "interpret"),
 )
 def indexer_topk_pallas_triton(
     q_TID: jax.Array,
@@ -177,6 +219,7 @@ def indexer_topk_pallas_triton(
     num_stages: int = 2,
     precision: str = "highest",
     return_scores: bool = False,
+    threshold_merge: bool = True,
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Top-k key positions per query token (Pallas scores, JAX merge).
@@ -187,6 +230,8 @@ def indexer_topk_pallas_triton(
       block_s: key positions per program. num_warps, num_stages: Triton launch parameters.
       precision: "highest" or "bf16". interpret: Pallas interpret mode (any backend; for tests).
       return_scores: also return the selected fp32 scores (the DCP global merge needs them).
+      threshold_merge: merge each key chunk through `_merge`'s threshold tiers (default) rather
+        than always sorting `topk + s_chunk` pairs; same selections either way.
     Returns:
       topk_indices int32 `[T, topk]` (positions, tie rule, −1 padding) and valid int32 `[T]`;
       with `return_scores`, also scores float32 `[T, topk]` (−inf for padding; +0.0, never −0.0).
@@ -233,7 +278,8 @@ def indexer_topk_pallas_triton(
             score = chunk_scores(ql, w, req, pos, block_table_BP, kv_arena, row_base, start, layout=layout, comp=comp,
                                  s_chunk=s_chunk, block_s=block_s, num_warps=num_warps, num_stages=num_stages,
                                  precision=precision, interpret=interpret, base=base)
-            return _merge(*carry, score, start + jnp.arange(s_chunk, dtype=jnp.int32), topk)
+            return _merge(*carry, score, start + jnp.arange(s_chunk, dtype=jnp.int32), topk,
+                          merge_caps(s_chunk, topk) if threshold_merge else ())
 
         init = (jnp.full((tc, topk), jnp.inf, jnp.float32), jnp.full((tc, topk), _BIG, jnp.int32))
         best_neg, best_pos = lax.fori_loop(0, n_chunks, body, init)

@@ -166,3 +166,41 @@ def test_dispatch_return_scores_uses_pallas(rng):
         explicit = indexer_api.indexer_topk(*args, **kw, return_scores=True, implementation="pallas_triton",
                                             interpret=True)
         np.testing.assert_array_equal(np.asarray(explicit[2]), np.asarray(ref[2]))
+
+
+@pytest.mark.parametrize("n_best", [0, 5, 8])
+def test_threshold_merge_selects_exactly_what_the_full_sort_does(rng, n_best):
+    """The indexer's chunk merge against a numpy lexsort oracle on (higher score, lower position):
+    integer chunk scores (many ties, −inf gaps) after a running best of n_best tied entries. With a
+    full running best (n_best = K) its score (−1, 9.5, 11 for the three row pairs) puts each pair
+    in a different tier: full sort, the s_chunk/4 buffer, the s_chunk/16 buffer (each call is one
+    pair, the tier being chosen per call)."""
+    import jax
+    from kernels.indexer_topk.pallas_triton import _BIG, _merge, merge_caps
+
+    K, S = 8, 64
+    caps = merge_caps(S, K)
+    assert caps == (4, 16)
+    merge = jax.jit(_merge, static_argnums=(4, 5))
+    pos_S = 100 + np.arange(S, dtype=np.int32)
+    tiers = []
+    for v in (-1.0, 9.5, 11.0):
+        best_neg = np.full((2, K), np.inf, np.float32)
+        best_pos = np.full((2, K), _BIG, np.int32)
+        best_neg[:, :n_best] = -v
+        best_pos[:, :n_best] = np.sort(rng.choice(100, (2, n_best)), axis=-1) if n_best else best_pos[:, :0]
+        score = rng.integers(0, 12, (2, S)).astype(np.float32)
+        score[rng.random((2, S)) < 0.2] = -np.inf
+        got_n, got_p = (np.asarray(x) for x in merge(jnp.asarray(best_neg), jnp.asarray(best_pos), jnp.asarray(score),
+                                                     jnp.asarray(pos_S), K, caps))
+        for r in range(2):
+            ok = score[r] > -np.inf
+            sc = np.concatenate([-best_neg[r, :n_best], score[r, ok]])
+            ps = np.concatenate([best_pos[r, :n_best], pos_S[ok]])
+            order = np.lexsort((ps, -sc))[:K]
+            assert got_p[r, :len(order)].tolist() == ps[order].tolist()
+            np.testing.assert_array_equal(got_n[r, :len(order)], -sc[order])
+            assert np.all(got_p[r, len(order):] == _BIG)
+        n_cand = int(np.max(np.sum(-score < best_neg[:, K - 1:K], axis=-1)))
+        tiers.append(int(n_cand > caps[0]) + int(n_cand > caps[1]))
+    assert tiers == ([2, 1, 0] if n_best == K else [2, 2, 2])
