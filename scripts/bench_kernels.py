@@ -397,6 +397,9 @@ def gpu_plan(bench, cfg, sz):
         for bs in sz["block_s"]:
             indexer_scores_only(bench, key, B=B, S=S, I=I, Dk=Dk, row_dtype=KEY_FP8, block_s=bs, interpret=ip)
     B, S = sz["idx_diag"]
+    indexer_case(bench, key, B=B, S=S, I=I, Dk=Dk, K=K, row_dtype=KEY_FP8, impl="pallas_triton",
+                 max_tokens=sz["max_tokens"], precision="bf16", threshold_merge=False, interpret=ip,
+                 label="full-sort merge")
     for sc in sz["s_chunks"]:
         indexer_case(bench, key, B=B, S=S, I=I, Dk=Dk, K=K, row_dtype=KEY_FP8, impl="pallas_triton",
                      max_tokens=sz["max_tokens"], precision="bf16", s_chunk=sc, interpret=ip, label=f"s_chunk={sc}")
