@@ -3,6 +3,7 @@ the indexer on per-token-scaled fp8 keys (plain and Hadamard), against the refer
 dequantise with the cache's own decoder) and dense numpy maths over the stored values; the
 indexer's `return_scores`; the fp8 lane codecs against the cache's decode."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -30,13 +31,13 @@ def test_fp8_codecs_give_the_stored_values_in_lane_order(rng):
     words = np.asarray(encode_rows(jnp.asarray(x), "fp8_ds_mla", R))
     codec = mla_row_codec("fp8_ds_mla", A, R)
     pieces = [jnp.asarray(words[:, o:o + n]) for _, o, n in codec.segments]
-    lat, rope = codec.decode(*pieces)
+    lat, rope = jax.jit(codec.decode)(*pieces)
     want = _stored(x, "fp8_ds_mla", R)
     np.testing.assert_array_equal(np.asarray(from_lanes(lat)), want[:, :A])
     np.testing.assert_array_equal(np.asarray(from_lanes(rope)), want[:, A:])
     k = rng.standard_normal((5, DK)).astype(np.float32)
     kw = np.asarray(encode_rows(jnp.asarray(k), "fp8_per_token"))  # logical row [codes | scale]
-    (lanes,) = key_row_codec("fp8_per_token", DK).decode(jnp.asarray(kw[:, :DK // 4]), jnp.asarray(kw[:, -1:]))
+    (lanes,) = jax.jit(key_row_codec("fp8_per_token", DK).decode)(jnp.asarray(kw[:, :DK // 4]), jnp.asarray(kw[:, -1:]))
     np.testing.assert_array_equal(np.asarray(from_lanes(lanes)), _stored(k, "fp8_per_token"))
 
 
@@ -175,7 +176,6 @@ def test_threshold_merge_selects_exactly_what_the_full_sort_does(rng, n_best):
     full running best (n_best = K) its score (−1, 9.5, 11 for the three row pairs) puts each pair
     in a different tier: full sort, the s_chunk/4 buffer, the s_chunk/16 buffer (each call is one
     pair, the tier being chosen per call)."""
-    import jax
     from kernels.indexer_topk.pallas_triton import _BIG, _merge, merge_caps
 
     K, S = 8, 64
