@@ -7,10 +7,13 @@ On the lent H200 (one call; ~7 minutes):
     set -o pipefail; PYTHONPATH=. PYTHONUNBUFFERED=1 python3 scripts/bench_kernels.py --out $OUT --budget-s 400 \
         2>&1 | tee $OUT/bench_log.txt
 
-On a GPU it runs the Pallas kernels (`implementation="pallas_triton"`) at production shapes:
-sparse-MLA decode with 8 and 64 heads (TP8 / PCP), top-k 2048, 576-wide rows (512 latent + 64
-rope), batch 1–128, a prefill point, a small launch-parameter sweep; the indexer (32 heads × 128)
-at decode over contexts 8K–1M and batch 1–128, plus a scores-only diagnostic. It first measures
+On a GPU it runs the Pallas kernels (`implementation="pallas_triton"`) at production shapes on the
+production cache format (`--kv-cache-dtype fp8`): sparse-MLA decode on `fp8_ds_mla` rows (656 B:
+512 e4m3 latent + 4 fp32 tile scales + 64 bf16 rope) with 8 and 64 heads (TP8 / PCP), top-k
+2048, batch 1–128, a prefill point, a small launch-parameter sweep; the indexer (32 heads × 128)
+on `fp8_per_token_hadamard` keys (132 B) at decode over contexts 8K–1M and batch 1–128, plus a
+scores-only diagnostic. A second, shorter pass repeats the main decode points on bf16 rows
+(1152 B latent rows, 256 B keys). It first measures
 the device-to-device copy bandwidth and checks each kernel against the reference on the device.
 On CPU it runs the references at small shapes (the numbers only show the script works).
 
@@ -45,7 +48,8 @@ from glm53 import capacity as cap  # noqa: E402
 from glm53.config import preset  # noqa: E402
 from kernels.indexer_topk.pallas_triton import indexer_topk_pallas_triton  # noqa: E402
 from kernels.indexer_topk.reference import indexer_topk_reference  # noqa: E402
-from kernels.paged import CacheComponent, GroupLayout, encode_rows  # noqa: E402
+from kernels.paged import CacheComponent, GroupLayout, encode_rows, to_key_basis  # noqa: E402
+from kernels.pallas_rows import key_row_codec, to_lanes  # noqa: E402
 from kernels.sparse_mla.pallas_triton import sparse_mla_pallas_triton  # noqa: E402
 from kernels.sparse_mla.reference import sparse_mla_reference  # noqa: E402
 
@@ -55,6 +59,7 @@ warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated
 H200_BF16_FLOPS = 989e12
 H200_HBM_BYTES_S = 4.8e12
 TPP = 64  # tokens per page (DESIGN §4.1)
+MLA_FP8, KEY_FP8 = "fp8_ds_mla", "fp8_per_token_hadamard"  # what --kv-cache-dtype fp8 stores
 
 
 # ----------------------------------------------------------------------------- roofline from code
@@ -122,22 +127,43 @@ def copy_bandwidth(nbytes: int) -> float:
 
 # ----------------------------------------------------------------------------- data
 
+def one_layer_pages(vals, lay: GroupLayout, comp: CacheComponent):
+    """Values `[nb, TPP, W]` → the pages `uint32[nb, words_per_page]` of a one-component, one-layer
+    group: each row segment of all the page's tokens in turn (fp8 keys: all codes, then all scales)."""
+    words = encode_rows(vals, comp.row_dtype, comp.rope_dim)  # logical rows [nb, TPP, row_words]
+    parts, off = [], 0
+    for n in comp.segments:
+        parts.append(words[..., off:off + n].reshape(vals.shape[0], TPP * n))
+        off += n
+    return jnp.concatenate(parts, axis=-1)
+
+
 def mla_arena(key, rows: int, A: int, R: int, row_dtype: str):
     """A one-layer MLA group of `rows` random rows (+ the null block) → (layout, arena)."""
-    lay = GroupLayout("mla", TPP, (CacheComponent("mla", 1, A + R, row_dtype),))
+    comp = CacheComponent("mla", 1, A + R, row_dtype, rope_dim=R if row_dtype == "fp8_ds_mla" else 0)
+    lay = GroupLayout("mla", TPP, (comp,))
     nb = rows // TPP + 1
     vals = jax.random.normal(key, (nb, TPP, A + R), jnp.float32)
-    return lay, encode_rows(vals, row_dtype).reshape(nb, lay.words_per_page)
+    return lay, one_layer_pages(vals, lay, comp)
 
 
 def index_arena(key, pages: int, Dk: int, row_dtype: str, integer=False):
-    lay = GroupLayout("idx", TPP, (CacheComponent("indexer", 1, Dk, row_dtype),))
+    """Indexer keys. `integer`: entries in [−2, 2] plus one ±7 per key, which every key format
+    (fp8 included: scale 7/448 = 2^-6, codes 64·x) stores exactly, so with integer queries all
+    scores are exact in fp32 (Pallas and reference selections must then be identical). The
+    Hadamard format rotates keys before quantising, so its integer keys are not exact."""
+    comp = CacheComponent("indexer", 1, Dk, row_dtype)
+    lay = GroupLayout("idx", TPP, (comp,))
     nb = pages + 1
     if integer:
-        vals = jax.random.randint(key, (nb, TPP, Dk), -3, 4).astype(jnp.float32)
+        k1, k2, k3 = jax.random.split(key, 3)
+        vals = jax.random.randint(k1, (nb, TPP, Dk), -2, 3).astype(jnp.float32)
+        hot = jax.nn.one_hot(jax.random.randint(k2, (nb, TPP), 0, Dk), Dk, dtype=jnp.bool_)
+        sign = jnp.where(jax.random.bernoulli(k3, 0.5, (nb, TPP, 1)), 7.0, -7.0)
+        vals = jnp.where(hot, sign, vals)
     else:
         vals = jax.random.normal(key, (nb, TPP, Dk), jnp.float32)
-    return lay, encode_rows(vals, row_dtype).reshape(nb, lay.words_per_page)
+    return lay, one_layer_pages(vals, lay, comp)
 
 
 # ----------------------------------------------------------------------------- cases
@@ -236,7 +262,6 @@ def indexer_case(bench, key, *, B, S, I, Dk, K, row_dtype, impl, max_tokens, lab
 def indexer_scores_only(bench, key, *, B, S, I, Dk, row_dtype, block_s=128, precision="bf16", interpret=False):
     """Diagnostic: the Pallas score kernel alone over all S keys in one launch (no top-k merge)."""
     from kernels.indexer_topk.pallas_triton import chunk_scores
-    from kernels.pallas_rows import to_lanes
     P = -(-S // TPP)
     k1, k2, k3 = jax.random.split(key, 3)
     lay, arena = index_arena(k1, B * P, Dk, row_dtype)
@@ -248,7 +273,8 @@ def indexer_scores_only(bench, key, *, B, S, I, Dk, row_dtype, block_s=128, prec
     pos = jnp.full((B,), S - 1, jnp.int32)
 
     def f(q, w, arena, bt, req, pos):
-        return chunk_scores(to_lanes(q, row_dtype), w, req, pos, bt, arena, jnp.zeros((1,), jnp.int32),
+        lanes = to_lanes(to_key_basis(q, row_dtype).astype(q.dtype), key_row_codec(row_dtype, Dk).part_lanes[0])
+        return chunk_scores(lanes, w, req, pos, bt, arena, jnp.zeros((1,), jnp.int32),
                             jnp.int32(0), layout=lay, comp=comp, s_chunk=P * TPP, block_s=block_s, num_warps=4,
                             num_stages=2, precision=precision, interpret=interpret)
 
@@ -267,7 +293,7 @@ def check_on_device(cfg, small=False) -> dict:
     A, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     out = {}
     key = jax.random.PRNGKey(1)
-    for row_dtype in ("bfloat16", "float32"):
+    for row_dtype in (MLA_FP8, "bfloat16", "float32"):
         rows, K, N = (1 << 12, 64, 16) if small else (1 << 16, 2048, 64)
         lay, arena = mla_arena(key, rows, A, R, row_dtype)
         q = jax.random.normal(key, (4, N, A + R), jnp.float32)
@@ -286,7 +312,7 @@ def check_on_device(cfg, small=False) -> dict:
             except Exception as e:  # noqa: BLE001
                 out[f"sparse_mla {row_dtype} {precision}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     I, Dk = cfg.index_n_heads, cfg.index_head_dim
-    for row_dtype in ("bfloat16", "float32"):
+    for row_dtype in ("fp8_per_token", "bfloat16", KEY_FP8):
         lay, arena = index_arena(key, 256, Dk, row_dtype, integer=True)
         B, P = 4, 128
         bt = (jax.random.permutation(key, 256)[: B * P // 2] + 1).astype(jnp.int32)
@@ -297,12 +323,18 @@ def check_on_device(cfg, small=False) -> dict:
         pos = jnp.array([300, 200, 100, 3] if small else [8191, 5000, 1000, 3], jnp.int32)
         args = (q, w, arena, bt, req, pos, 0)
         topk = 64 if small else 2048
-        ref = indexer_topk_reference(*args, layout=lay, component="indexer", topk=topk)
+        ref = indexer_topk_reference(*args, layout=lay, component="indexer", topk=topk, return_scores=True)
         try:
             got = indexer_topk_pallas_triton(*args, layout=lay, component="indexer", topk=topk, interpret=small,
-                                             **({"s_chunk": 256} if small else {}))
-            out[f"indexer {row_dtype}"] = {"identical": bool(jnp.array_equal(got[0], ref[0]) and
-                                                             jnp.array_equal(got[1], ref[1]))}
+                                             return_scores=True, **({"s_chunk": 256} if small else {}))
+            fin = jnp.isfinite(ref[2])
+            rec = {"identical": bool(jnp.array_equal(got[0], ref[0]) and jnp.array_equal(got[1], ref[1])),
+                   "score_max_abs_err": float(jnp.max(jnp.where(fin, jnp.abs(got[2] - ref[2]), 0.0))),
+                   "same_sets_fraction": float(jnp.mean(jnp.array([
+                       jnp.array_equal(jnp.sort(got[0][b]), jnp.sort(ref[0][b])) for b in range(B)])))}
+            if row_dtype == KEY_FP8:  # rotated keys are not exact: only rounding-level score differences
+                rec["note"] = "rotated fp8 keys are not exact in fp32; selections may differ at near-ties"
+            out[f"indexer {row_dtype}"] = rec
         except Exception as e:  # noqa: BLE001
             out[f"indexer {row_dtype}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     for k, v in out.items():
@@ -315,6 +347,7 @@ def check_on_device(cfg, small=False) -> dict:
 FULL = dict(mla_rows=1 << 20, K=None, mla_decode=((64, (32, 128, 64, 1, 8)), (8, (32, 128, 64, 1, 8))),
             idx_decode=((32, 131072), (128, 8192), (1, 1 << 20), (32, 8192), (128, 131072), (1, 8192), (8, 1 << 20),
                         (128, 1 << 20)),
+            bf16_mla=((64, 32), (64, 128), (8, 128)), bf16_idx=((32, 131072), (128, 8192)),
             sweep_shapes=((64, 32), (8, 128)),
             sweep=((64, 64, 4, 2, None), (32, 64, 8, 3, None), (64, 32, 8, 2, None), (64, 64, 8, 3, None),
                    (64, 64, 8, 2, 1), (64, 64, 8, 2, 2), (64, 64, 8, 2, 8), (64, 64, 8, 2, 16), (128, 64, 8, 2, None),
@@ -322,7 +355,8 @@ FULL = dict(mla_rows=1 << 20, K=None, mla_decode=((64, (32, 128, 64, 1, 8)), (8,
             scores_only=((32, 131072), (128, 8192)), block_s=(128, 64, 256), s_chunks=(16384, 65536), idx_diag=(32, 131072),
             mid=(32, 64), prefill_T=2048, ref_idx=(32, 8192), max_tokens=1 << 25, interpret=False)
 # --smoke: the same code paths at tiny sizes in interpret mode (checks the script itself on any backend).
-SMOKE = dict(mla_rows=1 << 12, K=64, mla_decode=((16, (2,)),), idx_decode=((2, 512),), sweep_shapes=((16, 2),),
+SMOKE = dict(mla_rows=1 << 12, K=64, mla_decode=((16, (2,)),), idx_decode=((2, 512),), bf16_mla=((16, 2),),
+             bf16_idx=((2, 256),), sweep_shapes=((16, 2),),
              sweep=((32, 16, 4, 2, None), (32, 16, 4, 2, 1)), scores_only=((2, 256),), block_s=(128,), s_chunks=(256,),
              idx_diag=(2, 512), mid=(2, 16), prefill_T=4, ref_idx=(2, 256), max_tokens=1 << 12, interpret=True)
 
@@ -333,14 +367,23 @@ def gpu_plan(bench, cfg, sz):
     I, Dk = cfg.index_n_heads, cfg.index_head_dim
     ip = sz["interpret"]
     key = jax.random.PRNGKey(0)
-    lay, arena = mla_arena(key, sz["mla_rows"], A, R, "bfloat16")  # full: 1M rows, 1.2 GB, far beyond L2
-    print("sparse MLA decode (Pallas, bf16 rows, bf16 dots):")
+    lay, arena = mla_arena(key, sz["mla_rows"], A, R, MLA_FP8)  # full: 1M rows, 656 MB, far beyond L2
+    print(f"sparse MLA decode (Pallas, {MLA_FP8} rows, bf16 dots):")
     for N, Ts in sz["mla_decode"]:
         for T in Ts:
             sparse_mla_case(bench, key, lay, arena, T=T, N=N, K=K, A=A, R=R, impl="pallas_triton", precision="bf16",
                             interpret=ip)
-    print("indexer decode (Pallas scores + sort merge, bf16 keys):")
+    print(f"indexer decode (Pallas scores + sort merge, {KEY_FP8} keys):")
     for B, S in sz["idx_decode"]:
+        indexer_case(bench, key, B=B, S=S, I=I, Dk=Dk, K=K, row_dtype=KEY_FP8, impl="pallas_triton",
+                     max_tokens=sz["max_tokens"], precision="bf16", interpret=ip)
+    print("second case: bf16 rows (sparse MLA 1152 B rows, indexer 256 B keys):")
+    lay16, arena16 = mla_arena(key, sz["mla_rows"], A, R, "bfloat16")  # full: 1.2 GB
+    for N, T in sz["bf16_mla"]:
+        sparse_mla_case(bench, key, lay16, arena16, T=T, N=N, K=K, A=A, R=R, impl="pallas_triton", precision="bf16",
+                        interpret=ip)
+    del arena16
+    for B, S in sz["bf16_idx"]:
         indexer_case(bench, key, B=B, S=S, I=I, Dk=Dk, K=K, row_dtype="bfloat16", impl="pallas_triton",
                      max_tokens=sz["max_tokens"], precision="bf16", interpret=ip)
     print("sparse MLA launch-parameter sweep:")
@@ -352,10 +395,13 @@ def gpu_plan(bench, cfg, sz):
     print("indexer diagnostics:")
     for B, S in sz["scores_only"]:
         for bs in sz["block_s"]:
-            indexer_scores_only(bench, key, B=B, S=S, I=I, Dk=Dk, row_dtype="bfloat16", block_s=bs, interpret=ip)
+            indexer_scores_only(bench, key, B=B, S=S, I=I, Dk=Dk, row_dtype=KEY_FP8, block_s=bs, interpret=ip)
     B, S = sz["idx_diag"]
+    indexer_case(bench, key, B=B, S=S, I=I, Dk=Dk, K=K, row_dtype=KEY_FP8, impl="pallas_triton",
+                 max_tokens=sz["max_tokens"], precision="bf16", threshold_merge=False, interpret=ip,
+                 label="full-sort merge")
     for sc in sz["s_chunks"]:
-        indexer_case(bench, key, B=B, S=S, I=I, Dk=Dk, K=K, row_dtype="bfloat16", impl="pallas_triton",
+        indexer_case(bench, key, B=B, S=S, I=I, Dk=Dk, K=K, row_dtype=KEY_FP8, impl="pallas_triton",
                      max_tokens=sz["max_tokens"], precision="bf16", s_chunk=sc, interpret=ip, label=f"s_chunk={sc}")
     print("precision 'highest', prefill, references:")
     T, N = sz["mid"]
@@ -365,20 +411,21 @@ def gpu_plan(bench, cfg, sz):
                     precision="bf16", interpret=ip, label="prefill")
     sparse_mla_case(bench, key, lay, arena, T=T, N=N, K=K, A=A, R=R, impl="xla")
     B, S = sz["ref_idx"]
-    indexer_case(bench, key, B=B, S=S, I=I, Dk=Dk, K=K, row_dtype="bfloat16", impl="xla", max_tokens=sz["max_tokens"])
+    indexer_case(bench, key, B=B, S=S, I=I, Dk=Dk, K=K, row_dtype=KEY_FP8, impl="xla", max_tokens=sz["max_tokens"])
 
 
 def cpu_plan(bench, cfg):
     A, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     I, Dk = cfg.index_n_heads, cfg.index_head_dim
     key = jax.random.PRNGKey(0)
-    lay, arena = mla_arena(key, 1 << 14, A, R, "bfloat16")
-    print("sparse MLA decode (reference, bf16 rows, small shapes):")
-    for T in (1, 4):
-        sparse_mla_case(bench, key, lay, arena, T=T, N=8, K=256, A=A, R=R, impl="xla")
-    print("indexer decode (reference, bf16 keys, small shapes):")
-    for S in (1024, 4096):
-        indexer_case(bench, key, B=1, S=S, I=I, Dk=Dk, K=256, row_dtype="bfloat16", impl="xla", max_tokens=1 << 16)
+    for mla_dtype, key_dtype in ((MLA_FP8, KEY_FP8), ("bfloat16", "bfloat16")):
+        lay, arena = mla_arena(key, 1 << 14, A, R, mla_dtype)
+        print(f"sparse MLA decode (reference, {mla_dtype} rows, small shapes):")
+        for T in (1, 4):
+            sparse_mla_case(bench, key, lay, arena, T=T, N=8, K=256, A=A, R=R, impl="xla")
+        print(f"indexer decode (reference, {key_dtype} keys, small shapes):")
+        for S in (1024, 4096):
+            indexer_case(bench, key, B=1, S=S, I=I, Dk=Dk, K=256, row_dtype=key_dtype, impl="xla", max_tokens=1 << 16)
 
 
 def main():
@@ -420,18 +467,18 @@ def main():
     best = {}
     for r in bench.records:
         if "seconds" in r and r["op"] in ("sparse_mla", "indexer_topk"):
-            k = (r["op"], r.get("N"), r.get("T") or r.get("B"), r.get("S"))
+            k = (r["op"], r["row_dtype"], r.get("N"), r.get("T") or r.get("B"), r.get("S"))
             if k not in best or r["hbm_fraction"] > best[k]["hbm_fraction"]:
                 best[k] = r
-    print("summary (best per shape): op, heads, batch, context → % of HBM bandwidth")
-    for (op, N, T, S), r in sorted(best.items(), key=lambda kv: str(kv[0])):
+    print("summary (best per shape): op, row dtype, heads, batch, context → % of HBM bandwidth")
+    for (op, row_dtype, N, T, S), r in sorted(best.items(), key=lambda kv: str(kv[0])):
         target = ""
         if backend == "gpu" and not args.smoke and r["impl"] == "pallas_triton":
             if op == "sparse_mla" and T >= 32 and T < 1024:
                 target = f"  target 70%: {'met' if r['hbm_fraction'] >= 0.7 else 'MISSED'}"
             elif op == "indexer_topk":
                 target = f"  target 60%: {'met' if r['hbm_fraction'] >= 0.6 else 'MISSED'}"
-        print(f"  {op:13s} N={N} T/B={T} S={S}: {100 * r['hbm_fraction']:.1f}%  ({r['name']}){target}")
+        print(f"  {op:13s} {row_dtype:22s} N={N} T/B={T} S={S}: {100 * r['hbm_fraction']:.1f}%  ({r['name']}){target}")
     print(f"wrote {path}; total {time.perf_counter() - bench.t_start:.0f}s of cases")
 
 

@@ -3,12 +3,16 @@
 Implementations (the registry `IMPLEMENTATIONS`):
   "xla"            `reference.indexer_topk_reference`: pure JAX, the CPU path and the oracle.
   "pallas_triton"  `pallas_triton.indexer_topk_pallas_triton`: Pallas score kernel (Triton
-                   lowering) with the reference's two-key sort merge in JAX.
+                   lowering) reading the key rows (fp8 included) straight from the arena, with a
+                   top-k merge in JAX that selects exactly what the reference's tie rule does.
 
 Default choice (`implementation=None`): "pallas_triton" when JAX's default backend is "gpu",
 else "xla". The Pallas path is skipped (reference used instead) when its `unsupported_reason`
-names one: key row dtypes without a lane codec in `kernels.pallas_rows` (today: anything but
-float32 / bfloat16), indexer head counts or key lane widths that are not powers of two ≥ 16. An
+names one: key row dtypes without a lane codec in `kernels.pallas_rows` (every row dtype of
+`kernels.paged` has one today: float32, bfloat16, fp8_per_token, fp8_per_token_hadamard), indexer
+head counts that are not powers of two ≥ 16, key lane widths (Dk / L, L values per word: 1, 2, or
+4 for fp8) that are not powers of two ≥ 16, fp8 keys whose width is not a multiple of 4.
+`return_scores=True` (the DCP merge) runs on either implementation. An
 explicit `implementation=` is used as given and raises NotImplementedError when unsupported.
 `interpret=True` runs the Pallas kernel in interpret mode on any backend (tests) and selects it
 unless `implementation` says otherwise.
@@ -43,8 +47,7 @@ def indexer_topk(q_TID: Float[Array, "T I D"], w_TI: Float[Array, "T I"], kv_are
       queries, "highest" otherwise.
     Raises:
       KeyError: unknown implementation name.
-      NotImplementedError: an explicitly requested Pallas configuration it does not support
-        (including `return_scores`, which only the reference provides).
+      NotImplementedError: an explicitly requested Pallas configuration it does not support.
     """
     explicit = implementation is not None
     name = implementation or ("pallas_triton" if interpret else default_implementation())
@@ -52,13 +55,11 @@ def indexer_topk(q_TID: Float[Array, "T I D"], w_TI: Float[Array, "T I"], kv_are
     args = (q_TID, w_TI, kv_arena, block_table_BP, req_idx_T, positions_T, layer)
     if name == "xla":
         return impl(*args, layout=layout, component=component, topk=topk, return_scores=return_scores)
-    if return_scores:
-        if explicit:
-            raise NotImplementedError("return_scores is provided by the reference implementation only")
-        return indexer_topk_reference(*args, layout=layout, component=component, topk=topk, return_scores=True)
     if precision is None:
         precision = "bf16" if q_TID.dtype == jax.numpy.bfloat16 else "highest"
     reason = unsupported_reason(layout, component, q_TID.shape[1], precision=precision, interpret=interpret)
     if reason is not None and not explicit:
-        return indexer_topk_reference(*args, layout=layout, component=component, topk=topk)
-    return impl(*args, layout=layout, component=component, topk=topk, precision=precision, interpret=interpret)
+        return indexer_topk_reference(*args, layout=layout, component=component, topk=topk,
+                                      return_scores=return_scores)
+    return impl(*args, layout=layout, component=component, topk=topk, precision=precision,
+                return_scores=return_scores, interpret=interpret)

@@ -6,9 +6,11 @@ Implementations (the registry `IMPLEMENTATIONS`):
 
 Default choice (`implementation=None`): "pallas_triton" when JAX's default backend is "gpu",
 else "xla". The Pallas kernel is skipped (reference used instead) when its
-`unsupported_reason` names one: row dtypes without a lane codec in `kernels.pallas_rows` (today:
-anything but float32 / bfloat16), latent or rope lane widths that are not powers of two ≥ 16
-(A / L, R / L with L values per word), block sizes that are not powers of two ≥ 16. An explicit
+`unsupported_reason` names one: row dtypes without a lane codec in `kernels.pallas_rows` (every
+MLA row dtype of `kernels.paged` has one today: float32, bfloat16, fp8_ds_mla), latent or rope
+lane widths that are not powers of two ≥ 16 (A / L, R / L with L values per word: 1, 2, or 4 for
+the fp8 latent and 2 for its bf16 rope), fp8_ds_mla rows with A not a multiple of 128 (the scale
+tile), block sizes that are not powers of two ≥ 16. An explicit
 `implementation=` is used as given and raises NotImplementedError when unsupported.
 `interpret=True` runs the Pallas kernel in interpret mode on any backend (tests) and selects it
 unless `implementation` says otherwise.

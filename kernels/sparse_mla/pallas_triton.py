@@ -9,11 +9,13 @@ same call: every query token carries its own K slots.
 Kernel (one program per (token t, block of `block_h` heads, key split)):
   * the program walks its split's range of the token's K slots in blocks of `block_k`, in list
     order (one split: all K; several: `combine_splits` merges the partial results);
-  * for each block it loads the slots, turns each into (block = slot // tpp, word offset =
-    row_base + (slot % tpp) · row_words) and gathers the row segments straight from the arena
-    (`kv_arena uint32[num_blocks, page_words]`, one masked load per segment; −1 and null-block
-    slots are masked, never read);
-  * the words are decoded by the row dtype's codec (`kernels.pallas_rows`) into float32 lanes;
+  * for each block it loads the slots, turns each into (block = slot // tpp, token o = slot % tpp)
+    and gathers the row's pieces straight from the arena (`kv_arena uint32[num_blocks,
+    page_words]`, one masked load per piece at `row_base + constant + o · stride`,
+    `kernels.pallas_rows.piece_addressing`; −1 and null-block slots are masked, never read);
+  * the words are decoded by the row dtype's codec (`kernels.pallas_rows`) into float32 lanes
+    (fp8_ds_mla: e4m3 codes · their tile's fp32 scale, bf16 rope; dequantised in registers, the
+    same values the reference's `read_cache` gives);
   * scores `q·k · scale` (sum of per-lane dots over the latent and rope lanes) update an online
     softmax (running max m, running sum l, accumulator acc [block_h, A]) with fp32 state.
 
@@ -34,11 +36,12 @@ Precision (`precision=`):
              the probabilities lose bits, ~1e-2 relative).
 
 Supported (else NotImplementedError, which the dispatch turns into the reference): row dtypes
-with a codec in `kernels.pallas_rows`; A / L and R / L powers of two and ≥ 16 (Triton's dot
-and its power-of-two tensor sizes; L = values per word); `block_k`, `block_h` powers of two
-≥ 16. Heads are padded to a power of two ≥ 16 and K to a multiple of `block_k` with −1.
-A new row dtype (fp8_ds_mla) needs only a codec in `kernels.pallas_rows` (its word segments:
-latent bytes, tile scales, rope) — the kernel loads whatever segments the codec names.
+with a codec in `kernels.pallas_rows` (float32, bfloat16, fp8_ds_mla); A / L and R / L powers of
+two and ≥ 16 (Triton's dot and its power-of-two tensor sizes; L = values per word: 4 for the
+fp8 latent, 2 for its bf16 rope; at A = 512, R = 64: 128 and 32); `block_k`, `block_h` powers of
+two ≥ 16. Heads are padded to a power of two ≥ 16 and K to a multiple of `block_k` with −1.
+A new row dtype needs only a codec in `kernels.pallas_rows`: the kernel loads whatever pieces
+the codec names (fp8_ds_mla: latent codes, one word per tile scale, rope).
 
 JAX 0.11 marks the Pallas Triton backend deprecated in favour of Mosaic GPU (a warning at
 lowering); the kernel keeps to the plain load/dot/reduce subset that both lower.
@@ -55,8 +58,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels.paged.layout import GroupLayout
-from kernels.pallas_rows import (RowCodec, from_lanes, is_power_of_two, mla_row_codec, next_power_of_two, to_lanes,
-                                 word_alignment)
+from kernels.pallas_rows import (RowCodec, from_lanes, is_power_of_two, mla_row_codec, next_power_of_two,
+                                 piece_addressing, to_lanes, word_alignment)
 
 PRECISIONS = ("highest", "bf16")
 
@@ -78,9 +81,9 @@ def unsupported_reason(layout: GroupLayout, component: str, kv_lora_rank: int, *
         codec = mla_row_codec(comp.row_dtype, kv_lora_rank, R)
     except NotImplementedError as e:
         return str(e)
-    for (_, n), name in zip(codec.segments, ("latent", "rope")):
+    for _, _, n in codec.segments:
         if not is_power_of_two(n):
-            return f"{name} segment of {n} words is not a power of two"
+            return f"a row piece of {n} words is not a power of two"
     min_lane = 1 if interpret else 16
     for width, L, name in ((kv_lora_rank, codec.part_lanes[0], "A"), (R, codec.part_lanes[1], "R")):
         if not is_power_of_two(width // L) or width // L < min_lane:
@@ -114,7 +117,7 @@ def _dot_nn(a, b, precision):
     return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
 
 
-def _kernel(row_base_ref, slots_ref, *refs, codec: RowCodec, n_lat: int, n_rope: int, tpp: int, row_words: int,
+def _kernel(row_base_ref, slots_ref, *refs, codec: RowCodec, pieces: tuple, n_lat: int, n_rope: int, tpp: int,
             num_blocks: int, block_k: int, blocks_per_split: int, scale: float, precision: str, align: int):
     q_lat_refs = refs[:n_lat]
     q_rope_refs = refs[n_lat:n_lat + n_rope]
@@ -129,7 +132,7 @@ def _kernel(row_base_ref, slots_ref, *refs, codec: RowCodec, n_lat: int, n_rope:
     q_lat = [r[...] for r in q_lat_refs]
     q_rope = [r[...] for r in q_rope_refs]
     bh = q_lat[0].shape[0]
-    iotas = [lax.broadcasted_iota(jnp.int32, (1, n), 1) for _, n in codec.segments]
+    iotas = [lax.broadcasted_iota(jnp.int32, (1, n), 1) for _, _, n in pieces]
 
     def body(i, carry):
         m, l, accs = carry
@@ -137,10 +140,11 @@ def _kernel(row_base_ref, slots_ref, *refs, codec: RowCodec, n_lat: int, n_rope:
         valid = (slots >= tpp) & (slots < num_blocks * tpp)  # −1, null block, out of range: absent
         safe = jnp.where(valid, slots, 0)
         blk = (safe // tpp)[:, None]
-        start = (row_base + (safe % tpp) * row_words)[:, None]
+        o = safe % tpp
         segs = [
-            plgpu.load(arena_ref.at[blk, start + off + iota], mask=valid[:, None], other=0)
-            for (off, _), iota in zip(codec.segments, iotas)
+            plgpu.load(arena_ref.at[blk, (row_base + const + o * stride)[:, None] + iota], mask=valid[:, None],
+                       other=0)
+            for (const, stride, _), iota in zip(pieces, iotas)
         ]
         lat, rope = codec.decode(*segs)  # float32 lanes [block_k, A/L], [block_k, R/L]
         s = _dot_nt(q_lat[0], lat[0], precision)
@@ -270,8 +274,8 @@ def sparse_mla_pallas_triton(
     q_dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
     q = jnp.pad(q_TNC.astype(q_dtype), ((0, 0), (0, Np - N), (0, 0)))
     slots = jnp.pad(topk_slots_TK.astype(jnp.int32), ((0, 0), (0, Kp - K)), constant_values=-1)
-    q_lat = to_lanes(q[..., :A], comp.row_dtype)
-    q_rope = to_lanes(q[..., A:], comp.row_dtype)
+    q_lat = to_lanes(q[..., :A], codec.part_lanes[0])
+    q_rope = to_lanes(q[..., A:], codec.part_lanes[1])
     row_base = (base + jnp.asarray(layer, jnp.int32) * (tpp * comp.row_words)).astype(jnp.int32).reshape(1)
 
     if num_warps is None:
@@ -291,7 +295,8 @@ def sparse_mla_pallas_triton(
     out_specs = [out_spec(x.shape[-1]) for x in q_lat]
     out_specs.append(pl.BlockSpec((None, None, bh), lambda t, h, s: (t, s, h)))
     kernel = functools.partial(
-        _kernel, codec=codec, n_lat=len(q_lat), n_rope=len(q_rope), tpp=tpp, row_words=comp.row_words,
+        _kernel, codec=codec, pieces=piece_addressing(codec, comp.segments, tpp), n_lat=len(q_lat),
+        n_rope=len(q_rope), tpp=tpp,
         num_blocks=num_blocks, block_k=block_k, blocks_per_split=per_split, scale=float(scale), precision=precision,
         align=word_alignment(base, tpp * comp.row_words))
     *o_lanes, lse = pl.pallas_call(

@@ -48,9 +48,11 @@ def _export_cuda(f, *specs):
 S = jax.ShapeDtypeStruct
 
 
-@pytest.mark.parametrize("row_dtype,precision", [("float32", "highest"), ("bfloat16", "bf16"), ("bfloat16", "highest")])
+@pytest.mark.parametrize("row_dtype,precision", [("float32", "highest"), ("bfloat16", "bf16"), ("bfloat16", "highest"),
+                                                 ("fp8_ds_mla", "bf16"), ("fp8_ds_mla", "highest")])
 def test_sparse_mla_lowers_for_cuda_at_production_shapes(verified, row_dtype, precision):
-    lay = GroupLayout("mla", 64, (CacheComponent("mla", 2, 576, row_dtype),))
+    rope = 64 if row_dtype == "fp8_ds_mla" else 0  # 656-byte rows: 512 e4m3, 4 fp32 scales, 64 bf16
+    lay = GroupLayout("mla", 64, (CacheComponent("mla", 2, 576, row_dtype, rope_dim=rope),))
     f = functools.partial(sparse_mla_pallas_triton, layout=lay, kv_lora_rank=512, scale=576 ** -0.5,
                           precision=precision)
     text = _export_cuda(f, S((4, 64, 576), jnp.bfloat16), S((64, lay.words_per_page), jnp.uint32),
@@ -58,7 +60,8 @@ def test_sparse_mla_lowers_for_cuda_at_production_shapes(verified, row_dtype, pr
     assert text.count(TRITON_CALL) == 1 and verified == [True]
 
 
-@pytest.mark.parametrize("row_dtype,precision", [("float32", "highest"), ("bfloat16", "bf16")])
+@pytest.mark.parametrize("row_dtype,precision", [("float32", "highest"), ("bfloat16", "bf16"),
+                                                 ("fp8_per_token", "bf16"), ("fp8_per_token_hadamard", "highest")])
 def test_indexer_scores_lower_for_cuda_at_production_shapes(verified, row_dtype, precision):
     lay = GroupLayout("idx", 64, (CacheComponent("indexer", 2, 128, row_dtype),))
     f = functools.partial(indexer_topk_pallas_triton, layout=lay, topk=2048, precision=precision)

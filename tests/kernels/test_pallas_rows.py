@@ -24,7 +24,7 @@ def test_mla_codec_splits_latent_and_rope(rng):
     x = jnp.asarray(rng.standard_normal((3, A + R)).astype(np.float32))
     words = np.asarray(encode_rows(x, "bfloat16"))
     codec = mla_row_codec("bfloat16", A, R)
-    segs = [jnp.asarray(words[:, o:o + n]) for o, n in codec.segments]
+    segs = [jnp.asarray(words[:, o:o + n]) for _, o, n in codec.segments]
     lat, rope = codec.decode(*segs)
     stored = np.asarray(decode_rows(jnp.asarray(words), "bfloat16"))
     np.testing.assert_array_equal(np.asarray(from_lanes(lat)), stored[:, :A])
