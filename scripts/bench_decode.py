@@ -154,7 +154,8 @@ def build_engine(args, model_dir: str, batches: list[int]):
              "max_num_seqs": max(batches), "max_num_batched_tokens": max_batched,
              "max_model_len": args.max_model_len, "num_kv_blocks": engine.runner.kv_arena.shape[0],
              "kv_arena_mib": engine.runner.kv_arena.nbytes / 2**20, "dtype": str(engine.runner.kv_arena.dtype),
-             "jax": jax.__version__, "device": str(jax.devices()[0])}
+             "jax": jax.__version__, "device": str(jax.devices()[0]),
+             "compile_s_per_bucket": {str(k): round(v, 2) for k, v in engine.runner.compile_seconds.items()}}
     return engine, setup
 
 

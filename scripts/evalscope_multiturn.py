@@ -97,11 +97,11 @@ def write_dataset(path: str, conversations: int, turns: int, first_turn_words: i
                   seed: int) -> int:
     """`conversations` lines of [system, user, assistant, user, …, user] → number of user turns.
 
-    The first user turn is long (`first_turn_words` words) so that the context a second turn
-    shares with the first covers at least one whole page of every KV cache group (a prefix-cache
-    hit comes in multiples of the least common multiple of the groups' tokens per page: 768 tokens
-    on the tiny checkpoint); each conversation's words differ, so hits come from the conversation's
-    own history, not from other conversations."""
+    The first user turn is long (`first_turn_words` words, about 1000 tokens): prefix-cache hits
+    come in 64-token units (pages a hit covers in part are copied on write), so a short turn
+    would do, but a long shared context also makes the hit rate close to what long multi-turn
+    chats see; each conversation's words differ, so hits come from the conversation's own
+    history, not from other conversations."""
     rng = random.Random(seed)
     system = ("You are a helpful assistant. Answer every question of the user in a few sentences, "
               "and keep the earlier turns of the conversation in mind.")

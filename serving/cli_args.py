@@ -63,6 +63,12 @@ def make_arg_parser() -> argparse.ArgumentParser:
     sch.add_argument("--max-num-batched-tokens", type=int, default=None)
     sch.add_argument("--max-num-seqs", type=int, default=None)
     sch.add_argument(
+        "--cuda-graph-sizes", type=int, nargs="*", default=None,
+        help="Decode-sized step buckets (token counts) compiled at start-up besides the prefill buckets "
+        "16*4^k: one value N = 1, 2, 4, ... up to N; several = exactly those; none = no decode buckets. "
+        "Default: powers of two up to --max-num-seqs. Sizes above --max-num-batched-tokens are dropped.",
+    )
+    sch.add_argument(
         "--kv-cache-dtype", choices=["auto", "bfloat16", "fp8"], default="auto",
         help="KV cache format: auto (the model dtype), bfloat16, or fp8 (fp8_ds_mla latent + fp8 indexer keys).",
     )
@@ -222,6 +228,8 @@ def validate_args(args: argparse.Namespace) -> None:
             f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"
         )
 
+    if args.cuda_graph_sizes is not None and any(v < 1 for v in args.cuda_graph_sizes):
+        raise ArgumentError(f"--cuda-graph-sizes must be >= 1, got {args.cuda_graph_sizes}")
     args.parallel = parallel_config(args)
     if args.data_parallel_size != 1:
         raise _not_yet(f"--data-parallel-size {args.data_parallel_size} in the server (the model step supports it)")

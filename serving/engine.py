@@ -62,6 +62,7 @@ class EngineArgs:
     log_stats_interval_s: float = 5.0
     parallel: ParallelConfig | None = None  # TP / PCP / DCP / EP sizes (None: one device)
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "bfloat16" or "fp8"
+    cuda_graph_sizes: list[int] | None = None  # decode-sized step buckets (None: 1, 2, 4, … max_num_seqs)
 
 
 def _model_dtype(name: str, device) -> jnp.dtype:
@@ -126,7 +127,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, layout, num_blocks, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len, seed=args.seed,
-                                  max_logprobs=args.max_logprobs, parallel=self.parallel)
+                                  max_logprobs=args.max_logprobs, parallel=self.parallel,
+                                  cuda_graph_sizes=args.cuda_graph_sizes)
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_steps = 0
         self.host_overhead_s = 0.0

@@ -36,6 +36,7 @@ def build_server(argv: list[str] | None = None):
     from serving.cli_args import make_arg_parser, validate_args
     from serving.engine import EngineArgs, LLMEngine
     from serving.metrics import PrometheusStatLogger
+    from serving.runner import cuda_graph_sizes
 
     from sharding.distributed import initialize as init_distributed
 
@@ -64,7 +65,7 @@ def build_server(argv: list[str] | None = None):
         gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks_override=args.num_gpu_blocks_override,
         seed=args.seed, enable_prefix_caching=args.enable_prefix_caching, max_logprobs=args.max_logprobs,
         disable_log_stats=args.disable_log_stats, parallel=args.parallel,
-        kv_cache_dtype=args.kv_cache_dtype)
+        kv_cache_dtype=args.kv_cache_dtype, cuda_graph_sizes=cuda_graph_sizes(args.cuda_graph_sizes))
     try:
         engine = LLMEngine.from_args(eargs)
     except (ValueError, FileNotFoundError) as e:

@@ -3,7 +3,9 @@
 The step (`forward + sample`) is compiled for a fixed set of token-count buckets at start-up
 (with a progress bar); the KV arena is donated so it is updated in place. A step's token count
 is padded up to the next bucket, and the largest bucket is `max_num_batched_tokens`, so a step is
-never padded past its token budget. Request rows are padded to `max_num_seqs + 1` (the last row
+never padded past its token budget. The buckets are the decode sizes (`--cuda-graph-sizes`,
+by default the powers of two up to `max_num_seqs`: a decode step of B requests has B tokens)
+plus geometric prefill sizes 16·4^k, all capped at the budget. Request rows are padded to `max_num_seqs + 1` (the last row
 is the all-null padding row), block tables to the width that covers `max_model_len`. The step
 first runs the scheduler's whole-page copies (`SchedulerOutput.page_copies`, copy-on-write of
 prefix-cache pages), passed as two int32 arrays of fixed size padded with −1 (a loop over the
@@ -40,14 +42,48 @@ from serving.types import TokenLogprobs
 logger = logging.getLogger(__name__)
 
 
-def token_buckets(max_num_batched_tokens: int, smallest: int = 16, factor: int = 4) -> tuple[int, ...]:
-    """Geometric token buckets capped at (and always including) the step budget."""
-    out, b = [], smallest
-    while b < max_num_batched_tokens:
+def default_cuda_graph_sizes(max_num_seqs: int, multiple_of: int = 1) -> tuple[int, ...]:
+    """Default decode-sized buckets: 1, 2, 4, … up to `max_num_seqs`, and `max_num_seqs` itself.
+
+    A pure-decode step of B requests schedules B tokens, so these let batch B run a step of
+    (nearly) B tokens instead of the smallest prefill bucket (vLLM likewise captures its CUDA
+    graphs at small decode sizes). Sizes that are not a multiple of `multiple_of` are left out
+    (under prefill context parallelism every bucket must split into 2·pcp chunks)."""
+    out, b = [], 1
+    while b < max_num_seqs:
         out.append(b)
+        b *= 2
+    out.append(max_num_seqs)
+    return tuple(x for x in out if x % multiple_of == 0)
+
+
+def cuda_graph_sizes(flag_values: list[int] | None) -> tuple[int, ...] | None:
+    """`--cuda-graph-sizes` values → the decode bucket list: None (flag absent) → None (the
+    default set); [] → (); one value N → 1, 2, 4, … up to N and N; several → those values."""
+    if flag_values is None:
+        return None
+    if len(flag_values) == 1:
+        return default_cuda_graph_sizes(flag_values[0])
+    return tuple(flag_values)
+
+
+def token_buckets(max_num_batched_tokens: int, cuda_graph_sizes=(), smallest: int = 16,
+                  factor: int = 4) -> tuple[int, ...]:
+    """Sorted step sizes in tokens: `cuda_graph_sizes` (decode sizes) ∪ geometric 16·4^k prefill
+    sizes, every one ≤ `max_num_batched_tokens`, and always the budget itself as the largest, so
+    no step is padded past its token budget. Sizes above the budget are dropped.
+
+    Raises:
+      ValueError: a size < 1."""
+    bad = [s for s in cuda_graph_sizes if int(s) < 1]
+    if bad:
+        raise ValueError(f"--cuda-graph-sizes must be >= 1, got {bad}")
+    out, b = {int(s) for s in cuda_graph_sizes if int(s) < max_num_batched_tokens}, smallest
+    while b < max_num_batched_tokens:
+        out.add(b)
         b *= factor
-    out.append(max_num_batched_tokens)
-    return tuple(out)
+    out.add(max_num_batched_tokens)
+    return tuple(sorted(out))
 
 
 @dataclass
@@ -64,17 +100,22 @@ class ModelRunner:
     Args:
       model: the loaded model. layout: its KV arena layout. num_blocks: arena pages (incl. null).
       max_num_seqs / max_num_batched_tokens / max_model_len: the scheduler limits.
+      cuda_graph_sizes: decode-sized token buckets compiled besides the prefill ones (None: the
+        powers of two up to max_num_seqs, `default_cuda_graph_sizes`; () for none).
     """
 
     def __init__(self, model: GlmForCausalLM, layout: KVCacheLayout, num_blocks: int, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, seed: int = 0, max_logprobs: int = 20,
-                 parallel: ParallelLayout | None = None):
+                 parallel: ParallelLayout | None = None, cuda_graph_sizes=None):
         self.layout = layout
         self.parallel = parallel
         self.graphdef, self.state = nnx.split(model)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.buckets = token_buckets(max_num_batched_tokens)
+        pcp = parallel.pcp if parallel is not None else 1
+        if cuda_graph_sizes is None:
+            cuda_graph_sizes = default_cuda_graph_sizes(max_num_seqs, 2 * pcp if pcp > 1 else 1)
+        self.buckets = token_buckets(max_num_batched_tokens, cuda_graph_sizes)
         dcp = parallel.dcp if parallel is not None else 1  # under DCP an engine page spans tpp × dcp tokens
         self.widths = {g.name: math.ceil(max_model_len / (g.tokens_per_page * dcp)) for g in layout.groups}
         if parallel is None:
@@ -86,7 +127,8 @@ class ModelRunner:
             bad = [b for b in self.buckets if b % (2 * parallel.pcp)]
             if bad:
                 raise ValueError(f"--prefill-context-parallel-size {parallel.pcp} needs every token bucket to be a "
-                                 f"multiple of {2 * parallel.pcp}; {bad} are not (--max-num-batched-tokens)")
+                                 f"multiple of {2 * parallel.pcp}; {bad} are not (--max-num-batched-tokens, "
+                                 "--cuda-graph-sizes)")
             self.state = shard_params(self.state, parallel)
             self.kv_arena = empty_parallel_arena(layout, num_blocks, parallel)
         self.seed = seed
@@ -129,12 +171,20 @@ class ModelRunner:
                        *copies)
 
     def compile(self, progress: bool = True) -> float:
-        """Compile every bucket (runs each once on padding rows, which write nothing). → seconds."""
+        """Compile every bucket (runs each once on padding rows, which write nothing). → seconds.
+
+        Each bucket's compile time (seconds, a persistent-cache hit included) is kept in
+        `compile_seconds` and logged."""
         t0 = time.perf_counter()
+        self.compile_seconds: dict[int, float] = {}
         for T in tqdm(self.buckets, desc="compiling step buckets", disable=not progress, unit="bucket"):
+            t = time.perf_counter()
             batch, extra = self._dummy(T)
             out, self.kv_arena = self._step(self.state, self._place(batch), self.kv_arena, *extra)
             jax.block_until_ready(out)
+            self.compile_seconds[T] = time.perf_counter() - t
+        logger.info("step bucket compile seconds: %s",
+                    ", ".join(f"{T}: {s:.1f}" for T, s in self.compile_seconds.items()))
         return time.perf_counter() - t0
 
     def _place(self, batch: ForwardBatch) -> ForwardBatch:

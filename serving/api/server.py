@@ -621,7 +621,10 @@ def build_app(
                     return []
                 delta = st.add(out) if out is not None else st.finish("abort")
                 chunks = []
-                if delta.text or delta.logprobs or delta.finished:
+                # One chunk per engine step and choice, as vLLM sends: a step whose token adds no
+                # visible text yet (part of a UTF-8 character, a possible stop string, a tag a
+                # parser holds) still gets its (empty) chunk, so clients count decode steps right.
+                if delta.text or delta.logprobs or delta.finished or delta.token_ids:
                     chunks = make_chunks(i, delta, st)
                 if st.finished:
                     pending.discard(i)
@@ -783,7 +786,7 @@ def build_app(
         def make_chunks(i: int, d: TextDelta, st: RequestTextState) -> list[dict[str, Any]]:
             lps = logprobs_of(d.logprobs) if d.logprobs else None
             pairs = outputs[i].deltas(d.text, d.finish_reason)
-            if not pairs and lps is not None:  # text held back by a parser: still send the logprobs
+            if not pairs and (lps is not None or d.token_ids):  # text held back: an empty delta for the step
                 pairs = [(DeltaMessage(), None)]
             return [chunk(i, delta, finish, lps if k == 0 else None) for k, (delta, finish) in enumerate(pairs)]
 

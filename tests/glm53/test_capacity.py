@@ -235,7 +235,7 @@ def engine_and_log():
     lg.addHandler(h)
     try:
         engine = LLMEngine.from_args(EngineArgs(model=None, max_num_seqs=16, max_num_batched_tokens=64,
-                                                max_model_len=384, num_gpu_blocks_override=26,
+                                                cuda_graph_sizes=[], max_model_len=384, num_gpu_blocks_override=26,
                                                 compile_progress=False))
     finally:
         lg.removeHandler(h)

@@ -245,6 +245,40 @@ def test_chat_stream_with_usage(client, tiny_tokenizer):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def _increments(n_tokens: int) -> int:
+    """How many outputs FakeEngine yields for n_tokens tokens (1, 2, 1, 2, ... tokens each)."""
+    n = steps = 0
+    while n < n_tokens:
+        n += 1 + steps % 2
+        steps += 1
+    return steps
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_stream_one_chunk_per_engine_step(http, tiny_tokenizer, endpoint):
+    # REPLY's CJK and emoji characters are split over byte tokens, so several engine outputs add
+    # no visible text; each still gets its own (empty) chunk, as vLLM streams, so that a client
+    # counting chunks (evalscope's decoded tokens per iteration) sees one step per chunk.
+    n_tokens = len(tiny_tokenizer.encode(REPLY)) + 1
+    body = {"model": MODEL, "stream": True, "max_tokens": 200}
+    if endpoint == "chat":
+        body["messages"] = _user("Hello")
+    else:
+        body["prompt"] = "Hello"
+    with http.stream("POST", f"/v1/{'chat/' if endpoint == 'chat' else ''}completions", json=body) as resp:
+        raw = resp.read().decode()
+    payloads = [json.loads(e.removeprefix("data: ")) for e in raw.split("\n\n")[:-2]]
+    if endpoint == "chat":
+        assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        payloads = payloads[1:]
+        texts = [p["choices"][0]["delta"].get("content") or "" for p in payloads]
+    else:
+        texts = [p["choices"][0]["text"] for p in payloads]
+    assert len(payloads) == _increments(n_tokens)
+    assert "".join(texts) == _expected(tiny_tokenizer)
+    assert "" in texts[:-1]  # an output that completed no character still had its chunk
+
+
 def test_chat_stream_raw_sse_format(http, tiny_tokenizer):
     body = {"model": MODEL, "messages": _user("Hello"), "stream": True, "max_tokens": 4}
     with http.stream("POST", "/v1/chat/completions", json=body) as resp:

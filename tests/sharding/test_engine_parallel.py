@@ -27,7 +27,8 @@ EPS = 1e-4
 
 def serve(parallel: ParallelConfig | None):
     args = EngineArgs(dtype="float32", max_model_len=192, max_num_seqs=4, max_num_batched_tokens=64,
-                      num_gpu_blocks_override=24, compile_progress=False, parallel=parallel)
+                      num_gpu_blocks_override=24, compile_progress=False, parallel=parallel,
+                      cuda_graph_sizes=[])
     engine = LLMEngine.from_args(args)
     dcp = parallel.decode_context_parallel_size if parallel is not None else 1
     assert (engine.runner.parallel is not None) == (parallel is not None)
