@@ -38,10 +38,10 @@ def params() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def build(parallel: ParallelConfig | None, num_blocks: int) -> LLMEngine:
-    return LLMEngine.from_args(EngineArgs(dtype="float32", max_model_len=192, max_num_seqs=4,
-                                          max_num_batched_tokens=16, num_gpu_blocks_override=num_blocks,
-                                          compile_progress=False, parallel=parallel))
+def build(parallel: ParallelConfig | None, num_blocks: int, **kw) -> LLMEngine:
+    args = dict(dtype="float32", max_model_len=192, max_num_seqs=4, max_num_batched_tokens=16,
+                num_gpu_blocks_override=num_blocks, compile_progress=False, parallel=parallel)
+    return LLMEngine.from_args(EngineArgs(**{**args, **kw}))
 
 
 def drain(engine: LLMEngine, streams: dict[str, list[int]]) -> dict[str, list[int]]:
@@ -66,11 +66,15 @@ def check_streams(got: dict[str, list[int]], ref: dict[str, list[int]], ids) -> 
 
 
 @pytest.fixture(scope="module")
-def reference():
-    engine = build(None, 24)
+def single_device():
+    return build(None, 24)
+
+
+@pytest.fixture(scope="module")
+def reference(single_device):
     for rid, p in PROMPTS.items():
-        engine.add_request(rid, p, params())
-    return drain(engine, {})
+        single_device.add_request(rid, p, params())
+    return drain(single_device, {})
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +143,39 @@ def test_dp2_isolation_abort_and_preemption(dp2, reference):
     assert engine.audit() == [] and all(r.pool.usage() == 0.0 for r in engine.replicas)
     assert 0 < len(streams["d"]) < MAX_TOKENS and streams["d"] == reference["d"][:len(streams["d"])]
     check_streams(streams, reference, "ef")
+
+
+def test_dp2_tp2_dcp2_prefix_hit_copies_in_its_replica_shards(single_device, reference):
+    """DP2 × TP2 with DCP2 over TP (engine pages of 128 / 1536 tokens, hash unit 128) and prefix
+    caching: a request sharing 128 tokens with a running request on the same replica hits them;
+    the hit ends inside the running request's indexer page, so that page is copied on the device
+    (in the replica's own two DCP shards) before the step. The new request's stream equals the
+    single-device one; the other replica's cache is not queried."""
+    cfg = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, decode_context_parallel_size=2,
+                         enable_expert_parallel=True)
+    engine = build(cfg, 8, max_model_len=384, enable_prefix_caching=True)
+    assert engine.runner.kv_arena.shape[0] == 2 * 2 * 8 and engine.prefix_cache.unit == 128
+    rng = np.random.default_rng(3)
+    stem, filler = rng.integers(4, 450, 200).tolist(), rng.integers(4, 450, 300).tolist()
+    long_params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    engine.add_request("stem", stem, long_params)  # replica 0: 2 MLA pages + 1 indexer page
+    engine.add_request("filler", filler, long_params)  # replica 1: 3 MLA pages + 1 indexer page
+    rep0, rep1 = engine.replicas
+    while rep0.scheduler.get_request("stem").num_output_tokens == 0:
+        engine.step()
+    warm = stem[:128] + [7] * 8
+    copies, hits1 = engine.runner.num_page_copies, rep1.prefix_cache.queries
+    engine.add_request("warm", warm, params())
+    assert engine.replica_of("warm") is rep0  # tie on requests; replica 0 uses fewer pages
+    got = {}
+    while engine.replica_of("warm") is not None:
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert engine.runner.num_page_copies - copies == 1 and rep0.prefix_cache.hits == 128
+    assert rep1.prefix_cache.queries == hits1
+    for rid in ("stem", "filler"):
+        engine.abort(rid)
+    assert engine.audit() == []
+    single_device.add_request("warm", warm, params())
+    ref = drain(single_device, {})
+    assert got["warm"] == ref["warm"]
