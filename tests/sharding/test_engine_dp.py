@@ -164,7 +164,7 @@ def test_dp2_tp2_dcp2_prefix_hit_copies_in_its_replica_shards(single_device, ref
     while rep0.scheduler.get_request("stem").num_output_tokens == 0:
         engine.step()
     warm = stem[:128] + [7] * 8
-    copies, hits1 = engine.runner.num_page_copies, rep1.prefix_cache.queries
+    copies, queries1 = engine.runner.num_page_copies, rep1.prefix_cache.queries
     engine.add_request("warm", warm, params())
     assert engine.replica_of("warm") is rep0  # tie on requests; replica 0 uses fewer pages
     got = {}
@@ -172,7 +172,7 @@ def test_dp2_tp2_dcp2_prefix_hit_copies_in_its_replica_shards(single_device, ref
         for out in engine.step():
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert engine.runner.num_page_copies - copies == 1 and rep0.prefix_cache.hits == 128
-    assert rep1.prefix_cache.queries == hits1
+    assert rep1.prefix_cache.queries == queries1
     for rid in ("stem", "filler"):
         engine.abort(rid)
     assert engine.audit() == []
