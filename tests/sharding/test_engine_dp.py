@@ -131,6 +131,10 @@ def test_dp2_isolation_abort_and_preemption(dp2, reference):
     engine.add_request("e", PROMPTS["e"], params())
     engine.add_request("f", PROMPTS["f"], params())
     assert [engine.replica_of(r).index for r in "ef"] == [1, 1]
+    with pytest.raises(ValueError, match="duplicate"):  # e lives on replica 1; replica 0 is the least loaded
+        engine.add_request("e", PROMPTS["e"], params())
+    g = engine.gauges  # sums over replicas; usage = mean: replica 0 holds 2 of its 4 usable pages
+    assert (g.num_requests_running(), g.num_requests_waiting(), g.kv_cache_usage()) == (1, 2, 0.25)
     for _ in range(2):
         for out in engine.step():
             streams.setdefault(out.request_id, []).extend(out.new_token_ids)
@@ -179,3 +183,11 @@ def test_dp2_tp2_dcp2_prefix_hit_copies_in_its_replica_shards(single_device, ref
     single_device.add_request("warm", warm, params())
     ref = drain(single_device, {})
     assert got["warm"] == ref["warm"]
+
+
+def test_cli_accepts_data_parallel():
+    from serving.cli_args import make_arg_parser, validate_args
+
+    args = make_arg_parser().parse_args(["--data-parallel-size", "8", "--enable-expert-parallel"])
+    validate_args(args)
+    assert args.parallel == ParallelConfig(data_parallel_size=8, enable_expert_parallel=True)
