@@ -87,7 +87,6 @@ class ModelRunner:
             self.state = shard_params(self.state, parallel)
             self.kv_arena = empty_parallel_arena(layout, num_blocks, parallel)
         self.dp = parallel.dp if parallel is not None else 1  # attention replicas (serving/dp_engine.py)
-        self.dcp = dcp
         self.seed = seed
         self.max_logprobs = max_logprobs
         self.last = StepStats()
