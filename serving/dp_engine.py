@@ -19,6 +19,9 @@ Placement policy (`assign`): a new request goes to the replica with the fewest u
 (waiting + running) requests; ties go to the replica using the fewest KV pages, then to the lowest
 index. A request stays on its replica until it finishes (preemption re-queues it there).
 
+`--max-num-seqs` and `--max-num-batched-tokens` hold per replica (each replica's step has its own
+rows and token budget); `--num-gpu-blocks-override` counts the pages of one arena shard.
+
 Metrics aggregate over replicas: running / waiting are sums, KV usage is the mean usage (all pools
 have the same size, so this is the share of all pages in use), prefix-cache queries/hits are
 sums. `audit()` checks every replica and that request ids are unique across replicas.
