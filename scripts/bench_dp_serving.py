@@ -1,7 +1,7 @@
 """Served throughput of data-parallel layouts vs one device, on simulated devices, in one run.
 
-    PYTHONPATH=. python scripts/bench_dp_serving.py [--out DIR (runs/bench_dp_serving)] [--requests 32] [--prompt-len 48]
-        [--max-tokens 16] [--layouts single,dp2_ep2,dp8_ep8,dp4_tp2_ep8,dp2_pcp2_tp2_dcp4_ep8]
+    PYTHONPATH=. python scripts/bench_dp_serving.py [--out DIR (runs/bench_dp_serving)] [--requests 32]
+        [--prompt-len 48] [--max-tokens 16] [--layouts single,dp2_ep2,dp8_ep8,dp4_tp2_ep8,dp2_pcp2_tp2_dcp4_ep8]
 
 The shipped tiny checkpoint (fp32) served by `LLMEngine.from_args` (one device) and by
 `serving.dp_engine.DataParallelEngine` (`--data-parallel-size N --enable-expert-parallel`, TP
@@ -53,7 +53,7 @@ def run_layout(name: str, prompts: list[list[int]], max_tokens: int) -> dict:
     per_replica = -(-len(prompts) // dp)
     engine = LLMEngine.from_args(EngineArgs(
         dtype="float32", max_model_len=len(prompts[0]) + max_tokens + 1, max_num_seqs=per_replica,
-        max_num_batched_tokens=max(64, per_replica), num_gpu_blocks_override=4 * per_replica + 2,  # pages per arena shard
+        max_num_batched_tokens=max(64, per_replica), num_gpu_blocks_override=4 * per_replica + 2,  # per shard
         compile_progress=False, disable_log_stats=True, parallel=par))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -88,7 +88,8 @@ def main() -> None:
     prompts = [rng.integers(4, 450, a.prompt_len).tolist() for _ in range(a.requests)]
     rows = [run_layout(n, prompts, a.max_tokens) for n in a.layouts.split(",")]
     ref = rows[0]["streams"]
-    print(f"{'layout':<24}{'steps':>6}{'tok/s':>9}{'step ms':>9}{'device ms':>11}{'host ms':>9}  streams = {rows[0]['layout']}")
+    print(f"{'layout':<24}{'steps':>6}{'tok/s':>9}{'step ms':>9}{'device ms':>11}{'host ms':>9}"
+          f"  streams = {rows[0]['layout']}")
     for r in rows:
         r["streams_equal"] = r.pop("streams") == ref
         print(f"{r['layout']:<24}{r['steps']:>6}{r['tokens_per_s']:>9.1f}{r['step_ms']:>9.2f}"
