@@ -34,8 +34,11 @@ EPS = 1e-4
 DP2_EP = ParallelConfig(data_parallel_size=2, enable_expert_parallel=True)
 
 
-def params() -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+def params(logprobs: int | None = None) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs)
+
+
+LOGPROBS = {"d": 3}  # d (replica 1 of DP2, 3 of DP4) also returns its top-3 logprobs (fp32: 1e-4)
 
 
 def build(parallel: ParallelConfig | None, num_blocks: int, **kw) -> LLMEngine:
@@ -44,10 +47,12 @@ def build(parallel: ParallelConfig | None, num_blocks: int, **kw) -> LLMEngine:
     return LLMEngine.from_args(EngineArgs(**{**args, **kw}))
 
 
-def drain(engine: LLMEngine, streams: dict[str, list[int]]) -> dict[str, list[int]]:
+def drain(engine: LLMEngine, streams: dict[str, list[int]], logprobs: dict | None = None) -> dict[str, list[int]]:
     while engine.has_unfinished_requests():
         for out in engine.step():
             streams.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if logprobs is not None and out.new_logprobs:
+                logprobs.setdefault(out.request_id, []).extend(out.new_logprobs)
     return streams
 
 
@@ -73,8 +78,11 @@ def single_device():
 @pytest.fixture(scope="module")
 def reference(single_device):
     for rid, p in PROMPTS.items():
-        single_device.add_request(rid, p, params())
-    return drain(single_device, {})
+        single_device.add_request(rid, p, params(LOGPROBS.get(rid)))
+    lps: dict = {}
+    streams = drain(single_device, {}, lps)
+    streams["logprobs"] = lps
+    return streams
 
 
 @pytest.fixture(scope="module")
@@ -85,11 +93,17 @@ def dp2():
     return engine
 
 
-def serve_all(engine: DataParallelEngine) -> tuple[dict, list[int]]:
+def serve_all(engine: DataParallelEngine, reference_logprobs: dict) -> tuple[dict, list[int]]:
     for rid, p in PROMPTS.items():
-        engine.add_request(rid, p, params())
+        engine.add_request(rid, p, params(LOGPROBS.get(rid)))
     placed = [engine.replica_of(rid).index for rid in PROMPTS]
-    streams = drain(engine, {})
+    lps: dict = {}
+    streams = drain(engine, {}, lps)
+    for rid, ref in reference_logprobs.items():  # sampled rows come back from the replica's own slice
+        got = lps[rid]
+        assert [x.token_id for x in got] == [x.token_id for x in ref]
+        assert [[t for t, _ in x.top] for x in got] == [[t for t, _ in x.top] for x in ref]
+        np.testing.assert_allclose([x.logprob for x in got], [x.logprob for x in ref], atol=1e-4)
     assert engine.audit() == []
     for rep in engine.replicas:
         assert rep.scheduler.audit() == [] and rep.pool.usage() == 0.0
@@ -97,7 +111,7 @@ def serve_all(engine: DataParallelEngine) -> tuple[dict, list[int]]:
 
 
 def test_dp2_ep_streams_equal_single_device(dp2, reference):
-    streams, placed = serve_all(dp2)
+    streams, placed = serve_all(dp2, reference["logprobs"])
     assert placed == [0, 1, 0, 1, 0, 1]  # least loaded: fewest unfinished requests, then lowest index
     check_streams(streams, reference, PROMPTS)
 
@@ -105,7 +119,7 @@ def test_dp2_ep_streams_equal_single_device(dp2, reference):
 def test_dp4_tp2_ep8_streams_equal_single_device(reference):
     cfg = ParallelConfig(data_parallel_size=4, tensor_parallel_size=2, enable_expert_parallel=True)
     engine = build(cfg, 5)
-    streams, placed = serve_all(engine)
+    streams, placed = serve_all(engine, reference["logprobs"])
     assert placed == [0, 1, 2, 3, 0, 1]
     check_streams(streams, reference, PROMPTS)
 
