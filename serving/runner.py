@@ -80,7 +80,7 @@ class ModelRunner:
         if parallel is None:
             self.kv_arena = layout.empty_arena(num_blocks)
         else:
-            bad = [b for b in self.buckets if b % (2 * parallel.pcp)]
+            bad = [b for b in self.buckets if parallel.pcp > 1 and b % (2 * parallel.pcp)]  # PCP splits 2·pcp chunks
             if bad:
                 raise ValueError(f"--prefill-context-parallel-size {parallel.pcp} needs every token bucket to be a "
                                  f"multiple of {2 * parallel.pcp}; {bad} are not (--max-num-batched-tokens)")
