@@ -231,8 +231,6 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.cuda_graph_sizes is not None and any(v < 1 for v in args.cuda_graph_sizes):
         raise ArgumentError(f"--cuda-graph-sizes must be >= 1, got {args.cuda_graph_sizes}")
     args.parallel = parallel_config(args)
-    if args.data_parallel_size != 1:
-        raise _not_yet(f"--data-parallel-size {args.data_parallel_size} in the server (the model step supports it)")
     if args.speculative_config is not None:
         raise _not_yet("--speculative-config")
     if args.kv_transfer_config is not None:

@@ -148,7 +148,9 @@ class LLMEngine:
 
     @classmethod
     def from_args(cls, args: EngineArgs, eos_token_ids=None) -> "LLMEngine":
-        """Load the checkpoint, size the KV arena, build the engine and compile its step buckets."""
+        """Load the checkpoint, size the KV arena, build the engine and compile its step buckets.
+        With `--data-parallel-size` > 1 the engine is a `serving.dp_engine.DataParallelEngine`
+        (the KV page count is per replica)."""
         from glm53.tiny_checkpoint import default_model_dir
         from glm53.tokenizer import eos_token_ids as read_eos
 
@@ -174,6 +176,10 @@ class LLMEngine:
                     weight_bytes / 2**20, nblocks, layout.page_bytes / 2**20,
                     {g.name: g.tokens_per_page for g in layout.groups})
         eos = tuple(eos_token_ids) if eos_token_ids is not None else read_eos(cfg, path)
+        if args.parallel is not None and args.parallel.data_parallel_size > 1:
+            from serving.dp_engine import DataParallelEngine  # N attention replicas, one step
+
+            cls = DataParallelEngine
         engine = cls(model, layout, nblocks, args, eos, path)
         logger.info("%s", engine_capacity_summary(layout, nblocks, args.max_model_len, args.max_num_seqs))
         if engine.prefix_cache is not None:
@@ -186,6 +192,11 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises ValueError for bad params or a prompt that cannot be served."""
+        self._validate(prompt_token_ids, params)
+        self.scheduler.add_request(Request(request_id, list(map(int, prompt_token_ids)), params))
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The engine-level checks of `add_request` (ValueError with the reason)."""
         params.validate()
         n = len(prompt_token_ids)
         if n == 0:
@@ -203,7 +214,6 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        self.scheduler.add_request(Request(request_id, list(map(int, prompt_token_ids)), params))
 
     def abort(self, request_id: str, finished_reason: str = "abort") -> RequestOutput | None:
         """Abort a waiting or running request (frees its pages); its final output, or None when

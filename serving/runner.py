@@ -30,7 +30,7 @@ from tqdm import tqdm
 from glm53.batch import ForwardBatch
 from glm53.kv_layout import KVCacheLayout
 from glm53.model import GlmForCausalLM
-from glm53.parallel_batch import empty_parallel_arena, pcp_reorder, shard_batch
+from glm53.parallel_batch import empty_parallel_arena, pcp_reorder, shard_batch, stack_replicas
 from kernels.paged import copy_pages
 from serving.kv_cache import KVCacheManager
 from serving.sampling import sample_with_logprobs
@@ -121,16 +121,14 @@ class ModelRunner:
         if parallel is None:
             self.kv_arena = layout.empty_arena(num_blocks)
         else:
-            if parallel.dp != 1:
-                raise ValueError("--data-parallel-size > 1: the engine runs one attention replica "
-                                 "(the model step supports DP through glm53.parallel_batch.stack_replicas)")
-            bad = [b for b in self.buckets if b % (2 * parallel.pcp)]
+            bad = [b for b in self.buckets if parallel.pcp > 1 and b % (2 * parallel.pcp)]  # PCP splits 2·pcp chunks
             if bad:
                 raise ValueError(f"--prefill-context-parallel-size {parallel.pcp} needs every token bucket to be a "
                                  f"multiple of {2 * parallel.pcp}; {bad} are not (--max-num-batched-tokens, "
                                  "--cuda-graph-sizes)")
             self.state = shard_params(self.state, parallel)
             self.kv_arena = empty_parallel_arena(layout, num_blocks, parallel)
+        self.dp = parallel.dp if parallel is not None else 1  # attention replicas (serving/dp_engine.py)
         self.seed = seed
         self.max_logprobs = max_logprobs
         self.last = StepStats()
@@ -141,7 +139,8 @@ class ModelRunner:
 
         # A step copies at most one page per group for each request it admits. Under a parallel
         # layout the arena holds one `num_blocks` shard per (replica, DCP rank), rows
-        # [s * num_blocks, (s + 1) * num_blocks); an engine page is copied in every shard.
+        # [s * num_blocks, (s + 1) * num_blocks) with s = replica * dcp + rank (replica-major);
+        # a replica's engine page is copied in each of its own DCP shards.
         self.num_blocks = num_blocks
         self.arena_shards = arena_shards(parallel) if parallel is not None else 1
         self.max_page_copies = max_num_seqs * len(layout.groups) * self.arena_shards
@@ -165,6 +164,8 @@ class ModelRunner:
             slot_mapping={g: np.full(T, -1, np.int32) for g in self.widths},
             block_tables={g: np.zeros((B, w), np.int32) for g, w in self.widths.items()},
             logits_indices_B=np.zeros(B, np.int32))
+        if self.dp > 1:  # one padding batch per replica, stacked (the step's global shapes)
+            batch, B = stack_replicas([batch] * self.dp, self.parallel.pcp), B * self.dp
         z = np.zeros(B, np.float32)
         copies = np.full((2, self.max_page_copies), -1, np.int32)
         return batch, (z, np.ones(B, np.float32), np.zeros(B, np.uint32), np.zeros(B, np.int32), np.bool_(False),
@@ -191,15 +192,25 @@ class ModelRunner:
         """Host batch → device arrays (PCP load-balanced token order and the mesh under a layout)."""
         if self.parallel is None:
             return jax.tree.map(jnp.asarray, batch)
+        if self.dp > 1:  # already stacked by `stack_replicas` (which reorders for PCP)
+            return shard_batch(batch, self.parallel)
         return shard_batch(pcp_reorder(batch, self.parallel.pcp), self.parallel)
 
     # ------------------------------------------------------------------ step
-    def prepare(self, sched: SchedulerOutput, kv: KVCacheManager):
-        """Host side: flat padded arrays for the scheduled requests."""
-        n_tok = sched.num_scheduled_tokens
-        T = next((b for b in self.buckets if b >= n_tok), None)
+    def bucket(self, num_tokens: int) -> int:
+        """The smallest token bucket holding `num_tokens`. Raises ValueError past the largest."""
+        T = next((b for b in self.buckets if b >= num_tokens), None)
         if T is None:
-            raise ValueError(f"step of {n_tok} tokens exceeds the largest bucket {self.buckets[-1]}")
+            raise ValueError(f"step of {num_tokens} tokens exceeds the largest bucket {self.buckets[-1]}")
+        return T
+
+    def prepare(self, sched: SchedulerOutput, kv: KVCacheManager, num_tokens: int | None = None,
+                replica: int = 0):
+        """Host side: flat padded arrays for the scheduled requests of one replica.
+
+        num_tokens: pad to this many tokens (default: the bucket of the step's token count).
+        replica: the DP replica (its page copies go to its own arena shards)."""
+        T = self.bucket(sched.num_scheduled_tokens) if num_tokens is None else num_tokens
         B = self.max_num_seqs + 1
         pad_row = B - 1
         ids = np.zeros(T, np.int32)
@@ -236,9 +247,10 @@ class ModelRunner:
         copies = np.full((2, self.max_page_copies), -1, np.int32)
         if sched.page_copies:
             pairs = np.asarray(sched.page_copies, np.int32).T  # [2, C] engine block ids
-            shard_base = np.arange(self.arena_shards, dtype=np.int32) * self.num_blocks
-            pairs = (pairs[:, None, :] + shard_base[None, :, None]).reshape(2, -1)
-            if pairs.shape[1] > self.max_page_copies:
+            per = self.arena_shards // self.dp  # a replica's DCP shards
+            shards = replica * per + np.arange(per, dtype=np.int32)
+            pairs = (pairs[:, None, :] + (shards * self.num_blocks)[None, :, None]).reshape(2, -1)
+            if pairs.shape[1] > self.max_page_copies // self.dp:
                 raise ValueError(f"{len(sched.page_copies)} page copies in one step, at most "
                                  f"{self.max_page_copies // self.arena_shards}")
             copies[:, : pairs.shape[1]] = pairs
@@ -262,14 +274,55 @@ class ModelRunner:
         t2 = time.perf_counter()
         self.last = StepStats(sched.num_scheduled_tokens, batch.input_ids_T.shape[0], t1 - t0, t2 - t1)
         self.last_logprobs = {}
+        return self._collect(sched, toks, tok_lp, top_ids, top_lp)
+
+    def _collect(self, sched: SchedulerOutput, toks, tok_lp, top_ids, top_lp, row0: int = 0) -> dict[str, list[int]]:
+        """Sampled tokens of `sched`'s requests from rows `row0 + i` of the step outputs (and
+        their `TokenLogprobs` into `last_logprobs`)."""
         sampled = {}
         for i, sr in enumerate(sched.scheduled):
             if not sr.sample:
                 continue
-            sampled[sr.request_id] = [int(toks[i])]
+            j = row0 + i
+            sampled[sr.request_id] = [int(toks[j])]
             n = sr.request.sampling_params.logprobs
             if n is not None:
                 self.last_logprobs[sr.request_id] = TokenLogprobs(
-                    int(toks[i]), float(tok_lp[i]),
-                    [(int(a), float(b)) for a, b in zip(top_ids[i, :n], top_lp[i, :n])])
+                    int(toks[j]), float(tok_lp[j]),
+                    [(int(a), float(b)) for a, b in zip(top_ids[j, :n], top_lp[j, :n])])
         return sampled
+
+    def execute_replicas(self, scheds: list[SchedulerOutput], kvs: list[KVCacheManager]) -> list[dict[str, list[int]]]:
+        """Data parallel: one step for all `dp` replicas (`scheds[r]` over `kvs[r]`, replica r).
+
+        Every replica is padded to the bucket of the largest replica's token count and to
+        `max_num_seqs + 1` rows; a replica with nothing scheduled runs padding rows only (slot −1,
+        the null row: nothing is written). The batches are stacked replica-major
+        (`glm53.parallel_batch.stack_replicas`), so replica r's tokens, rows and sampled tokens are
+        the r-th slices and its slots/block ids address its own arena shards. Page copies of all
+        replicas run first, each in its replica's shards. Returns the sampled tokens per replica;
+        `last_logprobs` holds those of every replica (request ids are unique across replicas).
+
+        Raises ValueError when `len(scheds) != dp` or a replica's step exceeds the largest bucket.
+        """
+        if len(scheds) != self.dp or len(kvs) != self.dp:
+            raise ValueError(f"{len(scheds)} replica schedules for {self.dp} replicas")
+        t0 = time.perf_counter()
+        T = self.bucket(max(s.num_scheduled_tokens for s in scheds))
+        parts = [self.prepare(s, kv, T, r) for r, (s, kv) in enumerate(zip(scheds, kvs))]
+        batch = stack_replicas([b for b, _ in parts], self.parallel.pcp)
+        cat = lambda k: np.concatenate([e[k] for _, e in parts])  # noqa: E731
+        want_lp = np.bool_(any(bool(e[4]) for _, e in parts))
+        copies = np.full((2, self.max_page_copies), -1, np.int32)
+        valid = np.concatenate([np.stack(e[5:7])[:, np.asarray(e[6]) >= 0] for _, e in parts], axis=1)
+        copies[:, : valid.shape[1]] = valid  # valid entries first (copy_pages stops at the first −1)
+        extra = (cat(0), cat(1), cat(2), cat(3), want_lp, *copies)
+        t1 = time.perf_counter()
+        out, self.kv_arena = self._step(self.state, self._place(batch), self.kv_arena, *map(jnp.asarray, extra))
+        toks, tok_lp, top_ids, top_lp = jax.device_get(out if want_lp else out[:1] + (None,) * 3)
+        t2 = time.perf_counter()
+        self.last = StepStats(sum(s.num_scheduled_tokens for s in scheds), batch.input_ids_T.shape[0],
+                              t1 - t0, t2 - t1)
+        self.last_logprobs = {}
+        B = self.max_num_seqs + 1
+        return [self._collect(s, toks, tok_lp, top_ids, top_lp, r * B) for r, s in enumerate(scheds)]

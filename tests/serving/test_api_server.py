@@ -606,7 +606,7 @@ def test_cli_defaults_and_json_flags():
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
         (["-dcp", "2"], "--decode-context-parallel-size"),  # no attention group of 2 devices
         (["--prefill-context-parallel-size", "0"], "--prefill-context-parallel-size"),
-        (["--data-parallel-size", "2"], "--data-parallel-size"),
+        (["--data-parallel-size", "0"], "--data-parallel-size"),
         (["-tp", "2", "-dcp", "2", "--dcp-kv-cache-interleave-size", "3"], "--dcp-kv-cache-interleave-size"),
         (["--num-gpu-blocks-override", "1"], "--num-gpu-blocks-override"),
         (["--max-logprobs", "-1"], "--max-logprobs"),

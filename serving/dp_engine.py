@@ -1,0 +1,222 @@
+"""Data-parallel serving: `--data-parallel-size N` attention replicas behind one engine.
+
+The reference decode engine's layout (DESIGN §7): N attention replicas (each its own requests,
+scheduler, block pool, KV block tables and prefix cache; attention runs on the replica's own
+devices over its own KV) with the routed experts split over every device (`--enable-expert-
+parallel`), optionally TP inside each replica (`dp × pcp × tp` devices in all).
+
+Each engine step asks every replica's scheduler for its step and runs ONE jitted step for all of
+them (`ModelRunner.execute_replicas`: the replicas' batches stacked replica-major, each padded to
+the bucket of the largest; a replica with no work runs padding rows that write nothing). Each
+replica's sampled rows go back to its own scheduler; the outputs are merged in replica order.
+
+The KV arena is `uint32[dp · dcp · num_blocks, page_words]`: replica r owns shards
+`r · dcp … r · dcp + dcp − 1` (its DCP ranks), each of `num_blocks` pages with block 0 the null
+block. Every replica's block pool numbers pages 1 … num_blocks − 1 inside its own shards, so a
+request's pages live only in its replica's shards.
+
+Placement policy (`assign`): a new request goes to the replica with the fewest unfinished
+(waiting + running) requests; ties go to the replica using the fewest KV pages, then to the lowest
+index. A request stays on its replica until it finishes (preemption re-queues it there).
+
+`--max-num-seqs` and `--max-num-batched-tokens` hold per replica (each replica's step has its own
+rows and token budget); `--num-gpu-blocks-override` counts the pages of one arena shard.
+
+Metrics aggregate over replicas: running / waiting are sums, KV usage is the mean usage (all pools
+have the same size, so this is the share of all pages in use), prefix-cache queries/hits are
+sums. `audit()` checks every replica and that request ids are unique across replicas.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from serving.block_pool import BlockPool
+from serving.engine import EngineArgs, LLMEngine
+from serving.kv_cache import KVCacheGroupSpec, KVCacheManager
+from serving.metrics import EngineGauges, LoggingStatLogger, StepRecord
+from serving.prefix_cache import PrefixCache
+from serving.request import Request
+from serving.runner import ModelRunner
+from serving.scheduler import Scheduler, SchedulerConfig
+from serving.types import RequestOutput, SamplingParams
+from sharding.mesh import ParallelLayout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineReplica:
+    """One attention replica's host-side state: its block pool (pages 0 … num_blocks − 1 of its
+    own arena shards), KV cache manager, optional prefix cache and scheduler."""
+
+    index: int
+    pool: BlockPool
+    kv: KVCacheManager
+    prefix_cache: PrefixCache | None
+    scheduler: Scheduler
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.scheduler.num_requests_running + self.scheduler.num_requests_waiting
+
+    def on_block_reuse(self, block: int, tag) -> None:
+        """The pool's reuse callback: route the tag to its owner (prefix cache, released pages)."""
+        if self.prefix_cache is not None and self.prefix_cache.on_block_reuse(block, tag):
+            return
+        self.kv.on_block_reuse(block, tag)
+
+
+class DataParallelEngine(LLMEngine):
+    """`LLMEngine` over `dp` attention replicas (see the module docstring). Built by
+    `LLMEngine.from_args` when `args.parallel.data_parallel_size > 1`; same public interface
+    (`add_request`, `abort`, `step`, `has_unfinished_requests`, `audit`, `gauges`).
+
+    Attributes: `replicas` (list of `EngineReplica`), `runner` (one `ModelRunner` for the mesh),
+    `prefix_cache` (replica 0's, for its hash unit; statistics sum over replicas).
+
+    Raises ValueError when the parallel config has data_parallel_size < 2.
+    """
+
+    def __init__(self, model, layout, num_blocks: int, args: EngineArgs, eos_token_ids, model_path: str):
+        par = args.parallel
+        if par is None or par.data_parallel_size < 2:
+            raise ValueError("DataParallelEngine needs --data-parallel-size >= 2")
+        self.args = args
+        self.model_path = model_path
+        self.config = model.cfg
+        self.layout = layout
+        self.parallel = ParallelLayout.create(par)
+        dcp = par.decode_context_parallel_size
+        # Under DCP an engine page spans tokens_per_page x dcp tokens (each rank stores its share).
+        groups = [KVCacheGroupSpec(g.name, g.tokens_per_page * dcp) for g in layout.groups]
+        caps = {g.name: math.ceil(args.max_model_len / s.tokens_per_page) for g, s in zip(layout.groups, groups)}
+        self.replicas: list[EngineReplica] = []
+        for r in range(par.data_parallel_size):
+            rep = EngineReplica(r, None, None, None, None)  # filled below (the pool's callback needs rep)
+            rep.pool = BlockPool(num_blocks, on_reuse=rep.on_block_reuse)
+            rep.kv = KVCacheManager(rep.pool, groups, caps)
+            rep.prefix_cache = PrefixCache(rep.kv) if args.enable_prefix_caching else None
+            rep.scheduler = Scheduler(
+                SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len),
+                rep.kv, eos_token_ids, rep.prefix_cache)
+            self.replicas.append(rep)
+        self.prefix_cache = self.replicas[0].prefix_cache
+        self.runner = ModelRunner(model, layout, num_blocks, max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=args.max_model_len, seed=args.seed,
+                                  max_logprobs=args.max_logprobs, parallel=self.parallel,
+                                  cuda_graph_sizes=args.cuda_graph_sizes)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.num_steps = 0
+        self.host_overhead_s = 0.0
+        reps = self.replicas
+        self.gauges = EngineGauges(lambda: sum(r.scheduler.num_requests_running for r in reps),
+                                   lambda: sum(r.scheduler.num_requests_waiting for r in reps),
+                                   lambda: sum(r.scheduler.kv_cache_usage for r in reps) / len(reps))
+        self.stat_loggers: list = []
+        if not args.disable_log_stats:
+            self.stat_loggers.append(LoggingStatLogger(self.gauges, args.log_stats_interval_s))
+        self._prefix_counts = (0, 0)
+        logger.info("data parallel: %d attention replicas x %d pages each (%s)", len(reps), num_blocks, par)
+
+    # ------------------------------------------------------------------ requests
+    def assign(self) -> EngineReplica:
+        """The replica a new request goes to: fewest unfinished requests, then fewest pages in
+        use, then lowest index."""
+        return min(self.replicas, key=lambda r: (r.num_unfinished, r.pool.usage(), r.index))
+
+    def replica_of(self, request_id: str) -> EngineReplica | None:
+        """The replica serving the live request `request_id`, or None."""
+        return next((r for r in self.replicas if r.scheduler.get_request(request_id) is not None), None)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Validate (as `LLMEngine.add_request`) and queue on the least-loaded replica.
+        Raises ValueError for bad params, a prompt that cannot be served or a duplicate id."""
+        self._validate(prompt_token_ids, params)
+        if self.replica_of(request_id) is not None:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        self.assign().scheduler.add_request(Request(request_id, list(map(int, prompt_token_ids)), params))
+
+    def abort(self, request_id: str, finished_reason: str = "abort") -> RequestOutput | None:
+        """Abort a waiting or running request on its replica (as `LLMEngine.abort`); the other
+        replicas are untouched."""
+        rep = self.replica_of(request_id)
+        if rep is None:
+            if finished_reason not in ("abort", "stop"):
+                raise ValueError(f"finished_reason must be 'abort' or 'stop', got {finished_reason!r}")
+            return None
+        req = rep.scheduler.get_request(request_id)
+        out = rep.scheduler.abort(request_id, finished_reason)
+        if out is not None:
+            rec = StepRecord(is_step=False)
+            rec.finished.append(self._finished_stats(req, time.monotonic()))
+            self._emit(rec)
+        return out
+
+    def has_unfinished_requests(self) -> bool:
+        return any(r.scheduler.has_unfinished_requests() for r in self.replicas)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule every replica, run one jitted step for all, apply each replica's tokens.
+        Returns the merged outputs (replica 0's first)."""
+        t0 = time.perf_counter()
+        preempted_before = sum(r.scheduler.num_preemptions_total for r in self.replicas)
+        scheds = [r.scheduler.schedule() for r in self.replicas]
+        if all(s.is_empty for s in scheds):
+            return []
+        sampled = self.runner.execute_replicas(scheds, [r.kv for r in self.replicas])
+        lps = self.runner.last_logprobs
+        outs: list[RequestOutput] = []
+        per_replica = []
+        for rep, sched, toks in zip(self.replicas, scheds, sampled):
+            o = rep.scheduler.update_from_output(sched, toks) if not sched.is_empty else []
+            for out in o:
+                lp = lps.get(out.request_id)
+                if lp is not None and out.new_token_ids:
+                    out.new_logprobs = [lp]
+            per_replica.append(o)
+            outs.extend(o)
+        st = self.runner.last
+        host = (time.perf_counter() - t0) - st.device_s
+        self.num_steps += 1
+        self.host_overhead_s += host
+        logger.debug("step %d: %d tokens over %d replicas (bucket %d each), host %.2f ms, device %.2f ms",
+                     self.num_steps, st.num_tokens, len(self.replicas), st.padded_tokens // len(self.replicas),
+                     1e3 * host, 1e3 * st.device_s)
+        if self.stat_loggers:
+            preempted = sum(r.scheduler.num_preemptions_total for r in self.replicas) - preempted_before
+            rec = StepRecord(num_preemptions=preempted, num_scheduled_tokens=st.num_tokens, host_s=host,
+                             device_s=st.device_s)
+            for sched, o in zip(scheds, per_replica):
+                self._timing(sched, o, rec)
+            self._emit(rec)
+        return outs
+
+    # ------------------------------------------------------------------ statistics
+    def _emit(self, rec: StepRecord) -> None:
+        if self.prefix_cache is not None:
+            q = sum(r.prefix_cache.queries for r in self.replicas)
+            h = sum(r.prefix_cache.hits for r in self.replicas)
+            rec.prefix_cache_queries, rec.prefix_cache_hits = q - self._prefix_counts[0], h - self._prefix_counts[1]
+            self._prefix_counts = (q, h)
+        for sl in self.stat_loggers:
+            try:
+                sl.record(rec)
+            except Exception:  # noqa: BLE001 - statistics must never stop the engine
+                logger.exception("stat logger %r failed", sl)
+
+    def audit(self) -> list[str]:
+        """Invariant violations of every replica (prefixed "replica r: ") and request ids live on
+        more than one replica (empty when sound)."""
+        problems = [f"replica {r.index}: {p}" for r in self.replicas for p in r.scheduler.audit()]
+        seen: dict[str, int] = {}
+        for r in self.replicas:
+            for rid in r.scheduler.requests:
+                if rid in seen:
+                    problems.append(f"request {rid!r} lives on replicas {seen[rid]} and {r.index}")
+                seen[rid] = r.index
+        return problems

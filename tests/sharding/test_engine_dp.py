@@ -1,0 +1,208 @@
+"""Data-parallel serving (`serving/dp_engine.py`): attention replicas with their own requests,
+schedulers and pools, one jitted step for all, experts split over every device.
+
+The shipped tiny checkpoint (4 heads, 8 experts) served by `LLMEngine.from_args` under DP2 + EP
+(experts 4 per device) and DP4 × TP2 + EP8 (1 expert per device, heads split in each replica),
+against the single-device engine's greedy streams for six concurrent requests of 20 … 100 tokens
+(chunked prefill at 16 tokens per step, so prefill chunks and decodes mix; one step bucket per
+engine keeps the compiles short). Equality rule as in
+test_engine_parallel.py: identical streams, except a divergence at a near-tie (single-device
+top-2 logit gap below 1e-4 at the first differing token).
+
+Isolation (DP2, 5 pages per replica: 4 usable, so the six requests also preempt): one step's
+writes land only in the pages of the replica serving the request; an abort on replica 0 and a
+preemption on replica 1 (two 60-token requests on 4 pages, one growing past 64 tokens) leave the
+other replica's requests serving the single-device streams.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from glm53 import api
+from serving.dp_engine import DataParallelEngine
+from serving.engine import EngineArgs, LLMEngine
+from serving.types import SamplingParams
+from sharding.mesh import ParallelConfig
+
+PROMPTS = {"a": list(range(5, 25)), "b": [(7 * i) % 300 + 4 for i in range(70)],
+           "c": [(13 * i) % 400 + 4 for i in range(100)], "d": [(11 * i) % 350 + 4 for i in range(40)],
+           "e": [(17 * i) % 450 + 4 for i in range(60)], "f": [(19 * i) % 420 + 4 for i in range(60)]}
+MAX_TOKENS = 6
+EPS = 1e-4
+DP2_EP = ParallelConfig(data_parallel_size=2, enable_expert_parallel=True)
+
+
+def params(logprobs: int | None = None) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs)
+
+
+LOGPROBS = {"d": 3}  # d (replica 1 of DP2, 3 of DP4) also returns its top-3 logprobs (fp32: 1e-4)
+
+
+def build(parallel: ParallelConfig | None, num_blocks: int, **kw) -> LLMEngine:
+    args = dict(dtype="float32", max_model_len=192, max_num_seqs=4, max_num_batched_tokens=16,
+                num_gpu_blocks_override=num_blocks, compile_progress=False, parallel=parallel,
+                cuda_graph_sizes=[])
+    return LLMEngine.from_args(EngineArgs(**{**args, **kw}))
+
+
+def drain(engine: LLMEngine, streams: dict[str, list[int]], logprobs: dict | None = None) -> dict[str, list[int]]:
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streams.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if logprobs is not None and out.new_logprobs:
+                logprobs.setdefault(out.request_id, []).extend(out.new_logprobs)
+    return streams
+
+
+def check_streams(got: dict[str, list[int]], ref: dict[str, list[int]], ids) -> None:
+    lm = None
+    for rid in ids:
+        assert len(got[rid]) == len(ref[rid]) == MAX_TOKENS, rid
+        if got[rid] == ref[rid]:
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(got[rid], ref[rid])) if a != b)
+        lm = lm or api.load()
+        row = api.forward(lm, PROMPTS[rid] + ref[rid][:i])[-1]
+        top2 = np.sort(row)[-2:]
+        print(f"\n{rid}: diverges at token {i} ({got[rid][i]} vs {ref[rid][i]}), top-2 gap {top2[1] - top2[0]:.2e}")
+        assert top2[1] - top2[0] < EPS
+
+
+@pytest.fixture(scope="module")
+def single_device():
+    return build(None, 24)
+
+
+@pytest.fixture(scope="module")
+def reference(single_device):
+    for rid, p in PROMPTS.items():
+        single_device.add_request(rid, p, params(LOGPROBS.get(rid)))
+    lps: dict = {}
+    streams = drain(single_device, {}, lps)
+    streams["logprobs"] = lps
+    return streams
+
+
+@pytest.fixture(scope="module")
+def dp2():
+    engine = build(DP2_EP, 5)
+    assert isinstance(engine, DataParallelEngine) and len(engine.replicas) == 2
+    assert engine.runner.kv_arena.shape[0] == 2 * 5  # one 5-page shard per replica
+    return engine
+
+
+def serve_all(engine: DataParallelEngine, reference_logprobs: dict) -> tuple[dict, list[int]]:
+    for rid, p in PROMPTS.items():
+        engine.add_request(rid, p, params(LOGPROBS.get(rid)))
+    placed = [engine.replica_of(rid).index for rid in PROMPTS]
+    lps: dict = {}
+    streams = drain(engine, {}, lps)
+    for rid, ref in reference_logprobs.items():  # sampled rows come back from the replica's own slice
+        got = lps[rid]
+        assert [x.token_id for x in got] == [x.token_id for x in ref]
+        assert [[t for t, _ in x.top] for x in got] == [[t for t, _ in x.top] for x in ref]
+        np.testing.assert_allclose([x.logprob for x in got], [x.logprob for x in ref], atol=1e-4)
+    assert engine.audit() == []
+    for rep in engine.replicas:
+        assert rep.scheduler.audit() == [] and rep.pool.usage() == 0.0
+    return streams, placed
+
+
+def test_dp2_ep_streams_equal_single_device(dp2, reference):
+    streams, placed = serve_all(dp2, reference["logprobs"])
+    assert placed == [0, 1, 0, 1, 0, 1]  # least loaded: fewest unfinished requests, then lowest index
+    check_streams(streams, reference, PROMPTS)
+
+
+def test_dp4_tp2_ep8_streams_equal_single_device(reference):
+    cfg = ParallelConfig(data_parallel_size=4, tensor_parallel_size=2, enable_expert_parallel=True)
+    engine = build(cfg, 5)
+    streams, placed = serve_all(engine, reference["logprobs"])
+    assert placed == [0, 1, 2, 3, 0, 1]
+    check_streams(streams, reference, PROMPTS)
+
+
+def test_dp2_isolation_abort_and_preemption(dp2, reference):
+    engine, nb = dp2, 5
+    preempted = [r.scheduler.num_preemptions_total for r in engine.replicas]
+    engine.add_request("d", PROMPTS["d"], params())  # replica 0 served a and c: its pages change
+    assert engine.replica_of("d").index == 0
+    before = np.asarray(engine.runner.kv_arena)
+    streams = {}
+    for out in engine.step():
+        streams.setdefault(out.request_id, []).extend(out.new_token_ids)
+    after = np.asarray(engine.runner.kv_arena)
+    changed = set(np.flatnonzero((before != after).any(axis=1)).tolist())
+    kv0 = engine.replicas[0].kv
+    pages_d = {b for g in ("mla", "indexer") for b in kv0.block_table("d", g)}
+    assert changed == pages_d  # rows 0 .. nb-1 are replica 0's shard: nothing else was written
+    assert all(r < nb for r in changed)
+
+    # e: replica 1 (fewer unfinished); f: tie on requests, replica 1 uses fewer pages. e and f hold
+    # 2 pages each of replica 1's 4; e's decode at position 64 needs a 5th: f is preempted.
+    engine.add_request("e", PROMPTS["e"], params())
+    engine.add_request("f", PROMPTS["f"], params())
+    assert [engine.replica_of(r).index for r in "ef"] == [1, 1]
+    with pytest.raises(ValueError, match="duplicate"):  # e lives on replica 1; replica 0 is the least loaded
+        engine.add_request("e", PROMPTS["e"], params())
+    g = engine.gauges  # sums over replicas; usage = mean: replica 0 holds 2 of its 4 usable pages
+    assert (g.num_requests_running(), g.num_requests_waiting(), g.kv_cache_usage()) == (1, 2, 0.25)
+    for _ in range(2):
+        for out in engine.step():
+            streams.setdefault(out.request_id, []).extend(out.new_token_ids)
+    aborted = engine.abort("d")
+    assert aborted is not None and aborted.finished and engine.replicas[0].pool.usage() == 0.0
+    assert engine.audit() == []
+    drain(engine, streams)
+    assert engine.replicas[0].scheduler.num_preemptions_total == preempted[0]
+    assert engine.replicas[1].scheduler.num_preemptions_total > preempted[1]
+    assert engine.audit() == [] and all(r.pool.usage() == 0.0 for r in engine.replicas)
+    assert 0 < len(streams["d"]) < MAX_TOKENS and streams["d"] == reference["d"][:len(streams["d"])]
+    check_streams(streams, reference, "ef")
+
+
+def test_dp2_tp2_dcp2_prefix_hit_copies_in_its_replica_shards(single_device, reference):
+    """DP2 × TP2 with DCP2 over TP (engine pages of 128 / 1536 tokens, hash unit 128) and prefix
+    caching: a request sharing 128 tokens with a running request on the same replica hits them;
+    the hit ends inside the running request's indexer page, so that page is copied on the device
+    (in the replica's own two DCP shards) before the step. The new request's stream equals the
+    single-device one; the other replica's cache is not queried."""
+    cfg = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, decode_context_parallel_size=2,
+                         enable_expert_parallel=True)
+    engine = build(cfg, 8, max_model_len=384, enable_prefix_caching=True)
+    assert engine.runner.kv_arena.shape[0] == 2 * 2 * 8 and engine.prefix_cache.unit == 128
+    rng = np.random.default_rng(3)
+    stem, filler = rng.integers(4, 450, 200).tolist(), rng.integers(4, 450, 300).tolist()
+    long_params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    engine.add_request("stem", stem, long_params)  # replica 0: 2 MLA pages + 1 indexer page
+    engine.add_request("filler", filler, long_params)  # replica 1: 3 MLA pages + 1 indexer page
+    rep0, rep1 = engine.replicas
+    while rep0.scheduler.get_request("stem").num_output_tokens == 0:
+        engine.step()
+    warm = stem[:128] + [7] * 8
+    copies, queries1 = engine.runner.num_page_copies, rep1.prefix_cache.queries
+    engine.add_request("warm", warm, params())
+    assert engine.replica_of("warm") is rep0  # tie on requests; replica 0 uses fewer pages
+    got = {}
+    while engine.replica_of("warm") is not None:
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert engine.runner.num_page_copies - copies == 1 and rep0.prefix_cache.hits == 128
+    assert rep1.prefix_cache.queries == queries1
+    for rid in ("stem", "filler"):
+        engine.abort(rid)
+    assert engine.audit() == []
+    single_device.add_request("warm", warm, params())
+    ref = drain(single_device, {})
+    assert got["warm"] == ref["warm"]
+
+
+def test_cli_accepts_data_parallel():
+    from serving.cli_args import make_arg_parser, validate_args
+
+    args = make_arg_parser().parse_args(["--data-parallel-size", "8", "--enable-expert-parallel"])
+    validate_args(args)
+    assert args.parallel == ParallelConfig(data_parallel_size=8, enable_expert_parallel=True)
