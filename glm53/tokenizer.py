@@ -105,6 +105,21 @@ def _normalize_tool_calls(messages: Sequence[Mapping[str, Any]]) -> list[dict[st
 # ---------------------------------------------------------------------- eos ids
 
 
+@functools.lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    """Inverse of the byte-level BPE alphabet (GPT-2's bytes_to_unicode): printable Latin-1
+    bytes stand for themselves, the other 68 bytes for code points 256, 257, … in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + n)] = b
+            n += 1
+    return table
+
+
 def _as_id_list(value: Any) -> list[int]:
     if value is None:
         return []
@@ -236,6 +251,22 @@ class GlmTokenizer:
         if t is None:
             raise KeyError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
         return t
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes token `token_id` stands for: the UTF-8 of an added token's content, else
+        its byte-level vocabulary string mapped back through the GPT-2 byte↔unicode table (so a
+        token holding part of a UTF-8 character gives that part, not U+FFFD).
+
+        Raises KeyError for an id outside the vocabulary.
+        """
+        piece = self.id_to_token(token_id)
+        if piece in self._added:
+            return piece.encode("utf-8")
+        table = _unicode_to_byte()
+        try:
+            return bytes(table[c] for c in piece)
+        except KeyError:  # not a byte-level piece: fall back to its text
+            return piece.encode("utf-8")
 
     @property
     def added_tokens(self) -> dict[str, int]:

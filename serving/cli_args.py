@@ -235,7 +235,24 @@ def validate_args(args: argparse.Namespace) -> None:
         raise _not_yet("--speculative-config")
     if args.kv_transfer_config is not None:
         raise _not_yet("--kv-transfer-config")
+    _check_attention_config(args.attention_config)
     _check_output_parsers(args)
+
+
+def _check_attention_config(config: dict | None) -> None:
+    """`--attention-config`: `sparse_mla_force_mqa: true` is what this build always does (prompts
+    no longer than index_topk stay on the sparse MLA op; there is no dense-MHA prefill path), so it
+    is accepted; `false`, `hisparse_config` and unknown keys are refused naming the key."""
+    for key, value in (config or {}).items():
+        if key == "sparse_mla_force_mqa":
+            if value is not True:
+                raise _not_yet(f"--attention-config sparse_mla_force_mqa={json.dumps(value)} "
+                               "(only true: short prompts always take the sparse MLA path)")
+        elif key == "hisparse_config":
+            raise _not_yet("--attention-config hisparse_config")
+        else:
+            raise ArgumentError(f"--attention-config: unknown key {key!r} "
+                                "(known: sparse_mla_force_mqa, hisparse_config)")
 
 
 def _check_output_parsers(args: argparse.Namespace) -> None:

@@ -2,7 +2,8 @@
 
 Token strings are the tokenizer's text for the single token (special tokens kept); a byte-level
 token that is only part of a UTF-8 character decodes to U+FFFD, so chat entries also carry the
-token text's UTF-8 `bytes`, as OpenAI's do.
+token's raw `bytes` (`GlmTokenizer.token_bytes`), as OpenAI's do: joined in order they give the
+UTF-8 of the text.
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ def chat_logprobs(tokenizer: Any, lps: list[TokenLogprobs], top_n: int) -> ChatC
     """`choices[i].logprobs` of a chat completion: one `content` entry per token, each with its
     `top_n` most likely alternatives."""
 
+    raw = getattr(tokenizer, "token_bytes", None)
+
     def entry(tid: int, lp: float) -> ChatTokenLogprob:
         text = token_text(tokenizer, tid)
-        return ChatTokenLogprob(token=text, logprob=lp, bytes=list(text.encode("utf-8")))
+        data = raw(tid) if raw is not None else text.encode("utf-8")
+        return ChatTokenLogprob(token=text, logprob=lp, bytes=list(data))
 
     content = []
     for t in lps:

@@ -133,3 +133,15 @@ def test_flush_emits_incomplete_tail(tok):
     det = tok.incremental_detokenizer()
     assert det.add(ids[:-1]) == ""
     assert det.flush() == tok.decode(ids[:-1])
+
+
+@pytest.mark.parametrize("text", ["héllo wörld 你好 🙂", "<|user|>x<think>y</think>"])
+def test_token_bytes_join_to_the_utf8_text(tok, text):
+    """Raw token bytes (logprobs `bytes`) concatenate to the text's UTF-8, including tokens that
+    hold only part of a multi-byte character (whose own decode is U+FFFD)."""
+    ids = tok.encode(text)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+    partial = [i for i in ids if tok.decode([i]) == "\ufffd"]
+    assert bool(partial) == (not text.isascii()), "precondition: only the non-ASCII text splits characters"
+    for i in partial:
+        assert tok.token_bytes(i) != "\ufffd".encode("utf-8")

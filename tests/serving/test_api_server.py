@@ -583,7 +583,7 @@ def test_cli_defaults_and_json_flags():
     from serving.cli_args import make_arg_parser, validate_args
 
     args = make_arg_parser().parse_args(
-        ["--attention-config", '{"hisparse_config": {"host_pool_gib": 8}}', "--port", "9000"]
+        ["--attention-config", '{"sparse_mla_force_mqa": true}', "--port", "9000"]
     )
     validate_args(args)
     assert (args.host, args.port, args.model, args.gpu_memory_utilization) == (
@@ -592,7 +592,7 @@ def test_cli_defaults_and_json_flags():
         None,
         0.9,
     )
-    assert args.attention_config == {"hisparse_config": {"host_pool_gib": 8}}
+    assert args.attention_config == {"sparse_mla_force_mqa": True}
     args = make_arg_parser().parse_args(
         ["--enable-auto-tool-choice", "--tool-call-parser", "glm47", "--reasoning-parser", "glm45"]
     )
@@ -616,6 +616,9 @@ def test_cli_defaults_and_json_flags():
         (["--tool-call-parser", "hermes"], "--tool-call-parser"),
         (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser"),
         (["--attention-config", "{not json"], "--attention-config"),
+        (["--attention-config", '{"hisparse_config": {"host_pool_gib": 8}}'], "--attention-config hisparse_config"),
+        (["--attention-config", '{"sparse_mla_force_mqa": false}'], "--attention-config sparse_mla_force_mqa"),
+        (["--attention-config", '{"sparse_mla": 1}'], "--attention-config: unknown key"),
         (["--speculative-config", "[1]"], "--speculative-config"),
         (["--max-model-len", "0"], "--max-model-len"),
     ],
