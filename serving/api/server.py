@@ -47,6 +47,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import secrets
 import time
 import uuid
@@ -169,12 +170,18 @@ def _validation_error(e: ValidationError | RequestValidationError) -> APIError:
     return _bad_request("Invalid request: " + "; ".join(parts), param)
 
 
-def _encode(tokenizer: Any, text: str, param: str) -> list[int]:
-    """Tokenise request text; text that is not valid Unicode (a lone UTF-16 surrogate) is a 400."""
+def _check_unicode(text: str, param: str) -> None:
+    """400 naming `param` when `text` is not valid Unicode (a lone UTF-16 surrogate, which JSON
+    `\\ud800` escapes can carry)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise _bad_request(f"The text is not valid Unicode: {e.reason} at index {e.start}.", param) from None
+
+
+def _encode(tokenizer: Any, text: str, param: str) -> list[int]:
+    """Tokenise request text; text that is not valid Unicode (a lone UTF-16 surrogate) is a 400."""
+    _check_unicode(text, param)
     return list(tokenizer.encode(text))
 
 
@@ -193,6 +200,8 @@ def _reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if any(not s for s in stops):
         raise _bad_request("stop strings must be non-empty.", "stop")
+    for s in stops:
+        _check_unicode(s, "stop")
     if body.stream_options is not None and not body.stream:
         raise _bad_request("stream_options can only be set when stream=true.", "stream_options")
     checks: list[tuple[str, bool]] = [
@@ -252,17 +261,24 @@ def _resolve_max_tokens(
 
 
 def _sampling_params(
-    body: ChatCompletionRequest | CompletionRequest, max_tokens: int
+    body: ChatCompletionRequest | CompletionRequest, max_tokens: int, max_logprobs: int | None = None
 ) -> SamplingParams:
-    """The engine's `SamplingParams` of a request body (choice 0; see `_choice_params`)."""
-    if body.temperature is not None and body.temperature < 0:
-        raise _bad_request(f"temperature must be >= 0, got {body.temperature}.", "temperature")
+    """The engine's `SamplingParams` of a request body (choice 0; see `_choice_params`).
+
+    max_logprobs: the engine's `--max-logprobs` when it exposes one; more alternatives than that
+    is a 400 naming the request's own field (`top_logprobs` for chat, `logprobs` for completions).
+    """
+    if body.temperature is not None and not 0 <= body.temperature < math.inf:  # NaN fails too
+        raise _bad_request(f"temperature must be a finite number >= 0, got {body.temperature}.", "temperature")
     if body.top_p is not None and not 0.0 < body.top_p <= 1.0:
         raise _bad_request(f"top_p must be in (0, 1], got {body.top_p}.", "top_p")
     if isinstance(body, ChatCompletionRequest):
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
         logprobs = body.logprobs
+    if max_logprobs is not None and logprobs is not None and logprobs > max_logprobs:
+        name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+        raise _bad_request(f"{name} must be at most {max_logprobs} (--max-logprobs), got {logprobs}.", name)
     params = SamplingParams(
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),
@@ -483,7 +499,8 @@ def build_app(
 ) -> FastAPI:
     """Build the OpenAI-compatible FastAPI app over `engine`.
 
-    engine: an `EngineClient` (generate / abort / is_healthy, `model_name`, `max_model_len`).
+    engine: an `EngineClient` (generate / abort / is_healthy, `model_name`, `max_model_len`; an
+        optional `max_logprobs` attribute makes the server refuse larger `logprobs` requests itself).
     tokenizer: provides `encode`, `decode`, `apply_chat_template` (see the module docstring).
     served_model_name: the only accepted value of a request's `model` (an absent `model` means
         this one); listed by `/v1/models`.
@@ -734,7 +751,7 @@ def build_app(
         max_tokens = _resolve_max_tokens(
             requested, param, len(prompt_ids), engine.max_model_len, "messages"
         )
-        params = _sampling_params(body, max_tokens)
+        params = _sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None))
         top_n = body.top_logprobs or 0
 
         def logprobs_of(lps) -> ChatChoiceLogprobs | None:
@@ -829,7 +846,7 @@ def build_app(
         max_tokens = _resolve_max_tokens(
             body.max_tokens, "max_tokens", len(prompt_ids), engine.max_model_len, "prompt"
         )
-        params = _sampling_params(body, max_tokens)
+        params = _sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None))
         top_n = body.logprobs or 0
 
         rid = f"cmpl-{uuid.uuid4().hex}"

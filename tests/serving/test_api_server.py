@@ -42,6 +42,7 @@ class FakeEngine:
 
     def __init__(self, tokenizer) -> None:
         self.max_model_len = MAX_MODEL_LEN
+        self.max_logprobs = 20
         self.tokenizer = tokenizer
         self.eos = tokenizer.eos_token_id
         self.reply_ids = tokenizer.encode(REPLY)
@@ -406,6 +407,7 @@ def _chat(**fields) -> dict:
         ({"model": MODEL, "messages": [{"role": "user", "content": [_IMAGE_PART]}]}, "messages"),
         ({"model": MODEL}, "messages"),
         ({"model": MODEL, "messages": _user("Hi"), "seed": 2**70}, "seed"),
+        (_chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     ],
 )
 def test_chat_400(http, body, param):
@@ -428,6 +430,24 @@ def test_chat_400(http, body, param):
 )
 def test_completions_400(http, body, param):
     _assert_error(http.post("/v1/completions", json=body), 400, param)
+
+
+@pytest.mark.parametrize(
+    "path, raw, param",
+    [
+        # A lone surrogate in a stop string used to be accepted (it can never match).
+        ("/v1/completions", b'{"prompt": "x", "stop": ["ok", "\\ud800"]}', "stop"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stop": "\\udc00", "stream": true}',
+         "stop"),
+        ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', "temperature"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "temperature": Infinity}',
+         "temperature"),
+        ("/v1/completions", b'{"prompt": "x", "logprobs": 21}', "logprobs"),
+    ],
+)
+def test_raw_body_400_names_the_field(http, path, raw, param):
+    resp = http.post(path, content=raw, headers={"Content-Type": "application/json"})
+    _assert_error(resp, 400, param)
 
 
 def test_malformed_json_400(http):
