@@ -179,10 +179,12 @@ def _check_unicode(text: str, param: str) -> None:
         raise _bad_request(f"The text is not valid Unicode: {e.reason} at index {e.start}.", param) from None
 
 
-def _encode(tokenizer: Any, text: str, param: str) -> list[int]:
-    """Tokenise request text; text that is not valid Unicode (a lone UTF-16 surrogate) is a 400."""
+async def _encode(tokenizer: Any, text: str, param: str) -> list[int]:
+    """Tokenise request text in a worker thread (a prompt of many megabytes takes seconds to
+    tokenise, and the event loop must keep serving the other requests meanwhile); text that is not
+    valid Unicode (a lone UTF-16 surrogate) is a 400."""
     _check_unicode(text, param)
-    return list(tokenizer.encode(text))
+    return list(await anyio.to_thread.run_sync(tokenizer.encode, text))
 
 
 def _is_set(value: Any, default: Any) -> bool:
@@ -737,12 +739,14 @@ def build_app(
             kwargs["tool_choice"] = body.tool_choice
         messages = _template_messages(body)
         try:
-            prompt = tokenizer.apply_chat_template(
-                messages, tools=prepared.tools, add_generation_prompt=True, **kwargs
+            prompt = await anyio.to_thread.run_sync(  # off the event loop, as `_encode`
+                lambda: tokenizer.apply_chat_template(
+                    messages, tools=prepared.tools, add_generation_prompt=True, **kwargs
+                )
             )
         except Exception as e:  # noqa: BLE001 - template errors come from the request's content
             raise _bad_request(f"Could not render the chat template: {e}", "messages") from None
-        prompt_ids = _encode(tokenizer, prompt, "messages")
+        prompt_ids = await _encode(tokenizer, prompt, "messages")
 
         if body.max_completion_tokens is not None:
             requested, param = body.max_completion_tokens, "max_completion_tokens"
@@ -839,7 +843,7 @@ def build_app(
                     "Batched prompts are not supported yet; send one prompt per request.", "prompt"
                 )
             prompt = prompt[0]
-        prompt_ids = _encode(tokenizer, prompt, "prompt") if isinstance(prompt, str) else list(prompt)
+        prompt_ids = await _encode(tokenizer, prompt, "prompt") if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise _bad_request("The prompt must not be empty.", "prompt")
 

@@ -596,6 +596,47 @@ def test_extra_routes_hook_and_no_api_key(tiny_tokenizer):
         _assert_error(tc.get("/no/such/route"), 404)
 
 
+class _BlockingTokenizer:
+    """The tiny tokenizer, except that encoding text containing "BLOCK" waits for `release`
+    (standing in for a prompt of many megabytes, which takes seconds to tokenise)."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def encode(self, text: str):
+        if "BLOCK" in text:
+            self.entered.set()
+            self.release.wait(timeout=20)
+        return self._tok.encode(text)
+
+
+def test_tokenising_a_prompt_does_not_block_other_requests(tiny_tokenizer):
+    # Tokenisation used to run on the event loop: one huge prompt froze every other request
+    # (and /health) until it was tokenised.
+    tok = _BlockingTokenizer(tiny_tokenizer)
+    app = build_app(FakeEngine(tiny_tokenizer), tok, MODEL)
+    with live_server(app) as url, httpx.Client(base_url=url, timeout=10) as c:
+        result = {}
+        t = threading.Thread(target=lambda: result.update(
+            r=c.post("/v1/completions", json={"prompt": "BLOCK", "max_tokens": 3})))
+        t.start()
+        assert tok.entered.wait(timeout=10)
+        try:
+            assert c.get("/health").status_code == 200  # answered while the prompt is tokenised
+            r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+            assert "r" not in result  # the blocked request is still being tokenised
+        finally:
+            tok.release.set()
+            t.join(timeout=10)
+        assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 3
+
+
 # ------------------------------------------------------------------------------------ CLI flags
 
 
