@@ -22,6 +22,7 @@ HTTP status:
   `max_tokens`), chat-template errors, `tools` / `tool_choice` / `reasoning_effort` values the
   output parsing cannot honour (`serving.api.chat_output`), and any ValueError raised by the
   engine (e.g. more logprobs than `--max-logprobs`).
+* 413 `RequestTooLargeError`: a body over `max_body_bytes` (refused before it is read whole).
 * 401 `AuthenticationError`: `/v1/*` without `Authorization: Bearer <api_key>` when a key is set.
 * 404 `NotFoundError`: a `model` other than the served model name; unknown paths.
 * 500 `InternalServerError`: any other exception from the engine (logged; the server keeps
@@ -137,9 +138,33 @@ _warned_extra_fields: set[str] = set()
 # ------------------------------------------------------------------------------- request parsing
 
 
-async def _parse_body(request: Request, model_cls: type[BaseModel]) -> Any:
-    """Read the JSON body and validate it into `model_cls`; 400 on any failure."""
-    raw = await request.body()
+def default_max_body_bytes(max_model_len: int) -> int:
+    """The largest request body the server reads: 256 bytes per token of context, at least
+    16 MiB (a prompt of `max_model_len` tokens is far smaller, even as JSON `\\uXXXX` escapes or
+    a token-id list; a client that sends more is refused before the body fills the memory)."""
+    return max(16 << 20, 256 * max_model_len)
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, or 413 as soon as it is known to exceed `max_bytes` (from its
+    Content-Length, else while it streams in)."""
+    too_large = APIError(413, f"The request body exceeds the limit of {max_bytes} bytes.")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > max_bytes:
+        raise too_large
+    parts, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > max_bytes:
+            raise too_large
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def _parse_body(request: Request, model_cls: type[BaseModel], max_bytes: int) -> Any:
+    """Read the JSON body (413 beyond `max_bytes`) and validate it into `model_cls`; 400 on any
+    other failure."""
+    raw = await _read_body(request, max_bytes)
     try:
         obj = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -498,6 +523,7 @@ def build_app(
     api_key: str | None = None,
     extra_routes: Callable[[FastAPI], None] | None = None,
     chat_parsing: ChatParsing | None = None,
+    max_body_bytes: int | None = None,
 ) -> FastAPI:
     """Build the OpenAI-compatible FastAPI app over `engine`.
 
@@ -511,8 +537,11 @@ def build_app(
         `/metrics`; those are outside `/v1` and so not behind the API key.
     chat_parsing: reasoning / tool-call parsing of chat outputs (`serving.api.chat_output`);
         default none (the text is returned as content).
+    max_body_bytes: larger request bodies get a 413 (default `default_max_body_bytes`).
     """
     chat_parsing = chat_parsing or ChatParsing()
+    if max_body_bytes is None:
+        max_body_bytes = default_max_body_bytes(engine.max_model_len)
     app = FastAPI(title="GLM-5.3 OpenAI-compatible server", docs_url=None, redoc_url=None)
     app.state.engine = engine
     app.state.tokenizer = tokenizer
@@ -720,7 +749,7 @@ def build_app(
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         """OpenAI chat completions, streaming (SSE) or not, with `n` choices."""
-        body: ChatCompletionRequest = await _parse_body(request, ChatCompletionRequest)
+        body: ChatCompletionRequest = await _parse_body(request, ChatCompletionRequest, max_body_bytes)
         _check_model(body.model)
         _reject_unsupported(body)
         for name in ("max_completion_tokens", "max_tokens"):
@@ -828,7 +857,7 @@ def build_app(
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
         """OpenAI (legacy) completions with a string or token-id prompt, streaming or not."""
-        body: CompletionRequest = await _parse_body(request, CompletionRequest)
+        body: CompletionRequest = await _parse_body(request, CompletionRequest, max_body_bytes)
         _check_model(body.model)
         _reject_unsupported(body)
         if body.max_tokens is not None and body.max_tokens < 1:

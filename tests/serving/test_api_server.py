@@ -637,6 +637,33 @@ def test_tokenising_a_prompt_does_not_block_other_requests(tiny_tokenizer):
         assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 3
 
 
+def test_oversized_body_413_and_still_serving(tiny_tokenizer):
+    # Bodies used to be read whole whatever their size (a 50 MB prompt was read, parsed and
+    # tokenised before the length check refused it).
+    from fastapi.testclient import TestClient
+
+    app = build_app(FakeEngine(tiny_tokenizer), tiny_tokenizer, MODEL, max_body_bytes=2000)
+    big = json.dumps({"prompt": "x" * 3000, "max_tokens": 2}).encode()
+    with TestClient(app) as tc:
+        hdr = {"Content-Type": "application/json"}
+        _assert_error(tc.post("/v1/completions", content=big, headers=hdr), 413)
+        chunks = (big[i:i + 500] for i in range(0, len(big), 500))  # no Content-Length: chunked
+        _assert_error(tc.post("/v1/chat/completions", content=chunks, headers=hdr), 413)
+        r = tc.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "user": "y" * 1500})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_default_body_limit_admits_a_full_context_prompt():
+    from serving.api.server import default_max_body_bytes
+
+    for max_model_len in (256, 4096, 202_752):
+        # Worst case of a legitimate prompt: every token a non-BMP character sent as a JSON
+        # surrogate-pair escape (12 bytes), or a token-id list (up to 7 bytes per id).
+        escaped = json.dumps({"prompt": "\U0001f642" * max_model_len}, ensure_ascii=True)
+        ids = json.dumps({"prompt": [999_999] * max_model_len})
+        assert max(len(escaped), len(ids)) < default_max_body_bytes(max_model_len)
+
+
 # ------------------------------------------------------------------------------------ CLI flags
 
 
