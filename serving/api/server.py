@@ -218,6 +218,10 @@ def _is_set(value: Any, default: Any) -> bool:
 
 MAX_N = 128  # most choices one request may ask for
 
+# Arguments of `apply_chat_template` that `chat_template_kwargs` must not carry: the server's own,
+# and `chat_template`, which would let a client render a template of its choosing.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "chat_template"})
+
 
 def _reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
     """Refuse parameters whose non-default values this build cannot honour (never drop them),
@@ -762,6 +766,14 @@ def build_app(
         except ChatRequestError as e:
             raise _bad_request(str(e), e.param) from None
         kwargs: dict[str, Any] = dict(body.chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise _bad_request(
+                f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets "
+                "messages, tools and add_generation_prompt; a request cannot replace the chat "
+                "template).",
+                "chat_template_kwargs",
+            )
         if body.reasoning_effort is not None:
             kwargs["reasoning_effort"] = body.reasoning_effort
         if body.tool_choice is not None:

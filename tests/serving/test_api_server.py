@@ -408,6 +408,9 @@ def _chat(**fields) -> dict:
         ({"model": MODEL}, "messages"),
         ({"model": MODEL, "messages": _user("Hi"), "seed": 2**70}, "seed"),
         (_chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+        # These used to reach the template call: a Python TypeError text, or a client's template.
+        (_chat(chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs"),
+        (_chat(chat_template_kwargs={"chat_template": "{{ 7 * 6 }}"}), "chat_template_kwargs"),
     ],
 )
 def test_chat_400(http, body, param):
