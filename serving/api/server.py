@@ -22,9 +22,9 @@ HTTP status:
   `max_tokens`), chat-template errors, `tools` / `tool_choice` / `reasoning_effort` values the
   output parsing cannot honour (`serving.api.chat_output`), and any ValueError raised by the
   engine (e.g. more logprobs than `--max-logprobs`).
-* 413 `RequestTooLargeError`: a body over `max_body_bytes` (refused before it is read whole).
 * 401 `AuthenticationError`: `/v1/*` without `Authorization: Bearer <api_key>` when a key is set.
 * 404 `NotFoundError`: a `model` other than the served model name; unknown paths.
+* 413 `RequestTooLargeError`: a body over `max_body_bytes` (refused before it is read whole).
 * 500 `InternalServerError`: any other exception from the engine (logged; the server keeps
   serving). Once a stream has started, an error is sent as a `data: {"error": ...}` event followed
   by `data: [DONE]`.
