@@ -321,8 +321,12 @@ class GlmTokenizer:
 
     # ------------------------------------------------------------------ encode / decode
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; no special tokens are added (those written in the text are kept)."""
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        """Token ids of `text`; no special tokens are added (those written in the text are kept).
+
+        Goes through the backend's batch call, which releases the GIL while it tokenises (its
+        single-text `encode` holds it), so a long prompt tokenised in a worker thread does not
+        stall the server's event loop; the ids are the same."""
+        return list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """`encode` for many texts (parallel in the Rust backend)."""

@@ -26,6 +26,7 @@ class AsyncEngine:
         self.engine = engine
         self.model_name = model_name
         self.max_model_len = engine.args.max_model_len
+        self.max_logprobs = engine.args.max_logprobs  # the server checks requests against it
         self._cv = threading.Condition()
         self._inbox: list[tuple] = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

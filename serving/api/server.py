@@ -24,6 +24,7 @@ HTTP status:
   engine (e.g. more logprobs than `--max-logprobs`).
 * 401 `AuthenticationError`: `/v1/*` without `Authorization: Bearer <api_key>` when a key is set.
 * 404 `NotFoundError`: a `model` other than the served model name; unknown paths.
+* 413 `RequestTooLargeError`: a body over `max_body_bytes` (refused before it is read whole).
 * 500 `InternalServerError`: any other exception from the engine (logged; the server keeps
   serving). Once a stream has started, an error is sent as a `data: {"error": ...}` event followed
   by `data: [DONE]`.
@@ -47,6 +48,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import secrets
 import time
 import uuid
@@ -136,9 +138,33 @@ _warned_extra_fields: set[str] = set()
 # ------------------------------------------------------------------------------- request parsing
 
 
-async def _parse_body(request: Request, model_cls: type[BaseModel]) -> Any:
-    """Read the JSON body and validate it into `model_cls`; 400 on any failure."""
-    raw = await request.body()
+def default_max_body_bytes(max_model_len: int) -> int:
+    """The largest request body the server reads: 256 bytes per token of context, at least
+    16 MiB (a prompt of `max_model_len` tokens is far smaller, even as JSON `\\uXXXX` escapes or
+    a token-id list; a client that sends more is refused before the body fills the memory)."""
+    return max(16 << 20, 256 * max_model_len)
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, or 413 as soon as it is known to exceed `max_bytes` (from its
+    Content-Length, else while it streams in)."""
+    too_large = APIError(413, f"The request body exceeds the limit of {max_bytes} bytes.")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > max_bytes:
+        raise too_large
+    parts, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > max_bytes:
+            raise too_large
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def _parse_body(request: Request, model_cls: type[BaseModel], max_bytes: int) -> Any:
+    """Read the JSON body (413 beyond `max_bytes`) and validate it into `model_cls`; 400 on any
+    other failure."""
+    raw = await _read_body(request, max_bytes)
     try:
         obj = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -169,13 +195,21 @@ def _validation_error(e: ValidationError | RequestValidationError) -> APIError:
     return _bad_request("Invalid request: " + "; ".join(parts), param)
 
 
-def _encode(tokenizer: Any, text: str, param: str) -> list[int]:
-    """Tokenise request text; text that is not valid Unicode (a lone UTF-16 surrogate) is a 400."""
+def _check_unicode(text: str, param: str) -> None:
+    """400 naming `param` when `text` is not valid Unicode (a lone UTF-16 surrogate, which JSON
+    `\\ud800` escapes can carry)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise _bad_request(f"The text is not valid Unicode: {e.reason} at index {e.start}.", param) from None
-    return list(tokenizer.encode(text))
+
+
+async def _encode(tokenizer: Any, text: str, param: str) -> list[int]:
+    """Tokenise request text in a worker thread (a prompt of many megabytes takes seconds to
+    tokenise, and the event loop must keep serving the other requests meanwhile); text that is not
+    valid Unicode (a lone UTF-16 surrogate) is a 400."""
+    _check_unicode(text, param)
+    return list(await anyio.to_thread.run_sync(tokenizer.encode, text))
 
 
 def _is_set(value: Any, default: Any) -> bool:
@@ -183,6 +217,10 @@ def _is_set(value: Any, default: Any) -> bool:
 
 
 MAX_N = 128  # most choices one request may ask for
+
+# Arguments of `apply_chat_template` that `chat_template_kwargs` must not carry: the server's own,
+# and `chat_template`, which would let a client render a template of its choosing.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "chat_template"})
 
 
 def _reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -193,6 +231,8 @@ def _reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if any(not s for s in stops):
         raise _bad_request("stop strings must be non-empty.", "stop")
+    for s in stops:
+        _check_unicode(s, "stop")
     if body.stream_options is not None and not body.stream:
         raise _bad_request("stream_options can only be set when stream=true.", "stream_options")
     checks: list[tuple[str, bool]] = [
@@ -252,17 +292,24 @@ def _resolve_max_tokens(
 
 
 def _sampling_params(
-    body: ChatCompletionRequest | CompletionRequest, max_tokens: int
+    body: ChatCompletionRequest | CompletionRequest, max_tokens: int, max_logprobs: int | None = None
 ) -> SamplingParams:
-    """The engine's `SamplingParams` of a request body (choice 0; see `_choice_params`)."""
-    if body.temperature is not None and body.temperature < 0:
-        raise _bad_request(f"temperature must be >= 0, got {body.temperature}.", "temperature")
+    """The engine's `SamplingParams` of a request body (choice 0; see `_choice_params`).
+
+    max_logprobs: the engine's `--max-logprobs` when it exposes one; more alternatives than that
+    is a 400 naming the request's own field (`top_logprobs` for chat, `logprobs` for completions).
+    """
+    if body.temperature is not None and not 0 <= body.temperature < math.inf:  # NaN fails too
+        raise _bad_request(f"temperature must be a finite number >= 0, got {body.temperature}.", "temperature")
     if body.top_p is not None and not 0.0 < body.top_p <= 1.0:
         raise _bad_request(f"top_p must be in (0, 1], got {body.top_p}.", "top_p")
     if isinstance(body, ChatCompletionRequest):
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
         logprobs = body.logprobs
+    if max_logprobs is not None and logprobs is not None and logprobs > max_logprobs:
+        name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+        raise _bad_request(f"{name} must be at most {max_logprobs} (--max-logprobs), got {logprobs}.", name)
     params = SamplingParams(
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),
@@ -480,10 +527,12 @@ def build_app(
     api_key: str | None = None,
     extra_routes: Callable[[FastAPI], None] | None = None,
     chat_parsing: ChatParsing | None = None,
+    max_body_bytes: int | None = None,
 ) -> FastAPI:
     """Build the OpenAI-compatible FastAPI app over `engine`.
 
-    engine: an `EngineClient` (generate / abort / is_healthy, `model_name`, `max_model_len`).
+    engine: an `EngineClient` (generate / abort / is_healthy, `model_name`, `max_model_len`; an
+        optional `max_logprobs` attribute makes the server refuse larger `logprobs` requests itself).
     tokenizer: provides `encode`, `decode`, `apply_chat_template` (see the module docstring).
     served_model_name: the only accepted value of a request's `model` (an absent `model` means
         this one); listed by `/v1/models`.
@@ -492,8 +541,11 @@ def build_app(
         `/metrics`; those are outside `/v1` and so not behind the API key.
     chat_parsing: reasoning / tool-call parsing of chat outputs (`serving.api.chat_output`);
         default none (the text is returned as content).
+    max_body_bytes: larger request bodies get a 413 (default `default_max_body_bytes`).
     """
     chat_parsing = chat_parsing or ChatParsing()
+    if max_body_bytes is None:
+        max_body_bytes = default_max_body_bytes(engine.max_model_len)
     app = FastAPI(title="GLM-5.3 OpenAI-compatible server", docs_url=None, redoc_url=None)
     app.state.engine = engine
     app.state.tokenizer = tokenizer
@@ -701,7 +753,7 @@ def build_app(
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         """OpenAI chat completions, streaming (SSE) or not, with `n` choices."""
-        body: ChatCompletionRequest = await _parse_body(request, ChatCompletionRequest)
+        body: ChatCompletionRequest = await _parse_body(request, ChatCompletionRequest, max_body_bytes)
         _check_model(body.model)
         _reject_unsupported(body)
         for name in ("max_completion_tokens", "max_tokens"):
@@ -714,18 +766,28 @@ def build_app(
         except ChatRequestError as e:
             raise _bad_request(str(e), e.param) from None
         kwargs: dict[str, Any] = dict(body.chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise _bad_request(
+                f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets "
+                "messages, tools and add_generation_prompt; a request cannot replace the chat "
+                "template).",
+                "chat_template_kwargs",
+            )
         if body.reasoning_effort is not None:
             kwargs["reasoning_effort"] = body.reasoning_effort
         if body.tool_choice is not None:
             kwargs["tool_choice"] = body.tool_choice
         messages = _template_messages(body)
         try:
-            prompt = tokenizer.apply_chat_template(
-                messages, tools=prepared.tools, add_generation_prompt=True, **kwargs
+            prompt = await anyio.to_thread.run_sync(  # off the event loop, as `_encode`
+                lambda: tokenizer.apply_chat_template(
+                    messages, tools=prepared.tools, add_generation_prompt=True, **kwargs
+                )
             )
         except Exception as e:  # noqa: BLE001 - template errors come from the request's content
             raise _bad_request(f"Could not render the chat template: {e}", "messages") from None
-        prompt_ids = _encode(tokenizer, prompt, "messages")
+        prompt_ids = await _encode(tokenizer, prompt, "messages")
 
         if body.max_completion_tokens is not None:
             requested, param = body.max_completion_tokens, "max_completion_tokens"
@@ -734,7 +796,7 @@ def build_app(
         max_tokens = _resolve_max_tokens(
             requested, param, len(prompt_ids), engine.max_model_len, "messages"
         )
-        params = _sampling_params(body, max_tokens)
+        params = _sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None))
         top_n = body.top_logprobs or 0
 
         def logprobs_of(lps) -> ChatChoiceLogprobs | None:
@@ -807,7 +869,7 @@ def build_app(
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
         """OpenAI (legacy) completions with a string or token-id prompt, streaming or not."""
-        body: CompletionRequest = await _parse_body(request, CompletionRequest)
+        body: CompletionRequest = await _parse_body(request, CompletionRequest, max_body_bytes)
         _check_model(body.model)
         _reject_unsupported(body)
         if body.max_tokens is not None and body.max_tokens < 1:
@@ -822,14 +884,14 @@ def build_app(
                     "Batched prompts are not supported yet; send one prompt per request.", "prompt"
                 )
             prompt = prompt[0]
-        prompt_ids = _encode(tokenizer, prompt, "prompt") if isinstance(prompt, str) else list(prompt)
+        prompt_ids = await _encode(tokenizer, prompt, "prompt") if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise _bad_request("The prompt must not be empty.", "prompt")
 
         max_tokens = _resolve_max_tokens(
             body.max_tokens, "max_tokens", len(prompt_ids), engine.max_model_len, "prompt"
         )
-        params = _sampling_params(body, max_tokens)
+        params = _sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None))
         top_n = body.logprobs or 0
 
         rid = f"cmpl-{uuid.uuid4().hex}"

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import time
 
 import pytest
 
@@ -36,6 +37,27 @@ def test_round_trip(tok, text):
     ids = tok.encode(text)
     assert all(isinstance(i, int) for i in ids)
     assert tok.decode(ids) == text
+
+
+def test_encode_matches_backend_and_releases_the_gil(tok):
+    import threading
+
+    texts = [MULTIBYTE, "<|user|>hi<|assistant|><think>x</think>", "a b " * 50]
+    for text in texts:  # the same ids as the backend's single-text call
+        assert tok.encode(text) == tok.backend.encode(text, add_special_tokens=False).ids
+    # While a long text is tokenised in another thread this one keeps running (it used to be
+    # frozen: the backend's single-text call held the GIL throughout).
+    # Each wake-up of this thread needs the GIL: with it held by the worker for the whole call
+    # this loop gets a handful of iterations, with it released one per millisecond or so.
+    long_text = "a b " * 300_000
+    worker = threading.Thread(target=tok.encode, args=(long_text,))
+    worker.start()
+    wakeups = 0
+    while worker.is_alive():
+        wakeups += 1
+        time.sleep(0.001)
+    worker.join()
+    assert wakeups > 50
 
 
 def test_encode_adds_no_special_tokens(tok):

@@ -42,6 +42,7 @@ class FakeEngine:
 
     def __init__(self, tokenizer) -> None:
         self.max_model_len = MAX_MODEL_LEN
+        self.max_logprobs = 20
         self.tokenizer = tokenizer
         self.eos = tokenizer.eos_token_id
         self.reply_ids = tokenizer.encode(REPLY)
@@ -406,6 +407,10 @@ def _chat(**fields) -> dict:
         ({"model": MODEL, "messages": [{"role": "user", "content": [_IMAGE_PART]}]}, "messages"),
         ({"model": MODEL}, "messages"),
         ({"model": MODEL, "messages": _user("Hi"), "seed": 2**70}, "seed"),
+        (_chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+        # These used to reach the template call: a Python TypeError text, or a client's template.
+        (_chat(chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs"),
+        (_chat(chat_template_kwargs={"chat_template": "{{ 7 * 6 }}"}), "chat_template_kwargs"),
     ],
 )
 def test_chat_400(http, body, param):
@@ -428,6 +433,24 @@ def test_chat_400(http, body, param):
 )
 def test_completions_400(http, body, param):
     _assert_error(http.post("/v1/completions", json=body), 400, param)
+
+
+@pytest.mark.parametrize(
+    "path, raw, param",
+    [
+        # A lone surrogate in a stop string used to be accepted (it can never match).
+        ("/v1/completions", b'{"prompt": "x", "stop": ["ok", "\\ud800"]}', "stop"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stop": "\\udc00", "stream": true}',
+         "stop"),
+        ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', "temperature"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "temperature": Infinity}',
+         "temperature"),
+        ("/v1/completions", b'{"prompt": "x", "logprobs": 21}', "logprobs"),
+    ],
+)
+def test_raw_body_400_names_the_field(http, path, raw, param):
+    resp = http.post(path, content=raw, headers={"Content-Type": "application/json"})
+    _assert_error(resp, 400, param)
 
 
 def test_malformed_json_400(http):
@@ -574,6 +597,74 @@ def test_extra_routes_hook_and_no_api_key(tiny_tokenizer):
         r = tc.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})  # model optional
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         _assert_error(tc.get("/no/such/route"), 404)
+
+
+class _BlockingTokenizer:
+    """The tiny tokenizer, except that encoding text containing "BLOCK" waits for `release`
+    (standing in for a prompt of many megabytes, which takes seconds to tokenise)."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def encode(self, text: str):
+        if "BLOCK" in text:
+            self.entered.set()
+            self.release.wait(timeout=20)
+        return self._tok.encode(text)
+
+
+def test_tokenising_a_prompt_does_not_block_other_requests(tiny_tokenizer):
+    # Tokenisation used to run on the event loop: one huge prompt froze every other request
+    # (and /health) until it was tokenised.
+    tok = _BlockingTokenizer(tiny_tokenizer)
+    app = build_app(FakeEngine(tiny_tokenizer), tok, MODEL)
+    with live_server(app) as url, httpx.Client(base_url=url, timeout=10) as c:
+        result = {}
+        t = threading.Thread(target=lambda: result.update(
+            r=c.post("/v1/completions", json={"prompt": "BLOCK", "max_tokens": 3})))
+        t.start()
+        assert tok.entered.wait(timeout=10)
+        try:
+            assert c.get("/health").status_code == 200  # answered while the prompt is tokenised
+            r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+            assert "r" not in result  # the blocked request is still being tokenised
+        finally:
+            tok.release.set()
+            t.join(timeout=10)
+        assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 3
+
+
+def test_oversized_body_413_and_still_serving(tiny_tokenizer):
+    # Bodies used to be read whole whatever their size (a 50 MB prompt was read, parsed and
+    # tokenised before the length check refused it).
+    from fastapi.testclient import TestClient
+
+    app = build_app(FakeEngine(tiny_tokenizer), tiny_tokenizer, MODEL, max_body_bytes=2000)
+    big = json.dumps({"prompt": "x" * 3000, "max_tokens": 2}).encode()
+    with TestClient(app) as tc:
+        hdr = {"Content-Type": "application/json"}
+        _assert_error(tc.post("/v1/completions", content=big, headers=hdr), 413)
+        chunks = (big[i:i + 500] for i in range(0, len(big), 500))  # no Content-Length: chunked
+        _assert_error(tc.post("/v1/chat/completions", content=chunks, headers=hdr), 413)
+        r = tc.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "user": "y" * 1500})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_default_body_limit_admits_a_full_context_prompt():
+    from serving.api.server import default_max_body_bytes
+
+    for max_model_len in (256, 4096, 202_752):
+        # Worst case of a legitimate prompt: every token a non-BMP character sent as a JSON
+        # surrogate-pair escape (12 bytes), or a token-id list (up to 7 bytes per id).
+        escaped = json.dumps({"prompt": "\U0001f642" * max_model_len}, ensure_ascii=True)
+        ids = json.dumps({"prompt": [999_999] * max_model_len})
+        assert max(len(escaped), len(ids)) < default_max_body_bytes(max_model_len)
 
 
 # ------------------------------------------------------------------------------------ CLI flags
