@@ -197,17 +197,8 @@ class DataParallelEngine(LLMEngine):
         return outs
 
     # ------------------------------------------------------------------ statistics
-    def _emit(self, rec: StepRecord) -> None:
-        if self.prefix_cache is not None:
-            q = sum(r.prefix_cache.queries for r in self.replicas)
-            h = sum(r.prefix_cache.hits for r in self.replicas)
-            rec.prefix_cache_queries, rec.prefix_cache_hits = q - self._prefix_counts[0], h - self._prefix_counts[1]
-            self._prefix_counts = (q, h)
-        for sl in self.stat_loggers:
-            try:
-                sl.record(rec)
-            except Exception:  # noqa: BLE001 - statistics must never stop the engine
-                logger.exception("stat logger %r failed", sl)
+    def _prefix_cache_totals(self) -> tuple[int, int]:
+        return (sum(r.prefix_cache.queries for r in self.replicas), sum(r.prefix_cache.hits for r in self.replicas))
 
     def audit(self) -> list[str]:
         """Invariant violations of every replica (prefixed "replica r: ") and request ids live on

@@ -290,9 +290,13 @@ class LLMEngine:
         return FinishedRequestStats(req.finish_reason or "abort", now - req.arrival_time, req.num_prompt_tokens,
                                     req.num_output_tokens, tpot)
 
+    def _prefix_cache_totals(self) -> tuple[int, int]:
+        """(queried, hit) prompt tokens of the prefix cache since start-up."""
+        return self.prefix_cache.queries, self.prefix_cache.hits
+
     def _emit(self, rec: StepRecord) -> None:
         if self.prefix_cache is not None:
-            q, h = self.prefix_cache.queries, self.prefix_cache.hits
+            q, h = self._prefix_cache_totals()
             rec.prefix_cache_queries, rec.prefix_cache_hits = q - self._prefix_counts[0], h - self._prefix_counts[1]
             self._prefix_counts = (q, h)
         for sl in self.stat_loggers:

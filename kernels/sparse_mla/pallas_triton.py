@@ -95,26 +95,27 @@ def unsupported_reason(layout: GroupLayout, component: str, kv_lora_rank: int, *
     return None
 
 
-def _dot_nt(a, b, precision):
-    """a [M, C] · b [N, C]ᵀ → float32 [M, N]."""
+def _dot(a, b, b_contract: int, precision):
+    """a [M, C] · b (contracted on axis `b_contract`: [N, C] → 1, [C, N] → 0) → float32 [M, N];
+    bf16 operands on tensor cores for precision "bf16", IEEE fp32 (HIGHEST) otherwise."""
     if precision == "bf16":
         a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
         prec = None
     else:
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)
         prec = lax.Precision.HIGHEST
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, (((1,), (b_contract,)), ((), ())), precision=prec,
+                           preferred_element_type=jnp.float32)
+
+
+def _dot_nt(a, b, precision):
+    """a [M, C] · b [N, C]ᵀ → float32 [M, N]."""
+    return _dot(a, b, 1, precision)
 
 
 def _dot_nn(a, b, precision):
     """a [M, K] · b [K, N] → float32 [M, N]."""
-    if precision == "bf16":
-        a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
-        prec = None
-    else:
-        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-        prec = lax.Precision.HIGHEST
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
+    return _dot(a, b, 0, precision)
 
 
 def _kernel(row_base_ref, slots_ref, *refs, codec: RowCodec, pieces: tuple, n_lat: int, n_rope: int, tpp: int,

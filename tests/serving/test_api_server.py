@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from serving.api import build_app
-from serving.api.detokenize import IncrementalDetokenizer
+from serving.detokenize import IncrementalDetokenizer
 from serving.types import RequestOutput, SamplingParams, TokenLogprobs
 from tests.helpers.live_server import live_server
 
