@@ -1,6 +1,7 @@
 """The one boundary between the model and the attention kernels.
 
-Model code calls these three functions; they own the choice of kernel, the `shard_map` and the
+Model code calls these functions (the cache write, the indexer, sparse MLA and, under HiSparse,
+the hot-buffer resolver); they own the choice of kernel, the `shard_map` and the
 partition specs, so changing a kernel or a parallel layout does not touch the model files. All
 take the arena `uint32[num_blocks, page_words]` and return it updated where they write (the arena
 is threaded functionally and donated at the jit boundary).
@@ -36,7 +37,10 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from glm53.batch import ForwardBatch
+from glm53.hot_cache import HostAccess, HotState, PagedKV
 from glm53.kv_layout import KVCacheLayout
+from kernels.host_rows import copy_host_rows
+from kernels.hot_resolve import hot_resolve
 from kernels.indexer_topk import indexer_topk
 from kernels.paged import GroupLayout, gather_rows, positions_to_slots, write_cache
 from kernels.sparse_mla import sparse_mla
@@ -194,16 +198,22 @@ def select_topk(q_TID: jax.Array, w_TI: jax.Array, kv_arena: jax.Array, batch: F
 # ---------------------------------------------------------------------- sparse MLA
 def sparse_attention(q_abs_TNC: jax.Array, kv_arena: jax.Array, topk_TK: jax.Array, batch: ForwardBatch,
                      layout: KVCacheLayout, group: str, layer, *, kv_lora_rank: int, scale: float,
-                     parallel: ParallelLayout | None = None) -> jax.Array:
-    """Absorbed sparse MLA over the selected positions → `o_lat [T, N, A]` fp32."""
+                     parallel: ParallelLayout | None = None, slots_TK: jax.Array | None = None) -> jax.Array:
+    """Absorbed sparse MLA over the selected positions → `o_lat [T, N, A]` fp32.
+
+    slots_TK: the positions already resolved to arena slots (HiSparse: `resolve_hot`); by default
+    they are looked up in the block tables."""
     g = layout.group(group)
     tpp = g.tokens_per_page
     mode = _kv_mode(parallel)
     attend = partial(sparse_mla, component="mla", kv_lora_rank=kv_lora_rank, scale=scale)
     if mode == "local":
-        slots = positions_to_slots(topk_TK, batch.block_tables[group], batch.req_idx_T, tpp)
+        slots = (positions_to_slots(topk_TK, batch.block_tables[group], batch.req_idx_T, tpp)
+                 if slots_TK is None else slots_TK)
         o, _ = attend(q_abs_TNC, kv_arena, slots, layer, layout=g)
         return o
+    if slots_TK is not None:
+        raise NotImplementedError("resolved slots (HiSparse) are only supported on one device")
     par = parallel
     s = _specs(par)
     inter = par.config.dcp_kv_cache_interleave_size
@@ -225,6 +235,54 @@ def sparse_attention(q_abs_TNC: jax.Array, kv_arena: jax.Array, topk_TK: jax.Arr
 
     f = _shard_map(par, body, (s["arena"], s["heads3"], s["tok2"], s["bt"], s["tok"], s["rep"]), s["heads3"])
     return f(kv_arena, q_abs_TNC, topk_TK, batch.block_tables[group], batch.req_idx_T, layer)
+
+
+# ---------------------------------------------------------------------- HiSparse hot buffer
+def resolve_hot(topk_TK: jax.Array, kv: PagedKV, batch: ForwardBatch, layout: KVCacheLayout, group: str,
+                first_layer, num_layers: int, index_group, host: HostAccess,
+                parallel: ParallelLayout | None = None) -> tuple[jax.Array, PagedKV]:
+    """HiSparse: resolve one IndexShare group's top-k to arena slots and fill its hot rows.
+
+    Resident positions map to their page slot; positions of pages that are only in the host pool
+    go through the request's hot buffer (`kernels.hot_resolve`, index group `index_group` of
+    `kv.hot`): hits reuse their hot slot, misses take the least recently used one and their host
+    row's words for the group's layers `[first_layer, first_layer + num_layers)` are copied into
+    it (`kernels.host_rows.copy_host_rows`), so the group's shared layers read the same slots
+    without a copy of their own. When `batch.hot.active` is False the resolver is skipped
+    (`positions_to_slots`, exactly the non-HiSparse read) and no host row is read.
+
+    Returns `(slots [T, K] int32, kv)` with the arena and hot state updated and this group's
+    `[hits, misses, dropped, misses · num_layers]` added to `kv.hot.stats_4`.
+    Raises NotImplementedError under a parallel layout (HiSparse runs on one device for now).
+    """
+    if _kv_mode(parallel) != "local":
+        raise NotImplementedError("HiSparse is only supported on one device")
+    g = layout.group(group)
+    tpp = g.tokens_per_page
+    hb = batch.hot
+    bt = batch.block_tables[group]
+    hot: HotState = kv.hot
+    row_S = jax.lax.dynamic_index_in_dim(hot.host_row_SGM, index_group, axis=1, keepdims=False)
+    rank_S = jax.lax.dynamic_index_in_dim(hot.rank_SGM, index_group, axis=1, keepdims=False)
+    N = topk_TK.shape[0] * topk_TK.shape[1]
+
+    def resolve(_):
+        return hot_resolve(topk_TK, batch.req_idx_T, bt, hb.host_table_BP, hb.hot_table_BH, hb.state_row_B,
+                           hb.reset_from_B, row_S, rank_S, hb.num_host_blocks, tokens_per_page=tpp)
+
+    def skip(_):
+        none = jnp.full((N,), -1, jnp.int32)
+        return (positions_to_slots(topk_TK, bt, batch.req_idx_T, tpp), none, none, jnp.zeros(3, jnp.int32),
+                row_S, rank_S)
+
+    slots, miss_rows, miss_slots, stats, row_S, rank_S = jax.lax.cond(hb.active, resolve, skip, None)
+    # Outside the cond: the host pool is only ever read by the copy loop (zero trips when skipped).
+    arena = copy_host_rows(kv.arena, host.pool, miss_rows, miss_slots, g, "mla", first_layer, num_layers,
+                           mechanism=host.mechanism, after=host.after)
+    hot = HotState(jax.lax.dynamic_update_index_in_dim(hot.host_row_SGM, row_S, index_group, axis=1),
+                   jax.lax.dynamic_update_index_in_dim(hot.rank_SGM, rank_S, index_group, axis=1),
+                   hot.stats_4 + jnp.concatenate([stats, stats[1:2] * num_layers]))
+    return slots, PagedKV(arena, hot)
 
 
 def engine_tokens_per_page(layout: KVCacheLayout, group: str, parallel: ParallelLayout | None = None) -> int:

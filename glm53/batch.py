@@ -8,6 +8,7 @@ request row whose block table is all null, so they attend to nothing and affect 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import numpy as np
@@ -25,6 +26,7 @@ class ForwardBatch:
         (−1 = skip).
     block_tables: per group name, `[B, P_g]` block ids (0 = null block).
     logits_indices_B: rows of T whose logits are returned `[B]` (usually each request's last token).
+    hot: HiSparse inputs (`glm53.hot_cache.HotBatch`), None when HiSparse is off.
     """
 
     input_ids_T: jax.Array
@@ -33,6 +35,7 @@ class ForwardBatch:
     slot_mapping: dict
     block_tables: dict
     logits_indices_B: jax.Array
+    hot: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -668,14 +668,20 @@ class HiSparsePagePlan:
 
 def predict_hisparse_requests(layout, num_blocks: int, max_model_len: int, hot_rows: int,
                               host_blocks: int | None = None, offloaded: tuple[str, ...] = ("mla",),
-                              tail_pages: int = TAIL_PAGES) -> HiSparsePagePlan:
+                              tail_pages: int = TAIL_PAGES, reserve_pages: int = 0) -> HiSparsePagePlan:
     """DESIGN §9's HiSparse device-bound and host-bound counts in pages of `layout`.
 
     The `offloaded` groups (the sparse-MLA group) keep only `tail_pages` pages per request on
     the device, plus a hot lease of ⌈hot_rows / tpp⌉ pages of the first offloaded group (hot
     pages are indexed by token row); every other group stays fully resident. Device-bound:
-    1 + ⌊(usable − first) / steady⌋ (0 if the first request does not fit). Host-bound:
-    ⌊host_blocks / Σ_offloaded ⌈L / tpp_g⌉⌋ when `host_blocks` (pages of the host pool) is given.
+    1 + ⌊(usable − reserve − first) / steady⌋ (0 if the first request does not fit;
+    `reserve_pages` is the headroom the engine keeps free for the running requests' growth while
+    it admits another, `HiSparsePolicy.watermark`). Host-bound: ⌊host_blocks / Σ_offloaded
+    ⌈L / tpp_g⌉⌋ when `host_blocks` (pages of the host pool) is given.
+
+    This is the engine's admission rule (`serving/hisparse/residency.py`): a request is admitted
+    when it fits fully resident (with its lease) next to the others at their steady footprint
+    and the reserve.
     """
     pages = pages_per_request(layout, max_model_len)
     gs = {g.name: g for g in getattr(layout, "groups", layout)}
@@ -687,7 +693,7 @@ def predict_hisparse_requests(layout, num_blocks: int, max_model_len: int, hot_r
     first = sum(pages.values()) + hot_pages
     resident_rest = sum(n for g, n in pages.items() if g not in offloaded)
     steady = resident_rest + hot_pages + tail_pages * len(offloaded)
-    device_bound = 0 if usable < first else 1 + (usable - first) // steady
+    device_bound = 0 if usable < first else 1 + max(0, usable - reserve_pages - first) // steady
     host_bound = None
     if host_blocks is not None:
         host_bound = host_blocks // sum(pages[g] for g in offloaded)

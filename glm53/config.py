@@ -262,6 +262,11 @@ class GlmConfig:
                 groups[-1].append(i)
         return tuple(tuple(g) for g in groups)
 
+    def index_group_size(self, layer: int) -> int:
+        """Layers in the IndexShare group a full `layer` starts (itself and the shared layers after
+        it); 1 for a shared layer (it starts no group)."""
+        return next((len(g) for g in self.index_groups if g[0] == layer), 1)
+
     @property
     def layer_plan(self) -> "LayerPlan":
         return LayerPlan.from_config(self)

@@ -27,13 +27,13 @@ class DecoderLayer(nnx.Module):
         self.mlp = (MoE(cfg, dtype=dtype, stack=stack) if moe
                     else DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, stack=stack))
 
-    def __call__(self, x_TD, kv_arena, ctx: LayerContext, mla_layer, index_layer, topk_prev_TK):
-        """→ (x `[T, D]`, kv_arena, topk `[T, K]`)."""
-        a, kv_arena, topk = self.self_attn(self.input_layernorm(x_TD), kv_arena, ctx, mla_layer, index_layer,
-                                           topk_prev_TK)
+    def __call__(self, x_TD, kv, ctx: LayerContext, mla_layer, index_layer, prev_sel, group_layers: int = 1):
+        """→ (x `[T, D]`, kv (`PagedKV`), selection); see `MLAttention.__call__`."""
+        a, kv, sel = self.self_attn(self.input_layernorm(x_TD), kv, ctx, mla_layer, index_layer, prev_sel,
+                                    group_layers)
         x_TD = x_TD + a
         x_TD = x_TD + self.mlp(self.post_attention_layernorm(x_TD), parallel=ctx.parallel)
-        return x_TD, kv_arena, topk
+        return x_TD, kv, sel
 
 
 class DecoderGroup(nnx.Module):
@@ -45,26 +45,27 @@ class DecoderGroup(nnx.Module):
             DecoderLayer(cfg, has_indexer=(j == 0), moe=True, dtype=dtype, stack=stack) for j in range(group_size)
         ])
 
-    def __call__(self, x_TD, kv_arena, ctx: LayerContext, first_mla_layer, index_layer):
-        topk = None
+    def __call__(self, x_TD, kv, ctx: LayerContext, first_mla_layer, index_layer):
+        sel = None
         for j, layer in enumerate(self.layers):
-            x_TD, kv_arena, topk = layer(x_TD, kv_arena, ctx, first_mla_layer + j, index_layer, topk)
-        return x_TD, kv_arena
+            x_TD, kv, sel = layer(x_TD, kv, ctx, first_mla_layer + j, index_layer, sel, len(self.layers))
+        return x_TD, kv
 
 
-def scan_groups(stack: DecoderGroup, x_TD, kv_arena, ctx: LayerContext, first_mla_layer: int,
+def scan_groups(stack: DecoderGroup, x_TD, kv, ctx: LayerContext, first_mla_layer: int,
                 first_index_layer: int, group_size: int):
     """Run the stacked groups in order with `lax.scan`; group g uses MLA layers
-    `first_mla_layer + g * group_size + j` and indexer layer `first_index_layer + g`."""
+    `first_mla_layer + g * group_size + j` and indexer layer `first_index_layer + g`. `kv` (a
+    `PagedKV`) is the scan carry."""
     graphdef, state = nnx.split(stack)
     num = jax.tree.leaves(state)[0].shape[0]
 
     def body(carry, xs):
-        x, arena = carry
+        x, kv = carry
         g, st = xs
         group = nnx.merge(graphdef, st)
-        x, arena = group(x, arena, ctx, first_mla_layer + g * group_size, first_index_layer + g)
-        return (x, arena), None
+        x, kv = group(x, kv, ctx, first_mla_layer + g * group_size, first_index_layer + g)
+        return (x, kv), None
 
-    (x_TD, kv_arena), _ = lax.scan(body, (x_TD, kv_arena), (jnp.arange(num, dtype=jnp.int32), state))
-    return x_TD, kv_arena
+    (x_TD, kv), _ = lax.scan(body, (x_TD, kv), (jnp.arange(num, dtype=jnp.int32), state))
+    return x_TD, kv

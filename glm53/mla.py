@@ -18,6 +18,7 @@ from jax import lax
 from glm53 import attention
 from glm53.batch import ForwardBatch
 from glm53.config import GlmConfig
+from glm53.hot_cache import HostAccess, PagedKV
 from glm53.kv_layout import KVCacheLayout
 from glm53.layers import LayerNorm, Linear, RMSNorm, apply_rope_interleaved, mm
 from sharding.mesh import ParallelLayout
@@ -34,6 +35,12 @@ class LayerContext:
     group: str = "mla"          # KV group holding this layer's latent rows
     index_group: str = "indexer"  # KV group holding this layer's indexer keys
     parallel: ParallelLayout | None = None  # the mesh and roles (None: one device)
+    host: HostAccess | None = None  # HiSparse host pool (None: every selected row is resident)
+
+    @property
+    def hisparse(self) -> bool:
+        """True when full layers resolve their top-k through the HiSparse hot buffer."""
+        return self.host is not None and self.batch.hot is not None
 
 
 class Indexer(nnx.Module):
@@ -75,34 +82,45 @@ class MLAttention(nnx.Module):
         self.o_proj = Linear(N * cfg.v_head_dim, cfg.hidden_size, dtype=dtype, stack=stack)
         self.indexer = Indexer(cfg, dtype=dtype, stack=stack) if has_indexer else None
 
-    def __call__(self, h_TD, kv_arena, ctx: LayerContext, mla_layer, index_layer, topk_prev_TK):
-        """→ (out `[T, D]`, kv_arena, topk `[T, K]`). `topk_prev_TK` is used by shared layers."""
+    def __call__(self, h_TD, kv: PagedKV, ctx: LayerContext, mla_layer, index_layer, prev_sel, group_layers: int = 1):
+        """→ (out `[T, D]`, kv, selection). The selection is `(topk [T, K] positions, slots [T, K]
+        or None)`: a full layer computes it (resolving the slots through the HiSparse hot buffer
+        when `ctx.hisparse`, copying missed rows for its whole IndexShare group of `group_layers`
+        layers), and a shared layer reuses `prev_sel`, the one of the group's full layer."""
         cfg = self.cfg
         T = h_TD.shape[0]
         N, A, dn = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
         c_q = self.q_a_layernorm(self.q_a_proj(h_TD))
         q = self.q_b_proj(c_q).reshape(T, N, cfg.qk_head_dim)
         q_nope, q_pe = q[..., :dn], apply_rope_interleaved(q[..., dn:], ctx.cos, ctx.sin)
-        kv = self.kv_a_proj_with_mqa(h_TD)
-        c_kv = self.kv_a_layernorm(kv[:, :A])
-        k_pe = apply_rope_interleaved(kv[:, A:], ctx.cos, ctx.sin)
-        kv_arena = attention.write_kv(kv_arena, jnp.concatenate([c_kv, k_pe], -1), ctx.batch, ctx.layout,
-                                      ctx.group, "mla", mla_layer, parallel=ctx.parallel)
+        kv_lat = self.kv_a_proj_with_mqa(h_TD)
+        c_kv = self.kv_a_layernorm(kv_lat[:, :A])
+        k_pe = apply_rope_interleaved(kv_lat[:, A:], ctx.cos, ctx.sin)
+        arena = attention.write_kv(kv.arena, jnp.concatenate([c_kv, k_pe], -1), ctx.batch, ctx.layout,
+                                   ctx.group, "mla", mla_layer, parallel=ctx.parallel)
         if self.indexer is not None:
             qI, w, kI = self.indexer.project(h_TD, c_q, ctx.cos, ctx.sin)
-            kv_arena = attention.write_kv(kv_arena, kI, ctx.batch, ctx.layout, ctx.index_group, "indexer",
-                                          index_layer, parallel=ctx.parallel)
-            topk = attention.select_topk(qI, w, kv_arena, ctx.batch, ctx.layout, ctx.index_group, index_layer,
+            arena = attention.write_kv(arena, kI, ctx.batch, ctx.layout, ctx.index_group, "indexer",
+                                       index_layer, parallel=ctx.parallel)
+            topk = attention.select_topk(qI, w, arena, ctx.batch, ctx.layout, ctx.index_group, index_layer,
                                          cfg.index_topk, parallel=ctx.parallel)
+            kv = kv.with_arena(arena)
+            slots = None
+            if ctx.hisparse:
+                slots, kv = attention.resolve_hot(topk, kv, ctx.batch, ctx.layout, ctx.group, mla_layer, group_layers,
+                                                  index_layer, ctx.host, ctx.parallel)
+            sel = (topk, slots)
         else:
-            topk = topk_prev_TK
+            kv = kv.with_arena(arena)
+            sel = prev_sel
         # Absorb W_UK into the queries (fp32 accumulation): q_abs = [W_UK^T q_nope | q_pe].
         q_lat = jnp.einsum("tnd,nda->tna", q_nope, self.w_uk[...], preferred_element_type=jnp.float32,
                            precision=lax.Precision.HIGHEST)
         q_abs = jnp.concatenate([q_lat, q_pe.astype(jnp.float32)], -1)
-        o_lat = attention.sparse_attention(q_abs, kv_arena, topk, ctx.batch, ctx.layout, ctx.group, mla_layer,
-                                           kv_lora_rank=A, scale=cfg.softmax_scale, parallel=ctx.parallel)
+        o_lat = attention.sparse_attention(q_abs, kv.arena, sel[0], ctx.batch, ctx.layout, ctx.group, mla_layer,
+                                           kv_lora_rank=A, scale=cfg.softmax_scale, parallel=ctx.parallel,
+                                           slots_TK=sel[1])
         o = jnp.einsum("tna,nav->tnv", o_lat, self.w_uv[...].astype(jnp.float32),
                        preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
         out = mm(o.reshape(T, -1).astype(h_TD.dtype), self.o_proj.weight[...])
-        return out, kv_arena, topk
+        return out, kv, sel

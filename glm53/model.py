@@ -23,6 +23,7 @@ from flax import nnx
 from glm53.batch import ForwardBatch
 from glm53.config import GlmConfig
 from glm53.decoder import DecoderGroup, DecoderLayer, scan_groups
+from glm53.hot_cache import HostAccess, PagedKV
 from glm53.kv_layout import KVCacheLayout
 from glm53.layers import Linear, RMSNorm, mm, rope_cos_sin
 from glm53.mla import LayerContext
@@ -73,35 +74,45 @@ class GlmForCausalLM(nnx.Module):
     def dtype(self):
         return self.embed_tokens.weight.dtype
 
-    def hidden_states(self, batch: ForwardBatch, kv_arena: jax.Array, layout: KVCacheLayout,
-                      parallel: ParallelLayout | None = None):
-        """Backbone forward → (final-normed hidden `[T, D]`, updated kv_arena).
+    def hidden_states(self, batch: ForwardBatch, kv_arena, layout: KVCacheLayout,
+                      parallel: ParallelLayout | None = None, host: HostAccess | None = None):
+        """Backbone forward → (final-normed hidden `[T, D]`, updated cache).
 
+        kv_arena: the arena `uint32[num_blocks, page_words]`, or a `PagedKV` (arena + HiSparse hot
+        state); the updated cache is returned in the same form.
         `parallel`: the mesh and roles when the parameters, batch and arena are sharded
-        (sharding/rules.py); None on one device."""
+        (sharding/rules.py); None on one device.
+        `host`: HiSparse host-pool access; with it (and `batch.hot`, `kv_arena.hot`) each
+        IndexShare group's full layer resolves its top-k through the hot buffer
+        (`glm53.attention.resolve_hot`)."""
         cfg = self.cfg
+        wrapped = isinstance(kv_arena, PagedKV)
+        kv = kv_arena if wrapped else PagedKV(kv_arena)
         batch = jax.tree.map(jnp.asarray, batch)
         cos, sin = rope_cos_sin(batch.positions_T, cfg.qk_rope_head_dim, cfg.rope_theta)
-        ctx = LayerContext(batch=batch, layout=layout, cos=cos, sin=sin, parallel=parallel)
+        if host is not None and (batch.hot is None or kv.hot is None):
+            raise ValueError("HiSparse host access needs batch.hot and a PagedKV with hot state")
+        ctx = LayerContext(batch=batch, layout=layout, cos=cos, sin=sin, parallel=parallel, host=host)
         full = cfg.full_layers
         x = constrain(self.embed_tokens(batch.input_ids_T), parallel, TOKENS, None)
-        topk = None
+        sel = None
         for i, layer in zip(self.plan.head, self.layers):
             idx_layer = full.index(i) if cfg.indexer_types[i] == "full" else 0
-            x, kv_arena, topk = layer(x, kv_arena, ctx, i, idx_layer, topk)
+            x, kv, sel = layer(x, kv, ctx, i, idx_layer, sel, cfg.index_group_size(i))
         if self.stack is not None:
-            x, kv_arena = scan_groups(self.stack, x, kv_arena, ctx, self.plan.stack_start,
-                                      full.index(self.plan.stack_start), self.plan.group_size)
-        return self.norm(x), kv_arena
+            x, kv = scan_groups(self.stack, x, kv, ctx, self.plan.stack_start,
+                                full.index(self.plan.stack_start), self.plan.group_size)
+        return self.norm(x), (kv if wrapped else kv.arena)
 
     def logits(self, h_TD):
         """`lm_head` in fp32 → `[T, vocab]`."""
         return mm(h_TD, self.lm_head.weight[...]).astype(jnp.float32)
 
-    def __call__(self, batch: ForwardBatch, kv_arena: jax.Array, layout: KVCacheLayout,
-                 parallel: ParallelLayout | None = None):
-        """→ (logits fp32 `[len(logits_indices), vocab]`, hidden `[T, D]`, kv_arena)."""
-        h, kv_arena = self.hidden_states(batch, kv_arena, layout, parallel)
+    def __call__(self, batch: ForwardBatch, kv_arena, layout: KVCacheLayout,
+                 parallel: ParallelLayout | None = None, host: HostAccess | None = None):
+        """→ (logits fp32 `[len(logits_indices), vocab]`, hidden `[T, D]`, cache); the cache
+        arguments as in `hidden_states`."""
+        h, kv_arena = self.hidden_states(batch, kv_arena, layout, parallel, host)
         return self.logits(h[jnp.asarray(batch.logits_indices_B)]), h, kv_arena
 
     def mtp_logits(self, batch: ForwardBatch, hidden_TD: jax.Array, kv_arena: jax.Array, layout: KVCacheLayout,
@@ -119,6 +130,7 @@ class GlmForCausalLM(nnx.Module):
                            parallel=parallel)
         e = m.enorm(constrain(self.embed_tokens(batch.input_ids_T), parallel, TOKENS, None))
         u = m.eh_proj(jnp.concatenate([e, m.hnorm(hidden_TD.astype(e.dtype))], axis=-1))
-        x, kv_arena, _ = m.block(u, kv_arena, ctx, 0, 0, None)
+        wrapped = isinstance(kv_arena, PagedKV)
+        x, kv, _ = m.block(u, kv_arena if wrapped else PagedKV(kv_arena), ctx, 0, 0, None)
         h = m.shared_head_norm(x)
-        return self.logits(h[batch.logits_indices_B]), kv_arena
+        return self.logits(h[batch.logits_indices_B]), (kv if wrapped else kv.arena)

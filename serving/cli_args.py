@@ -235,21 +235,35 @@ def validate_args(args: argparse.Namespace) -> None:
         raise _not_yet("--speculative-config")
     if args.kv_transfer_config is not None:
         raise _not_yet("--kv-transfer-config")
-    _check_attention_config(args.attention_config)
+    _check_attention_config(args.attention_config, args)
     _check_output_parsers(args)
 
 
-def _check_attention_config(config: dict | None) -> None:
+def _check_attention_config(config: dict | None, args: argparse.Namespace | None = None) -> None:
     """`--attention-config`: `sparse_mla_force_mqa: true` is what this build always does (prompts
     no longer than index_topk stay on the sparse MLA op; there is no dense-MHA prefill path), so it
-    is accepted; `false`, `hisparse_config` and unknown keys are refused naming the key."""
+    is accepted; `false` and unknown keys are refused naming the key. `hisparse_config` (Hybrid
+    HiSparse, `serving/hisparse/config.py`) is parsed here so a bad key fails at start-up; it runs
+    on one device for now, so the parallelism flags are refused with it."""
+    from serving.hisparse import HiSparseConfigError, hisparse_config
+
     for key, value in (config or {}).items():
         if key == "sparse_mla_force_mqa":
             if value is not True:
                 raise _not_yet(f"--attention-config sparse_mla_force_mqa={json.dumps(value)} "
                                "(only true: short prompts always take the sparse MLA path)")
         elif key == "hisparse_config":
-            raise _not_yet("--attention-config hisparse_config")
+            try:
+                hisparse_config(config)
+            except HiSparseConfigError as e:
+                raise ArgumentError(str(e)) from None
+            if args is not None:
+                used = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in
+                        ("tensor_parallel_size", "data_parallel_size", "prefill_context_parallel_size",
+                         "decode_context_parallel_size") if getattr(args, n, 1) > 1]
+                if used:
+                    raise _not_yet(f"--attention-config hisparse_config with {', '.join(used)} "
+                                   "(HiSparse runs on one device in this build)")
         else:
             raise ArgumentError(f"--attention-config: unknown key {key!r} "
                                 "(known: sparse_mla_force_mqa, hisparse_config)")

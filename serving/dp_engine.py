@@ -85,6 +85,10 @@ class DataParallelEngine(LLMEngine):
         par = args.parallel
         if par is None or par.data_parallel_size < 2:
             raise ValueError("DataParallelEngine needs --data-parallel-size >= 2")
+        if (args.attention_config or {}).get("hisparse_config") is not None:
+            raise ValueError("--attention-config hisparse_config with --data-parallel-size > 1 is not supported "
+                             "in this build (HiSparse runs on one device)")
+        self.hisparse = None
         self.args = args
         self.model_path = model_path
         self.config = model.cfg

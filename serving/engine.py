@@ -23,6 +23,7 @@ from glm53.capacity import engine_capacity_summary
 from glm53.kv_layout import build_kv_layout
 from glm53.loader import load_model
 from serving.block_pool import BlockPool
+from serving.hisparse import build_hisparse, hisparse_config
 from serving.kv_cache import KVCacheGroupSpec, KVCacheManager
 from serving.metrics import EngineGauges, FinishedRequestStats, LoggingStatLogger, StepRecord
 from serving.prefix_cache import PrefixCache
@@ -63,6 +64,7 @@ class EngineArgs:
     parallel: ParallelConfig | None = None  # TP / PCP / DCP / EP sizes (None: one device)
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "bfloat16" or "fp8"
     cuda_graph_sizes: list[int] | None = None  # decode-sized step buckets (None: 1, 2, 4, … max_num_seqs)
+    attention_config: dict | None = None  # --attention-config (hisparse_config: Hybrid HiSparse)
 
 
 def _model_dtype(name: str, device) -> jnp.dtype:
@@ -120,21 +122,35 @@ class LLMEngine:
         groups = [KVCacheGroupSpec(g.name, g.tokens_per_page * dcp) for g in layout.groups]
         caps = {g.name: math.ceil(args.max_model_len / s.tokens_per_page) for g, s in zip(layout.groups, groups)}
         self.kv = KVCacheManager(self.pool, groups, caps)
-        self.prefix_cache = PrefixCache(self.kv) if args.enable_prefix_caching else None
+        self.hisparse = None  # serving.hisparse.HiSparse when --attention-config has hisparse_config
+        hs_config = hisparse_config(args.attention_config)
+        if hs_config is not None:
+            if self.parallel is not None:
+                raise ValueError("--attention-config hisparse_config runs on one device for now: drop "
+                                 "--tensor-parallel-size / --prefill-context-parallel-size / "
+                                 "--decode-context-parallel-size / --data-parallel-size")
+            self.hisparse = build_hisparse(hs_config, self.kv, layout, model.cfg, args, self._on_host_block_reuse)
+            self.prefix_cache = self.hisparse.prefix_cache
+            policy = self.hisparse.policy
+        else:
+            self.prefix_cache = PrefixCache(self.kv) if args.enable_prefix_caching else None
+            policy = None
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len),
-            self.kv, eos_token_ids, self.prefix_cache)
+            self.kv, eos_token_ids, self.prefix_cache, policy)
         self.runner = ModelRunner(model, layout, num_blocks, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len, seed=args.seed,
                                   max_logprobs=args.max_logprobs, parallel=self.parallel,
-                                  cuda_graph_sizes=args.cuda_graph_sizes)
+                                  cuda_graph_sizes=args.cuda_graph_sizes,
+                                  hisparse=self.hisparse.device if self.hisparse is not None else None)
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_steps = 0
         self.host_overhead_s = 0.0
         self.gauges = EngineGauges(lambda: self.scheduler.num_requests_running,
                                    lambda: self.scheduler.num_requests_waiting,
-                                   lambda: self.scheduler.kv_cache_usage)
+                                   lambda: self.scheduler.kv_cache_usage,
+                                   self.hisparse.gauges() if self.hisparse is not None else None)
         self.stat_loggers: list = []
         if not args.disable_log_stats:
             self.stat_loggers.append(LoggingStatLogger(self.gauges, args.log_stats_interval_s))
@@ -145,6 +161,12 @@ class LLMEngine:
         if self.prefix_cache is not None and self.prefix_cache.on_block_reuse(block, tag):
             return
         self.kv.on_block_reuse(block, tag)
+
+    def _on_host_block_reuse(self, block: int, tag) -> None:
+        """The HiSparse host pool's reuse callback: a host block filed in the prefix cache's host
+        tier was handed out again."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.on_host_block_reuse(block, tag)
 
     @classmethod
     def from_args(cls, args: EngineArgs, eos_token_ids=None) -> "LLMEngine":
@@ -182,6 +204,8 @@ class LLMEngine:
             cls = DataParallelEngine
         engine = cls(model, layout, nblocks, args, eos, path)
         logger.info("%s", engine_capacity_summary(layout, nblocks, args.max_model_len, args.max_num_seqs))
+        if engine.hisparse is not None:
+            logger.info("%s", engine.hisparse.summary(nblocks, args.max_model_len, args.max_num_seqs))
         if engine.prefix_cache is not None:
             logger.info("prefix caching on: hits in steps of %d tokens (the hash unit); pages a hit covers in "
                         "part are copied on write", engine.prefix_cache.unit)
@@ -240,14 +264,17 @@ class LLMEngine:
         if sched.is_empty:
             return []
         sampled = self.runner.execute(sched, self.kv)
+        hot_stats = self.hisparse.device.last_stats if self.hisparse is not None else None
         outs = self.scheduler.update_from_output(sched, sampled)
+        st = self.runner.last
+        if self.hisparse is not None and not self.scheduler.has_unfinished_requests():
+            self._flush_host_copies()
         lps = self.runner.last_logprobs
         if lps:
             for out in outs:
                 lp = lps.get(out.request_id)
                 if lp is not None and out.new_token_ids:
                     out.new_logprobs = [lp]
-        st = self.runner.last
         host = (time.perf_counter() - t0) - st.device_s
         self.num_steps += 1
         self.host_overhead_s += host
@@ -256,9 +283,22 @@ class LLMEngine:
         if self.stat_loggers:
             rec = StepRecord(num_preemptions=self.scheduler.num_preemptions_total - preempted_before,
                              num_scheduled_tokens=st.num_tokens, host_s=host, device_s=st.device_s)
+            if hot_stats is not None:
+                rec.hisparse_hits, rec.hisparse_misses, _, rec.hisparse_h2d_bytes = hot_stats
             self._timing(sched, outs, rec)
             self._emit(rec)
         return outs
+
+    def _flush_host_copies(self) -> None:
+        """The engine went idle with write-through copies queued (pages sealed by the last step,
+        which finished requests leave to the host tier): run them now, in a step of padding
+        rows, so their host copies complete and are published."""
+        from serving.scheduler import SchedulerOutput
+
+        while self.hisparse.host.queue:
+            empty = SchedulerOutput()
+            self.runner.execute(empty, self.kv)
+            self.hisparse.policy.after_update(empty)
 
     # ------------------------------------------------------------------ statistics
     def _timing(self, sched, outs: list[RequestOutput], rec: StepRecord) -> None:

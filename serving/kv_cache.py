@@ -265,7 +265,8 @@ class KVCacheManager:
         cached_blocks: for a request without tables only, the leading pages per group to share
             (prefix-cache hits): each gets one more reference (a free one is revived out of the
             free queue, contents intact) and is placed at the head of the table, read-only by
-            convention (only positions past them are written).
+            convention (only positions past them are written). A NULL_BLOCK entry becomes a
+            placeholder (a page whose KV is not on the device: HiSparse's host tier).
         copy_from: for a request without tables only, per group, a page whose contents the
             request's first new page in that group must start from (copy-on-write of a page that
             a prefix-cache hit covers only in part; the request then writes the positions past
@@ -281,7 +282,7 @@ class KVCacheManager:
 
         Raises:
           ValueError: as `blocks_needed`; cached_blocks or copy_from for a request that already
-            has tables, naming an unknown group or the null block; copy_from for a group that
+            has tables or naming an unknown group; copy_from naming the null block or a group that
             gets no new page.
         """
         cached = {g.name: list(map(int, (cached_blocks or {}).get(g.name, ()))) for g in self.groups}
@@ -292,8 +293,8 @@ class KVCacheManager:
             unknown = (set(cached_blocks or {}) | set(copies)) - set(self._spec)
             if unknown:
                 raise ValueError(f"cached_blocks or copy_from names unknown groups {sorted(unknown)}")
-            if any(b == NULL_BLOCK for bs in cached.values() for b in bs) or NULL_BLOCK in copies.values():
-                raise ValueError("cached_blocks and copy_from must not name the null block")
+            if NULL_BLOCK in copies.values():
+                raise ValueError("copy_from must not name the null block")
             for b in copies.values():
                 self.pool.refcount(b)  # range check
         base = self.blocks_needed(request_id, new_total_tokens)
@@ -307,8 +308,10 @@ class KVCacheManager:
         tables = self._tables.setdefault(request_id, {g.name: BlockTable() for g in self.groups})
         for g in self.groups:  # take every cached page out of the free queue before allocating
             if cached[g.name]:
-                self.pool.incref(cached[g.name])
-                tables[g.name].blocks.extend(cached[g.name])
+                self.pool.incref(cached[g.name])  # ignores NULL_BLOCK
+                t = tables[g.name]
+                t.placeholders.update(len(t.blocks) + i for i, b in enumerate(cached[g.name]) if b == NULL_BLOCK)
+                t.blocks.extend(cached[g.name])
         claimed: dict[str, int] = {}
         for name, src in copies.items():  # before allocating, which could hand a free source out
             if self.pool.is_free(src):

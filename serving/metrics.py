@@ -9,7 +9,13 @@ logger it has (`LLMEngine.stat_loggers`). Two loggers exist:
   engine at scrape time.
 * `LoggingStatLogger`: every `interval_s` seconds, one INFO line with prompt and generation
   throughput, running/waiting requests, KV cache usage, prefix-cache hit rate, preemptions and
-  the mean per-step host overhead (time spent outside the device step).
+  the mean per-step host overhead (time spent outside the device step); with HiSparse also the
+  hot-buffer hit rate, host → device bytes, residency counts and host-pool usage.
+
+HiSparse metrics (registered only when the engine runs HiSparse): counters
+`vllm:hisparse_cache_hits`, `vllm:hisparse_cache_misses`, `vllm:hisparse_host_to_device_bytes`
+(exposed with prometheus_client's `_total` suffix), gauges `vllm:hisparse_requests{state}` and
+`vllm:hisparse_host_pool_usage_perc`.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ class StepRecord:
     together). finished: the requests that ended.
     num_scheduled_tokens / host_s / device_s: step size and its host and device time (s); 0
     for an abort record.
+    hisparse_hits / hisparse_misses / hisparse_h2d_bytes: HiSparse hot-buffer lookups found hot,
+    rows copied from the host pool, and the bytes those copies moved (0 without HiSparse).
     """
 
     num_prompt_tokens: int = 0
@@ -71,6 +79,9 @@ class StepRecord:
     host_s: float = 0.0
     device_s: float = 0.0
     is_step: bool = True
+    hisparse_hits: int = 0
+    hisparse_misses: int = 0
+    hisparse_h2d_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,7 @@ class EngineGauges:
     num_requests_running: Callable[[], float]
     num_requests_waiting: Callable[[], float]
     kv_cache_usage: Callable[[], float]
+    hisparse: object = None  # serving.hisparse.HiSparseGauges when HiSparse is on
 
 
 class PrometheusStatLogger:
@@ -130,6 +142,24 @@ class PrometheusStatLogger:
         self.req_tpot = hist("vllm:request_time_per_output_token_seconds",
                              "Per request: decode time / (output tokens - 1) (s).", _ITL_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to finish (s).", _E2E_BUCKETS)
+        self.hisparse = gauges.hisparse is not None
+        if self.hisparse:  # Hybrid HiSparse (serving/hisparse)
+            hs = gauges.hisparse
+            self.hot_hits = counter("vllm:hisparse_cache_hits",
+                                    "HiSparse hot-buffer lookups found in the hot buffer (distinct rows per step "
+                                    "and IndexShare group; hits + misses = lookups).")
+            self.hot_misses = counter("vllm:hisparse_cache_misses",
+                                      "HiSparse hot-buffer lookups copied from the host pool.")
+            self.hot_bytes = counter("vllm:hisparse_host_to_device_bytes",
+                                     "Bytes copied from the HiSparse host pool into hot buffers.")
+            states = Gauge("vllm:hisparse_requests", "Running requests per HiSparse residency state "
+                           "(full: all pages on the device; mixed: some only in the host pool; none: "
+                           "no page before the tail on the device).", labels + ["state"], registry=r)
+            for st in ("full", "mixed", "none"):
+                states.labels(model_name=model_name, state=st).set_function(
+                    lambda st=st: hs.residency().get(st, 0))
+            gauge("vllm:hisparse_host_pool_usage_perc", "Fraction of HiSparse host-pool blocks in use (1 = full).",
+                  hs.host_pool_usage)
         self.req_prompt = hist("vllm:request_prompt_tokens", "Prompt tokens per finished request.", _TOKEN_BUCKETS)
         self.req_gen = hist("vllm:request_generation_tokens", "Generated tokens per finished request.",
                             _TOKEN_BUCKETS)
@@ -146,6 +176,10 @@ class PrometheusStatLogger:
             self.prefix_queries.inc(rec.prefix_cache_queries)
         if rec.prefix_cache_hits:
             self.prefix_hits.inc(rec.prefix_cache_hits)
+        if self.hisparse:
+            self.hot_hits.inc(rec.hisparse_hits)
+            self.hot_misses.inc(rec.hisparse_misses)
+            self.hot_bytes.inc(rec.hisparse_h2d_bytes)
         for v in rec.ttft_s:
             self.ttft.observe(v)
         for v in rec.inter_token_s:
@@ -177,6 +211,7 @@ class LoggingStatLogger:
     def _reset(self, now: float) -> None:
         self._t0 = now
         self._prompt = self._gen = self._steps = self._preempt = self._q = self._h = 0
+        self._hot_h = self._hot_m = self._hot_b = 0
         self._host = self._device = 0.0
 
     def record(self, rec: StepRecord) -> None:
@@ -186,6 +221,9 @@ class LoggingStatLogger:
         self._preempt += rec.num_preemptions
         self._q += rec.prefix_cache_queries
         self._h += rec.prefix_cache_hits
+        self._hot_h += rec.hisparse_hits
+        self._hot_m += rec.hisparse_misses
+        self._hot_b += rec.hisparse_h2d_bytes
         if rec.is_step:
             self._steps += 1
             self._host += rec.host_s
@@ -208,4 +246,17 @@ class LoggingStatLogger:
                 f"KV cache usage: {100 * self.gauges.kv_cache_usage():.1f}%, "
                 f"Prefix cache hit rate: {hit_rate:.1f}%, Preemptions: {self._preempt}, "
                 f"Steps: {self._steps}, host overhead {1e3 * self._host / steps:.2f} ms/step "
-                f"({100 * host_share:.0f}% of step time), device {1e3 * self._device / steps:.2f} ms/step")
+                f"({100 * host_share:.0f}% of step time), device {1e3 * self._device / steps:.2f} ms/step"
+                + self._hisparse_summary(dt))
+
+    def _hisparse_summary(self, dt: float) -> str:
+        hs = self.gauges.hisparse
+        if hs is None:
+            return ""
+        lookups = self._hot_h + self._hot_m
+        rate = 100.0 * self._hot_h / lookups if lookups else 0.0
+        res = hs.residency()
+        return (f", HiSparse: hot hit rate {rate:.1f}% ({lookups} lookups), host->device "
+                f"{self._hot_b / 2**20 / dt:.2f} MiB/s, residency full/mixed/none "
+                f"{res.get('full', 0)}/{res.get('mixed', 0)}/{res.get('none', 0)}, host pool "
+                f"{100 * hs.host_pool_usage():.1f}%")

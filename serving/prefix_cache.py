@@ -37,7 +37,18 @@ counts pages made copy-on-write (device copies and pages taken over in place).
 
 A page carries one pool tag. A policy that releases a published page with a tag of its own
 (HiSparse `KVCacheManager.release_page`) replaces the `CachedPageTag`; `audit` reports such a
-page, so such a policy must first unpublish it (or chain both owners in one tag).
+page, so such a policy first unpublishes it (`unpublish_block`).
+
+Host tier (Hybrid HiSparse, DESIGN §6.1). With a `host_pool` (the HiSparse host pool's block
+pool), pages of the `host_group` (the MLA latent group; its pages must be one hash unit long) are
+also published in host memory: `publish_host` files a host block under the unit's key once its
+copy is complete, tags it in the host pool, and the host pool's reuse callback
+(`on_host_block_reuse`) drops it. A lookup then covers a `host_group` page by a device page or by
+a host block: `PrefixHit.blocks` holds the device page or NULL_BLOCK (the request starts that
+page as a placeholder, HiSparse state "none" or "mixed", and reads its rows through the hot
+buffer) and `PrefixHit.host_blocks` every host block found (so an adopted device page whose host
+copy exists is clean at once). The other groups still need device pages, so a hit is as long as
+the shortest coverage.
 """
 
 from __future__ import annotations
@@ -50,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from serving.block_pool import NULL_BLOCK
+from serving.block_pool import NULL_BLOCK, BlockPool
 from serving.kv_cache import KVCacheManager
 from serving.request import Request
 
@@ -86,11 +97,14 @@ class PrefixHit:
     blocks: per group, the pages wholly below H, in order (shared read-only).
     copy_from: per group whose page at H is only partly covered, the cached page to start the
         request's own page from (copy-on-write); absent for groups whose pages end at H.
+    host_blocks: host tier only: page index → host block of the host group's pages below H that
+        have a host copy (NULL_BLOCK in `blocks` where there is no device page).
     """
 
     num_tokens: int
     blocks: dict[str, list[int]]
     copy_from: dict[str, int] = field(default_factory=dict)
+    host_blocks: dict[int, int] = field(default_factory=dict)
 
 
 class PrefixCache:
@@ -101,17 +115,29 @@ class PrefixCache:
 
     Route the pool's `on_reuse` callback to `on_block_reuse` (it returns False for tags that are
     not this cache's, so handlers can be chained).
+
+    host_pool: optional host tier (module docstring): the HiSparse host pool's `BlockPool`, whose
+      `on_reuse` must be routed to `on_host_block_reuse`. host_group: the group it holds.
+
+    Raises ValueError when the host group's pages are not one hash unit long.
     """
 
-    def __init__(self, kv: KVCacheManager):
+    def __init__(self, kv: KVCacheManager, host_pool: BlockPool | None = None, host_group: str = "mla"):
         self.kv = kv
         self.unit = reduce(math.gcd, [g.tokens_per_page for g in kv.groups])
         self._units_per_page = {g.name: g.tokens_per_page // self.unit for g in kv.groups}
         self._entries: dict[str, dict[bytes, int]] = {g.name: {} for g in kv.groups}
         self._pages: dict[int, _PublishedPage] = {}
+        self.host_pool = host_pool
+        self.host_group = host_group
+        if host_pool is not None and self._units_per_page.get(host_group) != 1:
+            raise ValueError(f"the host tier needs {host_group!r} pages of one hash unit ({self.unit} tokens)")
+        self._host_entries: dict[bytes, int] = {}
+        self._host_keys: dict[int, CachedPageTag] = {}  # host block -> its tag (one key per block)
         self.queries = 0
         self.hits = 0
         self.copies = 0
+        self.host_hits = 0  # hit tokens whose host-group page came from the host tier only
 
     # ------------------------------------------------------------------ hashing
 
@@ -137,12 +163,18 @@ class PrefixCache:
         hashes = self.block_hashes(request, limit * self.unit)
         best = limit
         found: dict[str, tuple[list[int], int | None]] = {}
+        host_found: dict[int, int] = {}
         for g in self.kv.groups:
             k = self._units_per_page[g.name]
             entries = self._entries[g.name]
+            tier = self.host_pool is not None and g.name == self.host_group
             full: list[int] = []
             while (len(full) + 1) * k <= best:
-                block = entries.get(hashes[(len(full) + 1) * k - 1])
+                key = hashes[(len(full) + 1) * k - 1]
+                block = entries.get(key)
+                if tier and key in self._host_entries:
+                    host_found[len(full)] = self._host_entries[key]
+                    block = NULL_BLOCK if block is None else block
                 if block is None:
                     break
                 full.append(block)
@@ -165,6 +197,7 @@ class PrefixCache:
             hit.blocks[g.name] = full[:n]
             if best % k:
                 hit.copy_from[g.name] = full[n] if n < len(full) else partial
+        hit.host_blocks = {i: b for i, b in host_found.items() if i < best}
         return hit
 
     def record_query(self, num_query_tokens: int, hit: PrefixHit) -> None:
@@ -172,6 +205,8 @@ class PrefixCache:
         self.queries += num_query_tokens
         self.hits += hit.num_tokens
         self.copies += len(hit.copy_from)
+        if self.host_pool is not None:
+            self.host_hits += self.unit * sum(1 for b in hit.blocks.get(self.host_group, []) if b == NULL_BLOCK)
 
     # ------------------------------------------------------------------ publishing
 
@@ -218,6 +253,67 @@ class PrefixCache:
         if page is not None and page.tag == tag:
             self._drop(block)
         return True
+
+    def hit_intact(self, hit: PrefixHit) -> bool:
+        """True while every page a `lookup` result names is still published (nothing handed one
+        of its free pages out since), so it can still be adopted."""
+        for name, blocks in hit.blocks.items():
+            for b in blocks:
+                if b != NULL_BLOCK and (b not in self._pages or self._pages[b].tag.group != name):
+                    return False
+        if any(b not in self._pages for b in hit.copy_from.values()):
+            return False
+        return all(b in self._host_keys for b in hit.host_blocks.values())
+
+    def unpublish_block(self, block: int) -> bool:
+        """Drop every key of a published device page and clear its tag (a policy is about to put
+        a tag of its own on it). Returns True when the page was published."""
+        page = self._pages.get(block)
+        if page is None:
+            return False
+        if self.kv.pool.get_tag(block) == page.tag:
+            self.kv.pool.clear_tag(block)
+        self._drop(block)
+        return True
+
+    # ------------------------------------------------------------------ host tier
+
+    def publish_host(self, key: bytes, host_block: int) -> bool:
+        """File `host_block` (whose copy is complete) under the unit hash `key` of the host group,
+        unless the key is filed already; tags the block in the host pool. Returns True when
+        filed. Raises ValueError without a host tier or for a block filed under another key."""
+        if self.host_pool is None:
+            raise ValueError("this prefix cache has no host tier")
+        if key in self._host_entries:
+            return False
+        if host_block in self._host_keys:
+            if self._host_keys[host_block].block_hash == key:
+                return False
+            raise ValueError(f"host block {host_block} is filed under another key")
+        tag = CachedPageTag("host:" + self.host_group, key)
+        self.host_pool.set_tag(host_block, tag)
+        self._host_entries[key] = host_block
+        self._host_keys[host_block] = tag
+        return True
+
+    def host_key(self, host_block: int) -> bytes | None:
+        """The key a host block is filed under, or None."""
+        tag = self._host_keys.get(host_block)
+        return None if tag is None else tag.block_hash
+
+    def on_host_block_reuse(self, block: int, tag: Any) -> bool:
+        """The host pool's `on_reuse` handler: a filed host block was handed out again, so its key
+        is dropped. Returns True when the tag was this cache's."""
+        if not isinstance(tag, CachedPageTag) or self._host_keys.get(block) != tag:
+            return False
+        del self._host_keys[block]
+        del self._host_entries[tag.block_hash]
+        return True
+
+    @property
+    def num_host_entries(self) -> int:
+        """Host blocks filed in the host tier."""
+        return len(self._host_entries)
 
     def reset(self) -> int:
         """Forget every page that is free (unreferenced); returns how many. Pages in use stay
@@ -273,4 +369,13 @@ class PrefixCache:
                     errors.append(f"block {block} lists a key that names another page")
         if n != self.num_keys:
             errors.append(f"prefix cache has {self.num_keys} keys but its pages list {n}")
+        if self.host_pool is not None:
+            if len(self._host_keys) != len(self._host_entries):
+                errors.append("host tier indexes disagree in size")
+            for key, block in self._host_entries.items():
+                tag = self._host_keys.get(block)
+                if tag is None or tag.block_hash != key:
+                    errors.append(f"host tier key of host block {block} disagrees")
+                elif self.host_pool.get_tag(block) != tag:
+                    errors.append(f"host block {block} is filed but carries tag {self.host_pool.get_tag(block)!r}")
         return errors

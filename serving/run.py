@@ -65,7 +65,8 @@ def build_server(argv: list[str] | None = None):
         gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks_override=args.num_gpu_blocks_override,
         seed=args.seed, enable_prefix_caching=args.enable_prefix_caching, max_logprobs=args.max_logprobs,
         disable_log_stats=args.disable_log_stats, parallel=args.parallel,
-        kv_cache_dtype=args.kv_cache_dtype, cuda_graph_sizes=cuda_graph_sizes(args.cuda_graph_sizes))
+        kv_cache_dtype=args.kv_cache_dtype, cuda_graph_sizes=cuda_graph_sizes(args.cuda_graph_sizes),
+        attention_config=args.attention_config)
     try:
         engine = LLMEngine.from_args(eargs)
     except (ValueError, FileNotFoundError) as e:

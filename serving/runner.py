@@ -31,7 +31,10 @@ from glm53.batch import ForwardBatch
 from glm53.kv_layout import KVCacheLayout
 from glm53.model import GlmForCausalLM
 from glm53.parallel_batch import empty_parallel_arena, pcp_reorder, shard_batch, stack_replicas
+from glm53.hot_cache import HostAccess, HotState, PagedKV
+from kernels.host_rows import store_pages
 from kernels.paged import copy_pages
+from serving.hisparse.device_state import HiSparseDeviceState
 from serving.kv_cache import KVCacheManager
 from serving.sampling import sample_with_logprobs
 from sharding.mesh import ParallelLayout
@@ -106,8 +109,12 @@ class ModelRunner:
 
     def __init__(self, model: GlmForCausalLM, layout: KVCacheLayout, num_blocks: int, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, seed: int = 0, max_logprobs: int = 20,
-                 parallel: ParallelLayout | None = None, cuda_graph_sizes=None):
+                 parallel: ParallelLayout | None = None, cuda_graph_sizes=None,
+                 hisparse: HiSparseDeviceState | None = None):
         self.layout = layout
+        self.hisparse = hisparse
+        if hisparse is not None and parallel is not None:
+            raise ValueError("HiSparse runs on one device for now")
         self.parallel = parallel
         self.graphdef, self.state = nnx.split(model)
         self.max_num_seqs = max_num_seqs
@@ -145,13 +152,28 @@ class ModelRunner:
         self.arena_shards = arena_shards(parallel) if parallel is not None else 1
         self.max_page_copies = max_num_seqs * len(layout.groups) * self.arena_shards
 
-        @functools.partial(jax.jit, donate_argnums=(2,))
+        mla = layout.group("mla")
+        mechanism = hisparse.mechanism if hisparse is not None else None
+
+        @functools.partial(jax.jit, donate_argnums=(2, 10))
         def step(state, batch: ForwardBatch, kv_arena, temperature, top_p, seeds, steps, want_logprobs, copy_src,
-                 copy_dst):
+                 copy_dst, hs, stores):
+            # hs: None, or HiSparse's (hot state, host pool), donated; stores: its (sources, destinations).
+            host = None
+            if hs is not None:  # the write-through copies first: pages sealed by earlier steps
+                hot, pool = hs
+                store_src, store_dst = stores
+                pool, stored = store_pages(pool, kv_arena, store_src, store_dst, mla, "mla", mechanism=mechanism)
+                host = HostAccess(pool, mechanism, stored)
             kv_arena = copy_pages(kv_arena, copy_src, copy_dst)  # copy-on-write pages, before any write
             model = nnx.merge(graphdef, state)
-            logits, _, kv_arena = model(batch, kv_arena, layout, parallel)
-            return sample_with_logprobs(logits, temperature, top_p, seeds, steps, want_logprobs, k), kv_arena
+            if hs is None:
+                logits, _, kv_arena = model(batch, kv_arena, layout, parallel)
+                return sample_with_logprobs(logits, temperature, top_p, seeds, steps, want_logprobs, k), kv_arena, None
+            kv = PagedKV(kv_arena, HotState(hot.host_row_SGM, hot.rank_SGM, jnp.zeros(4, jnp.int32)))
+            logits, _, kv = model(batch, kv, layout, parallel, host)
+            out = sample_with_logprobs(logits, temperature, top_p, seeds, steps, want_logprobs, k)
+            return out, kv.arena, (kv.hot, host.pool)
 
         self._step = step
 
@@ -164,6 +186,9 @@ class ModelRunner:
             slot_mapping={g: np.full(T, -1, np.int32) for g in self.widths},
             block_tables={g: np.zeros((B, w), np.int32) for g, w in self.widths.items()},
             logits_indices_B=np.zeros(B, np.int32))
+        if self.hisparse is not None:
+            batch.hot, *stores = self.hisparse.empty_inputs(B, self.widths["mla"])
+            self._stores = tuple(stores)
         if self.dp > 1:  # one padding batch per replica, stacked (the step's global shapes)
             batch, B = stack_replicas([batch] * self.dp, self.parallel.pcp), B * self.dp
         z = np.zeros(B, np.float32)
@@ -181,12 +206,26 @@ class ModelRunner:
         for T in tqdm(self.buckets, desc="compiling step buckets", disable=not progress, unit="bucket"):
             t = time.perf_counter()
             batch, extra = self._dummy(T)
-            out, self.kv_arena = self._step(self.state, self._place(batch), self.kv_arena, *extra)
+            out, self.kv_arena, hs = self._step(self.state, self._place(batch), self.kv_arena, *extra,
+                                                *self._hisparse_args())
+            self._keep_hisparse(hs)
             jax.block_until_ready(out)
             self.compile_seconds[T] = time.perf_counter() - t
         logger.info("step bucket compile seconds: %s",
                     ", ".join(f"{T}: {s:.1f}" for T, s in self.compile_seconds.items()))
         return time.perf_counter() - t0
+
+    def _hisparse_args(self):
+        """The step's `hs, stores` arguments: None, None or ((hot state, host pool), store lists)."""
+        if self.hisparse is None:
+            return None, None
+        src, dst = self._stores
+        return (self.hisparse.hot, self.hisparse.pool), (jnp.asarray(src), jnp.asarray(dst))
+
+    def _keep_hisparse(self, hs) -> None:
+        """Take back the donated HiSparse state the step returned."""
+        if hs is not None:
+            self.hisparse.hot, self.hisparse.pool = hs
 
     def _place(self, batch: ForwardBatch) -> ForwardBatch:
         """Host batch → device arrays (PCP load-balanced token order and the mesh under a layout)."""
@@ -244,6 +283,9 @@ class ModelRunner:
             off += n
         tables = {g: kv.block_table_array(rids, g, w) for g, w in self.widths.items()}
         batch = ForwardBatch(ids, pos, req, slots, tables, logits_idx)
+        if self.hisparse is not None:
+            batch.hot, *stores = self.hisparse.inputs(sched, B, self.widths["mla"])
+            self._stores = tuple(stores)
         copies = np.full((2, self.max_page_copies), -1, np.int32)
         if sched.page_copies:
             pairs = np.asarray(sched.page_copies, np.int32).T  # [2, C] engine block ids
@@ -268,9 +310,14 @@ class ModelRunner:
         t0 = time.perf_counter()
         batch, extra = self.prepare(sched, kv)
         t1 = time.perf_counter()
-        out, self.kv_arena = self._step(self.state, self._place(batch), self.kv_arena, *map(jnp.asarray, extra))
+        out, self.kv_arena, hs = self._step(self.state, self._place(batch), self.kv_arena, *map(jnp.asarray, extra),
+                                            *self._hisparse_args())
+        self._keep_hisparse(hs)
         want_lp = bool(extra[4])
-        toks, tok_lp, top_ids, top_lp = jax.device_get(out if want_lp else out[:1] + (None,) * 3)
+        stats = hs[0].stats_4 if hs is not None else None
+        (toks, tok_lp, top_ids, top_lp), stats = jax.device_get((out if want_lp else out[:1] + (None,) * 3, stats))
+        if stats is not None:
+            self.hisparse.record(stats)
         t2 = time.perf_counter()
         self.last = StepStats(sched.num_scheduled_tokens, batch.input_ids_T.shape[0], t1 - t0, t2 - t1)
         self.last_logprobs = {}
@@ -318,7 +365,8 @@ class ModelRunner:
         copies[:, : valid.shape[1]] = valid  # valid entries first (copy_pages stops at the first −1)
         extra = (cat(0), cat(1), cat(2), cat(3), want_lp, *copies)
         t1 = time.perf_counter()
-        out, self.kv_arena = self._step(self.state, self._place(batch), self.kv_arena, *map(jnp.asarray, extra))
+        out, self.kv_arena, _ = self._step(self.state, self._place(batch), self.kv_arena, *map(jnp.asarray, extra),
+                                           None, None)
         toks, tok_lp, top_ids, top_lp = jax.device_get(out if want_lp else out[:1] + (None,) * 3)
         t2 = time.perf_counter()
         self.last = StepStats(sum(s.num_scheduled_tokens for s in scheds), batch.input_ids_T.shape[0],

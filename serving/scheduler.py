@@ -43,6 +43,7 @@ from typing import Iterable
 import numpy as np
 
 from serving.kv_cache import KVCacheManager
+from serving.kv_policy import DeviceResidentPolicy
 from serving.prefix_cache import PrefixCache
 from serving.request import Request, RequestStatus
 from serving.types import RequestOutput
@@ -142,6 +143,8 @@ class Scheduler:
       kv_cache_manager: the block tables; the scheduler allocates and frees through it.
       eos_token_ids: token ids that end a request (unless its sampling params say ignore_eos).
       prefix_cache: optional `PrefixCache` over the same manager (prefix caching on).
+      policy: how pages are held (`serving/kv_policy.py`); default `DeviceResidentPolicy`
+        (everything resident, preemption when the pool runs out).
 
     Raises:
       ValueError: the manager's per-request table caps cannot cover max_model_len.
@@ -153,10 +156,12 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         eos_token_ids: Iterable[int] | int | None = (),
         prefix_cache: PrefixCache | None = None,
+        policy: DeviceResidentPolicy | None = None,
     ):
         self.config = config
         self.kv = kv_cache_manager
         self.prefix_cache = prefix_cache
+        self.policy = policy if policy is not None else DeviceResidentPolicy(kv_cache_manager)
         if eos_token_ids is None:
             eos_token_ids = ()
         elif isinstance(eos_token_ids, int):
@@ -169,8 +174,11 @@ class Scheduler:
                 f"{config.max_model_len} needs {config.max_model_len - 1}"
             )
         # A request with T tokens needs KV for T positions; beyond this length the whole pool
-        # could not hold it, so such a request is finished with "length".
-        self._len_limit = min(config.max_model_len, self._pool_token_capacity() + 1)
+        # (or what the policy can hold, e.g. HiSparse's host pool) could not hold it, so such a
+        # request is finished with "length".
+        capacity = self.policy.token_capacity()
+        self._len_limit = min(config.max_model_len,
+                              (self._pool_token_capacity() if capacity is None else capacity) + 1)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -269,6 +277,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
 
+        self.policy.begin_step(self.running)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -276,7 +285,12 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
+            num_new = self.policy.cap_new_tokens(req, num_new)
+            while True:
+                granted = self.policy.allocate(req, num_new, [sr.request for sr in scheduled])
+                if granted:
+                    num_new = granted
+                    break
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -298,17 +312,16 @@ class Scheduler:
             hit = None
             if self.prefix_cache is not None:
                 hit = self.prefix_cache.lookup(req)
-            if not self.kv.allocate_slots(req.request_id, req.num_tokens, hit and hit.blocks,
-                                          hit and hit.copy_from):
+            num_hit = hit.num_tokens if hit is not None else 0
+            num_new = self.policy.admit(req, hit, self._cap(req.num_tokens - num_hit, budget),
+                                        [sr.request for sr in scheduled])
+            if num_new == 0:
                 break
-            num_hit = 0
             if hit is not None:
                 self.prefix_cache.record_query(req.num_tokens, hit)
-                num_hit = hit.num_tokens
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_hit
             req.num_computed_tokens = num_hit
-            num_new = self._num_new_tokens(req, budget)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.state_row = heapq.heappop(self._free_rows)
@@ -324,6 +337,7 @@ class Scheduler:
             page_copies=self.kv.take_page_copies(),
         )
         self._finished_since_step = []
+        self.policy.end_step(out)
         return out
 
     def update_from_output(
@@ -370,6 +384,7 @@ class Scheduler:
                 self._finish(req, status)
             if new_tokens or status is not None:
                 outputs.append(self._output(req, new_tokens))
+        self.policy.after_update(sched_out)
         return outputs
 
     # ------------------------------------------------------------------ checks
@@ -383,7 +398,8 @@ class Scheduler:
         running request's tables cover its num_computed_tokens; only running requests hold
         tables (so finished and preempted requests hold nothing).
         """
-        errors = list(self.kv.audit())
+        errors = list(self.kv.audit(self.policy.external_refs()))
+        errors += self.policy.audit()
         if self.prefix_cache is not None:
             errors += self.prefix_cache.audit()
         cfg = self.config
@@ -437,7 +453,10 @@ class Scheduler:
     # ------------------------------------------------------------------ helpers
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        num_new = req.num_tokens - req.num_computed_tokens
+        return self._cap(req.num_tokens - req.num_computed_tokens, budget)
+
+    def _cap(self, num_new: int, budget: int) -> int:
+        """`num_new` tokens capped by long_prefill_token_threshold and the step's budget."""
         if self.config.long_prefill_token_threshold > 0:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         return min(num_new, budget)
@@ -453,7 +472,7 @@ class Scheduler:
         )
 
     def _preempt(self, req: Request) -> None:
-        self.kv.free(req.request_id)
+        self.policy.free(req, preempted=True)
         self._release_row(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -465,7 +484,7 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         """Mark finished and release everything; the caller removed it from its queue."""
         req.status = status
-        self.kv.free(req.request_id)
+        self.policy.free(req)
         self._release_row(req)
         del self.requests[req.request_id]
         self._finished_since_step.append(req.request_id)

@@ -99,7 +99,7 @@ def test_fp8_cache_matches_hf_goldens_within_a_looser_bound(golden):
 # ----------------------------------------------------------------------------- equality rule vs dense attention
 
 def dense_causal_attention(q_abs_TNC, kv_arena, topk_TK, batch, layout, group, layer, *, kv_lora_rank, scale,
-                           parallel=None):
+                           parallel=None, slots_TK=None):
     """Plain causal MLA over EVERY cached position of the token's request (ignores the top-k)."""
     g = layout.group(group)
     S = batch.block_tables[group].shape[-1] * g.tokens_per_page

@@ -1,0 +1,99 @@
+"""What the model sees of Hybrid HiSparse (DESIGN §6.1, §6.1.1): per-step hot inputs, the
+per-request hot state carried through the forward pass, and access to the host pool.
+
+Under HiSparse some of a request's MLA pages are no longer on the device (their block-table entry
+is the null block) and their rows live in a host pool. Each IndexShare group's full layer resolves
+its top-k through `glm53.attention.resolve_hot`: resident positions are read in place, the others
+through the request's hot buffer (ordinary arena pages leased from the pool), copying missed
+rows — all layers of the group at once — from the host pool inside the step. The group's shared
+layers reuse the resolved slots.
+
+* `HotBatch` (per step, int32): the host block of every MLA page, the hot pages of each request,
+  its state row and how much of its hot state is stale; `active` is False when no request of the
+  step has a hot lease (the resolver is then skipped and the step reads exactly as without
+  HiSparse).
+* `HotState` (carried, donated between steps): per state row and IndexShare group, the host row
+  each hot slot holds and its LRU rank (`kernels/hot_resolve`), plus this step's lookup counters.
+* `PagedKV`: the arena and the hot state, threaded through the layers as one pytree.
+* `HostAccess`: the host pool (a `pinned_host` `jax.Array` or a `HostRowStore`), the transfer
+  mechanism and a value the pool reads are ordered after (`kernels/host_rows`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class HotBatch:
+    """Per-step HiSparse inputs.
+
+    host_table_BP: int32 `[B, P]` host-pool block of each MLA page of each batch row (0 = none).
+    hot_table_BH: int32 `[B, H]` hot-lease pages of each batch row (0 = none); hot slot j lives in
+        page `hot_table[b, j // tpp]` at offset `j % tpp`.
+    state_row_B: int32 `[B]` row of the request in `HotState` (−1 = no hot lease this step).
+    reset_from_B: int32 `[B]` hot slots j ≥ this are stale (new owner, changed pages) and cleared.
+    active: bool scalar, True when some batch row has a hot lease.
+    num_host_blocks: int32 scalar, the host pool's blocks (host rows < num_host_blocks · tpp).
+    """
+
+    host_table_BP: jax.Array
+    hot_table_BH: jax.Array
+    state_row_B: jax.Array
+    reset_from_B: jax.Array
+    active: jax.Array
+    num_host_blocks: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class HotState:
+    """Per-request hot state of every IndexShare group (int32; donated between steps).
+
+    host_row_SGM: `[S, G, M]` host row held by hot slot j of state row s in index group g (−1 =
+    empty). rank_SGM: `[S, G, M]` its LRU rank (0 = least recently used). stats_4: this step's
+    `[hits, misses, dropped, layer rows copied]` summed over the groups (a miss of a group of n
+    layers copies n layer rows; zeroed by the caller per step).
+    """
+
+    host_row_SGM: jax.Array
+    rank_SGM: jax.Array
+    stats_4: jax.Array
+
+    @classmethod
+    def empty(cls, num_state_rows: int, num_index_groups: int, hot_rows: int) -> "HotState":
+        """A fresh state: every slot empty, ranks 0 … M−1 (slot order)."""
+        shape = (num_state_rows, num_index_groups, hot_rows)
+        return cls(jnp.full(shape, -1, jnp.int32),
+                   jnp.broadcast_to(jnp.arange(hot_rows, dtype=jnp.int32), shape),
+                   jnp.zeros(4, jnp.int32))
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class PagedKV:
+    """The KV arena `uint32[num_blocks, page_words]` and, under HiSparse, the hot state."""
+
+    arena: jax.Array
+    hot: HotState | None = None
+
+    def with_arena(self, arena: jax.Array) -> "PagedKV":
+        return replace(self, arena=arena)
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["pool", "after"], meta_fields=["mechanism"])
+@dataclass(frozen=True)
+class HostAccess:
+    """How the forward pass reads the host pool: `pool` (a `pinned_host` `jax.Array` for the
+    "memory_kind" mechanism, a `kernels.host_rows.HostRowStore` for "callback"), the `mechanism`
+    name, and `after`, an array the reads are ordered after (the step's page stores)."""
+
+    pool: Any
+    mechanism: str
+    after: Any = field(default=None)

@@ -1,0 +1,188 @@
+"""Moving KV rows between the paged device arena and a host-memory row pool (HiSparse, DESIGN §4.3).
+
+Host pool layout. The pool holds whole pages of one single-component group (the MLA latent group:
+every sparse-MLA layer of a token), *token-major*: host row r is one token's rows of all L layers
+back to back, `uint32[num_host_blocks · tpp, L · W]` (W = row words). Host block b is rows
+`[b·tpp, (b+1)·tpp)`; block 0 is the null block (never written, never read). Token-major makes
+both transfers contiguous:
+
+* a page copy (device page → host block, the write-through "pre-copy") is one `[tpp, L·W]`
+  slab: the arena page `[L, tpp, W]` (layer-major, `kernels/paged/layout.py`) transposed;
+* a hot-row copy (host row → a device slot, for the layers `[l0, l0 + n)` of one IndexShare
+  group) is one contiguous run of `n · W` words of one host row.
+
+Two mechanisms implement the same contract (`MECHANISMS`; `api.py` chooses per backend):
+
+* "memory_kind": the pool is a `jax.Array` in the `pinned_host` memory kind, threaded through
+  the jitted step (donated). Every host access is XLA's supported host-offload pattern: a
+  contiguous `dynamic_slice` of the host array immediately moved to device memory
+  (`jax.device_put(..., jax.memory.Space.Device)`), or a device value moved to host memory and
+  written with `dynamic_update_slice`. No gather, scatter or arithmetic ever reads a host value
+  (on a GPU those are rejected or become slow host compute: openxla/xla#34565, #47362,
+  jax#34041). One loop iteration per row (gather) or per page (store), over the valid entries
+  only.
+* "callback": the pool is a numpy array owned by a `HostRowStore`; the step gathers and stores
+  through `jax.experimental.io_callback` (supported on GPU), in chunks of `CALLBACK_CHUNK` rows.
+  Reads are ordered after the step's stores by a data dependency.
+
+Row copies land in the arena through `scatter_rows` (one call per layer); −1 slots are dropped.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import io_callback
+
+from kernels.paged.layout import GroupLayout
+from kernels.paged.ops import row_location
+
+MECHANISMS = ("memory_kind", "callback")
+CALLBACK_CHUNK = 256
+
+
+@jax.tree_util.register_pytree_node_class
+class HostRowStore:
+    """The host pool of the "callback" mechanism: a numpy array `uint32[rows, row_words]`, read
+    and written by host callbacks inside the jitted step. A pytree without leaves (the object
+    itself is the static part, hashed by identity), so it passes through `jax.jit` like the
+    memory-kind pool's `jax.Array`."""
+
+    def tree_flatten(self):
+        return (), self
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return aux
+
+    def __init__(self, num_rows: int, row_words: int):
+        self.rows = np.zeros((int(num_rows), int(row_words)), np.uint32)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows.shape
+
+    def _gather(self, rows, col_start, num_cols: int, _after):
+        rows = np.asarray(rows)
+        out = np.zeros((rows.shape[0], num_cols), np.uint32)
+        ok = (rows >= 0) & (rows < self.rows.shape[0])
+        c0 = int(col_start)
+        out[ok] = self.rows[rows[ok], c0:c0 + num_cols]
+        return out
+
+    def _store(self, row_start, block, count):
+        n, r0 = int(count), np.asarray(row_start)
+        tpp = block.shape[1]
+        block = np.asarray(block)
+        for i in range(n):
+            if 0 <= r0[i] and r0[i] + tpp <= self.rows.shape[0]:
+                self.rows[int(r0[i]):int(r0[i]) + tpp] = block[i]
+        return np.int32(n)
+
+
+def page_to_rows(page_words: jax.Array, layout: GroupLayout, component: str) -> jax.Array:
+    """One arena page (or a batch `[..., page_words]`) → its token-major host rows
+    `uint32[..., tpp, L·W]` (token o's rows of every layer back to back)."""
+    base, comp = layout.component(component)
+    tpp, L, W = layout.tokens_per_page, comp.num_layers, comp.row_words
+    x = page_words[..., base:base + L * tpp * W]
+    x = x.reshape(*x.shape[:-1], L, tpp, W)
+    x = jnp.swapaxes(x, -3, -2)
+    return x.reshape(*x.shape[:-3], tpp, L * W)
+
+
+def _scatter_layers(kv_arena, slots_X, rows_XnW, layout, component, first_layer, num_layers):
+    """Write `rows [X, n·W]` (layers first_layer … first_layer+n−1 of each row) at `slots [X]`."""
+    from kernels.paged.ops import scatter_rows
+
+    _, comp = layout.component(component)
+    W = comp.row_words
+    for li in range(num_layers):
+        kv_arena = scatter_rows(kv_arena, slots_X, rows_XnW[:, li * W:(li + 1) * W], layout, component,
+                                first_layer + li)
+    return kv_arena
+
+
+def copy_host_rows(kv_arena: jax.Array, pool, host_rows_X: jax.Array, slots_X: jax.Array, layout: GroupLayout,
+                   component: str, first_layer, num_layers: int, *, mechanism: str,
+                   after: jax.Array | None = None) -> jax.Array:
+    """`gather_host_rows` into the arena: for each valid i (entries with `host_rows_X[i] ≥ 0`
+    come first; the first −1 ends the list), copy host row `host_rows_X[i]`'s words of layers
+    `[first_layer, first_layer + num_layers)` into arena slot `slots_X[i]` of those layers.
+
+    Args:
+      kv_arena: `uint32[num_blocks, page_words]` (donate it). pool: the host pool (a pinned_host
+        `jax.Array` for "memory_kind", a `HostRowStore` for "callback").
+      host_rows_X, slots_X: int32 `[X]`. first_layer: int or traced int32 scalar (the stacked
+        IndexShare groups scan over it); num_layers: static.
+      after: callback mechanism only: an array the reads are ordered after (e.g. the step's
+        host stores).
+    Returns the updated arena. Raises ValueError for an unknown mechanism.
+    """
+    _, comp = layout.component(component)
+    W = comp.row_words
+    n = jnp.sum(host_rows_X >= 0).astype(jnp.int32)
+    col0 = jnp.asarray(first_layer, jnp.int32) * W
+    ncols = num_layers * W
+    if mechanism == "memory_kind":
+        tpp = layout.tokens_per_page
+
+        def body(i, arena):
+            row = lax.dynamic_slice(pool, (host_rows_X[i], col0), (1, ncols))  # contiguous host slice
+            row = jax.device_put(row, jax.memory.Space.Device).reshape(num_layers, W)
+            slot = jnp.where(slots_X[i] >= tpp, slots_X[i], 0)  # an invalid slot writes the null block
+            for li in range(num_layers):
+                block, (start, *_) = row_location(slot, layout, component, first_layer + li)
+                arena = lax.dynamic_update_slice(arena, row[li][None, :], (block, start))
+            return arena
+
+        return lax.fori_loop(0, n, body, kv_arena)
+    if mechanism == "callback":
+        X = host_rows_X.shape[0]
+        C = min(CALLBACK_CHUNK, X)
+        pad = (-X) % C
+        rows_p = jnp.pad(host_rows_X, (0, pad), constant_values=-1)
+        slots_p = jnp.pad(slots_X, (0, pad), constant_values=-1)
+        dep = jnp.int32(0) if after is None else jnp.sum(after.astype(jnp.int32) * 0)
+
+        def chunk(c, arena):
+            r = lax.dynamic_slice(rows_p, (c * C,), (C,))
+            s = lax.dynamic_slice(slots_p, (c * C,), (C,))
+            got = io_callback(lambda rr, cc, aa: pool._gather(rr, cc, ncols, aa),
+                              jax.ShapeDtypeStruct((C, ncols), jnp.uint32), r, col0, dep, ordered=False)
+            return _scatter_layers(arena, s, got, layout, component, first_layer, num_layers)
+
+        return lax.fori_loop(0, (n + C - 1) // C, chunk, kv_arena)
+    raise ValueError(f"unknown host-row mechanism {mechanism!r}; expected one of {MECHANISMS}")
+
+
+def store_pages(pool, kv_arena: jax.Array, src_blocks_C: jax.Array, dst_blocks_C: jax.Array, layout: GroupLayout,
+                component: str, *, mechanism: str):
+    """The write-through pre-copy: host block `dst_blocks_C[i]` ← arena page `src_blocks_C[i]`
+    (all layers of the component, token-major), for the leading entries with `dst ≥ 1` (the
+    first entry < 1 ends the list).
+
+    Returns `(pool, done)`: the updated pool (the same `HostRowStore` object for "callback") and
+    an int32 scalar that is ready once the stores ran (order later reads after it).
+    """
+    tpp = layout.tokens_per_page
+    valid = dst_blocks_C >= 1
+    n = jnp.argmin(jnp.concatenate([valid, jnp.zeros((1,), bool)])).astype(jnp.int32)
+    if mechanism == "memory_kind":
+        def body(i, p):
+            page = lax.dynamic_slice_in_dim(kv_arena, src_blocks_C[i], 1, axis=0)[0]
+            rows = jax.device_put(page_to_rows(page, layout, component), jax.memory.Space.Host)
+            return lax.dynamic_update_slice(p, rows, (dst_blocks_C[i] * tpp, 0))
+
+        return lax.fori_loop(0, n, body, pool), n
+    if mechanism == "callback":
+        def body(i, acc):
+            page = lax.dynamic_slice_in_dim(kv_arena, src_blocks_C[i], 1, axis=0)
+            rows = page_to_rows(page, layout, component)  # [1, tpp, L·W]
+            return acc + io_callback(pool._store, jax.ShapeDtypeStruct((), jnp.int32),
+                                     (dst_blocks_C[i] * tpp)[None], rows, jnp.int32(1), ordered=False)
+
+        return pool, lax.fori_loop(0, n, body, jnp.int32(0))
+    raise ValueError(f"unknown host-row mechanism {mechanism!r}; expected one of {MECHANISMS}")

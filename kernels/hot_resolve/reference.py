@@ -1,0 +1,222 @@
+"""HiSparse hot-buffer resolver — pure-JAX reference (the CPU path and the oracle).
+
+The indexer picks, for every query token, K request-local positions. Under Hybrid HiSparse some
+of a request's MLA pages are no longer on the device: their rows live in a host pool and are
+read through a small per-request *hot buffer* of device rows (DESIGN §6.1). This op maps every
+selected position to the arena slot sparse MLA must read, and plans the host → hot row copies.
+
+For query token t of batch row b = req_idx[t] and selected position p = topk[t, k] (page
+i = p // tpp, offset o = p % tpp):
+
+* p < 0 or i ≥ P                         → slot −1 (no entry);
+* resident (block_table[b, i] > 0)       → slot block_table[b, i]·tpp + o, read in place;
+* host copy (host_table[b, i] > 0) and b has hot state (state_row[b] ≥ 0):
+  host row h = host_table[b, i]·tpp + o, then
+    - hot hit: a hot slot j of b already holds h → slot hot_slot(b, j);
+    - miss: h takes one evictable slot j (below) and the copy (h → hot_slot(b, j)) is emitted;
+* otherwise (no page anywhere, or no hot state)  → slot −1.
+
+Hot slots. Slot j ∈ [0, M) of batch row b lives in hot page hot_table[b, j // tpp] at offset
+j % tpp: `hot_slot(b, j) = hot_table[b, j // tpp]·tpp + j % tpp`, in the same slot space as the
+resident pages (the hot pages are ordinary arena pages). A slot whose page entry is 0 (or beyond
+the table) is unusable. The per-request state of one index group is two int32 rows of width M:
+`host_row[j]` (the host row slot j holds, −1 empty) and `rank[j]` (its LRU rank, 0 = least
+recently used), stored per *state row* (`state_row[b]`), and updated in the returned arrays.
+
+Per batch row and step:
+
+1. Validate the state: slots j ≥ reset_from[b] are cleared (a new owner of the state row, or
+   hot pages that changed); an entry is dropped (treated as empty) when its slot is unusable,
+   its host row is out of range ([tpp, num_host_blocks·tpp): host block 0 is the null block) or
+   another slot claims the same host row (corrupted state never yields a wrong row).
+2. The distinct host rows the request's tokens select (all of its query rows together, so
+   several query rows per request — speculative verification, prefill chunks — share one
+   plan) are hits or misses.
+3. Evictable slots: usable slots that are not hit this step, ordered empty slots first, then by
+   rank, then by index. Misses, in order of first occurrence (query row, then top-k order), take
+   the evictable slots in that order. A miss with no evictable slot left gets slot −1 (the
+   caller's sizing rule, rows·K ≤ usable slots, makes this impossible; `dropped` counts it).
+4. New LRU order: the evictable slots that were not taken (in their order), then the new misses
+   (in miss order), then the hits (in their old order), then the unusable slots. `rank[j]` is
+   the new position of j. Re-resolving the same top-k is a fixed point: all hits, state
+   unchanged.
+
+Batch rows with state_row −1 (padding, requests without hot state) emit −1 for non-resident
+positions and leave every state row untouched; state rows no batch row names are untouched.
+Tokens of one batch row must be contiguous (the `ForwardBatch` contract).
+
+Stats `[hits, misses, dropped]`: distinct (request, host row) lookups found hot, copied, and
+dropped for want of a slot; hits + misses + dropped = lookups.
+
+Implementation: one lexicographic sort of the state entries and the candidates together by
+(batch row, host row, kind, index) groups each distinct (request, host row); a group whose first
+element is a state entry is a hit. Peak temporaries O(B·M + T·K).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_BIG = jnp.iinfo(jnp.int32).max
+
+
+def _seg_first(flags):
+    """Index of the start of the run each element belongs to (flags mark run starts)."""
+    idx = jnp.arange(flags.shape[0], dtype=jnp.int32)
+    return lax.cummax(jnp.where(flags, idx, 0), axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("tokens_per_page",))
+def hot_resolve_reference(
+    topk_TK: jax.Array,
+    req_idx_T: jax.Array,
+    block_table_BP: jax.Array,
+    host_table_BP: jax.Array,
+    hot_table_BH: jax.Array,
+    state_row_B: jax.Array,
+    reset_from_B: jax.Array,
+    host_row_SM: jax.Array,
+    rank_SM: jax.Array,
+    num_host_blocks: jax.Array | int,
+    *,
+    tokens_per_page: int,
+):
+    """Resolve selected positions to arena slots through resident pages and the hot buffer.
+
+    Args:
+      topk_TK: int32 `[T, K]` request-local positions (−1 = none).
+      req_idx_T: int32 `[T]` batch row of each token (tokens of a row contiguous).
+      block_table_BP: int32 `[B, P]` resident MLA pages (0 = not on the device).
+      host_table_BP: int32 `[B, P]` host-pool block of each page (0 = none).
+      hot_table_BH: int32 `[B, H]` hot-lease pages (0 = none); slot j ↔ page j // tpp.
+      state_row_B: int32 `[B]` the batch row's state row (−1 = no hot state).
+      reset_from_B: int32 `[B]` slots j ≥ this are cleared before resolving (≥ M: none).
+      host_row_SM, rank_SM: int32 `[S, M]` hot state of one index group (module docstring).
+      num_host_blocks: host-pool blocks (host rows are < num_host_blocks·tpp).
+      tokens_per_page: tpp of the MLA group (resident, host and hot pages alike).
+
+    Returns:
+      slots_TK int32 `[T, K]` (−1 = none); miss_host_row_X, miss_slot_X int32 `[T·K]`: the
+      copies to run (host row → arena slot), valid entries first in miss order, −1 padding;
+      stats int32 `[3]` (hits, misses, dropped); new host_row_SM, rank_SM.
+    """
+    tpp = tokens_per_page
+    T, K = topk_TK.shape
+    B, P = block_table_BP.shape
+    H = hot_table_BH.shape[1]
+    S, M = host_row_SM.shape
+    N = T * K
+    nhr = jnp.asarray(num_host_blocks, jnp.int32) * tpp
+
+    # ---------------------------------------------------------------- candidates
+    pos = topk_TK.reshape(N).astype(jnp.int32)
+    b_N = jnp.repeat(req_idx_T.astype(jnp.int32), K)
+    page = jnp.clip(pos, 0) // tpp
+    in_range = (pos >= 0) & (page < P)
+    page = jnp.minimum(page, P - 1)
+    off = jnp.clip(pos, 0) % tpp
+    res_block = block_table_BP[b_N, page]
+    host_block = host_table_BP[b_N, page]
+    resident = in_range & (res_block > 0)
+    srow_B = state_row_B.astype(jnp.int32)
+    has_state_B = (srow_B >= 0) & (srow_B < S)
+    need = in_range & ~resident & (host_block > 0) & (host_block * tpp < nhr) & has_state_B[b_N]
+    hrow = host_block * tpp + off
+
+    # ---------------------------------------------------------------- state of the batch rows
+    srow = jnp.where(has_state_B, srow_B, 0)
+    st = host_row_SM[srow].astype(jnp.int32)  # [B, M]
+    rk = rank_SM[srow].astype(jnp.int32)
+    j_M = jnp.arange(M, dtype=jnp.int32)
+    hp_idx = j_M // tpp
+    hot_page = jnp.where(hp_idx[None, :] < H, hot_table_BH[:, jnp.minimum(hp_idx, H - 1)], 0)  # [B, M]
+    usable = (hot_page > 0) & has_state_B[:, None]
+    st = jnp.where(j_M[None, :] >= reset_from_B[:, None], -1, st)
+    ok = usable & (st >= tpp) & (st < nhr)
+    # Two slots claiming one host row: both dropped.
+    key = jnp.where(ok, st, _BIG)
+    srt, srt_j = lax.sort((key, jnp.broadcast_to(j_M, (B, M))), dimension=1, num_keys=1)
+    dup_sorted = (srt < _BIG) & (
+        (jnp.pad(srt[:, 1:], ((0, 0), (0, 1)), constant_values=-2) == srt)
+        | (jnp.pad(srt[:, :-1], ((0, 0), (1, 0)), constant_values=-2) == srt))
+    dup = jnp.zeros((B, M), bool).at[jnp.arange(B)[:, None], srt_j].set(dup_sorted)
+    ok = ok & ~dup
+    st = jnp.where(ok, st, -1)
+
+    # ---------------------------------------------------------------- one sort: state + candidates
+    e_b = jnp.concatenate([jnp.where(ok, jnp.arange(B, dtype=jnp.int32)[:, None], _BIG).reshape(B * M),
+                           jnp.where(need, b_N, _BIG)])
+    e_h = jnp.concatenate([st.reshape(B * M), jnp.where(need, hrow, _BIG)])
+    e_kind = jnp.concatenate([jnp.zeros(B * M, jnp.int32), jnp.ones(N, jnp.int32)])
+    e_idx = jnp.concatenate([jnp.broadcast_to(j_M, (B, M)).reshape(B * M), jnp.arange(N, dtype=jnp.int32)])
+    s_b, s_h, s_kind, s_idx = lax.sort((e_b, e_h, e_kind, e_idx), num_keys=4)
+    valid = s_b < _BIG
+    start = valid & ((s_b != jnp.roll(s_b, 1)) | (s_h != jnp.roll(s_h, 1)) | (jnp.arange(s_b.shape[0]) == 0))
+    first = _seg_first(start)
+    g_state = s_kind[first] == 0  # the group holds a state entry (sorts first): hit group
+    gid = jnp.cumsum(start.astype(jnp.int32)) - 1
+    ng = s_b.shape[0]
+    has_cand = jnp.zeros(ng, bool).at[gid].max(valid & (s_kind == 1))[gid]
+    is_hit_state = valid & (s_kind == 0) & has_cand  # state entries selected this step
+    hit_BM = jnp.zeros((B, M), bool).at[jnp.where(is_hit_state, s_b, B), s_idx].set(True, mode="drop")
+    miss_start = valid & start & ~g_state  # first (lowest index) candidate of a missing row
+
+    # Miss rank in first-occurrence order, per batch row (its tokens are contiguous).
+    flag_N = jnp.zeros(N, jnp.int32).at[jnp.where(miss_start, s_idx, N)].set(1, mode="drop")
+    excl = jnp.cumsum(flag_N) - flag_N
+    first_tok = jnp.full(B, T, jnp.int32).at[req_idx_T].min(jnp.arange(T, dtype=jnp.int32))
+    base_B = excl[jnp.minimum(first_tok, T - 1) * K]
+    n_miss_B = jnp.zeros(B, jnp.int32).at[b_N].add(flag_N)
+    rank_N = excl - base_B[b_N]
+
+    # Evictable slots in order: empty first, then LRU rank, then index; hits, then unusable last.
+    cls = jnp.where(~usable, 2, jnp.where(hit_BM, 1, 0))
+    empty_first = jnp.where(st < 0, 0, 1)
+    _, _, _, _, order = lax.sort((cls, empty_first, rk, jnp.broadcast_to(j_M, (B, M)),
+                                  jnp.broadcast_to(j_M, (B, M))), dimension=1, num_keys=4)
+    n_evict_B = jnp.sum(cls == 0, axis=1)
+    taken_B = jnp.minimum(n_miss_B, n_evict_B)
+
+    # Slots of the missing rows.
+    mrank = rank_N
+    mb = b_N
+    slot_j_N = jnp.where((flag_N > 0) & (mrank < n_evict_B[mb]), order[mb, jnp.clip(mrank, 0, M - 1)], -1)
+    # Per sorted element: its group's slot index j (hit: the state entry's; miss: the first candidate's).
+    j_hit = s_idx[first]
+    j_miss = slot_j_N[jnp.where(s_kind[first] == 1, s_idx[first], 0)]
+    s_j = jnp.where(g_state, j_hit, j_miss)
+    cand = valid & (s_kind == 1)
+    j_N = jnp.full(N, -1, jnp.int32).at[jnp.where(cand, s_idx, N)].set(s_j, mode="drop")
+    jj = jnp.clip(j_N, 0, M - 1)
+    hot_slot_N = hot_table_BH[b_N, jj // tpp] * tpp + jj % tpp
+    slots = jnp.where(resident, res_block * tpp + off, jnp.where(need & (j_N >= 0), hot_slot_N, -1))
+
+    # Compact miss list (first-occurrence order over the whole batch).
+    got = (flag_N > 0) & (slot_j_N >= 0)
+    dest = jnp.cumsum(got.astype(jnp.int32)) - 1
+    sj = jnp.clip(slot_j_N, 0, M - 1)
+    miss_slot = hot_table_BH[b_N, sj // tpp] * tpp + sj % tpp
+    miss_host_row = jnp.full(N, -1, jnp.int32).at[jnp.where(got, dest, N)].set(hrow, mode="drop")
+    miss_slot_X = jnp.full(N, -1, jnp.int32).at[jnp.where(got, dest, N)].set(miss_slot, mode="drop")
+
+    # ---------------------------------------------------------------- new state
+    new_st = st.at[jnp.where(got, b_N, B), sj].set(hrow, mode="drop")
+    pos_M = jnp.broadcast_to(j_M, (B, M))
+    o_cls = jnp.take_along_axis(cls, order, axis=1)
+    tk = taken_B[:, None]
+    ne = n_evict_B[:, None]
+    new_pos = jnp.where(o_cls == 0, jnp.where(pos_M >= tk, pos_M - tk, ne - tk + pos_M), pos_M)
+    new_rk = jnp.zeros((B, M), jnp.int32).at[jnp.arange(B)[:, None], order].set(new_pos)
+    wb = jnp.where(has_state_B, srow, S)  # rows without state write nothing
+    host_row_SM = host_row_SM.at[wb].set(new_st.astype(host_row_SM.dtype), mode="drop")
+    rank_SM = rank_SM.at[wb].set(new_rk.astype(rank_SM.dtype), mode="drop")
+
+    hits = jnp.sum(valid & start & g_state & has_cand)
+    misses = jnp.sum(got)
+    dropped = jnp.sum(flag_N) - misses
+    stats = jnp.stack([hits, misses, dropped]).astype(jnp.int32)
+    return slots.reshape(T, K).astype(jnp.int32), miss_host_row, miss_slot_X, stats, host_row_SM, rank_SM

@@ -1,0 +1,128 @@
+"""The device side of HiSparse that the model runner threads through its jitted step.
+
+`HiSparseDeviceState` owns, between steps:
+
+* the host pool array `uint32[num_host_blocks · tpp, L · W]` (token-major host rows of every
+  sparse-MLA layer, `kernels/host_rows`): a `pinned_host` `jax.Array` for the "memory_kind"
+  mechanism (donated to every step), or a numpy `HostRowStore` for "callback";
+* the per-request hot state `HotState [max_num_seqs, index groups, max_hot_rows]` (donated).
+
+and builds the per-step inputs from the policy: the `HotBatch` (host tables, leases, state rows,
+stale-slot marks) and the write-through copy list (device page → host block, −1 padded to a fixed
+length so the step never recompiles). `run_stores` moves these into a step; the step returns the
+state updated and this step's lookup counters `[hits, misses, dropped, layer rows copied]`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from glm53.hot_cache import HotBatch, HotState
+from kernels.host_rows import HostRowStore
+
+from serving.hisparse.config import ResolvedHiSparse
+
+
+def make_host_pool(mechanism: str, num_rows: int, row_words: int, device=None):
+    """A zeroed host pool: a `pinned_host` `jax.Array` ("memory_kind") or a `HostRowStore`
+    ("callback").
+
+    The pinned array is made by `device_put` of host zeros, never through device memory (a pool
+    may be far larger than the device). (A jit output with a `pinned_host` out_sharding would not
+    do: jax 0.11 types it as device memory, and the step's host-memory ops then refuse it.)"""
+    if mechanism == "callback":
+        return HostRowStore(num_rows, row_words)
+    device = device or jax.devices()[0]
+    sharding = SingleDeviceSharding(device, memory_kind="pinned_host")
+    pool = jax.device_put(np.zeros((num_rows, row_words), np.uint32), sharding)
+    if jax.typeof(pool).memory_space != jax.memory.Space.Host:
+        raise RuntimeError(f"the host pool is typed {jax.typeof(pool)}, not host memory")
+    return pool
+
+
+class HiSparseDeviceState:
+    """See the module docstring.
+
+    Args:
+      config: the resolved HiSparse settings (mechanism, hot rows).
+      mla_layout: the MLA group's `GroupLayout` (tokens per page, layers, row words).
+      num_host_blocks: host blocks including the null block.
+      max_num_seqs: state rows. num_index_groups: IndexShare groups (full layers).
+      max_stores: copies per step (the store list's fixed length).
+      policy: the `HiSparsePolicy` whose leases, host tables and copy queue the steps follow.
+    """
+
+    def __init__(self, config: ResolvedHiSparse, mla_layout, num_host_blocks: int, max_num_seqs: int,
+                 num_index_groups: int, max_stores: int, policy):
+        self.policy = policy
+        _, comp = mla_layout.component("mla")
+        self.tpp = mla_layout.tokens_per_page
+        self.mechanism = config.mechanism
+        self.num_host_blocks = int(num_host_blocks)
+        self.row_words = comp.num_layers * comp.row_words
+        self.host_block_bytes = 4 * self.tpp * self.row_words
+        self.hot_rows = config.max_hot_rows
+        self.hot_pages = config.max_hot_rows // self.tpp
+        self.max_stores = int(max_stores)
+        self.pool = make_host_pool(self.mechanism, self.num_host_blocks * self.tpp, self.row_words)
+        self.hot = HotState.empty(max_num_seqs, num_index_groups, self.hot_rows)
+        self.layer_row_bytes = 4 * comp.row_words  # one layer's row of one token
+        self.hits = self.misses = self.dropped = 0  # lookups since start-up
+        self.h2d_bytes = 0  # host → device bytes of hot-row copies since start-up
+        self.last_stats = (0, 0, 0, 0)  # the last step's hits, misses, dropped, host → device bytes
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one host row (one token, every sparse-MLA layer)."""
+        return 4 * self.row_words
+
+    def empty_inputs(self, num_rows: int, width: int) -> tuple[HotBatch, np.ndarray, np.ndarray]:
+        """An inactive `HotBatch` for `num_rows` batch rows and MLA tables of `width`, and empty
+        store lists (compilation, idle replicas)."""
+        hot = HotBatch(np.zeros((num_rows, width), np.int32), np.zeros((num_rows, self.hot_pages), np.int32),
+                       np.full(num_rows, -1, np.int32), np.full(num_rows, self.hot_rows, np.int32),
+                       np.bool_(False), np.int32(self.num_host_blocks))
+        none = np.full(self.max_stores, -1, np.int32)
+        return hot, none, none.copy()
+
+    def inputs(self, sched, num_rows: int, width: int) -> tuple[HotBatch, np.ndarray, np.ndarray]:
+        """The step's `HotBatch` (row i = `sched.scheduled[i]`) and its store lists (taken from
+        the policy's copy queue)."""
+        policy = self.policy
+        hot, src, dst = self.empty_inputs(num_rows, width)
+        active = False
+        for i, sr in enumerate(sched.scheduled):
+            rid = sr.request_id
+            hot.host_table_BP[i] = policy.host_table(rid, width)
+            lease, reset = policy.hot_rows(sr.request, sr.first_chunk)
+            if lease:
+                active = True
+                hot.hot_table_BH[i, :len(lease)] = lease
+                hot.state_row_B[i] = sr.request.state_row
+                hot.reset_from_B[i] = reset
+        hot.active = np.bool_(active)
+        jobs = policy.take_stores(self.max_stores)
+        src[:len(jobs)] = [j.device_block for j in jobs]
+        dst[:len(jobs)] = [j.host_block for j in jobs]
+        return hot, src, dst
+
+    def record(self, stats) -> None:
+        """Accumulate one step's `[hits, misses, dropped, layer rows copied]`."""
+        h, m, d, rows = (int(x) for x in stats)
+        nbytes = rows * self.layer_row_bytes
+        self.last_stats = (h, m, d, nbytes)
+        self.hits += h
+        self.misses += m
+        self.dropped += d
+        self.h2d_bytes += nbytes
+
+
+def max_stores_per_step(max_num_batched_tokens: int, max_num_seqs: int, tokens_per_page: int) -> int:
+    """Pages one step can seal (every scheduled request may seal ⌈its tokens / tpp⌉ + 1 pages, and
+    finishing or preempted requests one more each): the store list's length."""
+    return math.ceil(max_num_batched_tokens / tokens_per_page) + 2 * max_num_seqs + 1

@@ -1,0 +1,495 @@
+"""Hybrid HiSparse residency policy over the one device pool (DESIGN §6.1).
+
+Pages of the MLA group (`mla`: the sparse-MLA latent rows of every layer) move through
+
+    dirty ──copy complete──▶ clean ──release──▶ released ──pool reuses the block──▶ lost
+
+* dirty: on the device only (being written, or sealed with its host copy queued / in flight);
+* clean: on the device and in the host pool (the copy finished in an earlier step);
+* released: the request gave the block back to the pool (`KVCacheManager.release_page`); its rows
+  stay readable in place until the pool hands the block out again;
+* lost: the pool reused the block; the table entry is a null placeholder and the page's rows are
+  read from the host pool through the request's hot buffer.
+
+The two newest pages of a request (the page holding its last computed position and the one
+before) are never released. The indexer keys (and every other group) stay on the device.
+
+A request is *full* when none of its MLA pages is released or lost, *mixed* when some are, and
+*none* when none of its pages before the tail is on the device (a new request reusing a host-only
+prefix). Mixed and none requests hold a *hot lease*: ordinary pages of the same pool whose rows
+are hot slots indexed by token row (`kernels/hot_resolve`).
+
+Pressure. When fewer than `watermark` pages are free (max(a decode lease, `watermark` × the
+pool)), and whenever an allocation would fail, running requests release clean pages: the requests
+with the most releasable pages first, each releasing all of them tail first (the pool's LRU free
+queue then reuses a prompt's tail before its head), taking a decode lease if it has none. A request
+already scheduled in the step with several query rows is never released (its hot lease was sized
+for its current residency). Preemption (recompute) stays the last resort, when even releasing
+cannot make room (e.g. the host pool is full, so nothing is clean). When pressure is gone (free
+pages ≥ 2 × watermark), a mixed request whose released pages are all still intact revives them
+and returns its lease (mixed → full).
+
+Hot lease sizing. A decoding request leases `device_buffer_size` rows (default (spec + 2) ×
+index_topk). A step with R query rows of a request with off-device pages needs R × index_topk hot
+slots, or every off-device row if fewer (each distinct missed row takes one slot, and the
+resolver gives a miss no slot it cannot evict): the lease is
+max(device_buffer_size, min(R × K, off-device rows)), at most `prefill_buffer_size`; if the
+off-device rows exceed that, R is capped at prefill_buffer_size // K (the HiSparse prefill chunk
+bound).
+
+Admission needs room for the request fully resident (its prompt's pages in every group, plus a hot
+lease when its prefix starts on the host) plus `watermark` pages of headroom when others run,
+counting the pages running requests can release: so the running set settles at
+1 + ⌊(pool − watermark − first) / steady⌋ requests (`glm53/capacity.py`
+`predict_hisparse_requests`). A request that could not be fully resident even in an empty pool (a
+context longer than the device pool) is admitted with an in-flight window instead: the pages of its
+first chunk (and a lease); it then allocates chunk by chunk, and its own earlier chunks become clean
+and are released as the prefill proceeds, so later chunks read them through the hot buffer. The
+window costs about two chunks of MLA pages (the chunk, and the previous chunk whose copy is in
+flight), two tail pages, the indexer pages of the whole context and the lease.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable
+
+import numpy as np
+
+from serving.block_pool import NULL_BLOCK
+from serving.hisparse.config import ResolvedHiSparse
+from serving.hisparse.host_pool import CopyJob, HostPool
+from serving.kv_cache import KVCacheManager
+from serving.kv_policy import DeviceResidentPolicy
+
+if TYPE_CHECKING:
+    from serving.prefix_cache import PrefixCache, PrefixHit
+    from serving.request import Request
+    from serving.scheduler import SchedulerOutput
+
+RESIDENCY_STATES = ("full", "mixed", "none")
+
+
+@dataclass(eq=False)
+class RequestResidency:
+    """HiSparse state of one running request.
+
+    host_blocks: MLA page index → host block holding (or receiving) its copy (one reference each).
+    pending: page indices whose copy is not complete yet (queued or in flight): dirty.
+    lease: the hot pages (device blocks, one reference each), in slot order.
+    seen_lease: the lease the device-side hot state was last resolved against (None: stale, e.g.
+        a new state row), to tell the step which hot slots are stale.
+    next_seal: the first page index not yet considered for a copy.
+    """
+
+    host_blocks: dict[int, int] = field(default_factory=dict)
+    pending: set[int] = field(default_factory=set)
+    lease: list[int] = field(default_factory=list)
+    seen_lease: list[int] | None = None
+    next_seal: int = 0
+
+
+class HiSparsePolicy(DeviceResidentPolicy):
+    """Hybrid HiSparse over `kv`'s pool (see the module docstring).
+
+    Args:
+      kv: the block tables; the `group` (default "mla") is the HiSparse-managed group.
+      host: the host pool's bookkeeping.
+      config: the resolved `hisparse_config`.
+      index_topk: K of the model's indexer.
+      prefix_cache: optional; its host tier gets the completed copies.
+    """
+
+    name = "hisparse"
+
+    def __init__(self, kv: KVCacheManager, host: HostPool, config: ResolvedHiSparse, index_topk: int,
+                 prefix_cache: "PrefixCache | None" = None, group: str = "mla"):
+        super().__init__(kv)
+        self.host = host
+        self.config = config
+        self.group = group
+        self.tpp = kv.group(group).tokens_per_page
+        self.K = index_topk
+        self.prefix_cache = prefix_cache
+        self.dec_pages = config.device_buffer_rows // self.tpp
+        self.max_pages = config.max_hot_rows // self.tpp
+        usable = kv.pool.num_usable_blocks
+        self.watermark = min(usable, max(self.dec_pages, math.ceil(config.config.watermark * usable)))
+        self.records: dict[str, RequestResidency] = {}
+        self.running: list["Request"] = []
+        self._rows: dict[str, int] = {}  # query rows each request got in the step being built
+        self.num_released = 0  # pages released so far
+        self.num_revived = 0
+
+    # ------------------------------------------------------------------ queries
+    def _rec(self, req: "Request") -> RequestResidency:
+        return self.records.setdefault(req.request_id, RequestResidency())
+
+    def off_pages(self, rid: str) -> int:
+        """MLA pages of the request that are released or lost (placeholders)."""
+        t = self.kv.table(rid, self.group)
+        return len(t.released) + len(t.placeholders)
+
+    def residency(self, req: "Request") -> str:
+        """"full", "mixed" or "none" (module docstring)."""
+        rid = req.request_id
+        if not self.kv.has_request(rid) or self.off_pages(rid) == 0:
+            return "full"
+        t = self.kv.table(rid, self.group)
+        newest = max(0, (req.num_computed_tokens - 1) // self.tpp)
+        history = range(min(len(t.blocks), max(0, newest - 1)))
+        return "none" if all(not t.is_owned(i) for i in history) else "mixed"
+
+    def residency_counts(self) -> dict[str, int]:
+        """Running requests per residency state."""
+        out = dict.fromkeys(RESIDENCY_STATES, 0)
+        for req in self.running:
+            out[self.residency(req)] += 1
+        return out
+
+    def releasable(self, req: "Request") -> list[int]:
+        """Clean, sole-owned MLA page indices of `req` that may be released (not the two newest)."""
+        rid = req.request_id
+        rec = self.records.get(rid)
+        if rec is None or not self.kv.has_request(rid):
+            return []
+        t = self.kv.table(rid, self.group)
+        newest = (req.num_computed_tokens - 1) // self.tpp
+        pool = self.kv.pool
+        return [i for i in range(min(len(t.blocks), max(0, newest - 1)))
+                if t.is_owned(i) and i in rec.host_blocks and i not in rec.pending and pool.refcount(t.blocks[i]) == 1]
+
+    def token_capacity(self) -> int:
+        """Most tokens one request can hold under HiSparse: its host copies must fit the host
+        pool, and its other groups' pages (the indexer keys), a largest lease and a window of four
+        MLA pages must fit the device pool."""
+        usable = self.kv.pool.num_usable_blocks
+        others = [g for g in self.kv.groups if g.name != self.group]
+        budget = usable - self.max_pages - 4
+        lo, hi = 0, (self.host.num_usable + 2) * self.tpp
+        while lo < hi:  # largest L whose device-resident groups fit the budget
+            mid = (lo + hi + 1) // 2
+            if sum(math.ceil(mid / g.tokens_per_page) for g in others) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return min(lo, (self.host.num_usable + 2) * self.tpp)
+
+    # ------------------------------------------------------------------ lease sizing
+    def _lease_pages(self, rid: str, rows: int, off: int | None = None) -> int:
+        """Hot pages a step of `rows` query rows needs (0 for a full request)."""
+        off = self.off_pages(rid) if off is None else off
+        if off == 0:
+            return 0
+        need_rows = min(rows * self.K, off * self.tpp)
+        return max(self.dec_pages, min(self.max_pages, math.ceil(need_rows / self.tpp)))
+
+    def _cap_rows(self, rows: int, off: int) -> int:
+        if off == 0 or rows * self.K <= self.max_pages * self.tpp or off * self.tpp <= self.max_pages * self.tpp:
+            return rows
+        return max(1, min(rows, self.max_pages * self.tpp // self.K))
+
+    def cap_new_tokens(self, req: "Request", num_new: int) -> int:
+        """The HiSparse prefill chunk bound (module docstring)."""
+        if num_new <= 0 or not self.kv.has_request(req.request_id):
+            return num_new
+        return self._cap_rows(num_new, self.off_pages(req.request_id))
+
+    # ------------------------------------------------------------------ scheduling hooks
+    def begin_step(self, running: list["Request"]) -> None:
+        self.running = running
+        self._rows = {}
+        pool = self.kv.pool
+        if pool.num_free < self.watermark:
+            self._make_room(self.watermark, protect=set())
+        elif pool.num_free >= 2 * self.watermark:
+            self._revive()
+
+    def _protected(self, scheduled: Iterable["Request"], exclude: str | None = None) -> set[str]:
+        """Requests already scheduled this step with several query rows (their leases were sized for
+        their current residency)."""
+        return {r.request_id for r in scheduled
+                if r.request_id != exclude and self._rows.get(r.request_id, 0) * self.K > self.dec_pages * self.tpp}
+
+    def _pages_needed(self, req: "Request", num_new: int) -> int:
+        rid = req.request_id
+        tok = sum(self.kv.blocks_needed(rid, req.num_computed_tokens + num_new).values())
+        rec = self.records.get(rid)
+        have = len(rec.lease) if rec else 0
+        return tok + max(0, self._lease_pages(rid, num_new) - have)
+
+    def _try_allocate(self, req: "Request", num_new: int) -> bool:
+        rid = req.request_id
+        rec = self._rec(req)
+        want = self._lease_pages(rid, num_new)
+        tok = sum(self.kv.blocks_needed(rid, req.num_computed_tokens + num_new).values())
+        if tok + max(0, want - len(rec.lease)) > self.kv.pool.num_free:
+            return False
+        if want < len(rec.lease):
+            self.kv.pool.free(reversed(rec.lease[want:]))
+            del rec.lease[want:]
+        ok = self.kv.allocate_slots(rid, req.num_computed_tokens + num_new)
+        assert ok, "allocation checked above"
+        if want > len(rec.lease):
+            rec.lease += self.kv.pool.allocate(want - len(rec.lease))
+        self._rows[rid] = num_new
+        return True
+
+    def allocate(self, req: "Request", num_new: int, scheduled: Iterable["Request"]) -> int:
+        scheduled = list(scheduled)
+        for _ in range(3):  # releasing this request's own pages can change its chunk bound
+            n = self.cap_new_tokens(req, num_new)
+            if self._try_allocate(req, n):
+                return n
+            if not self._make_room(self._pages_needed(req, n), self._protected(scheduled, req.request_id)):
+                break
+        n = self.cap_new_tokens(req, num_new)
+        if self._try_allocate(req, n):
+            return n
+        # A mixed request's chunk can shrink to what the decode lease covers.
+        small = max(1, min(n, self.dec_pages * self.tpp // self.K))
+        if small < n and self._try_allocate(req, small):
+            return small
+        return 0
+
+    def admit(self, req: "Request", hit: "PrefixHit | None", num_new: int, scheduled: Iterable["Request"]) -> int:
+        rid = req.request_id
+        protect = self._protected(scheduled)
+        cached = dict(hit.blocks) if hit is not None else {}
+        num_hit = hit.num_tokens if hit is not None else 0
+        off = sum(1 for b in cached.get(self.group, []) if b == NULL_BLOCK)
+        pool = self.kv.pool
+        revived = len({b for bs in cached.values() for b in bs if b != NULL_BLOCK and pool.is_free(b)})
+
+        def need(total_tokens: int, rows: int) -> int:
+            tok = sum(max(0, math.ceil(total_tokens / g.tokens_per_page) - len(cached.get(g.name, [])))
+                      for g in self.kv.groups)
+            return tok + revived + self._lease_pages(rid, rows, off)
+
+        num_new = self._cap_rows(num_new, off)
+        full = need(req.num_tokens, num_new)
+        # Running requests keep `watermark` pages of headroom for their growth (a new tail page
+        # is needed before the previous one's copy completes and it can be released).
+        reserve = self.watermark if self.running else 0
+        if full <= pool.num_usable_blocks:  # fits fully resident: the admission rule
+            target = req.num_tokens
+            if not self._make_room(full + reserve, protect):
+                return 0
+        else:  # longer than the device pool: an in-flight window of the first chunk
+            while num_new > 1 and need(num_hit + num_new, num_new) > pool.num_usable_blocks:
+                num_new = max(1, num_new // 2)
+            target = num_hit + num_new
+            if not self._make_room(need(target, num_new) + reserve, protect):
+                return 0
+        if hit is not None and self.prefix_cache is not None and not self.prefix_cache.hit_intact(hit):
+            return 0  # making room handed out a page of the hit; the next step looks it up again
+        if not self.kv.allocate_slots(rid, target, hit and hit.blocks, hit and hit.copy_from):
+            return 0
+        rec = self.records[rid] = RequestResidency()
+        for i, b in (hit.host_blocks.items() if hit is not None else ()):
+            self.host.blocks.incref([b])
+            rec.host_blocks[i] = b
+        rec.next_seal = 0
+        lease = self._lease_pages(rid, num_new)
+        if lease:
+            rec.lease = pool.allocate(lease)
+        self._rows[rid] = num_new
+        return num_new
+
+    def after_update(self, out: "SchedulerOutput") -> None:
+        for job in self.host.complete():
+            rec = job.owner
+            if job.page_index in rec.pending and rec.host_blocks.get(job.page_index) == job.host_block:
+                rec.pending.discard(job.page_index)
+            if self.prefix_cache is not None and job.key is not None:
+                self.prefix_cache.publish_host(job.key, job.host_block)
+            self.host.release(job)
+        for sr in out.scheduled:
+            req = sr.request
+            if req.request_id in self.records and self.kv.has_request(req.request_id):
+                self._seal(req)
+
+    def free(self, req: "Request", preempted: bool = False) -> None:
+        rid = req.request_id
+        rec = self.records.pop(rid, None)
+        if rec is not None:
+            if self.prefix_cache is not None and self.kv.has_request(rid):
+                self._seal(req)  # the host tier keeps the prefix for later turns / the resume
+            else:
+                self.host.cancel(rec)
+            if rec.lease:
+                self.kv.pool.free(reversed(rec.lease))
+            if rec.host_blocks:
+                self.host.blocks.free(rec.host_blocks.values())
+        self.kv.free(rid)
+
+    # ------------------------------------------------------------------ mechanisms
+    def _seal(self, req: "Request") -> None:
+        """Queue copies of the request's newly sealed, owned pages (one host block each)."""
+        rid = req.request_id
+        rec = self.records.get(rid)
+        if rec is None:
+            return
+        t = self.kv.table(rid, self.group)
+        sealed = min(req.num_computed_tokens // self.tpp, len(t.blocks))
+        i = rec.next_seal
+        while i < sealed:
+            if i not in rec.host_blocks and t.is_owned(i):
+                hb = self.host.allocate()
+                if hb is None:
+                    break  # host pool full: the page stays dirty; retried after the next step
+                rec.host_blocks[i] = hb
+                rec.pending.add(i)
+                key = None
+                if self.prefix_cache is not None and self.prefix_cache.host_pool is not None:
+                    key = self.prefix_cache.block_hashes(req, (i + 1) * self.tpp)[i]
+                self.host.enqueue(CopyJob(t.blocks[i], hb, rec, i, key))
+            i += 1
+        rec.next_seal = i
+
+    def _release_all(self, req: "Request", pages: list[int]) -> None:
+        rid = req.request_id
+        for i in sorted(pages, reverse=True):  # tail first: the pool reuses the tail first
+            block = self.kv.table(rid, self.group).blocks[i]
+            if self.prefix_cache is not None:
+                self.prefix_cache.unpublish_block(block)
+            self.kv.release_page(rid, self.group, i)
+        self.num_released += len(pages)
+
+    def _candidates(self, protect: set[str]) -> list[tuple[int, "Request", list[int]]]:
+        """(pages gained, request, releasable pages) of the running requests not in `protect`
+        that would gain pages by releasing (net of the lease they must take), most first."""
+        cands = []
+        for req in self.running:
+            rec = self.records.get(req.request_id)
+            if req.request_id in protect or rec is None:
+                continue
+            rel = self.releasable(req)
+            gain = len(rel) - (0 if rec.lease else self.dec_pages)
+            if gain > 0:
+                cands.append((gain, req, rel))
+        cands.sort(key=lambda c: -c[0])
+        return cands
+
+    def _make_room(self, needed: int, protect: set[str]) -> bool:
+        """Release clean pages of running requests (not `protect`) until `needed` pages are free.
+        Releases nothing (and returns False) when even releasing everything would not do."""
+        pool = self.kv.pool
+        if pool.num_free >= needed:
+            return True
+        cands = self._candidates(protect)
+        if pool.num_free + sum(c[0] for c in cands) < needed:
+            return False
+        for _, req, rel in cands:
+            rec = self.records[req.request_id]
+            cost = 0 if rec.lease else self.dec_pages
+            self._release_all(req, rel)
+            if not rec.lease:
+                rec.lease = pool.allocate(cost)
+            if pool.num_free >= needed:
+                return True
+        return pool.num_free >= needed
+
+    def _revive(self) -> None:
+        """No pressure: mixed requests whose released pages are all intact take them back."""
+        pool = self.kv.pool
+        for req in self.running:
+            rid = req.request_id
+            rec = self.records.get(rid)
+            if rec is None or not rec.lease or not self.kv.has_request(rid):
+                continue
+            t = self.kv.table(rid, self.group)
+            if t.placeholders or not t.released:
+                continue
+            if pool.num_free - len(t.released) + len(rec.lease) < 2 * self.watermark:
+                return
+            for i in sorted(t.released):
+                self.kv.revive_page(rid, self.group, i)
+            pool.free(reversed(rec.lease))
+            rec.lease = []
+            self.num_revived += 1
+
+    # ------------------------------------------------------------------ step inputs
+    def take_stores(self, max_copies: int) -> list[CopyJob]:
+        """The copies to run at the start of the step being prepared (at most `max_copies`).
+
+        Copies of requests that are gone (finished, aborted, preempted) go first: their device
+        pages are free and the next step may reuse them, so they run now or never (the excess is
+        cancelled); copies of running requests may wait (their pages stay owned)."""
+        live = set(map(id, self.records.values()))
+        dead = [j for j in self.host.queue if id(j.owner) not in live]
+        rest = [j for j in self.host.queue if id(j.owner) in live]
+        for j in dead[max_copies:]:
+            self.host.blocks.free([j.host_block])
+        self.host.queue.clear()
+        self.host.queue.extend(dead[:max_copies] + rest)
+        return self.host.take_stores(max_copies)
+
+    def hot_rows(self, req: "Request", first_chunk: bool) -> tuple[list[int], int]:
+        """(lease pages, reset_from) of a scheduled request: hot slots from `reset_from` on are
+        stale (their page changed since the request's state was last resolved, or the state row
+        is new). A request without a lease gets ([], 0)."""
+        rec = self.records.get(req.request_id)
+        if rec is None or not rec.lease:
+            if rec is not None:
+                rec.seen_lease = None
+            return [], 0
+        seen = None if first_chunk else rec.seen_lease
+        if seen is None:
+            reset = 0
+        else:
+            same = 0
+            while same < min(len(seen), len(rec.lease)) and seen[same] == rec.lease[same]:
+                same += 1
+            reset = same * self.tpp if same < len(rec.lease) or len(seen) > len(rec.lease) else self.max_pages * self.tpp
+        rec.seen_lease = list(rec.lease)
+        return list(rec.lease), reset
+
+    def host_table(self, rid: str, width: int) -> np.ndarray:
+        """int32 `[width]`: the host block of each MLA page of the request (0 = none)."""
+        out = np.zeros(width, np.int32)
+        rec = self.records.get(rid)
+        if rec is not None:
+            for i, b in rec.host_blocks.items():
+                if i < width and i not in rec.pending:
+                    out[i] = b
+        return out
+
+    # ------------------------------------------------------------------ checks
+    def external_refs(self) -> dict[int, int]:
+        refs: dict[int, int] = {}
+        for rec in self.records.values():
+            for b in rec.lease:
+                refs[b] = refs.get(b, 0) + 1
+        return refs
+
+    def audit(self) -> list[str]:
+        """Host pool refcounts; every released or lost page has a complete host copy; pending
+        pages have a copy queued or in flight; requests with off-device pages hold a lease of at
+        least the decode size; records exist exactly for the requests with tables."""
+        errors: list[str] = []
+        refs: dict[int, int] = {}
+        jobs = {(id(j.owner), j.page_index) for j in list(self.host.queue) + self.host.in_flight}
+        for rid, rec in self.records.items():
+            for b in rec.host_blocks.values():
+                refs[b] = refs.get(b, 0) + 1
+            if not self.kv.has_request(rid):
+                errors.append(f"hisparse record for {rid!r}, which holds no tables")
+                continue
+            t = self.kv.table(rid, self.group)
+            for i in sorted(set(t.released) | t.placeholders):
+                if i not in rec.host_blocks or i in rec.pending:
+                    errors.append(f"{rid!r} page {i} is off the device without a complete host copy")
+            if (t.released or t.placeholders) and len(rec.lease) < self.dec_pages:
+                errors.append(f"{rid!r} has off-device pages but a lease of {len(rec.lease)} pages")
+            for i in rec.pending:
+                if (id(rec), i) not in jobs:
+                    errors.append(f"{rid!r} page {i} is pending without a queued copy")
+            if len(rec.lease) > self.max_pages:
+                errors.append(f"{rid!r} leases {len(rec.lease)} pages > {self.max_pages}")
+        for rid in self.kv.request_ids():
+            if rid not in self.records:
+                errors.append(f"request {rid!r} has tables but no hisparse record")
+        errors += self.host.audit(refs)
+        return errors

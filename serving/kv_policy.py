@@ -1,0 +1,87 @@
+"""How the scheduler gets device pages for its requests: the residency policy over the one pool.
+
+The scheduler (`serving/scheduler.py`) decides *which* requests run and how many tokens each gets;
+a `KVPolicy` decides how their KV is held. `DeviceResidentPolicy`, the baseline of DESIGN §6, keeps
+every page of a running request on the device: admission allocates pages for all of a request's
+known tokens at once, a running request allocates as it grows, and when the pool runs out the
+scheduler preempts (recompute). Hybrid HiSparse (`serving/hisparse/`) is another policy over the
+same pool and tables: it releases clean pages whose copy lives in a host pool instead of
+preempting, and leases hot-buffer pages.
+
+The scheduler calls, per step: `begin_step` once; for each running request `cap_new_tokens` then
+`allocate` (0 → the scheduler preempts the most recently started request and retries); for
+each waiting request `admit` (0 → admission stops); `end_step` with the built step. After the
+step ran, `after_update` once; `free` whenever a request leaves the running set (finished,
+aborted or preempted).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+from serving.kv_cache import KVCacheManager
+
+if TYPE_CHECKING:
+    from serving.prefix_cache import PrefixHit
+    from serving.request import Request
+    from serving.scheduler import SchedulerOutput
+
+
+class DeviceResidentPolicy:
+    """Every page of a running request stays on the device (DESIGN §6 baseline).
+
+    Args:
+      kv: the block tables over the shared pool.
+    """
+
+    name = "device_resident"
+
+    def __init__(self, kv: KVCacheManager):
+        self.kv = kv
+
+    def token_capacity(self) -> int | None:
+        """Most tokens one request's KV can reach under this policy, or None for "whatever the
+        device pool holds" (the scheduler computes that)."""
+        return None
+
+    # ------------------------------------------------------------------ scheduling hooks
+    def begin_step(self, running: list["Request"]) -> None:
+        """Called once before a step is built."""
+
+    def cap_new_tokens(self, req: "Request", num_new: int) -> int:
+        """The most of `num_new` tokens `req` may compute this step (≥ 1 when num_new ≥ 1)."""
+        return num_new
+
+    def allocate(self, req: "Request", num_new: int, scheduled: Iterable["Request"]) -> int:
+        """Pages for a running request's next `num_new` tokens. Returns the tokens granted (≤
+        num_new; 0 when the pool cannot hold any, nothing changed). `scheduled`: the requests
+        already in this step."""
+        return num_new if self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new) else 0
+
+    def admit(self, req: "Request", hit: "PrefixHit | None", num_new: int, scheduled: Iterable["Request"]) -> int:
+        """Pages for a waiting request about to compute `num_new` tokens from `hit.num_tokens`
+        (0 without a hit). The baseline allocates all of its known tokens at once (DESIGN §6.1:
+        room for the request fully resident), so a long prompt prefilled in chunks never runs out
+        half-way. Returns the tokens it may compute this step (0: not admitted, nothing changed)."""
+        ok = self.kv.allocate_slots(req.request_id, req.num_tokens, hit and hit.blocks, hit and hit.copy_from)
+        return num_new if ok else 0
+
+    def end_step(self, out: "SchedulerOutput") -> None:
+        """Called with the built step (before it runs)."""
+
+    def after_update(self, out: "SchedulerOutput") -> None:
+        """Called after the step's results were applied (requests finished in it already freed)."""
+
+    def free(self, req: "Request", preempted: bool = False) -> None:
+        """Release everything the request holds (it finished, was aborted or preempted)."""
+        self.kv.free(req.request_id)
+
+    # ------------------------------------------------------------------ checks
+    def external_refs(self) -> dict[int, int]:
+        """Device pages held outside request tables (block → references), e.g. hot leases."""
+        return {}
+
+    def audit(self) -> list[str]:
+        """Invariant violations of the policy's own state (the tables are checked by
+        `KVCacheManager.audit` with `external_refs`)."""
+        return []
