@@ -337,25 +337,29 @@ class KVCacheManager:
         out, self._page_copies = self._page_copies, []
         return out
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, front_groups: Sequence[str] = ()) -> None:
         """Return every owned page of the request to the pool and forget its tables.
 
         Each group's pages are freed last page first, so the pool reuses the tail of a sequence
-        before its head. Released pages that are still intact lose their tag (nobody will revive
-        them). Unknown ids are a no-op.
+        before its head. Pages of `front_groups` join the pool's front tier (`BlockPool.free(
+        front=True)`: reused before other cached pages). Released pages that are still intact lose
+        their tag (nobody will revive them). Unknown ids are a no-op.
         """
         tables = self._tables.pop(request_id, None)
         if tables is None:
             return
         to_free: list[int] = []
+        to_front: list[int] = []
         for g in self.groups:
             t = tables[g.name]
+            out = to_front if g.name in front_groups else to_free
             for i in range(len(t.blocks) - 1, -1, -1):
                 if t.is_owned(i):
-                    to_free.append(t.blocks[i])
+                    out.append(t.blocks[i])
                 elif i in t.released and self._released_intact(t, i):
                     self.pool.clear_tag(t.blocks[i])
         self.pool.free(to_free)
+        self.pool.free(to_front, front=True)
 
     # ------------------------------------------------------------------ residency hooks
 
@@ -378,11 +382,13 @@ class KVCacheManager:
         t.blocks.extend([NULL_BLOCK] * n)
         t.placeholders.update(range(start, start + n))
 
-    def release_page(self, request_id: str, group: str, page_index: int, tag: Any = None) -> int:
+    def release_page(self, request_id: str, group: str, page_index: int, tag: Any = None,
+                     front: bool = False) -> int:
         """Give the request's reference to an owned page back to the pool, keeping the block id
         in the table (readable until reused). The page is tagged (default: a `ReleasedPageTag`)
         so the pool's `on_reuse` callback reports its reuse; route it to `on_block_reuse`.
-        Release pages tail-first when the pool should reuse the tail first. Returns the block id.
+        Release pages tail-first when the pool should reuse the tail first; `front` puts the page
+        in the pool's front tier (`BlockPool.free`). Returns the block id.
 
         Raises:
           KeyError: unknown request or group.
@@ -398,7 +404,7 @@ class KVCacheManager:
         if tag is None:
             tag = ReleasedPageTag(request_id, group, page_index)
         self.pool.set_tag(block, tag)
-        self.pool.free([block])
+        self.pool.free([block], front=front)
         t.released[page_index] = tag
         return block
 

@@ -22,8 +22,9 @@ Two mechanisms implement the same contract (`MECHANISMS`; `api.py` chooses per b
   jax#34041). One loop iteration per row (gather) or per page (store), over the valid entries
   only.
 * "callback": the pool is a numpy array owned by a `HostRowStore`; the step gathers and stores
-  through `jax.experimental.io_callback` (supported on GPU), in chunks of `CALLBACK_CHUNK` rows.
-  Reads are ordered after the step's stores by a data dependency.
+  through `jax.experimental.io_callback` (supported on GPU), in chunks of `CALLBACK_CHUNK` rows
+  (a chunk of GLM-5.3's 4-layer group rows is 2.6 MB). Reads are ordered after the step's stores
+  by a data dependency.
 
 Row copies land in the arena through `scatter_rows` (one call per layer); −1 slots are dropped.
 """
@@ -40,7 +41,7 @@ from kernels.paged.layout import GroupLayout
 from kernels.paged.ops import row_location
 
 MECHANISMS = ("memory_kind", "callback")
-CALLBACK_CHUNK = 256
+CALLBACK_CHUNK = 1024
 
 
 @jax.tree_util.register_pytree_node_class
@@ -66,10 +67,10 @@ class HostRowStore:
 
     def _gather(self, rows, col_start, num_cols: int, _after):
         rows = np.asarray(rows)
-        out = np.zeros((rows.shape[0], num_cols), np.uint32)
         ok = (rows >= 0) & (rows < self.rows.shape[0])
         c0 = int(col_start)
-        out[ok] = self.rows[rows[ok], c0:c0 + num_cols]
+        out = np.take(self.rows[:, c0:c0 + num_cols], np.where(ok, rows, 0), axis=0)
+        out[~ok] = 0
         return out
 
     def _store(self, row_start, block, count):
@@ -82,10 +83,21 @@ class HostRowStore:
         return np.int32(n)
 
 
+def _one_segment(layout: GroupLayout, component: str):
+    base, comp = layout.component(component)
+    if len(comp.segments) != 1:
+        raise ValueError(f"host rows need one-segment rows; {component!r} rows ({comp.row_dtype}) have "
+                         f"{len(comp.segments)} segments")
+    return base, comp
+
+
 def page_to_rows(page_words: jax.Array, layout: GroupLayout, component: str) -> jax.Array:
     """One arena page (or a batch `[..., page_words]`) → its token-major host rows
-    `uint32[..., tpp, L·W]` (token o's rows of every layer back to back)."""
-    base, comp = layout.component(component)
+    `uint32[..., tpp, L·W]` (token o's rows of every layer back to back).
+
+    Raises ValueError for rows stored in several segments (fp8 indexer keys): the host pool holds
+    one-segment rows (the MLA latent in every format)."""
+    base, comp = _one_segment(layout, component)
     tpp, L, W = layout.tokens_per_page, comp.num_layers, comp.row_words
     x = page_words[..., base:base + L * tpp * W]
     x = x.reshape(*x.shape[:-1], L, tpp, W)
@@ -119,9 +131,11 @@ def copy_host_rows(kv_arena: jax.Array, pool, host_rows_X: jax.Array, slots_X: j
         IndexShare groups scan over it); num_layers: static.
       after: callback mechanism only: an array the reads are ordered after (e.g. the step's
         host stores).
-    Returns the updated arena. Raises ValueError for an unknown mechanism.
+    Returns the updated arena. An entry with an invalid slot (−1 or inside the null block; the
+    resolver never emits one) writes its row into the null block, which no reader reads.
+    Raises ValueError for an unknown mechanism or rows stored in several segments.
     """
-    _, comp = layout.component(component)
+    _, comp = _one_segment(layout, component)
     W = comp.row_words
     n = jnp.sum(host_rows_X >= 0).astype(jnp.int32)
     col0 = jnp.asarray(first_layer, jnp.int32) * W
@@ -145,7 +159,9 @@ def copy_host_rows(kv_arena: jax.Array, pool, host_rows_X: jax.Array, slots_X: j
         pad = (-X) % C
         rows_p = jnp.pad(host_rows_X, (0, pad), constant_values=-1)
         slots_p = jnp.pad(slots_X, (0, pad), constant_values=-1)
-        dep = jnp.int32(0) if after is None else jnp.sum(after.astype(jnp.int32) * 0)
+        # The reads take `after` as an operand (a real data dependency: they run after the
+        # step's stores; an arithmetic no-op on it would be folded away by XLA).
+        dep = jnp.int32(0) if after is None else after
 
         def chunk(c, arena):
             r = lax.dynamic_slice(rows_p, (c * C,), (C,))

@@ -26,9 +26,10 @@ recently used), stored per *state row* (`state_row[b]`), and updated in the retu
 Per batch row and step:
 
 1. Validate the state: slots j ≥ reset_from[b] are cleared (a new owner of the state row, or
-   hot pages that changed); an entry is dropped (treated as empty) when its slot is unusable,
-   its host row is out of range ([tpp, num_host_blocks·tpp): host block 0 is the null block) or
-   another slot claims the same host row (corrupted state never yields a wrong row).
+   hot pages that changed; their ranks are kept); an entry is dropped (treated as empty) when its
+   slot is unusable, its host row is out of range ([tpp, num_host_blocks·tpp): host block 0 is
+   the null block) or another entry that passed these checks claims the same host row
+   (corrupted state never yields a wrong row).
 2. The distinct host rows the request's tokens select (all of its query rows together, so
    several query rows per request — speculative verification, prefill chunks — share one
    plan) are hits or misses.
@@ -41,9 +42,14 @@ Per batch row and step:
    the new position of j. Re-resolving the same top-k is a fixed point: all hits, state
    unchanged.
 
-Batch rows with state_row −1 (padding, requests without hot state) emit −1 for non-resident
-positions and leave every state row untouched; state rows no batch row names are untouched.
-Tokens of one batch row must be contiguous (the `ForwardBatch` contract).
+Batch rows with state_row −1 or ≥ S (padding, requests without hot state) emit −1 for
+non-resident positions and leave every state row untouched; state rows no batch row names are
+untouched. Ranks are never checked: any values give some total order (ties broken by index), and
+the new ranks are always a permutation.
+
+Caller contract (undefined otherwise, and implementations may differ): the tokens of one batch
+row are contiguous (the `ForwardBatch` contract), `req_idx` lies in [0, B), and no two batch rows
+name the same state row.
 
 Stats `[hits, misses, dropped]`: distinct (request, host row) lookups found hot, copied, and
 dropped for want of a slot; hits + misses + dropped = lookups.

@@ -14,15 +14,19 @@ Pages of the MLA group (`mla`: the sparse-MLA latent rows of every layer) move t
 The two newest pages of a request (the page holding its last computed position and the one
 before) are never released. The indexer keys (and every other group) stay on the device.
 
-A request is *full* when none of its MLA pages is released or lost, *mixed* when some are, and
-*none* when none of its pages before the tail is on the device (a new request reusing a host-only
-prefix). Mixed and none requests hold a *hot lease*: ordinary pages of the same pool whose rows
+A request is *full* when none of its MLA pages is released or lost, *none* when every page
+before its two newest is lost (nothing of its history on the device: a new request reusing a
+host-only prefix, say), *mixed* otherwise. Mixed and none requests hold a *hot lease*: ordinary pages of the same pool whose rows
 are hot slots indexed by token row (`kernels/hot_resolve`).
 
 Pressure. When fewer than `watermark` pages are free (max(a decode lease, `watermark` × the
 pool)), and whenever an allocation would fail, running requests release clean pages: the requests
-with the most releasable pages first, each releasing all of them tail first (the pool's LRU free
-queue then reuses a prompt's tail before its head), taking a decode lease if it has none. A request
+with the most releasable pages first, each releasing all of them, taking a decode lease if it has
+none. Released pages join the pool's front tier (`BlockPool.free(front=True)`): reused after
+pages nobody cares about and before cached pages (they are backed by host copies; a cached indexer
+page is not), a request's tail before its head (a prompt's head stays resident longest). A
+finished request's MLA pages likewise join the front tier, its indexer pages the ordinary cached
+tier, so a later turn of the conversation finds its indexer prefix still on the device. A request
 already scheduled in the step with several query rows is never released (its hot lease was sized
 for its current residency). Preemption (recompute) stays the last resort, when even releasing
 cannot make room (e.g. the host pool is full, so nothing is clean). When pressure is gone (free
@@ -139,7 +143,7 @@ class HiSparsePolicy(DeviceResidentPolicy):
         t = self.kv.table(rid, self.group)
         newest = max(0, (req.num_computed_tokens - 1) // self.tpp)
         history = range(min(len(t.blocks), max(0, newest - 1)))
-        return "none" if all(not t.is_owned(i) for i in history) else "mixed"
+        return "none" if history and all(i in t.placeholders for i in history) else "mixed"
 
     def residency_counts(self) -> dict[str, int]:
         """Running requests per residency state."""
@@ -322,7 +326,9 @@ class HiSparsePolicy(DeviceResidentPolicy):
                 self.kv.pool.free(reversed(rec.lease))
             if rec.host_blocks:
                 self.host.blocks.free(rec.host_blocks.values())
-        self.kv.free(rid)
+        # Its MLA pages are (or are about to be) backed by host copies: they are the ones to reuse
+        # first; the indexer pages, which nothing backs, stay cached longer for a later turn.
+        self.kv.free(rid, front_groups=(self.group,))
 
     # ------------------------------------------------------------------ mechanisms
     def _seal(self, req: "Request") -> None:
@@ -349,12 +355,15 @@ class HiSparsePolicy(DeviceResidentPolicy):
         rec.next_seal = i
 
     def _release_all(self, req: "Request", pages: list[int]) -> None:
+        """Release `pages`, tail first, into the pool's front tier (reused after untagged pages and
+        before cached ones: host-backed pages are the cheapest to lose), so the pool reuses a
+        request's tail first and a prompt's head stays resident longest."""
         rid = req.request_id
-        for i in sorted(pages, reverse=True):  # tail first: the pool reuses the tail first
+        for i in sorted(pages, reverse=True):
             block = self.kv.table(rid, self.group).blocks[i]
             if self.prefix_cache is not None:
                 self.prefix_cache.unpublish_block(block)
-            self.kv.release_page(rid, self.group, i)
+            self.kv.release_page(rid, self.group, i, front=True)
         self.num_released += len(pages)
 
     def _candidates(self, protect: set[str]) -> list[tuple[int, "Request", list[int]]]:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 from jax._src.pallas.triton import pallas_call_registration as triton_registration
 
+from kernels.hot_resolve.pallas_triton import hot_resolve_pallas_triton
 from kernels.indexer_topk.pallas_triton import indexer_topk_pallas_triton
 from kernels.paged import CacheComponent, GroupLayout
 from kernels.sparse_mla.pallas_triton import sparse_mla_pallas_triton
@@ -70,3 +71,16 @@ def test_indexer_scores_lower_for_cuda_at_production_shapes(verified, row_dtype,
                         S((1 << 19, lay.words_per_page), jnp.uint32), S((8, 200), jnp.int32), S((8,), jnp.int32),
                         S((8,), jnp.int32), S((), jnp.int32))
     assert text.count(TRITON_CALL) == 1 and verified == [True]
+
+
+@pytest.mark.parametrize("T", [65, 4 * 65])
+def test_hot_resolve_lowers_for_cuda_at_production_shapes(verified, T):
+    """65 batch rows (64 requests and a padding row), K = 2048, hot state width 4096 (64 pages of
+    64 tokens) of 64 state rows; decode (one query row per request) and 4 query rows per request.
+    The resolver is four Triton kernels (validate, lookup, rank, assign)."""
+    B, K, P, H, S_rows, M = 65, 2048, 2048, 64, 64, 4096
+    f = functools.partial(hot_resolve_pallas_triton, tokens_per_page=64)
+    i32 = jnp.int32
+    text = _export_cuda(f, S((T, K), i32), S((T,), i32), S((B, P), i32), S((B, P), i32), S((B, H), i32),
+                        S((B,), i32), S((B,), i32), S((S_rows, M), i32), S((S_rows, M), i32), S((), i32))
+    assert text.count(TRITON_CALL) == 4 and verified == [True] * 4

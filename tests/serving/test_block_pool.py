@@ -95,14 +95,30 @@ def test_reuse_callback_with_tags():
     pool.set_tag(b, "tag-b")
     pool.free([a, b, c])
     assert pool.get_tag(a) == "tag-a"  # kept while the page sits in the free queue
+    assert pool.allocate(1) == [c]  # untagged pages go first: no cached contents lost
     got = pool.allocate(1)
     assert got == [a]
     assert seen == [(a, "tag-a", 1)]  # called before allocate returned, page already owned
     assert pool.get_tag(a) is None  # cleared on reuse
     pool.clear_tag(b)
-    pool.allocate(2)  # b (tag cleared) and c (never tagged): no callback
+    pool.allocate(1)  # b (tag cleared): no callback
     assert seen == [(a, "tag-a", 1)]
     assert pool.audit() == []
+
+
+def test_free_queue_tiers_untagged_then_front_then_tagged():
+    pool = BlockPool(8)
+    a = pool.allocate(7)
+    for b in a[:5]:
+        pool.set_tag(b, f"t{b}")
+    pool.free([a[0], a[5]])  # tagged (LRU tier), untagged
+    pool.free([a[1], a[2]], front=True)  # front tier, in the given order
+    pool.free([a[6], a[3]])
+    assert pool.free_queue() == [a[5], a[6], a[1], a[2], a[0], a[3]]
+    pool.clear_tag(a[0])  # a free page whose contents no longer matter: last of the untagged
+    pool.set_tag(a[6], "late")  # a free untagged page that now matters: last of the tagged
+    assert pool.free_queue() == [a[5], a[0], a[1], a[2], a[3], a[6]]
+    assert pool.allocate(3) == [a[5], a[0], a[1]] and pool.audit() == []
 
 
 def test_revive_freed_page_via_incref_keeps_contents_and_tag():
@@ -131,7 +147,7 @@ def test_audit_detects_corruption():
     assert any("both free and owned" in e for e in errors)
     assert any("negative" in e for e in errors)
     pool = BlockPool(4)
-    del pool._free_queue[2]  # neither free nor owned
+    del pool._untagged[2]  # neither free nor owned
     assert any("neither free nor owned" in e for e in pool.audit())
 
 
@@ -173,8 +189,17 @@ class PoolMachine(RuleBasedStateMachine):
         self.reused: list[tuple[int, object]] = []
         self.pool = BlockPool(self.NUM_BLOCKS, on_reuse=lambda b, t: self.reused.append((b, t)))
         self.rc = {b: 0 for b in range(1, self.NUM_BLOCKS)}
-        self.queue = list(range(1, self.NUM_BLOCKS))
+        self.tiers = {"untagged": list(range(1, self.NUM_BLOCKS)), "front": [], "tagged": []}
         self.tags: dict[int, object] = {}
+
+    @property
+    def queue(self):
+        return self.tiers["untagged"] + self.tiers["front"] + self.tiers["tagged"]
+
+    def _unqueue(self, b):
+        for q in self.tiers.values():
+            if b in q:
+                q.remove(b)
 
     @rule(n=st.integers(0, 4))
     def allocate(self, n):
@@ -184,7 +209,9 @@ class PoolMachine(RuleBasedStateMachine):
             return
         self.reused.clear()
         got = self.pool.allocate(n)
-        expected, self.queue = self.queue[:n], self.queue[n:]
+        expected = self.queue[:n]
+        for b in expected:
+            self._unqueue(b)
         assert got == expected
         assert self.reused == [(b, self.tags[b]) for b in got if b in self.tags]
         for b in got:
@@ -192,31 +219,41 @@ class PoolMachine(RuleBasedStateMachine):
             self.tags.pop(b, None)
 
     @precondition(lambda self: any(self.rc.values()))
-    @rule(data=st.data())
-    def free(self, data):
+    @rule(data=st.data(), front=st.booleans())
+    def free(self, data, front):
         owned = [b for b, c in self.rc.items() for _ in range(c)]
         chosen = data.draw(st.lists(st.sampled_from(owned), min_size=1, max_size=4))
         if any(chosen.count(b) > self.rc[b] for b in chosen):
             with pytest.raises(ValueError):
-                self.pool.free(chosen)
+                self.pool.free(chosen, front=front)
             return
-        self.pool.free(chosen)
+        self.pool.free(chosen, front=front)
         for b in chosen:
             self.rc[b] -= 1
             if self.rc[b] == 0:
-                self.queue.append(b)
+                self.tiers["untagged" if b not in self.tags else "front" if front else "tagged"].append(b)
 
     @rule(b=st.integers(1, NUM_BLOCKS - 1))
     def incref(self, b):
         self.pool.incref([b])
         if self.rc[b] == 0:
-            self.queue.remove(b)
+            self._unqueue(b)
         self.rc[b] += 1
 
     @rule(b=st.integers(1, NUM_BLOCKS - 1), tag=st.integers(0, 3))
     def tag(self, b, tag):
         self.pool.set_tag(b, tag)
         self.tags[b] = tag
+        if b in self.tiers["untagged"]:
+            self.tiers["untagged"].remove(b)
+            self.tiers["tagged"].append(b)
+
+    @rule(b=st.integers(1, NUM_BLOCKS - 1))
+    def untag(self, b):
+        assert self.pool.clear_tag(b) == self.tags.pop(b, None)
+        if self.rc[b] == 0 and b not in self.tiers["untagged"]:
+            self._unqueue(b)
+            self.tiers["untagged"].append(b)
 
     @invariant()
     def consistent(self):

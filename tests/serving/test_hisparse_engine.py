@@ -1,0 +1,164 @@
+"""Hybrid HiSparse in the real engine (tiny checkpoint, CPU): under KV pressure every request keeps
+decoding with nobody preempted, and the greedy streams equal those of a run whose device pool is
+large enough for everything (DESIGN §10's equality rule; the preemption baseline is held to the
+same rule) — on a multi-turn workload whose contexts are many times index_topk, with the bf16 and
+the fp8 cache; a request of about three times the device pool's token capacity is served; clean
+pages in the host pool equal their device copies byte for byte; the compiled step reads host memory
+only through slices and memory-kind moves; aborts free everything in every residency state."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm53 import api
+from kernels.host_rows import page_to_rows
+from serving.engine import EngineArgs, LLMEngine
+from serving.types import SamplingParams
+from tests.helpers.conversations import run_conversations, user_tokens
+from tests.helpers.equality import compare_streams
+from tests.helpers.host_memory import host_memory_reads
+
+# A multi-turn workload: 3 conversations x 3 turns, first turn 950 tokens (15x index_topk = 64),
+# 24 new user tokens and 12 output tokens per turn. A first turn needs 15 MLA + 2 indexer pages: the
+# small pool (35 usable pages) admits two of them, which then cannot both grow (the baseline
+# preempts); the ample pool holds everything.
+CONV = dict(conversations=3, turns=3, first_tokens=950, new_tokens=24, max_tokens=12)
+SMALL, AMPLE = 36, 160
+HISPARSE = {"hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 1024}}
+
+
+def engine(num_blocks, kv_cache_dtype, attention_config=None, max_model_len=2048, **kw):
+    args = EngineArgs(max_model_len=max_model_len, max_num_seqs=4, max_num_batched_tokens=64, cuda_graph_sizes=[],
+                      num_gpu_blocks_override=num_blocks, kv_cache_dtype=kv_cache_dtype, compile_progress=False,
+                      disable_log_stats=True, enable_prefix_caching=True, attention_config=attention_config, **kw)
+    return LLMEngine.from_args(args)
+
+
+def mean_running(run):
+    nz = [r for r in run.running if r]
+    return sum(nz) / len(nz)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8"])
+def test_multiturn_streams_match_the_ample_run_and_nobody_is_preempted(kv_cache_dtype):
+    lm = api.load(cache_dtype=kv_cache_dtype)
+    ample = run_conversations(engine(AMPLE, kv_cache_dtype), logprobs=2, **CONV)
+    base_engine = engine(SMALL, kv_cache_dtype)
+    base = run_conversations(base_engine, **CONV)
+    hs_engine = engine(SMALL, kv_cache_dtype, HISPARSE)
+    hs = run_conversations(hs_engine, **CONV)
+    d = hs_engine.hisparse.device
+    print(f"\n{kv_cache_dtype}: mean running ample {mean_running(ample):.2f}, preemption "
+          f"{mean_running(base):.2f} ({base_engine.scheduler.num_preemptions_total} preemptions), hisparse "
+          f"{mean_running(hs):.2f}; hot hits {d.hits}, misses {d.misses}, {d.h2d_bytes} B host->device, "
+          f"{hs_engine.hisparse.policy.num_released} pages released")
+    for name, run in (("preemption", base), ("hisparse", hs)):
+        print(name, end=": ")
+        compare_streams(ample.outputs, run.outputs, ample.logprobs, ample.prompts, lm)
+    assert base_engine.scheduler.num_preemptions_total > 0  # the pressure is real
+    assert hs_engine.scheduler.num_preemptions_total == 0
+    assert d.misses > 0 and d.dropped == 0  # rows really came from the host pool
+    assert mean_running(hs) > mean_running(base)
+    assert hs_engine.prefix_cache.host_hits > 0  # later turns reused their prefix from the host tier
+    assert hs_engine.pool.num_free == hs_engine.pool.num_usable_blocks
+    assert hs_engine.hisparse.host.blocks.num_free == hs_engine.hisparse.host.num_usable  # no leaked host page
+
+
+@pytest.fixture(scope="module")
+def bf16_hisparse():
+    return engine(SMALL, "bfloat16", HISPARSE)
+
+
+def test_clean_pages_in_the_host_pool_equal_their_device_copies(bf16_hisparse):
+    e = bf16_hisparse
+    rng = np.random.default_rng(5)
+    for i in range(2):
+        e.add_request(f"clean{i}", rng.integers(10, 490, 700).tolist(),
+                      SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))
+    checked = 0
+    for _ in range(60):  # prefill, then decode steps that seal and copy more pages
+        e.step()
+        pol, dev = e.hisparse.policy, e.hisparse.device
+        arena = np.asarray(e.runner.kv_arena)
+        pool = dev.pool.rows if dev.mechanism == "callback" else np.asarray(dev.pool)
+        g = e.layout.group("mla")
+        for rid, rec in pol.records.items():
+            t = e.kv.table(rid, "mla")
+            for i, hb in rec.host_blocks.items():
+                if i in rec.pending or not t.is_owned(i):
+                    continue
+                want = np.asarray(page_to_rows(jnp.asarray(arena[t.blocks[i]]), g, "mla"))
+                np.testing.assert_array_equal(pool[hb * 64:(hb + 1) * 64], want)
+                checked += 1
+    while e.has_unfinished_requests():
+        e.step()
+    assert checked > 20
+    assert e.audit() == []
+
+
+def test_the_compiled_step_reads_host_memory_only_through_slices_and_moves(bf16_hisparse):
+    r = bf16_hisparse.runner
+    batch, extra = r._dummy(r.buckets[0])
+    hs, stores = r._hisparse_args()
+    jaxpr = jax.make_jaxpr(r._step)(r.state, r._place(batch), r.kv_arena, *extra, hs, stores)
+    reads = host_memory_reads(jaxpr)
+    assert [x for x in reads if x[1] != "ok"] == []
+    assert {"dynamic_slice", "device_put", "dynamic_update_slice"} <= {name for name, _ in reads}
+
+
+def test_aborts_free_every_page_in_every_residency_state(bf16_hisparse):
+    e = bf16_hisparse
+    rng = np.random.default_rng(6)
+    seen = set()
+    for i in range(4):
+        e.add_request(f"ab{i}", rng.integers(10, 490, 900).tolist(),
+                      SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    step = 0
+    while e.has_unfinished_requests():
+        e.step()
+        step += 1
+        running = list(e.scheduler.running)
+        for req in running:
+            seen.add(e.hisparse.policy.residency(req))
+        if step in (3, 20, 40, 60) and running:  # prefilling, then decoding requests
+            e.abort(running[-1].request_id)
+        if step == 70:
+            for req in list(e.scheduler.running) + list(e.scheduler.waiting):
+                e.abort(req.request_id)
+        assert e.audit() == []
+    e.step()  # idle: nothing left; pending copies flushed
+    assert {"full", "mixed"} <= seen
+    assert e.pool.num_free == e.pool.num_usable_blocks
+    assert e.hisparse.host.blocks.num_free == e.hisparse.host.num_usable and not e.hisparse.host.queue
+
+
+def test_a_request_three_times_the_device_pool_is_served():
+    """24 usable pages hold 1,536 MLA tokens; the prompt has 4,600. It is admitted with an in-flight
+    window, its earlier chunks are copied to the host and released as the prefill proceeds, and later
+    chunks read them through the hot buffer."""
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(10, 490, 4600).tolist()
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    outs = {}
+    for name, e in (("ample", engine(120, "bfloat16", max_model_len=4700)), ("hisparse", engine(25, "bfloat16", {
+            "hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 640}}, max_model_len=4700))):
+        e.add_request("long", prompt, params)
+        toks, lps = [], []
+        while e.has_unfinished_requests():
+            for o in e.step():
+                toks += o.new_token_ids
+                lps += o.new_logprobs or []
+            assert e.audit() == []
+        outs[name] = (toks, lps, e)
+    e = outs["hisparse"][2]
+    assert e.scheduler.num_preemptions_total == 0 and e.hisparse.device.misses > 0
+    lm = api.load(cache_dtype="bfloat16")
+    compare_streams({"long": outs["ample"][0]}, {"long": outs["hisparse"][0]}, {"long": outs["ample"][1]},
+                    {"long": prompt}, lm)
+
+
+def test_conversation_user_tokens_are_deterministic():
+    assert user_tokens(1, 2, 5) == user_tokens(1, 2, 5) != user_tokens(2, 2, 5)
