@@ -165,20 +165,26 @@ class HiSparsePolicy(DeviceResidentPolicy):
                 if t.is_owned(i) and i in rec.host_blocks and i not in rec.pending and pool.refcount(t.blocks[i]) == 1]
 
     def token_capacity(self) -> int:
-        """Most tokens one request can hold under HiSparse: its host copies must fit the host
-        pool, and its other groups' pages (the indexer keys), a largest lease and a window of four
-        MLA pages must fit the device pool."""
+        """Most tokens one request can hold: fully resident on the device (all groups fit the
+        pool), or under HiSparse: its sealed MLA pages fit the host pool while its other groups'
+        pages (the indexer keys), a largest lease and a window of four MLA pages fit the device."""
         usable = self.kv.pool.num_usable_blocks
+
+        def largest(groups, budget, hi):  # largest L whose pages of `groups` fit `budget`
+            lo = 0
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if sum(math.ceil(mid / g.tokens_per_page) for g in groups) <= budget:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return lo
+
+        resident = largest(self.kv.groups, usable, usable * max(g.tokens_per_page for g in self.kv.groups))
+        host_bound = (self.host.num_usable + 2) * self.tpp
         others = [g for g in self.kv.groups if g.name != self.group]
-        budget = usable - self.max_pages - 4
-        lo, hi = 0, (self.host.num_usable + 2) * self.tpp
-        while lo < hi:  # largest L whose device-resident groups fit the budget
-            mid = (lo + hi + 1) // 2
-            if sum(math.ceil(mid / g.tokens_per_page) for g in others) <= budget:
-                lo = mid
-            else:
-                hi = mid - 1
-        return min(lo, (self.host.num_usable + 2) * self.tpp)
+        offloaded = largest(others, usable - self.max_pages - 4, host_bound)
+        return max(resident, min(offloaded, host_bound))
 
     # ------------------------------------------------------------------ lease sizing
     def _lease_pages(self, rid: str, rows: int, off: int | None = None) -> int:

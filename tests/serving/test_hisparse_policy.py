@@ -1,0 +1,183 @@
+"""The HiSparse residency policy over the scheduler, on a simulated arena and host pool
+(tests/serving/hisparse_harness.py): page states dirty → clean → released → lost, write-through
+copies, hot leases, admission, the prefill chunk bound and the host tier of the prefix cache.
+Every test compares token streams with each request run alone and audits after every step
+(no leaked or double-owned device page or host block, no off-device page without a complete
+host copy, a lease wherever a page is off the device)."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from serving.block_pool import NULL_BLOCK
+from tests.serving.hisparse_harness import MLA_TPP, HiSparseEngine
+from tests.serving.test_scheduler import prompt
+
+
+def test_pressure_releases_pages_instead_of_preempting():
+    # Each request needs 23 MLA + 6 indexer pages fully resident; 79 usable pages hold two, and
+    # HiSparse runs all four at once at their steady footprint (indexer + lease + tail).
+    e = HiSparseEngine(num_blocks=80, max_num_seqs=4)
+    for i in range(4):
+        e.add(f"r{i}", prompt(i, 90), max_tokens=30, ignore_eos=True)
+    e.run()
+    e.check_against_reference()
+    assert e.sched.num_preemptions_total == 0
+    assert e.max_running == 4
+    assert e.runner.host_reads > 0 and e.policy.num_released > 0
+    assert {"full", "mixed"} <= e.states_seen
+
+
+def test_the_two_newest_pages_and_dirty_pages_are_never_released():
+    e = HiSparseEngine(num_blocks=60, max_num_seqs=3)
+    for i in range(3):
+        e.add(f"r{i}", prompt(10 + i, 70), max_tokens=40, ignore_eos=True)
+    while e.sched.has_unfinished_requests():
+        e.step()
+        for req in e.sched.running:
+            t = e.kv.table(req.request_id, "mla")
+            rec = e.policy.records[req.request_id]
+            newest = (req.num_computed_tokens - 1) // MLA_TPP
+            for i in set(t.released) | t.placeholders:
+                assert i < newest - 1, "one of the two newest pages left the device"
+                assert i in rec.host_blocks and i not in rec.pending, "a dirty page left the device"
+    e.flush()
+    e.check_against_reference()
+
+
+def test_released_pages_are_reused_tail_first():
+    e = HiSparseEngine(num_blocks=200, max_num_seqs=2)
+    e.add("a", prompt(1, 60), max_tokens=4, ignore_eos=True)
+    for _ in range(6):  # prefill and copy every sealed page
+        e.step()
+    req = e.sched.running[0]
+    rel = e.policy.releasable(req)
+    assert len(rel) >= 5
+    e.policy._release_all(req, rel)
+    t = e.kv.table("a", "mla")
+    queue = e.pool.free_queue()
+    order = [queue.index(t.blocks[i]) for i in sorted(rel, reverse=True)]
+    assert order == sorted(order)  # the tail page is handed out first, the head last
+    # ... and after every untagged page: a fresh page is used before a released one.
+    untagged = [b for b in queue if e.pool.get_tag(b) is None]
+    assert max(queue.index(b) for b in untagged) < min(order)
+    e.run()
+    e.check_against_reference()
+
+
+def test_a_context_longer_than_the_device_pool_prefills_through_the_hot_buffer():
+    # 47 usable pages hold 188 MLA tokens; the prompt has 400. Admitted with an in-flight window,
+    # its earlier chunks are released as it proceeds; later chunks read them from the host pool.
+    e = HiSparseEngine(num_blocks=48, host_blocks=200, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=480,
+                       prefill_buffer=16)
+    e.add("long", prompt(5, 400), max_tokens=20, ignore_eos=True)
+    e.add("short", prompt(6, 30), max_tokens=20, ignore_eos=True)
+    e.run()
+    e.check_against_reference()
+    assert e.sched.num_preemptions_total == 0 and e.runner.host_reads > 0
+
+
+def test_host_tier_prefix_hit_starts_with_placeholders_and_counts_cached_tokens():
+    e = HiSparseEngine(num_blocks=60, max_num_seqs=3, prefix_caching=True)
+    base = prompt(20, 80)
+    e.add("a", base, max_tokens=3, ignore_eos=True)
+    e.run()
+    # Evict a's device pages (MLA and indexer alike) by filling the pool with another request.
+    e.add("filler", prompt(21, 150), max_tokens=2, ignore_eos=True)
+    e.run()
+    assert e.prefix_cache.num_host_entries >= 20
+    b = e.add("b", base + prompt(22, 10), max_tokens=5, ignore_eos=True)
+    e.step()
+    hit = b.num_cached_tokens
+    assert hit > 0 and e.prefix_cache.host_hits > 0
+    t = e.kv.table("b", "mla")
+    assert any(blk == NULL_BLOCK for blk in t.blocks[: hit // MLA_TPP])  # pages only in the host pool
+    assert e.policy.records["b"].lease  # it reads them through the hot buffer
+    e.run()
+    e.check_against_reference()
+
+
+def test_a_full_host_pool_falls_back_to_preemption():
+    # 12 host blocks cannot hold the pages of the running requests: nothing becomes clean enough
+    # to release, so the baseline's preemption takes over and the streams stay correct.
+    e = HiSparseEngine(num_blocks=30, host_blocks=13, max_num_seqs=3)
+    for i in range(3):
+        e.add(f"r{i}", prompt(30 + i, 40), max_tokens=30, ignore_eos=True)
+    e.run()
+    e.check_against_reference()
+    assert e.sched.num_preemptions_total > 0
+
+
+def test_aborts_free_pages_and_host_blocks_in_every_state():
+    rng = random.Random(3)
+    e = HiSparseEngine(num_blocks=50, max_num_seqs=4, prefix_caching=True)
+    for i in range(8):
+        e.add(f"r{i}", prompt(40 + i, rng.randint(20, 90)), max_tokens=rng.randint(5, 30), ignore_eos=True)
+    aborted = set()
+    step = 0
+    while e.sched.has_unfinished_requests():
+        e.step()
+        step += 1
+        if step % 7 == 0:
+            live = list(e.sched.running) + list(e.sched.waiting)
+            victim = rng.choice(live).request_id
+            e.sched.abort(victim)
+            aborted.add(victim)
+            assert e.sched.audit() == []
+    e.flush()
+    e.check_against_reference(skip=aborted)
+    assert e.pool.num_free == e.pool.num_usable_blocks
+    assert e.host_pool.blocks.num_free == e.host_pool.blocks.num_usable_blocks
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    num_blocks=st.sampled_from([30, 40, 60, 90]),
+    host_blocks=st.sampled_from([40, 120, 400]),
+    max_num_seqs=st.sampled_from([2, 4, 6]),
+    budget=st.sampled_from([8, 16, 32]),
+    prefill_buffer=st.sampled_from([8, 16, 32]),
+    prefix_caching=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_random_workloads_keep_every_invariant(num_blocks, host_blocks, max_num_seqs, budget, prefill_buffer,
+                                               prefix_caching, seed):
+    """Random arrivals, shared prefixes, aborts and pool sizes: the harness audits the pool, the
+    host pool, the tables, the leases and the page states after every step, and every request's
+    tokens equal its solo run."""
+    rng = random.Random(seed)
+    e = HiSparseEngine(num_blocks=num_blocks, host_blocks=host_blocks, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=budget, max_model_len=160, prefix_caching=prefix_caching,
+                       prefill_buffer=prefill_buffer)
+    bases = [prompt(1000 + k, 60) for k in range(3)]
+    arrivals = []
+    for i in range(rng.randint(3, 9)):
+        if rng.random() < 0.5:
+            p = bases[rng.randrange(3)][: rng.randint(5, 60)] + prompt(seed * 100 + i, rng.randint(1, 40))
+        else:
+            p = prompt(seed * 100 + i, rng.randint(1, 100))
+        arrivals.append((rng.randint(0, 30), f"r{i}", p, rng.randint(1, 30)))
+    arrivals.sort()
+    aborted, step = set(), 0
+    while arrivals or e.sched.has_unfinished_requests():
+        while arrivals and arrivals[0][0] <= step:
+            _, rid, p, n = arrivals.pop(0)
+            try:
+                e.add(rid, p, max_tokens=n, ignore_eos=True)
+            except ValueError:  # longer than anything this pool can hold
+                pass
+        if e.sched.has_unfinished_requests():
+            e.step()
+            if rng.random() < 0.03 and e.sched.running:
+                victim = rng.choice(e.sched.running).request_id
+                e.sched.abort(victim)
+                aborted.add(victim)
+        step += 1
+        assert step < 20_000
+    e.flush()
+    e.check_against_reference(skip=aborted)
+    assert e.pool.num_free == e.pool.num_usable_blocks and e.kv.request_ids() == []
+    assert e.host_pool.blocks.num_free == e.host_pool.blocks.num_usable_blocks
