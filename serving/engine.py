@@ -291,14 +291,14 @@ class LLMEngine:
 
     def _flush_host_copies(self) -> None:
         """The engine went idle with write-through copies queued (pages sealed by the last step,
-        which finished requests leave to the host tier): run them now, in a step of padding
-        rows, so their host copies complete and are published."""
+        which finished requests leave to the host tier): run them now, in a store-only program,
+        so their host copies complete and are published."""
         from serving.scheduler import SchedulerOutput
 
+        policy = self.hisparse.policy
         while self.hisparse.host.queue:
-            empty = SchedulerOutput()
-            self.runner.execute(empty, self.kv)
-            self.hisparse.policy.after_update(empty)
+            self.runner.run_stores(policy.take_stores(self.hisparse.device.max_stores), wait=True)
+            policy.after_update(SchedulerOutput())
 
     # ------------------------------------------------------------------ statistics
     def _timing(self, sched, outs: list[RequestOutput], rec: StepRecord) -> None:

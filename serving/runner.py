@@ -126,7 +126,9 @@ class ModelRunner:
         dcp = parallel.dcp if parallel is not None else 1  # under DCP an engine page spans tpp × dcp tokens
         self.widths = {g.name: math.ceil(max_model_len / (g.tokens_per_page * dcp)) for g in layout.groups}
         if parallel is None:
-            self.kv_arena = layout.empty_arena(num_blocks)
+            # Committed to device memory (as the step returns it): see HiSparseDeviceState.hot.
+            self.kv_arena = layout.empty_arena(num_blocks, jax.sharding.SingleDeviceSharding(
+                jax.devices()[0], memory_kind="device"))
         else:
             bad = [b for b in self.buckets if parallel.pcp > 1 and b % (2 * parallel.pcp)]  # PCP splits 2·pcp chunks
             if bad:
@@ -157,14 +159,13 @@ class ModelRunner:
 
         @functools.partial(jax.jit, donate_argnums=(2, 10))
         def step(state, batch: ForwardBatch, kv_arena, temperature, top_p, seeds, steps, want_logprobs, copy_src,
-                 copy_dst, hs, stores):
-            # hs: None, or HiSparse's (hot state, host pool), donated; stores: its (sources, destinations).
+                 copy_dst, hs):
+            # hs: None, or HiSparse's (hot state, host pool), donated. (Its write-through copies run
+            # before, in their own program: `run_stores`.)
             host = None
-            if hs is not None:  # the write-through copies first: pages sealed by earlier steps
+            if hs is not None:
                 hot, pool = hs
-                store_src, store_dst = stores
-                pool, stored = store_pages(pool, kv_arena, store_src, store_dst, mla, "mla", mechanism=mechanism)
-                host = HostAccess(pool, mechanism, stored)
+                host = HostAccess(pool, mechanism)
             kv_arena = copy_pages(kv_arena, copy_src, copy_dst)  # copy-on-write pages, before any write
             model = nnx.merge(graphdef, state)
             if hs is None:
@@ -176,6 +177,17 @@ class ModelRunner:
             return out, kv.arena, (kv.hot, host.pool)
 
         self._step = step
+        if hisparse is not None:
+            # The write-through copies are a program of their own, dispatched before the step that
+            # follows the one that sealed the pages: it reads the arena (ordered after the
+            # previous step's writes and, the step donating the arena, before this step's) and
+            # updates the host pool. Inside the step, a loop reading the arena that the step
+            # then updates in place would make XLA copy the whole arena every step.
+            @functools.partial(jax.jit, donate_argnums=(0,))
+            def store_only(pool, kv_arena, store_src, store_dst):
+                return store_pages(pool, kv_arena, store_src, store_dst, mla, "mla", mechanism=mechanism)
+
+            self._store_only = store_only
 
     # ------------------------------------------------------------------ compile
     def _dummy(self, T: int):
@@ -187,8 +199,7 @@ class ModelRunner:
             block_tables={g: np.zeros((B, w), np.int32) for g, w in self.widths.items()},
             logits_indices_B=np.zeros(B, np.int32))
         if self.hisparse is not None:
-            batch.hot, *stores = self.hisparse.empty_inputs(B, self.widths["mla"])
-            self._stores = tuple(stores)
+            batch.hot = self.hisparse.empty_inputs(B, self.widths["mla"])
         if self.dp > 1:  # one padding batch per replica, stacked (the step's global shapes)
             batch, B = stack_replicas([batch] * self.dp, self.parallel.pcp), B * self.dp
         z = np.zeros(B, np.float32)
@@ -207,20 +218,32 @@ class ModelRunner:
             t = time.perf_counter()
             batch, extra = self._dummy(T)
             out, self.kv_arena, hs = self._step(self.state, self._place(batch), self.kv_arena, *extra,
-                                                *self._hisparse_args())
+                                                self._hisparse_args())
             self._keep_hisparse(hs)
             jax.block_until_ready(out)
             self.compile_seconds[T] = time.perf_counter() - t
+        if self.hisparse is not None:
+            self.run_stores([], wait=True)  # the store program
         logger.info("step bucket compile seconds: %s",
                     ", ".join(f"{T}: {s:.1f}" for T, s in self.compile_seconds.items()))
         return time.perf_counter() - t0
 
+    def run_stores(self, jobs, wait: bool = False) -> None:
+        """HiSparse: dispatch the write-through copies `jobs` (`serving.hisparse.host_pool.CopyJob`,
+        at most `max_stores`) as their own program over the current arena (one fixed shape: the
+        list is −1 padded). Call it before the step that should see them complete; `wait` blocks
+        until they ran (an idle engine flushing its queue)."""
+        src, dst = self.hisparse.store_lists(jobs)
+        self.hisparse.pool, done = self._store_only(self.hisparse.pool, self.kv_arena, jnp.asarray(src),
+                                                    jnp.asarray(dst))
+        if wait:
+            jax.block_until_ready(done)
+
     def _hisparse_args(self):
-        """The step's `hs, stores` arguments: None, None or ((hot state, host pool), store lists)."""
+        """The step's `hs` argument: None or (hot state, host pool)."""
         if self.hisparse is None:
-            return None, None
-        src, dst = self._stores
-        return (self.hisparse.hot, self.hisparse.pool), (jnp.asarray(src), jnp.asarray(dst))
+            return None
+        return self.hisparse.hot, self.hisparse.pool
 
     def _keep_hisparse(self, hs) -> None:
         """Take back the donated HiSparse state the step returned."""
@@ -284,8 +307,9 @@ class ModelRunner:
         tables = {g: kv.block_table_array(rids, g, w) for g, w in self.widths.items()}
         batch = ForwardBatch(ids, pos, req, slots, tables, logits_idx)
         if self.hisparse is not None:
-            batch.hot, *stores = self.hisparse.inputs(sched, B, self.widths["mla"])
-            self._stores = tuple(stores)
+            batch.hot, jobs = self.hisparse.inputs(sched, B, self.widths["mla"])
+            if jobs:
+                self.run_stores(jobs)
         copies = np.full((2, self.max_page_copies), -1, np.int32)
         if sched.page_copies:
             pairs = np.asarray(sched.page_copies, np.int32).T  # [2, C] engine block ids
@@ -311,7 +335,7 @@ class ModelRunner:
         batch, extra = self.prepare(sched, kv)
         t1 = time.perf_counter()
         out, self.kv_arena, hs = self._step(self.state, self._place(batch), self.kv_arena, *map(jnp.asarray, extra),
-                                            *self._hisparse_args())
+                                            self._hisparse_args())
         self._keep_hisparse(hs)
         want_lp = bool(extra[4])
         stats = hs[0].stats_4 if hs is not None else None
@@ -366,7 +390,7 @@ class ModelRunner:
         extra = (cat(0), cat(1), cat(2), cat(3), want_lp, *copies)
         t1 = time.perf_counter()
         out, self.kv_arena, _ = self._step(self.state, self._place(batch), self.kv_arena, *map(jnp.asarray, extra),
-                                           None, None)
+                                           None)
         toks, tok_lp, top_ids, top_lp = jax.device_get(out if want_lp else out[:1] + (None,) * 3)
         t2 = time.perf_counter()
         self.last = StepStats(sum(s.num_scheduled_tokens for s in scheds), batch.input_ids_T.shape[0],

@@ -263,6 +263,7 @@ class CompletionRequest(_Request):
     skip_special_tokens: bool = True
     top_k: int | None = None
     min_p: float | None = None
+    return_token_ids: bool = False  # vLLM: each choice also carries prompt_token_ids and token_ids
     repetition_penalty: float | None = None
 
 
@@ -273,6 +274,10 @@ class CompletionChoice(_Response):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's `return_token_ids`: the prompt (non-streaming, and a stream's first chunk) and the
+    # output token ids (a stream: the chunk's new ones). Left out of the body unless requested.
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
+    token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(_Response):

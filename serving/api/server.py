@@ -912,6 +912,8 @@ def build_app(
                         logprobs=None if params.logprobs is None
                         else completion_logprobs(tokenizer, st.logprobs, top_n),
                         finish_reason=st.finish_reason or "abort",
+                        prompt_token_ids=list(prompt_ids) if body.return_token_ids else None,
+                        token_ids=list(st.token_ids) if body.return_token_ids else None,
                     )
                     for i, st in enumerate(ch.states)
                 ],
@@ -925,12 +927,19 @@ def build_app(
             return Response(status_code=499)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         offsets = [0] * len(ch)
+        sent_prompt = [False] * len(ch)
 
         def make_chunks(i: int, d: TextDelta, st: RequestTextState) -> list[dict[str, Any]]:
             lps = None
             if d.logprobs:
                 lps = completion_logprobs(tokenizer, d.logprobs, top_n, offsets[i])
                 offsets[i] = lps.text_offset[-1] + len(lps.tokens[-1])
+            ids = {}
+            if body.return_token_ids:
+                ids = {"token_ids": list(d.token_ids)}
+                if not sent_prompt[i]:
+                    ids["prompt_token_ids"] = list(prompt_ids)
+                    sent_prompt[i] = True
             return [
                 _chunk_dict(
                     CompletionResponse(
@@ -938,7 +947,7 @@ def build_app(
                         created=created,
                         model=served_model_name,
                         choices=[CompletionChoice(index=i, text=d.text, logprobs=lps,
-                                                  finish_reason=d.finish_reason)],
+                                                  finish_reason=d.finish_reason, **ids)],
                     )
                 )
             ]

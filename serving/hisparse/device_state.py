@@ -8,9 +8,10 @@
 * the per-request hot state `HotState [max_num_seqs, index groups, max_hot_rows]` (donated).
 
 and builds the per-step inputs from the policy: the `HotBatch` (host tables, leases, state rows,
-stale-slot marks) and the write-through copy list (device page → host block, −1 padded to a fixed
-length so the step never recompiles). `run_stores` moves these into a step; the step returns the
-state updated and this step's lookup counters `[hits, misses, dropped, layer rows copied]`.
+stale-slot marks) and the write-through copies (device page → host block, −1 padded to a fixed
+length so the store program never recompiles; the runner dispatches them before the step). The
+step returns the state updated and its lookup counters `[hits, misses, dropped, layer rows
+copied]`.
 """
 
 from __future__ import annotations
@@ -70,7 +71,11 @@ class HiSparseDeviceState:
         self.hot_pages = config.max_hot_rows // self.tpp
         self.max_stores = int(max_stores)
         self.pool = make_host_pool(self.mechanism, self.num_host_blocks * self.tpp, self.row_words)
-        self.hot = HotState.empty(max_num_seqs, num_index_groups, self.hot_rows)
+        # Committed to device memory like the step's outputs, so the step's first call with the
+        # state it returned hits the compiled executable (an uncommitted input next to the
+        # committed pinned_host pool would key a second compilation).
+        self.hot = jax.device_put(HotState.empty(max_num_seqs, num_index_groups, self.hot_rows),
+                                  SingleDeviceSharding(jax.devices()[0], memory_kind="device"))
         self.layer_row_bytes = 4 * comp.row_words  # one layer's row of one token
         self.hits = self.misses = self.dropped = 0  # lookups since start-up
         self.h2d_bytes = 0  # host → device bytes of hot-row copies since start-up
@@ -81,20 +86,27 @@ class HiSparseDeviceState:
         """Bytes of one host row (one token, every sparse-MLA layer)."""
         return 4 * self.row_words
 
-    def empty_inputs(self, num_rows: int, width: int) -> tuple[HotBatch, np.ndarray, np.ndarray]:
-        """An inactive `HotBatch` for `num_rows` batch rows and MLA tables of `width`, and empty
-        store lists (compilation, idle replicas)."""
-        hot = HotBatch(np.zeros((num_rows, width), np.int32), np.zeros((num_rows, self.hot_pages), np.int32),
-                       np.full(num_rows, -1, np.int32), np.full(num_rows, self.hot_rows, np.int32),
-                       np.bool_(False), np.int32(self.num_host_blocks))
-        none = np.full(self.max_stores, -1, np.int32)
-        return hot, none, none.copy()
+    def empty_inputs(self, num_rows: int, width: int) -> HotBatch:
+        """An inactive `HotBatch` for `num_rows` batch rows and MLA tables of `width`
+        (compilation, steps without hot rows)."""
+        return HotBatch(np.zeros((num_rows, width), np.int32), np.zeros((num_rows, self.hot_pages), np.int32),
+                        np.full(num_rows, -1, np.int32), np.full(num_rows, self.hot_rows, np.int32),
+                        np.bool_(False), np.int32(self.num_host_blocks))
 
-    def inputs(self, sched, num_rows: int, width: int) -> tuple[HotBatch, np.ndarray, np.ndarray]:
-        """The step's `HotBatch` (row i = `sched.scheduled[i]`) and its store lists (taken from
-        the policy's copy queue)."""
+    def store_lists(self, jobs) -> tuple[np.ndarray, np.ndarray]:
+        """int32 `[max_stores]` sources (device pages) and destinations (host blocks) of `jobs`,
+        −1 padded (the store program's one shape)."""
+        src = np.full(self.max_stores, -1, np.int32)
+        dst = np.full(self.max_stores, -1, np.int32)
+        src[:len(jobs)] = [j.device_block for j in jobs]
+        dst[:len(jobs)] = [j.host_block for j in jobs]
+        return src, dst
+
+    def inputs(self, sched, num_rows: int, width: int) -> tuple[HotBatch, list]:
+        """The step's `HotBatch` (row i = `sched.scheduled[i]`) and the write-through copies to
+        run before it (taken from the policy's copy queue)."""
         policy = self.policy
-        hot, src, dst = self.empty_inputs(num_rows, width)
+        hot = self.empty_inputs(num_rows, width)
         active = False
         for i, sr in enumerate(sched.scheduled):
             rid = sr.request_id
@@ -106,10 +118,7 @@ class HiSparseDeviceState:
                 hot.state_row_B[i] = sr.request.state_row
                 hot.reset_from_B[i] = reset
         hot.active = np.bool_(active)
-        jobs = policy.take_stores(self.max_stores)
-        src[:len(jobs)] = [j.device_block for j in jobs]
-        dst[:len(jobs)] = [j.host_block for j in jobs]
-        return hot, src, dst
+        return hot, policy.take_stores(self.max_stores)
 
     def record(self, stats) -> None:
         """Accumulate one step's `[hits, misses, dropped, layer rows copied]`."""

@@ -278,10 +278,16 @@ class HiSparsePolicy(DeviceResidentPolicy):
             return tok + revived + self._lease_pages(rid, rows, off)
 
         num_new = self._cap_rows(num_new, off)
-        full = need(req.num_tokens, num_new)
         # Running requests keep `watermark` pages of headroom for their growth (a new tail page
         # is needed before the previous one's copy completes and it can be released).
         reserve = self.watermark if self.running else 0
+        # A prefix that starts on the host is prefilled through the hot buffer: when the lease
+        # its whole first chunk wants does not fit, a smaller chunk (down to what the decode lease
+        # covers) gets it started.
+        least = max(1, min(num_new, self.dec_pages * self.tpp // self.K)) if off else num_new
+        while num_new > least and need(req.num_tokens, num_new) + reserve > self._room(protect):
+            num_new = max(least, num_new // 2)
+        full = need(req.num_tokens, num_new)
         if full <= pool.num_usable_blocks:  # fits fully resident: the admission rule
             target = req.num_tokens
             if not self._make_room(full + reserve, protect):
@@ -386,6 +392,10 @@ class HiSparsePolicy(DeviceResidentPolicy):
                 cands.append((gain, req, rel))
         cands.sort(key=lambda c: -c[0])
         return cands
+
+    def _room(self, protect: set[str]) -> int:
+        """Free pages plus what the running requests not in `protect` could release."""
+        return self.kv.pool.num_free + sum(c[0] for c in self._candidates(protect))
 
     def _make_room(self, needed: int, protect: set[str]) -> bool:
         """Release clean pages of running requests (not `protect`) until `needed` pages are free.

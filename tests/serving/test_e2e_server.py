@@ -262,3 +262,21 @@ def test_chat_logprobs_n_and_stop_on_the_real_engine(server, client):
     while success_delta()["stop"] < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert success_delta() == {"stop": 2, "abort": 0, "length": 0}
+
+
+def test_return_token_ids_gives_prompt_and_output_ids(server, client):
+    """vLLM's `return_token_ids` extension: the ids a multi-turn client feeds back as the next
+    prompt (scripts/bench_agentic.py), streaming and not; absent unless asked for."""
+    prompt = [(11 * i) % 430 + 10 for i in range(40)]
+    kw = dict(model="glm-5.3-tiny", prompt=prompt, max_tokens=5, temperature=0)
+    r = client.completions.create(**kw, extra_body={"ignore_eos": True, "return_token_ids": True})
+    c = r.model_dump()["choices"][0]
+    assert c["prompt_token_ids"] == prompt and len(c["token_ids"]) == 5
+    plain = client.completions.create(**kw, extra_body={"ignore_eos": True}).model_dump()["choices"][0]
+    assert "token_ids" not in plain and plain["text"] == c["text"]
+    chunks = [ch.model_dump()["choices"] for ch in client.completions.create(
+        **kw, stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})]
+    ids = [t for chs in chunks for ch in chs for t in ch.get("token_ids") or []]
+    assert ids == c["token_ids"]
+    assert chunks[0][0]["prompt_token_ids"] == prompt
+    assert all("prompt_token_ids" not in ch for chs in chunks[1:] for ch in chs)

@@ -1,0 +1,449 @@
+"""Agentic multi-turn benchmark: Hybrid HiSparse vs preemption vs an ample pool (DESIGN §9).
+
+The reference workload (the source documents' OpenHands sweep) scaled down by `--scale`: 13-turn
+conversations whose first turn, later turns and outputs keep the 74,160 : 753 : 220 proportions
+(`--scale 16`: 4,635 / 47 / 14 tokens), deterministic content (seeded token ids of the tiny
+checkpoint's vocabulary), `ignore_eos`, greedy. Each turn's prompt is the previous turn's prompt,
+its output and the new user tokens (token ids through /v1/completions with vLLM's
+`return_token_ids`), so every later turn is a prefix-cache hit on the whole history.
+
+One server per mode (`python -m serving.run` in a subprocess, `--enable-prefix-caching`):
+
+* `ample`: a device pool that holds every conversation of the top concurrency (the reference
+  streams, with top-2 logprobs for the equality rule);
+* `preemption`: the baseline, a pool that holds `--baseline-contexts` full final contexts
+  (`--num-gpu-blocks-override`), preemption by recompute when it runs out;
+* `hisparse`: the same pool with `--attention-config '{"hisparse_config": ...}'`.
+
+For each concurrency c of the sweep, 2·c conversations are run by c client threads (a thread
+takes the next conversation and runs its turns one after the other), while a scraper reads
+`/metrics` every `--scrape-s` seconds. Per (mode, c) point:
+
+* `mean_running`: the non-zero mean of the scraped `vllm:num_requests_running` samples (the
+  source's request occupancy); `predicted_running`: the capacity planner's steady-state count for
+  the final context (`glm53.capacity`, engine units: device-resident, or
+  `predict_hisparse_requests` with the engine's reserve), capped by c and --max-num-seqs;
+* `logical_throughput_tok_s`: (prompt tokens incl. cached ones + output tokens) / wall time, per
+  device (one here);
+* `interactivity`: 1000 / mean TPOT (ms) over requests (the single-node write-up's definition);
+  `agentx_tok_s_per_user`: 1 / P90 over requests of (end-to-end latency / output tokens)
+  (SemiAnalysis AgentX, TTFT included);
+* `ttft_p50_s`, `ttft_p90_s`; `preemptions` (Δ `vllm:num_preemptions_total`); `hot_hit_rate`
+  and `h2d_bytes` (Δ of the HiSparse counters); `cached_tokens`;
+* `greedy_identical`: every stream of the mode equals the ample run's (same conversation and
+  turn) under DESIGN §10's equality rule (`glm53.equality`: divergences only at a top-2 logit
+  gap < 1e-4 or an indexer top-k boundary gap < 1e-3, counted in `divergences`).
+
+Writes `OUT/summary.json` (a list of rows with the keys above plus `mode`, `concurrency`),
+`OUT/summary.csv`, `OUT/agentic.png` (interactivity vs logical throughput; running requests vs
+concurrency, with the planner's predictions), `OUT/server_<mode>.log`, and prints a table.
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_agentic.py --quick --out /tmp/agentic
+    PYTHONPATH=. .venv/bin/python scripts/bench_agentic.py --scale 16 --concurrency 1,8,16,24,32 --out DIR
+
+`--quick` (under 15 minutes on 2 CPU cores): `--scale 32 --concurrency 1,4,8 --turns 13`.
+Numbers on a CPU measure the serving machinery on a tiny model, not an H200's speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+REF_FIRST, REF_LATER, REF_OUT = 74_160, 753, 220
+MODES = ("ample", "preemption", "hisparse")
+MODEL = "bench-agentic"
+
+
+# ----------------------------------------------------------------------------------- workload
+@dataclass(frozen=True)
+class Workload:
+    """Token counts of one conversation: `first` prompt tokens, then `later` new user tokens per
+    later turn, `out` output tokens per turn, `turns` turns."""
+
+    first: int
+    later: int
+    out: int
+    turns: int
+
+    @classmethod
+    def scaled(cls, scale: float, turns: int = 13) -> "Workload":
+        return cls(max(1, round(REF_FIRST / scale)), max(1, round(REF_LATER / scale)),
+                   max(2, round(REF_OUT / scale)), turns)
+
+    @property
+    def final_context(self) -> int:
+        """Tokens of the last turn's prompt plus its output."""
+        return self.first + (self.turns - 1) * (self.later + self.out) + self.out
+
+
+def user_tokens(conv: int, turn: int, n: int, vocab: int) -> list[int]:
+    """Deterministic token ids of conversation `conv`, turn `turn` (ordinary ids, no specials)."""
+    rng = np.random.default_rng([conv, turn, 7])
+    return rng.integers(10, vocab, n).tolist()
+
+
+# ----------------------------------------------------------------------------------- servers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m serving.run` in a subprocess on a free loopback port."""
+
+    def __init__(self, flags: list[str], log_path: Path, timeout_s: float = 900):
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.log = open(log_path, "w")
+        cmd = [sys.executable, "-m", "serving.run", "--port", str(self.port), "--served-model-name", MODEL,
+               "--log-level", "warning", *flags]
+        self.log.write(" ".join(cmd) + "\n")
+        self.log.flush()
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {log_path}")
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > timeout_s:
+                self.stop()
+                raise RuntimeError(f"server not healthy after {timeout_s} s; see {log_path}")
+            time.sleep(0.5)
+        self.startup_s = time.monotonic() - t0
+
+    def metrics(self) -> dict[str, float]:
+        """Samples of /metrics summed over labels except `state` (name{state} kept apart)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out: dict[str, float] = {}
+        text = httpx.get(self.base + "/metrics", timeout=30).text
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                key = s.name + (f"{{{s.labels['state']}}}" if "state" in s.labels else "")
+                out[key] = out.get(key, 0.0) + s.value
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+# ----------------------------------------------------------------------------------- clients
+@dataclass
+class TurnResult:
+    conv: int
+    turn: int
+    prompt: list[int]
+    output: list[int] = field(default_factory=list)
+    top2_gaps: list[float] = field(default_factory=list)
+    t_send: float = 0.0
+    t_first: float | None = None
+    t_last: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.t_first - self.t_send
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.t_last - self.t_first) / (len(self.output) - 1) if len(self.output) > 1 else None
+
+    @property
+    def e2e_per_token(self) -> float:
+        return (self.t_last - self.t_send) / max(1, len(self.output))
+
+
+def run_turn(client: httpx.Client, base: str, res: TurnResult, out_tokens: int, logprobs: bool) -> None:
+    body = {"model": MODEL, "prompt": res.prompt, "max_tokens": out_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+    if logprobs:
+        body["logprobs"] = 2
+    res.t_send = time.monotonic()
+    with client.stream("POST", base + "/v1/completions", json=body, timeout=3600) as r:
+        if r.status_code != 200:
+            res.error = f"HTTP {r.status_code}: {r.read()[:300]!r}"
+            return
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for ch in chunk.get("choices", []):
+                ids = ch.get("token_ids") or []
+                if ids:
+                    now = time.monotonic()
+                    res.t_first = res.t_first or now
+                    res.t_last = now
+                    res.output.extend(ids)
+                lp = ch.get("logprobs")
+                if lp and lp.get("top_logprobs"):
+                    for alts in lp["top_logprobs"]:
+                        vals = sorted((alts or {}).values(), reverse=True)
+                        res.top2_gaps.append(vals[0] - vals[1] if len(vals) >= 2 else float("inf"))
+            if chunk.get("usage"):
+                u = chunk["usage"]
+                res.prompt_tokens = u["prompt_tokens"]
+                res.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def run_point(server: Server, wl: Workload, concurrency: int, vocab: int, logprobs: bool, scrape_s: float,
+              conv_offset: int) -> tuple[list[TurnResult], list[float], dict, dict, float]:
+    """2·c conversations over c client threads. Returns (turn results, running samples, metrics
+    before, metrics after, wall seconds)."""
+    convs = list(range(conv_offset, conv_offset + 2 * concurrency))
+    lock = threading.Lock()
+    results: list[TurnResult] = []
+    samples: list[float] = []
+    stop = threading.Event()
+
+    def scrape():
+        while not stop.is_set():
+            try:
+                samples.append(server.metrics().get("vllm:num_requests_running", 0.0))
+            except httpx.HTTPError:
+                pass
+            stop.wait(scrape_s)
+
+    def worker():
+        with httpx.Client() as client:
+            while True:
+                with lock:
+                    if not convs:
+                        return
+                    c = convs.pop(0)
+                prompt = user_tokens(c, 0, wl.first, vocab)
+                for t in range(wl.turns):
+                    res = TurnResult(c, t, list(prompt))
+                    run_turn(client, server.base, res, wl.out, logprobs)
+                    with lock:
+                        results.append(res)
+                    if res.error:
+                        return
+                    prompt = prompt + res.output + user_tokens(c, t + 1, wl.later, vocab)
+
+    before = server.metrics()
+    scraper = threading.Thread(target=scrape, daemon=True)
+    scraper.start()
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.monotonic() - t0
+    stop.set()
+    scraper.join()
+    return results, samples, before, server.metrics(), wall
+
+
+# ----------------------------------------------------------------------------------- sizing
+def pool_sizes(wl: Workload, baseline_contexts: int, top_conc: int, cache_dtype: str):
+    """(model config, KV layout, pages per final context, small pool, ample pool) in arena pages
+    (incl. the null block)."""
+    from glm53.capacity import pages_per_request
+    from glm53.config import GlmConfig
+    from glm53.kv_layout import build_kv_layout
+    from glm53.tiny_checkpoint import default_model_dir
+
+    cfg = GlmConfig.from_pretrained(str(default_model_dir()))
+    layout = build_kv_layout(cfg, cache_dtype, with_mtp=False)
+    per = sum(pages_per_request(layout, wl.final_context).values())
+    return cfg, layout, per, baseline_contexts * per + 1, 2 * top_conc * per + 8
+
+
+def predicted(mode: str, layout, nblocks: int, wl: Workload, hs: dict, conc: int, max_num_seqs: int,
+              host_blocks: int) -> int:
+    """The planner's steady-state running requests for the final context, capped by c."""
+    from glm53.capacity import predict_device_resident_requests, predict_hisparse_requests
+
+    L = wl.final_context
+    if mode == "hisparse":
+        g = layout.group("mla")
+        dec = math.ceil(hs["device_buffer_rows"] / g.tokens_per_page) * g.tokens_per_page
+        reserve = min(nblocks - 1, max(dec // g.tokens_per_page, math.ceil(0.1 * (nblocks - 1))))
+        n = predict_hisparse_requests(layout, nblocks, L, dec, host_blocks=host_blocks, reserve_pages=reserve).requests
+    else:
+        n = predict_device_resident_requests(layout, nblocks, L)
+    return min(n, conc, max_num_seqs)
+
+
+# ----------------------------------------------------------------------------------- report
+def percentile(xs, q):
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def summarize(mode, conc, results, samples, before, after, wall, pred, ref) -> dict:
+    from glm53.equality import compare_streams
+
+    ok = [r for r in results if r.error is None and r.t_first is not None]
+    d = lambda k: after.get(k, 0.0) - before.get(k, 0.0)  # noqa: E731
+    tpots = [r.tpot for r in ok if r.tpot is not None]
+    nz = [s for s in samples if s > 0]
+    hits, misses = d("vllm:hisparse_cache_hits_total"), d("vllm:hisparse_cache_misses_total")
+    tokens = sum(r.prompt_tokens + len(r.output) for r in ok)
+    row = {
+        "mode": mode, "concurrency": conc, "requests": len(ok), "errors": len(results) - len(ok),
+        "mean_running": round(statistics.mean(nz), 3) if nz else 0.0, "predicted_running": pred,
+        "logical_throughput_tok_s": round(tokens / wall, 2),
+        "interactivity": round(1.0 / statistics.mean(tpots), 3) if tpots else None,  # = 1000 / TPOT ms
+        "agentx_tok_s_per_user": round(1.0 / percentile([r.e2e_per_token for r in ok], 90), 3) if ok else None,
+        "ttft_p50_s": round(percentile([r.ttft for r in ok], 50), 4),
+        "ttft_p90_s": round(percentile([r.ttft for r in ok], 90), 4),
+        "preemptions": int(d("vllm:num_preemptions_total")),
+        "hot_hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
+        "h2d_bytes": int(d("vllm:hisparse_host_to_device_bytes_total")),
+        "cached_tokens": sum(r.cached_tokens for r in ok), "wall_s": round(wall, 2),
+    }
+    if ref is not None:
+        key = lambda r: (r.conv, r.turn)  # noqa: E731
+        divs = compare_streams({key(r): r.output for r in ref}, {key(r): r.output for r in ok},
+                               {key(r): r.top2_gaps for r in ref}, {key(r): r.prompt for r in ref},
+                               strict=False, verbose=False)
+        row["divergences"] = len(divs)
+        row["greedy_identical"] = not [x for x in divs if x.accepted_by is None] and row["errors"] == 0
+    return row
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for mode in MODES:
+        pts = sorted((r for r in rows if r["mode"] == mode and r["interactivity"]), key=lambda r: r["concurrency"])
+        if not pts:
+            continue
+        a.plot([r["logical_throughput_tok_s"] for r in pts], [r["interactivity"] for r in pts], "o-", label=mode)
+        for r in pts:
+            a.annotate(f"c{r['concurrency']}", (r["logical_throughput_tok_s"], r["interactivity"]), fontsize=7)
+        b.plot([r["concurrency"] for r in pts], [r["mean_running"] for r in pts], "o-", label=f"{mode} measured")
+        b.plot([r["concurrency"] for r in pts], [r["predicted_running"] for r in pts], "x--", alpha=0.6,
+               label=f"{mode} planner")
+    a.set_xlabel("logical throughput (tokens/s per device, cached prompt tokens included)")
+    a.set_ylabel("interactivity (1000 / mean TPOT ms)")
+    a.set_title("interactivity vs throughput")
+    a.legend()
+    b.set_xlabel("concurrency")
+    b.set_ylabel("non-zero mean of num_requests_running")
+    b.set_title("running requests")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--quick", action="store_true", help="--scale 32 --concurrency 1,4,8 (under 15 min on 2 cores)")
+    p.add_argument("--scale", type=float, default=16, help="divide the reference token counts by this")
+    p.add_argument("--turns", type=int, default=13)
+    p.add_argument("--concurrency", default="1,8,16,24,32")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--baseline-contexts", type=int, default=2,
+                   help="the small pool (preemption and hisparse) holds this many final contexts fully resident")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--hisparse-config", default="{}", help="extra hisparse_config keys (JSON)")
+    p.add_argument("--scrape-s", type=float, default=0.25)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.scale, args.concurrency = 32, "1,4,8"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    concs = [int(c) for c in args.concurrency.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    wl = Workload.scaled(args.scale, args.turns)
+    cache_dtype = "float32" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    cfg, layout, per, small, ample = pool_sizes(wl, args.baseline_contexts, max(concs), cache_dtype)
+    mla = layout.group("mla")
+    host_bytes = (2 * max(concs) + 4) * wl.final_context * mla.bytes_per_token
+    hs = {"host_pool_gib": round(host_bytes / 2**30, 4) + 0.001, **json.loads(args.hisparse_config)}
+    hs_rows = hs.get("device_buffer_size", 2 * cfg.index_topk)
+    max_num_seqs = max(max(concs), 2)
+    max_len = wl.final_context + 64
+    print(f"workload: {wl} -> final context {wl.final_context} tokens = {per} pages; pools: small {small} "
+          f"pages, ample {ample}; hisparse_config {hs}", flush=True)
+    common = ["--max-model-len", str(max_len), "--max-num-seqs", str(max_num_seqs), "--enable-prefix-caching",
+              "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-cache-dtype", args.kv_cache_dtype,
+              "--disable-log-stats"]
+    flags = {"ample": ["--num-gpu-blocks-override", str(ample)],
+             "preemption": ["--num-gpu-blocks-override", str(small)],
+             "hisparse": ["--num-gpu-blocks-override", str(small), "--attention-config",
+                          json.dumps({"hisparse_config": hs})]}
+    host_blocks = math.ceil(hs["host_pool_gib"] * 2**30 / (mla.bytes_per_token * mla.tokens_per_page))
+    vocab = 400  # the tiny tokenizer's ordinary ids lie below its special tokens
+    rows, refs = [], {}
+    for mode in (["ample"] if "ample" in modes else []) + [m for m in modes if m != "ample"]:
+        server = Server(common + flags[mode], out / f"server_{mode}.log")
+        print(f"{mode}: server healthy after {server.startup_s:.0f} s", flush=True)
+        try:
+            offset = 0
+            for c in concs:
+                results, samples, before, after, wall = run_point(server, wl, c, vocab, mode == "ample",
+                                                                  args.scrape_s, offset)
+                offset += 2 * c
+                if mode == "ample":
+                    refs[c] = results
+                nb = small if mode != "ample" else ample
+                pred = predicted(mode, layout, nb, wl, {"device_buffer_rows": hs_rows}, c, max_num_seqs,
+                                 host_blocks)
+                row = summarize(mode, c, results, samples, before, after, wall, pred,
+                                refs.get(c) if mode != "ample" else None)
+                if mode == "ample":
+                    row["greedy_identical"] = row["errors"] == 0
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                (out / "summary.json").write_text(json.dumps(rows, indent=1))
+        finally:
+            server.stop()
+    with open(out / "summary.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
+        w.writeheader()
+        w.writerows(rows)
+    plot(rows, out / "agentic.png")
+    cols = ("mode", "concurrency", "mean_running", "predicted_running", "logical_throughput_tok_s", "interactivity",
+            "agentx_tok_s_per_user", "ttft_p50_s", "ttft_p90_s", "preemptions", "hot_hit_rate", "h2d_bytes",
+            "greedy_identical")
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(str(r.get(c)) for c in cols))
+    print(f"wrote {out / 'summary.json'}, {out / 'summary.csv'}, {out / 'agentic.png'}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
