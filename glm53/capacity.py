@@ -322,8 +322,14 @@ class Deployment:
     block_size: tokens per page (64).
     max_model_len: the context length the deployment serves.
     prefill_window_tokens: tokens of the request being admitted that must be fully resident on
-        the device; None: all of it (DESIGN §9). A chunked prefill that releases sealed pages
-        behind it would need only its chunk.
+        the device. None: the engine's rule (`serving/hisparse/residency.py`): all of it when
+        that fits the KV room, else an in-flight window of `2 · max_num_batched_tokens` tokens
+        (the chunk being prefilled and the previous one, whose host copy is in flight) plus a
+        prefill hot buffer of `prefill_hot_rows` rows.
+    max_num_batched_tokens: the prefill chunk (the reference deployment's 32,768).
+    prefill_hot_rows: hot-buffer rows of a request prefilling with pages off the device (the
+        engine's `prefill_buffer_size`; None: 16 · index_topk). Its chunk is then capped at
+        prefill_hot_rows / index_topk query rows (each may miss its whole top-k).
     """
 
     name: str = "custom"
@@ -347,6 +353,8 @@ class Deployment:
     block_size: int = 64
     max_model_len: int = 1_048_576
     prefill_window_tokens: int | None = None
+    max_num_batched_tokens: int = 32_768
+    prefill_hot_rows: int | None = None
 
     def __post_init__(self) -> None:
         for f in ("num_gpus", "tp", "dp", "pcp", "dcp", "block_size", "max_model_len"):
@@ -369,6 +377,8 @@ class Deployment:
             raise ValueError("pool and reserve sizes must be >= 0")
         if self.prefill_window_tokens is not None and self.prefill_window_tokens < 1:
             raise ValueError("prefill_window_tokens must be >= 1")
+        if self.max_num_batched_tokens < 1 or (self.prefill_hot_rows is not None and self.prefill_hot_rows < 1):
+            raise ValueError("max_num_batched_tokens and prefill_hot_rows must be >= 1")
 
     def replace(self, **changes) -> "Deployment":
         """A copy with fields changed (validated again)."""
@@ -483,10 +493,12 @@ def capacity(cfg: GlmConfig, dep: Deployment, seq_len: int) -> CapacityPoint:
     """Device-resident and Hybrid HiSparse concurrency of `dep` at `seq_len` tokens per request.
 
     Formulas: module docstring (DESIGN §9). Per device, with Lr = ⌈L/dcp⌉:
-    device-resident ⌊R / (Lr·B)⌋; first = Wr·B + (Lr − Wr)·B_idx + hot (W = the prefill window,
-    all of L by default); steady = Lr·B_idx + hot + tail; hot = ⌈m·K / block⌉·block rows ·
-    B_host (not divided by DCP: one rank may own every selected row); tail = 2 pages ·
-    block · B_host; host-bound ⌊pool / (L·B_host)⌋ per replica.
+    device-resident ⌊R / (Lr·B)⌋; first = Wr·B + (Lr − Wr)·B_idx + hot (W = the prefill window:
+    `prefill_window_tokens` when given; by the engine's rule all of L when Lr·B + hot fits R, else
+    2 · max_num_batched_tokens, with hot then the prefill buffer of `prefill_hot_rows` rows);
+    steady = Lr·B_idx + hot + tail; hot = ⌈m·K / block⌉·block rows · B_host (not divided by DCP:
+    one rank may own every selected row); tail = 2 pages · block · B_host; host-bound
+    ⌊pool / (L·B_host)⌋ per replica.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -500,9 +512,17 @@ def capacity(cfg: GlmConfig, dep: Deployment, seq_len: int) -> CapacityPoint:
     hot_rows = math.ceil(dep.hot_multiplier * topk / dep.block_size) * dep.block_size
     hot = hot_rows * kv.sparse_mla
     tail = TAIL_PAGES * dep.block_size * kv.sparse_mla
-    window = seq_len if dep.prefill_window_tokens is None else min(seq_len, dep.prefill_window_tokens)
+    first_hot = hot
+    if dep.prefill_window_tokens is not None:
+        window = min(seq_len, dep.prefill_window_tokens)
+    elif lr * kv.total + hot <= room:
+        window = seq_len
+    else:  # the engine's in-flight window: two chunks, and the prefill hot buffer
+        window = min(seq_len, 2 * dep.max_num_batched_tokens)
+        rows = dep.prefill_hot_rows if dep.prefill_hot_rows is not None else 16 * topk
+        first_hot = max(hot, math.ceil(rows / dep.block_size) * dep.block_size * kv.sparse_mla)
     wr = math.ceil(window / dep.dcp)
-    first = wr * kv.total + (lr - wr) * kv.device_indexer + hot
+    first = wr * kv.total + (lr - wr) * kv.device_indexer + first_hot
     steady = lr * kv.device_indexer + hot + tail
     dev_bound = hisparse_device_bound(room, first, steady)
     pool = host_pool_rounded(cfg, dep)
@@ -668,7 +688,9 @@ class HiSparsePagePlan:
 
 def predict_hisparse_requests(layout, num_blocks: int, max_model_len: int, hot_rows: int,
                               host_blocks: int | None = None, offloaded: tuple[str, ...] = ("mla",),
-                              tail_pages: int = TAIL_PAGES, reserve_pages: int = 0) -> HiSparsePagePlan:
+                              tail_pages: int = TAIL_PAGES, reserve_pages: int = 0,
+                              window_tokens: int | None = None, prefill_hot_rows: int | None = None
+                              ) -> HiSparsePagePlan:
     """DESIGN §9's HiSparse device-bound and host-bound counts in pages of `layout`.
 
     The `offloaded` groups (the sparse-MLA group) keep only `tail_pages` pages per request on
@@ -681,7 +703,10 @@ def predict_hisparse_requests(layout, num_blocks: int, max_model_len: int, hot_r
 
     This is the engine's admission rule (`serving/hisparse/residency.py`): a request is admitted
     when it fits fully resident (with its lease) next to the others at their steady footprint
-    and the reserve.
+    and the reserve. A request that cannot be fully resident even in an empty pool is admitted
+    with an in-flight window instead: the offloaded groups' pages of `window_tokens` tokens (the
+    engine: two prefill chunks) and a prefill hot buffer of `prefill_hot_rows` rows, next to the
+    other groups' pages of the whole context (without `window_tokens`, such a request gives 0).
     """
     pages = pages_per_request(layout, max_model_len)
     gs = {g.name: g for g in getattr(layout, "groups", layout)}
@@ -692,6 +717,10 @@ def predict_hisparse_requests(layout, num_blocks: int, max_model_len: int, hot_r
     usable = num_blocks - 1
     first = sum(pages.values()) + hot_pages
     resident_rest = sum(n for g, n in pages.items() if g not in offloaded)
+    if first > usable and window_tokens is not None:  # the in-flight window
+        win = pages_per_request([gs[g] for g in offloaded], min(max_model_len, window_tokens))
+        pre = math.ceil((prefill_hot_rows or hot_rows) / gs[offloaded[0]].tokens_per_page)
+        first = resident_rest + sum(win.values()) + tail_pages * len(offloaded) + max(hot_pages, pre)
     steady = resident_rest + hot_pages + tail_pages * len(offloaded)
     device_bound = 0 if usable < first else 1 + max(0, usable - reserve_pages - first) // steady
     host_bound = None

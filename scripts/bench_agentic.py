@@ -293,7 +293,9 @@ def predicted(mode: str, layout, nblocks: int, wl: Workload, hs: dict, conc: int
         g = layout.group("mla")
         dec = math.ceil(hs["device_buffer_rows"] / g.tokens_per_page) * g.tokens_per_page
         reserve = min(nblocks - 1, max(dec // g.tokens_per_page, math.ceil(0.1 * (nblocks - 1))))
-        n = predict_hisparse_requests(layout, nblocks, L, dec, host_blocks=host_blocks, reserve_pages=reserve).requests
+        n = predict_hisparse_requests(layout, nblocks, L, dec, host_blocks=host_blocks, reserve_pages=reserve,
+                                      window_tokens=2 * hs["max_num_batched_tokens"],
+                                      prefill_hot_rows=hs["prefill_rows"]).requests
     else:
         n = predict_device_resident_requests(layout, nblocks, L)
     return min(n, conc, max_num_seqs)
@@ -419,8 +421,11 @@ def main(argv=None) -> list[dict]:
                 if mode == "ample":
                     refs[c] = results
                 nb = small if mode != "ample" else ample
-                pred = predicted(mode, layout, nb, wl, {"device_buffer_rows": hs_rows}, c, max_num_seqs,
-                                 host_blocks)
+                pred = predicted(mode, layout, nb, wl, {"device_buffer_rows": hs_rows, "max_num_batched_tokens":
+                                                        args.max_num_batched_tokens,
+                                                        "prefill_rows": hs.get("prefill_buffer_size",
+                                                                               max(hs_rows, 16 * cfg.index_topk))},
+                                 c, max_num_seqs, host_blocks)
                 row = summarize(mode, c, results, samples, before, after, wall, pred,
                                 refs.get(c) if mode != "ample" else None)
                 if mode == "ample":

@@ -205,7 +205,8 @@ class LLMEngine:
         engine = cls(model, layout, nblocks, args, eos, path)
         logger.info("%s", engine_capacity_summary(layout, nblocks, args.max_model_len, args.max_num_seqs))
         if engine.hisparse is not None:
-            logger.info("%s", engine.hisparse.summary(nblocks, args.max_model_len, args.max_num_seqs))
+            logger.info("%s", engine.hisparse.summary(nblocks, args.max_model_len, args.max_num_seqs,
+                                                      args.max_num_batched_tokens))
         if engine.prefix_cache is not None:
             logger.info("prefix caching on: hits in steps of %d tokens (the hash unit); pages a hit covers in "
                         "part are copied on write", engine.prefix_cache.unit)

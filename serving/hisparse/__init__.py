@@ -69,12 +69,19 @@ class HiSparse:
         return HiSparseGauges(self.policy.residency_counts, self.host.usage,
                               lambda: (d.hits, d.misses, d.h2d_bytes))
 
-    def summary(self, num_blocks: int, max_model_len: int, max_num_seqs: int) -> str:
-        """The start-up log line: the planner's predicted steady-state concurrency for this pool."""
+    def plan(self, num_blocks: int, max_model_len: int, max_num_batched_tokens: int):
+        """The planner's prediction for requests of `max_model_len` tokens on this pool, under the
+        engine's admission rule (`glm53.capacity.predict_hisparse_requests`)."""
         from glm53.capacity import predict_hisparse_requests
 
-        plan = predict_hisparse_requests(self.policy.kv, num_blocks, max_model_len, self.config.device_buffer_rows,
-                                         host_blocks=self.host.num_usable, reserve_pages=self.policy.watermark)
+        return predict_hisparse_requests(self.policy.kv, num_blocks, max_model_len, self.config.device_buffer_rows,
+                                         host_blocks=self.host.num_usable, reserve_pages=self.policy.watermark,
+                                         window_tokens=2 * max_num_batched_tokens,
+                                         prefill_hot_rows=self.config.max_hot_rows)
+
+    def summary(self, num_blocks: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> str:
+        """The start-up log line: the planner's predicted steady-state concurrency for this pool."""
+        plan = self.plan(num_blocks, max_model_len, max_num_batched_tokens)
         return (f"HiSparse: host pool {self.host.num_usable} blocks x {self.device.host_block_bytes / 2**20:.2f} MiB "
                 f"({self.host.num_usable * self.device.host_block_bytes / 2**30:.3f} GiB, {self.config.mechanism} "
                 f"transfers); hot buffer {self.config.device_buffer_rows} rows per decoding request "

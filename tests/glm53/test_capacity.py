@@ -111,10 +111,20 @@ def test_device_resident_and_hisparse_formulas_match_design_section_9():
 
 def test_hisparse_needs_the_admitted_request_resident_and_short_contexts_favour_residency():
     dep = _dep(20 * GIB, hot_buffer_multiplier=2, host_pool_bytes=1 << 50)
-    long = cap.capacity(GLM53, dep, 1_048_576)  # 53.4 GiB cannot be resident
+    L = 1_048_576
+    # Admitting it fully resident: 53.4 GiB do not fit 20 GiB, so nothing runs.
+    long = cap.capacity(GLM53, dep.replace(prefill_window_tokens=L), L)
     assert long.device_resident == 0 and long.hisparse_device_bound == 0
-    chunked = cap.capacity(GLM53, dep.replace(prefill_window_tokens=32_768), 1_048_576)
-    assert chunked.hisparse_device_bound >= 1
+    # The engine's rule: an in-flight window of two 32K chunks (all groups, 54,728 B/token with the
+    # MTP layer), the rest of the context's indexer keys (22 x 132 B), and a prefill hot buffer of
+    # 16 x 2048 rows of the 79 sparse-MLA layers (51,824 B per row); the others at their steady
+    # footprint: indexer keys, a 2 x 2048-row lease and two tail pages.
+    auto = cap.capacity(GLM53, dep, L)
+    W = 2 * 32_768
+    first = W * 54_728 + (L - W) * 2_904 + 16 * 2048 * 51_824
+    steady = L * 2_904 + 2 * 2048 * 51_824 + 2 * 64 * 51_824
+    assert auto.first_bytes == first and auto.steady_bytes == steady
+    assert auto.hisparse_device_bound == 1 + (20 * GIB - first) // steady >= 4
     short = cap.capacity(GLM53, dep, 2_048)  # the fixed hot lease costs more than a short request
     assert short.device_resident > short.hisparse_device_bound
     mid = cap.capacity(GLM53, dep, 65_536)
@@ -284,3 +294,19 @@ def test_engine_runs_as_many_equal_requests_as_predicted(engine_and_log, length,
     if length == engine.args.max_model_len:
         line = cap.engine_capacity_summary(engine.layout, pool.num_blocks, length, engine.args.max_num_seqs)
         assert line in messages and f"{predicted} requests of {length} tokens" in line
+
+
+def test_hisparse_page_plan_admits_a_context_longer_than_the_pool_with_a_window():
+    """Engine units (`predict_hisparse_requests`): a context whose pages exceed the whole pool
+    gives 0 under full residency, and under the engine's in-flight window the window's MLA pages
+    (two 64-token chunks), two tail pages, the larger of the decode and prefill hot buffers and the
+    indexer pages of the whole context."""
+    lay = build_kv_layout(TINY, "float32", with_mtp=False)
+    L, nblocks = 20_000, 101  # 313 MLA + 27 indexer pages > 100 usable
+    plain = cap.predict_hisparse_requests(lay, nblocks, L, hot_rows=128)
+    assert plain.device_bound == 0
+    win = cap.predict_hisparse_requests(lay, nblocks, L, hot_rows=128, window_tokens=128, prefill_hot_rows=1024)
+    idx = -(-L // lay.group("indexer").tokens_per_page)
+    assert win.first_pages == idx + 2 + 2 + 16
+    assert win.steady_pages == idx + 2 + 2
+    assert win.device_bound == 1 + (100 - win.first_pages) // win.steady_pages

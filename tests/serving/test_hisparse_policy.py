@@ -181,3 +181,30 @@ def test_random_workloads_keep_every_invariant(num_blocks, host_blocks, max_num_
     e.check_against_reference(skip=aborted)
     assert e.pool.num_free == e.pool.num_usable_blocks and e.kv.request_ids() == []
     assert e.host_pool.blocks.num_free == e.host_pool.blocks.num_usable_blocks
+
+
+def test_a_preempted_prefill_resumes_from_the_host_tier():
+    """Preemption (the last resort) frees the request's pages, but the host copies of its sealed
+    pages are published (the last ones by a copy that still runs) and its indexer pages stay cached:
+    re-admitted, it starts from there instead of recomputing its prefix."""
+    e = HiSparseEngine(num_blocks=120, max_num_seqs=2, prefix_caching=True, max_num_batched_tokens=16)
+    req = e.add("long", prompt(50, 120), max_tokens=10, ignore_eos=True)
+    for _ in range(5):  # 80 of 120 prompt tokens computed
+        e.step()
+    done = req.num_computed_tokens
+    assert 0 < done < 120
+    e.sched.running.remove(req)
+    e.sched._preempt(req)  # what the scheduler does when nothing else makes room
+    e.flush()  # the copies the preemption left (an idle engine runs them at once)
+    # Someone else takes every free page but the cached (indexer) ones: its MLA pages, which sit in
+    # the pool's front tier, are reused; only their host copies remain.
+    taken = e.pool.allocate(len(e.pool.free_queue()) - len(e.pool._tagged))
+    e.pool.free(taken)
+    assert e.sched.audit() == []
+    out = e.step()
+    resumed = next(s for s in out.scheduled if s.request_id == "long")
+    assert resumed.first_chunk and resumed.start_pos == done // 4 * 4 > 0
+    assert e.prefix_cache.host_hits == resumed.start_pos  # every MLA page of the hit from the host
+    e.run()
+    e.check_against_reference()
+    assert req.num_preemptions == 1
