@@ -688,7 +688,7 @@ class HiSparsePagePlan:
 
 def predict_hisparse_requests(layout, num_blocks: int, max_model_len: int, hot_rows: int,
                               host_blocks: int | None = None, offloaded: tuple[str, ...] = ("mla",),
-                              tail_pages: int = TAIL_PAGES, reserve_pages: int = 0,
+                              tail_pages: int = TAIL_PAGES, reserve_pages: int = 0, reserve_per_request: int = 0,
                               window_tokens: int | None = None, prefill_hot_rows: int | None = None
                               ) -> HiSparsePagePlan:
     """DESIGN §9's HiSparse device-bound and host-bound counts in pages of `layout`.
@@ -696,10 +696,11 @@ def predict_hisparse_requests(layout, num_blocks: int, max_model_len: int, hot_r
     The `offloaded` groups (the sparse-MLA group) keep only `tail_pages` pages per request on
     the device, plus a hot lease of ⌈hot_rows / tpp⌉ pages of the first offloaded group (hot
     pages are indexed by token row); every other group stays fully resident. Device-bound:
-    1 + ⌊(usable − reserve − first) / steady⌋ (0 if the first request does not fit;
-    `reserve_pages` is the headroom the engine keeps free for the running requests' growth while
-    it admits another, `HiSparsePolicy.watermark`). Host-bound: ⌊host_blocks / Σ_offloaded
-    ⌈L / tpp_g⌉⌋ when `host_blocks` (pages of the host pool) is given.
+    1 + ⌊(usable − reserve − first) / (steady + reserve_per_request)⌋ (0 if the first request
+    does not fit; `reserve_pages` / `reserve_per_request`: headroom the engine keeps free for
+    the running requests' growth while it admits another — `HiSparsePolicy` keeps one page per
+    running request). Host-bound: ⌊host_blocks / Σ_offloaded ⌈L / tpp_g⌉⌋ when `host_blocks`
+    (pages of the host pool) is given.
 
     This is the engine's admission rule (`serving/hisparse/residency.py`): a request is admitted
     when it fits fully resident (with its lease) next to the others at their steady footprint
@@ -722,7 +723,7 @@ def predict_hisparse_requests(layout, num_blocks: int, max_model_len: int, hot_r
         pre = math.ceil((prefill_hot_rows or hot_rows) / gs[offloaded[0]].tokens_per_page)
         first = resident_rest + sum(win.values()) + tail_pages * len(offloaded) + max(hot_pages, pre)
     steady = resident_rest + hot_pages + tail_pages * len(offloaded)
-    device_bound = 0 if usable < first else 1 + max(0, usable - reserve_pages - first) // steady
+    device_bound = 0 if usable < first else 1 + max(0, usable - reserve_pages - first) // (steady + reserve_per_request)
     host_bound = None
     if host_blocks is not None:
         host_bound = host_blocks // sum(pages[g] for g in offloaded)

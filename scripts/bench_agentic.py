@@ -292,8 +292,7 @@ def predicted(mode: str, layout, nblocks: int, wl: Workload, hs: dict, conc: int
     if mode == "hisparse":
         g = layout.group("mla")
         dec = math.ceil(hs["device_buffer_rows"] / g.tokens_per_page) * g.tokens_per_page
-        reserve = min(nblocks - 1, max(dec // g.tokens_per_page, math.ceil(0.1 * (nblocks - 1))))
-        n = predict_hisparse_requests(layout, nblocks, L, dec, host_blocks=host_blocks, reserve_pages=reserve,
+        n = predict_hisparse_requests(layout, nblocks, L, dec, host_blocks=host_blocks, reserve_per_request=1,
                                       window_tokens=2 * hs["max_num_batched_tokens"],
                                       prefill_hot_rows=hs["prefill_rows"]).requests
     else:

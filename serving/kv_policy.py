@@ -35,6 +35,9 @@ class DeviceResidentPolicy:
     """
 
     name = "device_resident"
+    # Waiting requests the scheduler may admit past a head that does not fit (continuations with a
+    # prefix-cache hit of at least half their tokens; `serving/scheduler.py`); 0 = strict FCFS.
+    admission_lookahead = 0
 
     def __init__(self, kv: KVCacheManager):
         self.kv = kv

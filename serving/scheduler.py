@@ -13,8 +13,14 @@ The baseline policy of DESIGN §6 (after vLLM v1). Each `schedule()` call builds
    first chunk: pages for all of its known tokens (the prompt, plus the tokens generated before a
    preemption) are allocated at once, so a long prompt admitted in chunks never runs out of
    pages half-way and preempts itself (DESIGN §6.1: room for the request fully resident).
-   Admission stops at the first request whose pages do not fit. A prompt longer than the
-   remaining budget gets a chunk and continues next step.
+   Admission stops at the first request whose pages do not fit. A policy may set an
+   `admission_lookahead` L (HiSparse does): then, among the first L + 1 waiting requests, those
+   whose prefix-cache hit covers at least half of their tokens (the next turn of a conversation:
+   cheap to admit, and its cached prefix would be evicted while it waited) are tried first, each
+   on its own, and the others after them in arrival order, stopping at the first that does not
+   fit. A request passed over this way waits at most as long as the continuations admitted
+   before it keep its room (SGLang's longest-prefix-first scheduling makes the same trade). A
+   prompt longer than the remaining budget gets a chunk and continues next step.
    With a `PrefixCache`, an admitted request first looks up its longest cached prefix (in
    64-token units); the pages wholly inside the hit are shared (one more reference each), a page
    the hit ends inside is copied on write (`SchedulerOutput.page_copies`), and its computation
@@ -302,27 +308,25 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < cfg.max_num_seqs
-        ):
-            req = self.waiting[0]
+        for req, is_cont in self._admission_order():
+            if preempted or budget <= 0 or len(self.running) >= cfg.max_num_seqs:
+                break
             hit = None
             if self.prefix_cache is not None:
-                hit = self.prefix_cache.lookup(req)
+                hit = self.prefix_cache.lookup(req)  # again: an admission before may have evicted pages
             num_hit = hit.num_tokens if hit is not None else 0
             num_new = self.policy.admit(req, hit, self._cap(req.num_tokens - num_hit, budget),
                                         [sr.request for sr in scheduled])
             if num_new == 0:
-                break
+                if is_cont:
+                    continue  # the next continuation may fit
+                break  # first come, first served among the others
             if hit is not None:
                 self.prefix_cache.record_query(req.num_tokens, hit)
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_hit
             req.num_computed_tokens = num_hit
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             req.state_row = heapq.heappop(self._free_rows)
             self.running.append(req)
@@ -451,6 +455,18 @@ class Scheduler:
         return errors
 
     # ------------------------------------------------------------------ helpers
+
+    def _admission_order(self):
+        """(request, is continuation) pairs in the order admission tries them: the waiting queue
+        (FCFS), or — with the policy's `admission_lookahead` L and prefix caching — the first L + 1
+        waiting requests with the continuations (prefix-cache hit ≥ half their tokens) first."""
+        lookahead = self.policy.admission_lookahead if self.prefix_cache is not None else 0
+        if not lookahead:
+            return [(r, False) for r in list(self.waiting)]
+        window = list(self.waiting)[: lookahead + 1]
+        cont = [2 * self.prefix_cache.lookup(r).num_tokens >= r.num_tokens for r in window]
+        return ([(r, True) for r, c in zip(window, cont) if c]
+                + [(r, False) for r, c in zip(window, cont) if not c])
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         return self._cap(req.num_tokens - req.num_computed_tokens, budget)

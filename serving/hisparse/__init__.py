@@ -75,7 +75,7 @@ class HiSparse:
         from glm53.capacity import predict_hisparse_requests
 
         return predict_hisparse_requests(self.policy.kv, num_blocks, max_model_len, self.config.device_buffer_rows,
-                                         host_blocks=self.host.num_usable, reserve_pages=self.policy.watermark,
+                                         host_blocks=self.host.num_usable, reserve_per_request=1,
                                          window_tokens=2 * max_num_batched_tokens,
                                          prefill_hot_rows=self.config.max_hot_rows)
 
@@ -87,9 +87,8 @@ class HiSparse:
                 f"transfers); hot buffer {self.config.device_buffer_rows} rows per decoding request "
                 f"({plan.hot_pages} pages), up to {self.config.max_hot_rows} while prefilling; predicted steady "
                 f"state: {plan.requests} requests of {max_model_len} tokens (device-bound {plan.device_bound}: "
-                f"first {plan.first_pages} pages + {plan.steady_pages} per other request + {self.policy.watermark} "
-                f"free; host-bound {plan.host_bound}); running at once <= min({plan.requests}, --max-num-seqs "
-                f"{max_num_seqs})")
+                f"first {plan.first_pages} pages + {plan.steady_pages} + 1 headroom per other request; host-bound "
+                f"{plan.host_bound}); running at once <= min({plan.requests}, --max-num-seqs {max_num_seqs})")
 
 
 def build_hisparse(config: HiSparseConfig, kv, layout, model_cfg, args, on_host_reuse) -> HiSparse:

@@ -42,10 +42,12 @@ off-device rows exceed that, R is capped at prefill_buffer_size // K (the HiSpar
 bound).
 
 Admission needs room for the request fully resident (its prompt's pages in every group, plus a hot
-lease when its prefix starts on the host) plus `watermark` pages of headroom when others run,
-counting the pages running requests can release: so the running set settles at
-1 + ⌊(pool − watermark − first) / steady⌋ requests (`glm53/capacity.py`
-`predict_hisparse_requests`). A request that could not be fully resident even in an empty pool (a
+lease when its prefix starts on the host) plus a page of headroom per running request (at most
+`watermark` in all), counting the pages running requests can release: so the running set settles
+at 1 + ⌊(pool − first) / (steady + 1)⌋ requests (`glm53/capacity.py`
+`predict_hisparse_requests` with `reserve_per_request=1`). A waiting request whose prefix-cache
+hit covers at least half of it (the next turn of a conversation) may be admitted past a head that
+does not fit (`admission_lookahead`). A request that could not be fully resident even in an empty pool (a
 context longer than the device pool) is admitted with an in-flight window instead: the pages of its
 first chunk (and a lease); it then allocates chunk by chunk, and its own earlier chunks become clean
 and are released as the prefill proceeds, so later chunks read them through the hot buffer. The
@@ -106,6 +108,10 @@ class HiSparsePolicy(DeviceResidentPolicy):
     """
 
     name = "hisparse"
+    # A continuation whose prefix lives in the host tier is cheap to admit (placeholders, a lease
+    # and its new tokens), and waiting behind a large first turn would cost it the indexer pages
+    # its hit needs: let up to this many pass a head that does not fit (`serving/scheduler.py`).
+    admission_lookahead = 8
 
     def __init__(self, kv: KVCacheManager, host: HostPool, config: ResolvedHiSparse, index_topk: int,
                  prefix_cache: "PrefixCache | None" = None, group: str = "mla"):
@@ -278,9 +284,10 @@ class HiSparsePolicy(DeviceResidentPolicy):
             return tok + revived + self._lease_pages(rid, rows, off)
 
         num_new = self._cap_rows(num_new, off)
-        # Running requests keep `watermark` pages of headroom for their growth (a new tail page
-        # is needed before the previous one's copy completes and it can be released).
-        reserve = self.watermark if self.running else 0
+        # Each running request keeps a page of headroom for its growth (a new tail page is
+        # needed before the previous one's copy completes and it can be released), up to the
+        # watermark in all.
+        reserve = min(self.watermark, len(self.running))
         # A prefix that starts on the host is prefilled through the hot buffer: when the lease
         # its whole first chunk wants does not fit, a smaller chunk (down to what the decode lease
         # covers) gets it started.
