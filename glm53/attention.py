@@ -266,9 +266,25 @@ def resolve_hot(topk_TK: jax.Array, kv: PagedKV, batch: ForwardBatch, layout: KV
     rank_S = jax.lax.dynamic_index_in_dim(hot.rank_SGM, index_group, axis=1, keepdims=False)
     N = topk_TK.shape[0] * topk_TK.shape[1]
 
+    def resolve_width(m):
+        """The resolver over the first m hot slots (every lease of the step fits them)."""
+        def run(_):
+            slots, mr, ms, st, r, k = hot_resolve(
+                topk_TK, batch.req_idx_T, bt, hb.host_table_BP, hb.hot_table_BH[:, :m // tpp], hb.state_row_B,
+                jnp.minimum(hb.reset_from_B, m), row_S[:, :m], rank_S[:, :m], hb.num_host_blocks,
+                tokens_per_page=tpp)
+            return slots, mr, ms, st, row_S.at[:, :m].set(r), rank_S.at[:, :m].set(k)
+        return run
+
+    M = row_S.shape[1]
+    narrow = min(M, host.narrow_rows or M)
+
     def resolve(_):
-        return hot_resolve(topk_TK, batch.req_idx_T, bt, hb.host_table_BP, hb.hot_table_BH, hb.state_row_B,
-                           hb.reset_from_B, row_S, rank_S, hb.num_host_blocks, tokens_per_page=tpp)
+        # Decode steps lease at most `narrow` rows: resolving over that width only (not the
+        # prefill leases' width) keeps the per-step work proportional to what is leased.
+        if narrow == M:
+            return resolve_width(M)(None)
+        return jax.lax.cond(hb.narrow, resolve_width(narrow), resolve_width(M), None)
 
     def skip(_):
         none = jnp.full((N,), -1, jnp.int32)

@@ -41,6 +41,8 @@ class HotBatch:
     reset_from_B: int32 `[B]` hot slots j ≥ this are stale (new owner, changed pages) and cleared.
     active: bool scalar, True when some batch row has a hot lease.
     num_host_blocks: int32 scalar, the host pool's blocks (host rows < num_host_blocks · tpp).
+    narrow: bool scalar, True when every lease of the step fits `HostAccess.narrow_rows` hot
+        slots (the decode lease): the resolver then works over that width only.
     """
 
     host_table_BP: jax.Array
@@ -49,6 +51,7 @@ class HotBatch:
     reset_from_B: jax.Array
     active: jax.Array
     num_host_blocks: jax.Array
+    narrow: jax.Array = False
 
 
 @jax.tree_util.register_dataclass
@@ -87,13 +90,16 @@ class PagedKV:
         return replace(self, arena=arena)
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["pool", "after"], meta_fields=["mechanism"])
+@partial(jax.tree_util.register_dataclass, data_fields=["pool", "after"], meta_fields=["mechanism", "narrow_rows"])
 @dataclass(frozen=True)
 class HostAccess:
     """How the forward pass reads the host pool: `pool` (a `pinned_host` `jax.Array` for the
     "memory_kind" mechanism, a `kernels.host_rows.HostRowStore` for "callback"), the `mechanism`
-    name, and `after`, an array the reads are ordered after (the step's page stores)."""
+    name, `after`, an array the reads are ordered after, and `narrow_rows` (static), the hot slots
+    of a decode lease (steps whose leases all fit it resolve over that width; None: always the
+    full state width)."""
 
     pool: Any
     mechanism: str
     after: Any = field(default=None)
+    narrow_rows: int | None = None

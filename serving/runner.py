@@ -156,6 +156,7 @@ class ModelRunner:
 
         mla = layout.group("mla")
         mechanism = hisparse.mechanism if hisparse is not None else None
+        narrow_rows = hisparse.narrow_rows if hisparse is not None else None
 
         @functools.partial(jax.jit, donate_argnums=(2, 10))
         def step(state, batch: ForwardBatch, kv_arena, temperature, top_p, seeds, steps, want_logprobs, copy_src,
@@ -165,7 +166,7 @@ class ModelRunner:
             host = None
             if hs is not None:
                 hot, pool = hs
-                host = HostAccess(pool, mechanism)
+                host = HostAccess(pool, mechanism, narrow_rows=narrow_rows)
             kv_arena = copy_pages(kv_arena, copy_src, copy_dst)  # copy-on-write pages, before any write
             model = nnx.merge(graphdef, state)
             if hs is None:

@@ -69,6 +69,7 @@ class HiSparseDeviceState:
         self.host_block_bytes = 4 * self.tpp * self.row_words
         self.hot_rows = config.max_hot_rows
         self.hot_pages = config.max_hot_rows // self.tpp
+        self.narrow_rows = config.device_buffer_rows  # a decoding request's lease
         self.max_stores = int(max_stores)
         self.pool = make_host_pool(self.mechanism, self.num_host_blocks * self.tpp, self.row_words)
         # Committed to device memory like the step's outputs, so the step's first call with the
@@ -91,7 +92,7 @@ class HiSparseDeviceState:
         (compilation, steps without hot rows)."""
         return HotBatch(np.zeros((num_rows, width), np.int32), np.zeros((num_rows, self.hot_pages), np.int32),
                         np.full(num_rows, -1, np.int32), np.full(num_rows, self.hot_rows, np.int32),
-                        np.bool_(False), np.int32(self.num_host_blocks))
+                        np.bool_(False), np.int32(self.num_host_blocks), np.bool_(True))
 
     def store_lists(self, jobs) -> tuple[np.ndarray, np.ndarray]:
         """int32 `[max_stores]` sources (device pages) and destinations (host blocks) of `jobs`,
@@ -107,17 +108,18 @@ class HiSparseDeviceState:
         run before it (taken from the policy's copy queue)."""
         policy = self.policy
         hot = self.empty_inputs(num_rows, width)
-        active = False
+        active, widest = False, 0
         for i, sr in enumerate(sched.scheduled):
             rid = sr.request_id
             hot.host_table_BP[i] = policy.host_table(rid, width)
             lease, reset = policy.hot_rows(sr.request, sr.first_chunk)
             if lease:
-                active = True
+                active, widest = True, max(widest, len(lease))
                 hot.hot_table_BH[i, :len(lease)] = lease
                 hot.state_row_B[i] = sr.request.state_row
                 hot.reset_from_B[i] = reset
         hot.active = np.bool_(active)
+        hot.narrow = np.bool_(widest * self.tpp <= self.narrow_rows)
         return hot, policy.take_stores(self.max_stores)
 
     def record(self, stats) -> None:

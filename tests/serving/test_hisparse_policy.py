@@ -208,3 +208,23 @@ def test_a_preempted_prefill_resumes_from_the_host_tier():
     e.run()
     e.check_against_reference()
     assert req.num_preemptions == 1
+
+
+def test_a_continuation_is_admitted_before_a_first_turn_that_does_not_fit():
+    """The next turn of a conversation (a prefix-cache hit of most of its prompt) waiting behind a
+    large request that does not fit is admitted first (`admission_lookahead`); without that it
+    would wait, and its indexer pages would be evicted before its turn came."""
+    e = HiSparseEngine(num_blocks=64, max_num_seqs=4, prefix_caching=True, max_num_batched_tokens=64)
+    base = prompt(60, 60)
+    e.add("t0", base, max_tokens=4, ignore_eos=True)
+    e.run()
+    e.add("hog", prompt(61, 100), max_tokens=30, ignore_eos=True)  # 33 + 9 pages at the end
+    e.step()
+    e.add("big", prompt(62, 120), max_tokens=2, ignore_eos=True)  # 38 pages: cannot fit while hog runs
+    e.add("t1", base + e.streams["t0"] + prompt(63, 5), max_tokens=3, ignore_eos=True)
+    out = e.step()
+    ids = [s.request_id for s in out.scheduled]
+    assert "t1" in ids and "big" not in ids
+    assert e.added["t1"].num_cached_tokens >= 60
+    e.run()
+    e.check_against_reference()
