@@ -429,18 +429,19 @@ def main(argv=None) -> list[dict]:
                                                         "prefill_rows": hs.get("prefill_buffer_size",
                                                                                max(hs_rows, 16 * cfg.index_topk))},
                                  c, max_num_seqs, host_blocks)
-                # A point of c ≤ 2 lasts seconds: it is run `--low-repeats` times (the same
-                # conversations each time: the first run is the one checked for equality) and
-                # the run with the median logical throughput is reported.
+                # A point of c ≤ 2 lasts seconds: it is run `--low-repeats` times (new
+                # conversations each time, so no run reuses another's prefixes) and the run with
+                # the median logical throughput is reported.
                 runs = []
                 for _ in range(args.low_repeats if c <= 2 else 1):
                     results, samples, before, after, wall = run_point(server, wl, c, vocab, mode == "ample",
                                                                       args.scrape_s, offset)
-                    if mode == "ample" and c not in refs:
-                        refs[c] = results
+                    offset += 2 * c
+                    if mode == "ample":
+                        refs.setdefault(c, []).extend(results)
                     runs.append(summarize(mode, c, results, samples, before, after, wall, pred,
-                                          refs.get(c) if mode != "ample" else None))
-                offset += 2 * c
+                                          [r for r in refs.get(c, []) if (r.conv, r.turn) in
+                                           {(x.conv, x.turn) for x in results}] if mode != "ample" else None))
                 runs.sort(key=lambda r: r["logical_throughput_tok_s"])
                 row = dict(runs[len(runs) // 2], repeats=len(runs))
                 if mode != "ample":
