@@ -730,15 +730,43 @@ def predict_hisparse_requests(layout, num_blocks: int, max_model_len: int, hot_r
     return HiSparsePagePlan(first, steady, hot_pages, device_bound, host_bound)
 
 
-def engine_capacity_summary(layout, num_blocks: int, max_model_len: int, max_num_seqs: int | None = None) -> str:
+def engine_capacity_summary(layout, num_blocks: int, max_model_len: int, max_num_seqs: int | None = None, *,
+                            dcp: int = 1, dp: int = 1) -> str:
     """One log line: how many requests of `max_model_len` tokens the engine's pool holds
-    device-resident (`predict_device_resident_requests`), with the pages each one needs."""
-    pages: Mapping[str, int] = pages_per_request(layout, max_model_len)
-    n = predict_device_resident_requests(layout, num_blocks, max_model_len)
-    per_tok = sum(g.bytes_per_token for g in layout.groups)
+    device-resident (`predict_device_resident_requests`), with the pages each one needs.
+
+    Under decode context parallelism (`dcp` ranks) an engine page spans `tokens_per_page × dcp`
+    tokens (each rank stores its share in its own arena shard, `num_blocks` pages per rank), so a
+    request needs ⌈L / (tpp_g · dcp)⌉ engine pages per group; with `dp` data-parallel replicas
+    (each with its own pool of `num_blocks` pages and its own `max_num_seqs`) the engine holds `dp`
+    times one replica's count. Bytes per token are per device (the DCP shares split them).
+    """
+    if dcp < 1 or dp < 1:
+        raise ValueError(f"dcp and dp must be >= 1, got dcp={dcp}, dp={dp}")
+    groups = [_EnginePageGroup(g.name, g.tokens_per_page * dcp) for g in layout.groups]
+    pages: Mapping[str, int] = pages_per_request(groups, max_model_len)
+    n = predict_device_resident_requests(groups, num_blocks, max_model_len) * dp
+    per_tok = sum(g.bytes_per_token for g in layout.groups) / dcp
+    where = []
+    if dcp > 1:
+        where.append(f"DCP {dcp}: a page spans {dict((g.name, g.tokens_per_page) for g in groups)} tokens")
+    if dp > 1:
+        where.append(f"{dp} data-parallel replicas, each with its own pool")
     s = (f"KV capacity: {n} requests of {max_model_len} tokens fit device-resident "
          f"({sum(pages.values())} pages each: {dict(pages)}; {num_blocks - 1} usable pages of "
-         f"{layout.page_bytes / MiB:.2f} MiB; {per_tok:,} B/token)")
+         f"{layout.page_bytes / MiB:.2f} MiB{' per DCP rank' if dcp > 1 else ''}"
+         f"{' per replica' if dp > 1 else ''}; {per_tok:,.0f} B/token per device"
+         f"{'; ' + '; '.join(where) if where else ''})")
     if max_num_seqs is not None:
-        s += f"; running at once ≤ min({n}, --max-num-seqs {max_num_seqs}) = {min(n, max_num_seqs)}"
+        cap_seqs = max_num_seqs * dp
+        s += f"; running at once ≤ min({n}, --max-num-seqs {max_num_seqs}{f' × {dp}' if dp > 1 else ''}) = " \
+             f"{min(n, cap_seqs)}"
     return s
+
+
+@dataclass(frozen=True)
+class _EnginePageGroup:
+    """A KV group in engine pages (`name`, `tokens_per_page` of one engine page)."""
+
+    name: str
+    tokens_per_page: int

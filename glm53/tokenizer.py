@@ -156,6 +156,19 @@ def eos_token_ids(config: Any = None, model_dir: str | os.PathLike | None = None
 # ---------------------------------------------------------------------- tokenizer
 
 
+def tokenizer_vocab_size(model_dir: str | os.PathLike | None) -> int | None:
+    """Number of ids `<model_dir>/tokenizer.json` knows (regular + added), or None without one.
+
+    The ids a model can emit with text: the checkpoint's `vocab_size` may be larger (padding).
+    """
+    if model_dir is None:
+        return None
+    tj = os.path.join(os.fspath(model_dir), "tokenizer.json")
+    if not os.path.isfile(tj):
+        return None
+    return Tokenizer.from_file(tj).get_vocab_size(with_added_tokens=True)
+
+
 class GlmTokenizer:
     """A GLM byte-level BPE tokenizer with its chat template.
 
@@ -257,8 +270,16 @@ class GlmTokenizer:
         its byte-level vocabulary string mapped back through the GPT-2 byte↔unicode table (so a
         token holding part of a UTF-8 character gives that part, not U+FFFD).
 
-        Raises KeyError for an id outside the vocabulary.
+        A padding id (one the model's embedding has but the tokenizer lacks, ids >= `vocab_size`:
+        GLM-5.3 pads 154,856 ids to 154,880) stands for no bytes and gives b"", as `decode` gives
+        "" for it (vLLM's detokenizer does the same).
+
+        Raises KeyError for a negative id.
         """
+        if int(token_id) < 0:
+            raise KeyError(f"token id {token_id} is negative")
+        if int(token_id) >= self.vocab_size:
+            return b""
         piece = self.id_to_token(token_id)
         if piece in self._added:
             return piece.encode("utf-8")
@@ -267,6 +288,10 @@ class GlmTokenizer:
             return bytes(table[c] for c in piece)
         except KeyError:  # not a byte-level piece: fall back to its text
             return piece.encode("utf-8")
+
+    def is_padding_id(self, token_id: int) -> bool:
+        """True for an id past the tokenizer's vocabulary (a padding row of the model's embedding)."""
+        return int(token_id) >= self.vocab_size
 
     @property
     def added_tokens(self) -> dict[str, int]:

@@ -13,7 +13,12 @@ One server per mode (`python -m serving.run` in a subprocess, `--enable-prefix-c
   streams, with top-2 logprobs for the equality rule);
 * `preemption`: the baseline, a pool that holds `--baseline-contexts` full final contexts
   (`--num-gpu-blocks-override`), preemption by recompute when it runs out;
-* `hisparse`: the same pool with `--attention-config '{"hisparse_config": ...}'`.
+* `offload`: the same pool with the CPU KV offloading connector (`--kv-transfer-config`,
+  `cpu_bytes_to_use` = the whole host budget): prefixes the device cache loses come back from host
+  memory, but a request still runs only with all its pages on the device;
+* `hisparse`: the same pool with `--attention-config '{"hisparse_config": ...}'` plus the connector
+  for the groups HiSparse does not manage (the indexer keys), the host budget split 3 : 1 between
+  the HiSparse pool and the connector as in the reference deployment (384 + 128 GiB vs 512 GiB).
 
 For each concurrency c of the sweep, 2·c conversations are run by c client threads (a thread
 takes the next conversation and runs its turns one after the other), while a scraper reads
@@ -29,7 +34,10 @@ takes the next conversation and runs its turns one after the other), while a scr
   `agentx_tok_s_per_user`: 1 / P90 over requests of (end-to-end latency / output tokens)
   (SemiAnalysis AgentX, TTFT included);
 * `ttft_p50_s`, `ttft_p90_s`; `preemptions` (Δ `vllm:num_preemptions_total`); `hot_hit_rate`
-  and `h2d_bytes` (Δ of the HiSparse counters); `cached_tokens`;
+  and `h2d_bytes` (Δ of the HiSparse counters); `cached_tokens`; `host_tier_hit_rate` (Δ
+  `vllm:external_prefix_cache_hits` / Δ `..._queries`: prompt tokens that came back from the
+  connector's host store), `offload_to_host_bytes` / `offload_to_device_bytes` (Δ
+  `vllm:kv_offload_total_bytes` by transfer type);
 * `greedy_identical`: every stream of the mode equals the ample run's (same conversation and
   turn) under DESIGN §10's equality rule (`glm53.equality`: divergences only at a top-2 logit
   gap < 1e-4 or an indexer top-k boundary gap < 1e-3, counted in `divergences`).
@@ -71,7 +79,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 REF_FIRST, REF_LATER, REF_OUT = 74_160, 753, 220
-MODES = ("ample", "preemption", "hisparse")
+MODES = ("ample", "preemption", "offload", "hisparse")
 MODEL = "bench-agentic"
 
 
@@ -139,14 +147,16 @@ class Server:
         self.startup_s = time.monotonic() - t0
 
     def metrics(self) -> dict[str, float]:
-        """Samples of /metrics summed over labels except `state` (name{state} kept apart)."""
+        """Samples of /metrics summed over labels except `state` and `transfer_type` (kept apart as
+        `name{value}`)."""
         from prometheus_client.parser import text_string_to_metric_families
 
         out: dict[str, float] = {}
         text = httpx.get(self.base + "/metrics", timeout=30).text
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
-                key = s.name + (f"{{{s.labels['state']}}}" if "state" in s.labels else "")
+                lab = s.labels.get("state") or s.labels.get("transfer_type")
+                key = s.name + (f"{{{lab}}}" if lab else "")
                 out[key] = out.get(key, 0.0) + s.value
         return out
 
@@ -329,6 +339,10 @@ def summarize(mode, conc, results, samples, before, after, wall, pred, ref) -> d
         "h2d_bytes": int(d("vllm:hisparse_host_to_device_bytes_total")),
         "cached_tokens": sum(r.cached_tokens for r in ok), "wall_s": round(wall, 2),
     }
+    ext_q = d("vllm:external_prefix_cache_queries_total")
+    row["host_tier_hit_rate"] = round(d("vllm:external_prefix_cache_hits_total") / ext_q, 4) if ext_q else None
+    row["offload_to_host_bytes"] = int(d("vllm:kv_offload_total_bytes_total{gpu_to_cpu}"))
+    row["offload_to_device_bytes"] = int(d("vllm:kv_offload_total_bytes_total{cpu_to_gpu}"))
     if ref is not None:
         key = lambda r: (r.conv, r.turn)  # noqa: E731
         divs = compare_streams({key(r): r.output for r in ref}, {key(r): r.output for r in ok},
@@ -383,7 +397,7 @@ def main(argv=None) -> list[dict]:
                    help="default 32,768 / scale (the reference's chunk, scaled like the turns)")
     p.add_argument("--hisparse-config", default="{}", help="extra hisparse_config keys (JSON)")
     p.add_argument("--scrape-s", type=float, default=0.25)
-    p.add_argument("--low-repeats", type=int, default=3, help="runs of each point with concurrency <= 2")
+    p.add_argument("--low-repeats", type=int, default=5, help="runs of each point with concurrency <= 2")
     args = p.parse_args(argv)
     if args.quick:
         args.scale, args.concurrency = 32, "1,4,10"
@@ -399,18 +413,28 @@ def main(argv=None) -> list[dict]:
     mla = layout.group("mla")
     host_bytes = (2 * max(concs) + 4) * wl.final_context * mla.bytes_per_token
     hs = {"host_pool_gib": round(host_bytes / 2**30, 4) + 0.001, **json.loads(args.hisparse_config)}
+    # The host budget: HiSparse's pool is 3/4 of it and its connector 1/4 (the reference's 384 +
+    # 128 GiB); the offload mode's connector gets all of it (the reference baseline's 512 GiB).
+    host_total = int(hs["host_pool_gib"] * 2**30 * 4 / 3)
+
+    def connector(nbytes: int) -> list[str]:
+        return ["--kv-transfer-config", json.dumps({
+            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": int(nbytes)}})]
+
     hs_rows = hs.get("device_buffer_size", 2 * cfg.index_topk)
     max_num_seqs = max(max(concs), 2)
     max_len = wl.final_context + 64
     print(f"workload: {wl} -> final context {wl.final_context} tokens = {per} pages; pools: small {small} "
-          f"pages, ample {ample}; hisparse_config {hs}", flush=True)
+          f"pages, ample {ample}; hisparse_config {hs}; host budget {host_total / 2**20:.1f} MiB", flush=True)
     common = ["--max-model-len", str(max_len), "--max-num-seqs", str(max_num_seqs), "--enable-prefix-caching",
               "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-cache-dtype", args.kv_cache_dtype,
               "--disable-log-stats"]
     flags = {"ample": ["--num-gpu-blocks-override", str(ample)],
              "preemption": ["--num-gpu-blocks-override", str(small)],
+             "offload": ["--num-gpu-blocks-override", str(small), *connector(host_total)],
              "hisparse": ["--num-gpu-blocks-override", str(small), "--attention-config",
-                          json.dumps({"hisparse_config": hs})]}
+                          json.dumps({"hisparse_config": hs}), *connector(host_total // 4)]}
     host_blocks = math.ceil(hs["host_pool_gib"] * 2**30 / (mla.bytes_per_token * mla.tokens_per_page))
     vocab = 400  # the tiny tokenizer's ordinary ids lie below its special tokens
     rows, refs = [], {}

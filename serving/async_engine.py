@@ -3,7 +3,10 @@
 A background thread owns the `LLMEngine` and runs `step()` while there is work; callers submit
 requests from the asyncio loop and receive `RequestOutput`s through per-request asyncio queues.
 Only the engine thread touches the engine; submissions and aborts cross over through a lock-
-protected inbox, so a client disconnect can never race a step.
+protected inbox, so a client disconnect can never race a step. A request whose step failed gets
+`EngineStepError` (the server's 500); when the engine dies (`serving.faults.EngineDeadError`)
+every open request gets an error, `is_healthy()` turns False and the `on_dead` callbacks run
+(the server exits non-zero).
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ from serving.types import RequestOutput, SamplingParams
 logger = logging.getLogger(__name__)
 
 
+class EngineStepError(RuntimeError):
+    """The engine step that ran this request failed; the engine itself goes on serving."""
+
+
 class AsyncEngine:
     """Runs an `LLMEngine` in a thread. `model_name` is the served model name."""
 
@@ -32,12 +39,20 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._dead: BaseException | None = None
         self._stop = False
+        self.on_dead: list = []  # callbacks(exc) run on the engine thread when the engine dies
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ client side
     def is_healthy(self) -> bool:
+        """False once the engine died (its device state was lost, or its loop crashed)."""
         return self._dead is None and self._thread.is_alive()
+
+    def num_unfinished_requests(self) -> int:
+        """Requests the engine holds (waiting or running) plus those queued in the inbox."""
+        with self._cv:
+            queued = sum(1 for item in self._inbox if item[0] == "add")
+        return queued + len(self._queues)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -83,9 +98,11 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ engine thread
     def _deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:
+        if isinstance(out, RequestOutput) and out.error is not None:
+            out = EngineStepError(out.error)  # the request's step failed (serving/faults.py)
         with self._cv:
             entry = self._queues.get(request_id)
-            if entry is not None and isinstance(out, RequestOutput) and out.finished:
+            if entry is not None and (not isinstance(out, RequestOutput) or out.finished):
                 self._queues.pop(request_id, None)
         if entry is not None:
             loop, q = entry
@@ -121,13 +138,18 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     for out in self.engine.step():
                         self._deliver(out, out.request_id)
-        except BaseException as e:  # a bug in the engine: fail every waiting request, report unhealthy
+        except BaseException as e:  # device state lost (EngineDeadError) or a bug outside the step
             logger.exception("engine loop died")
             self._dead = e
             with self._cv:
                 entries = list(self._queues.items())
             for rid, _ in entries:
                 self._deliver(RuntimeError(f"engine failed: {e!r}"), rid)
+            for cb in list(self.on_dead):
+                try:
+                    cb(e)
+                except Exception:  # noqa: BLE001
+                    logger.exception("on_dead callback failed")
 
 
 def _settle(fut: asyncio.Future, err: BaseException | None) -> None:

@@ -49,6 +49,12 @@ def make_arg_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1.")
     s.add_argument(
+        "--shutdown-timeout", type=float, default=30.0,
+        help="On SIGTERM / Ctrl-C: refuse new requests (503) and let running ones finish for at most "
+             "this many seconds, then exit 0 (0: exit at once; a second signal always exits at once). "
+             "vLLM's flag; its default is 0.",
+    )
+    s.add_argument(
         "--disable-log-stats",
         action="store_true",
         help="No periodic engine statistics log line (/metrics is still served).",
@@ -204,6 +210,7 @@ def validate_args(args: argparse.Namespace) -> None:
         ("decode_context_parallel_size", 1),
         ("data_parallel_size", 1),
         ("dcp_kv_cache_interleave_size", 1),
+        ("shutdown_timeout", 0),
     ):
         value = getattr(args, name)
         if value is not None and value < lo:
@@ -233,10 +240,32 @@ def validate_args(args: argparse.Namespace) -> None:
     args.parallel = parallel_config(args)
     if args.speculative_config is not None:
         raise _not_yet("--speculative-config")
-    if args.kv_transfer_config is not None:
-        raise _not_yet("--kv-transfer-config")
+    _check_kv_transfer_config(args)
     _check_attention_config(args.attention_config, args)
     _check_output_parsers(args)
+
+
+def _check_kv_transfer_config(args: argparse.Namespace) -> None:
+    """`--kv-transfer-config`: the OffloadingConnector (`serving/offload/config.py`), parsed here
+    so a bad key fails at start-up naming it. It keys the host store by the prefix cache's hashes,
+    so it needs --enable-prefix-caching; it runs on one device for now."""
+    from serving.offload import OffloadConfigError, offload_config
+
+    if args.kv_transfer_config is None:
+        return
+    try:
+        offload_config(args.kv_transfer_config)
+    except OffloadConfigError as e:
+        raise ArgumentError(str(e)) from None
+    if not args.enable_prefix_caching:
+        raise ArgumentError("--kv-transfer-config OffloadingConnector needs --enable-prefix-caching (the host store "
+                            "is keyed by the prefix cache's block hashes)")
+    used = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in
+            ("tensor_parallel_size", "data_parallel_size", "prefill_context_parallel_size",
+             "decode_context_parallel_size") if getattr(args, n, 1) > 1]
+    if used:
+        raise _not_yet(f"--kv-transfer-config with {', '.join(used)} (the offloading connector runs on one device "
+                       "in this build)")
 
 
 def _check_attention_config(config: dict | None, args: argparse.Namespace | None = None) -> None:

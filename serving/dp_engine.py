@@ -34,6 +34,7 @@ import math
 import time
 from dataclasses import dataclass
 
+from glm53.tokenizer import tokenizer_vocab_size
 from serving.block_pool import BlockPool
 from serving.engine import EngineArgs, LLMEngine
 from serving.kv_cache import KVCacheGroupSpec, KVCacheManager
@@ -89,6 +90,7 @@ class DataParallelEngine(LLMEngine):
             raise ValueError("--attention-config hisparse_config with --data-parallel-size > 1 is not supported "
                              "in this build (HiSparse runs on one device)")
         self.hisparse = None
+        self.offload = None  # the offloading connector runs on one device for now
         self.args = args
         self.model_path = model_path
         self.config = model.cfg
@@ -113,7 +115,8 @@ class DataParallelEngine(LLMEngine):
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len, seed=args.seed,
                                   max_logprobs=args.max_logprobs, parallel=self.parallel,
-                                  cuda_graph_sizes=args.cuda_graph_sizes)
+                                  cuda_graph_sizes=args.cuda_graph_sizes,
+                                  sampling_vocab_size=tokenizer_vocab_size(model_path))
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_steps = 0
         self.host_overhead_s = 0.0
@@ -172,7 +175,10 @@ class DataParallelEngine(LLMEngine):
         scheds = [r.scheduler.schedule() for r in self.replicas]
         if all(s.is_empty for s in scheds):
             return []
-        sampled = self.runner.execute_replicas(scheds, [r.kv for r in self.replicas])
+        try:
+            sampled = self.runner.execute_replicas(scheds, [r.kv for r in self.replicas])
+        except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
+            return self._fail_step([(r.scheduler, s) for r, s in zip(self.replicas, scheds)], e)
         lps = self.runner.last_logprobs
         outs: list[RequestOutput] = []
         per_replica = []

@@ -22,8 +22,11 @@ import jax.numpy as jnp
 from glm53.capacity import engine_capacity_summary
 from glm53.kv_layout import build_kv_layout
 from glm53.loader import load_model
+from glm53.tokenizer import tokenizer_vocab_size
 from serving.block_pool import BlockPool
+from serving.faults import EngineDeadError
 from serving.hisparse import build_hisparse, hisparse_config
+from serving.offload import build_offload, offload_config
 from serving.kv_cache import KVCacheGroupSpec, KVCacheManager
 from serving.metrics import EngineGauges, FinishedRequestStats, LoggingStatLogger, StepRecord
 from serving.prefix_cache import PrefixCache
@@ -65,6 +68,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "bfloat16" or "fp8"
     cuda_graph_sizes: list[int] | None = None  # decode-sized step buckets (None: 1, 2, 4, … max_num_seqs)
     attention_config: dict | None = None  # --attention-config (hisparse_config: Hybrid HiSparse)
+    kv_transfer_config: dict | None = None  # --kv-transfer-config (the OffloadingConnector)
 
 
 def _model_dtype(name: str, device) -> jnp.dtype:
@@ -124,16 +128,19 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, groups, caps)
         self.hisparse = None  # serving.hisparse.HiSparse when --attention-config has hisparse_config
         hs_config = hisparse_config(args.attention_config)
+        self.offload = self._build_offload(layout, hs_config is not None)
+        off_store = self.offload.store if self.offload is not None else None
         if hs_config is not None:
             if self.parallel is not None:
                 raise ValueError("--attention-config hisparse_config runs on one device for now: drop "
                                  "--tensor-parallel-size / --prefill-context-parallel-size / "
                                  "--decode-context-parallel-size / --data-parallel-size")
-            self.hisparse = build_hisparse(hs_config, self.kv, layout, model.cfg, args, self._on_host_block_reuse)
+            self.hisparse = build_hisparse(hs_config, self.kv, layout, model.cfg, args, self._on_host_block_reuse,
+                                           offload=off_store)
             self.prefix_cache = self.hisparse.prefix_cache
             policy = self.hisparse.policy
         else:
-            self.prefix_cache = PrefixCache(self.kv) if args.enable_prefix_caching else None
+            self.prefix_cache = PrefixCache(self.kv, offload=off_store) if args.enable_prefix_caching else None
             policy = None
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len),
@@ -143,18 +150,38 @@ class LLMEngine:
                                   max_model_len=args.max_model_len, seed=args.seed,
                                   max_logprobs=args.max_logprobs, parallel=self.parallel,
                                   cuda_graph_sizes=args.cuda_graph_sizes,
-                                  hisparse=self.hisparse.device if self.hisparse is not None else None)
+                                  sampling_vocab_size=tokenizer_vocab_size(model_path),
+                                  hisparse=self.hisparse.device if self.hisparse is not None else None,
+                                  offload=self.offload)
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_steps = 0
         self.host_overhead_s = 0.0
         self.gauges = EngineGauges(lambda: self.scheduler.num_requests_running,
                                    lambda: self.scheduler.num_requests_waiting,
                                    lambda: self.scheduler.kv_cache_usage,
-                                   self.hisparse.gauges() if self.hisparse is not None else None)
+                                   self.hisparse.gauges() if self.hisparse is not None else None,
+                                   self.offload.store.usage if self.offload is not None else None)
         self.stat_loggers: list = []
         if not args.disable_log_stats:
             self.stat_loggers.append(LoggingStatLogger(self.gauges, args.log_stats_interval_s))
         self._prefix_counts = (0, 0)
+        self._offload_counts = (0, 0, 0, 0)  # external queries, external hits, pages stored, pages loaded
+
+    def _build_offload(self, layout, with_hisparse: bool):
+        """The OffloadingConnector of `--kv-transfer-config` (None without the flag): it manages
+        every KV cache group, or with Hybrid HiSparse the groups HiSparse does not (DESIGN §6.1).
+        Raises ValueError (naming the flag) without prefix caching or under a parallel layout."""
+        config = offload_config(self.args.kv_transfer_config)
+        if config is None:
+            return None
+        if not self.args.enable_prefix_caching:
+            raise ValueError("--kv-transfer-config OffloadingConnector needs --enable-prefix-caching")
+        if self.parallel is not None:
+            raise ValueError("--kv-transfer-config runs on one device for now: drop the parallelism flags")
+        groups = [g.name for g in layout.groups if not (with_hisparse and g.name == "mla")]
+        off = build_offload(config, layout, groups)
+        logger.info("%s", off.summary())
+        return off
 
     def _on_block_reuse(self, block: int, tag) -> None:
         """The pool's reuse callback: route the tag to its owner (prefix cache, released pages)."""
@@ -203,7 +230,11 @@ class LLMEngine:
 
             cls = DataParallelEngine
         engine = cls(model, layout, nblocks, args, eos, path)
-        logger.info("%s", engine_capacity_summary(layout, nblocks, args.max_model_len, args.max_num_seqs))
+        par = args.parallel
+        logger.info("%s", engine_capacity_summary(
+            layout, nblocks, args.max_model_len, args.max_num_seqs,
+            dcp=par.decode_context_parallel_size if par is not None else 1,
+            dp=par.data_parallel_size if par is not None else 1))
         if engine.hisparse is not None:
             logger.info("%s", engine.hisparse.summary(nblocks, args.max_model_len, args.max_num_seqs,
                                                       args.max_num_batched_tokens))
@@ -251,7 +282,27 @@ class LLMEngine:
             rec = StepRecord(is_step=False)
             rec.finished.append(self._finished_stats(req, time.monotonic()))
             self._emit(rec)
+        self._flush_if_idle()
         return out
+
+    def _flush_if_idle(self) -> None:
+        """Nothing left to run: complete HiSparse's queued write-through copies and the
+        connector's queued stores now (the last pages of finished or aborted requests go to the
+        host tiers) rather than with the next request's step."""
+        if self.scheduler.has_unfinished_requests():
+            return
+        if self.hisparse is not None and self.hisparse.host.queue:
+            self._flush_host_copies()
+        if self.offload is not None and self.offload.store.queue:
+            self.runner.run_offload([], wait=True)
+            self._after_offload()
+
+    def _after_offload(self) -> None:
+        """The step (and the connector transfers before it) ran: file the stores, release the
+        loads' host blocks."""
+        if self.offload is not None:
+            self.offload.store.complete()
+            self.offload.store.unpin()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -263,13 +314,17 @@ class LLMEngine:
         preempted_before = self.scheduler.num_preemptions_total
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            self._flush_if_idle()
             return []
-        sampled = self.runner.execute(sched, self.kv)
+        try:
+            sampled = self.runner.execute(sched, self.kv)
+        except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
+            return self._fail_step([(self.scheduler, sched)], e)
         hot_stats = self.hisparse.device.last_stats if self.hisparse is not None else None
         outs = self.scheduler.update_from_output(sched, sampled)
+        self._after_offload()
         st = self.runner.last
-        if self.hisparse is not None and not self.scheduler.has_unfinished_requests():
-            self._flush_host_copies()
+        self._flush_if_idle()
         lps = self.runner.last_logprobs
         if lps:
             for out in outs:
@@ -288,6 +343,43 @@ class LLMEngine:
                 rec.hisparse_hits, rec.hisparse_misses, _, rec.hisparse_h2d_bytes = hot_stats
             self._timing(sched, outs, rec)
             self._emit(rec)
+        return outs
+
+    def _fail_step(self, scheduled, error: BaseException) -> list[RequestOutput]:
+        """A step raised: finish its requests with finish reason "error" (pages freed in every
+        group), then go on when the device state is intact, else raise `EngineDeadError`.
+
+        scheduled: `(scheduler, SchedulerOutput)` pairs of the failed step (one per replica).
+        Returns the failed requests' final outputs (`error` set). See `serving/faults.py`.
+        """
+        logger.exception("engine step %d failed", self.num_steps + 1, exc_info=error)
+        msg = f"engine step failed: {type(error).__name__}: {error}"
+        lost = self.runner.device_state_lost()
+        if not lost:
+            # The step's write-through copies and connector transfers ran in their own programs
+            # before it (or were not taken yet): complete them.
+            if self.hisparse is not None:
+                from serving.scheduler import SchedulerOutput
+
+                self.hisparse.policy.after_update(SchedulerOutput())
+            self._after_offload()
+        outs, rec = [], StepRecord(is_step=False)
+        now = time.monotonic()
+        for scheduler, sched in scheduled:
+            for sr in sched.scheduled:
+                req = scheduler.get_request(sr.request_id)
+                out = scheduler.abort(sr.request_id, "error")
+                if out is None:
+                    continue
+                out.error = msg
+                outs.append(out)
+                if req is not None:
+                    rec.finished.append(self._finished_stats(req, now))
+        self._emit(rec)
+        if lost:
+            raise EngineDeadError(f"the device state was lost in a failed step ({msg}); the engine cannot "
+                                  "continue") from error
+        self._flush_if_idle()
         return outs
 
     def _flush_host_copies(self) -> None:
@@ -340,6 +432,13 @@ class LLMEngine:
             q, h = self._prefix_cache_totals()
             rec.prefix_cache_queries, rec.prefix_cache_hits = q - self._prefix_counts[0], h - self._prefix_counts[1]
             self._prefix_counts = (q, h)
+        if self.offload is not None:
+            pc, st = self.prefix_cache, self.offload.store
+            now = (pc.external_queries, pc.external_hits, st.num_stored, st.num_loaded)
+            d = [a - b for a, b in zip(now, self._offload_counts)]
+            rec.external_prefix_cache_queries, rec.external_prefix_cache_hits = d[0], d[1]
+            rec.kv_offload_to_host_bytes, rec.kv_offload_to_device_bytes = d[2] * st.page_bytes, d[3] * st.page_bytes
+            self._offload_counts = now
         for sl in self.stat_loggers:
             try:
                 sl.record(rec)
@@ -347,5 +446,9 @@ class LLMEngine:
                 logger.exception("stat logger %r failed", sl)
 
     def audit(self) -> list[str]:
-        """Invariant violations of the scheduler, the block tables and the pool (empty when sound)."""
-        return self.scheduler.audit()
+        """Invariant violations of the scheduler, the block tables and the pool (empty when sound),
+        and of the offloading connector's host store."""
+        errors = self.scheduler.audit()
+        if self.offload is not None:
+            errors += self.offload.store.audit()
+        return errors

@@ -128,6 +128,7 @@ class KVCacheManager:
         self.max_blocks_per_request: dict[str, int | None] = {n: caps.get(n) for n in names}
         self._tables: dict[str, dict[str, BlockTable]] = {}
         self._page_copies: list[tuple[int, int]] = []
+        self._page_loads: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ queries
 
@@ -259,6 +260,7 @@ class KVCacheManager:
         new_total_tokens: int,
         cached_blocks: Mapping[str, Sequence[int]] | None = None,
         copy_from: Mapping[str, int] | None = None,
+        loads: Mapping[str, Mapping[int, int]] | None = None,
     ) -> bool:
         """Append pages to every group's table so that `new_total_tokens` positions fit.
 
@@ -275,6 +277,12 @@ class KVCacheManager:
             step's forward pass; the source is never written. A free source (nobody else reads
             it) is taken over in place instead (`BlockPool.claim`: its tag is dropped through
             `on_reuse`, so it is no longer published), and no copy is needed.
+        loads: for a request without tables only, per group, page index → host block of the
+            offloading connector: the page gets a fresh device page filled from that host block
+            (`(host block, page)` queued for `take_page_loads`, to run before the step). An index
+            below `len(cached_blocks[g])` replaces that cached entry (which must be NULL_BLOCK);
+            the index `len(cached_blocks[g])` is the request's first new page (a page the hit
+            covers only in part whose source is on the host).
 
         All or nothing: returns False (changing nothing) when the pool lacks free pages for all
         groups together, counting the cached pages that must leave the free queue. A request
@@ -287,7 +295,17 @@ class KVCacheManager:
         """
         cached = {g.name: list(map(int, (cached_blocks or {}).get(g.name, ()))) for g in self.groups}
         copies = {name: int(b) for name, b in (copy_from or {}).items()}
-        if cached_blocks or copies:
+        loads = {name: {int(i): int(b) for i, b in pages.items()} for name, pages in (loads or {}).items() if pages}
+        for name, pages in loads.items():
+            if name not in self._spec:
+                raise ValueError(f"loads names unknown group {name!r}")
+            for i in pages:
+                if i > len(cached[name]) or (i < len(cached[name]) and cached[name][i] != NULL_BLOCK):
+                    raise ValueError(f"loads page {i} of group {name!r} is not a NULL_BLOCK entry of the hit "
+                                     "nor its first new page")
+                if i == len(cached[name]) and name in copies:
+                    raise ValueError(f"group {name!r} has both a copy_from and a load for its first new page")
+        if cached_blocks or copies or loads:
             if request_id in self._tables:
                 raise ValueError(f"cached_blocks or copy_from given for {request_id!r}, which already has tables")
             unknown = (set(cached_blocks or {}) | set(copies)) - set(self._spec)
@@ -302,15 +320,22 @@ class KVCacheManager:
         for name in copies:
             if needed[name] == 0:
                 raise ValueError(f"copy_from names group {name!r}, which gets no new page")
-        revived = len({b for bs in cached.values() for b in bs if self.pool.is_free(b)})
-        if sum(needed.values()) + revived > self.pool.num_free:
+        inner = {name: [i for i in pages if i < len(cached[name])] for name, pages in loads.items()}
+        for name, pages in loads.items():
+            if len(cached[name]) in pages and needed[name] == 0:
+                raise ValueError(f"loads names the first new page of group {name!r}, which gets no new page")
+        needed_all = sum(needed.values()) + sum(len(v) for v in inner.values())
+        revived = len({b for bs in cached.values() for b in bs if b != NULL_BLOCK and self.pool.is_free(b)})
+        if needed_all + revived > self.pool.num_free:
             return False
         tables = self._tables.setdefault(request_id, {g.name: BlockTable() for g in self.groups})
         for g in self.groups:  # take every cached page out of the free queue before allocating
             if cached[g.name]:
                 self.pool.incref(cached[g.name])  # ignores NULL_BLOCK
                 t = tables[g.name]
-                t.placeholders.update(len(t.blocks) + i for i, b in enumerate(cached[g.name]) if b == NULL_BLOCK)
+                skip = set(inner.get(g.name, ()))
+                t.placeholders.update(len(t.blocks) + i for i, b in enumerate(cached[g.name])
+                                      if b == NULL_BLOCK and i not in skip)
                 t.blocks.extend(cached[g.name])
         claimed: dict[str, int] = {}
         for name, src in copies.items():  # before allocating, which could hand a free source out
@@ -319,15 +344,28 @@ class KVCacheManager:
                 claimed[name] = src
         for g in self.groups:
             n = needed[g.name]
+            t = tables[g.name]
+            for i in inner.get(g.name, ()):  # pages of the hit that come back from the host
+                t.blocks[i] = self.pool.allocate(1)[0]
+                self._page_loads.append((loads[g.name][i], t.blocks[i]))
             if g.name in claimed:
-                tables[g.name].blocks.append(claimed[g.name])
+                t.blocks.append(claimed[g.name])
                 n -= 1
             if n:
                 new = self.pool.allocate(n)
                 if g.name in copies and g.name not in claimed:
                     self._page_copies.append((copies[g.name], new[0]))
-                tables[g.name].blocks.extend(new)
+                if len(cached[g.name]) in loads.get(g.name, {}):
+                    self._page_loads.append((loads[g.name][len(cached[g.name])], new[0]))
+                t.blocks.extend(new)
         return True
+
+    def take_page_loads(self) -> list[tuple[int, int]]:
+        """The `(host block, device page)` loads queued by `allocate_slots(loads=)` since the last
+        call; clears the queue. Run them before the step they were made for (the destinations are
+        fresh pages of the admitted requests)."""
+        out, self._page_loads = self._page_loads, []
+        return out
 
     def take_page_copies(self) -> list[tuple[int, int]]:
         """The `(source, destination)` page copies queued by `allocate_slots` since the last

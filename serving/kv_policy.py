@@ -66,7 +66,8 @@ class DeviceResidentPolicy:
         (0 without a hit). The baseline allocates all of its known tokens at once (DESIGN §6.1:
         room for the request fully resident), so a long prompt prefilled in chunks never runs out
         half-way. Returns the tokens it may compute this step (0: not admitted, nothing changed)."""
-        ok = self.kv.allocate_slots(req.request_id, req.num_tokens, hit and hit.blocks, hit and hit.copy_from)
+        ok = self.kv.allocate_slots(req.request_id, req.num_tokens, hit and hit.blocks, hit and hit.copy_from,
+                                    hit and hit.loads)
         return num_new if ok else 0
 
     def end_step(self, out: "SchedulerOutput") -> None:

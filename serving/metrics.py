@@ -37,6 +37,7 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(0, 7) for m in (1, 2, 5))
+_OFFLOAD_BUCKETS = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)  # vLLM's kv_offload_size
 
 
 @dataclass
@@ -65,6 +66,9 @@ class StepRecord:
     for an abort record.
     hisparse_hits / hisparse_misses / hisparse_h2d_bytes: HiSparse hot-buffer lookups found hot,
     rows copied from the host pool, and the bytes those copies moved (0 without HiSparse).
+    external_prefix_cache_queries / external_prefix_cache_hits: tokens looked up with the
+    offloading connector on / hit tokens from its host store (vLLM's external prefix cache).
+    kv_offload_to_host_bytes / kv_offload_to_device_bytes: the connector's stores and loads.
     """
 
     num_prompt_tokens: int = 0
@@ -82,6 +86,10 @@ class StepRecord:
     hisparse_hits: int = 0
     hisparse_misses: int = 0
     hisparse_h2d_bytes: int = 0
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_offload_to_host_bytes: int = 0
+    kv_offload_to_device_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,7 @@ class EngineGauges:
     num_requests_waiting: Callable[[], float]
     kv_cache_usage: Callable[[], float]
     hisparse: object = None  # serving.hisparse.HiSparseGauges when HiSparse is on
+    offload: Callable[[], float] | None = None  # the connector's host-store usage when it is on
 
 
 class PrometheusStatLogger:
@@ -128,7 +137,7 @@ class PrometheusStatLogger:
         self._success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=r)
         self._model_name = model_name
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self._success.labels(model_name=model_name, finished_reason=reason)
 
         def hist(name: str, doc: str, buckets):
@@ -160,6 +169,23 @@ class PrometheusStatLogger:
                     lambda st=st: hs.residency().get(st, 0))
             gauge("vllm:hisparse_host_pool_usage_perc", "Fraction of HiSparse host-pool blocks in use (1 = full).",
                   hs.host_pool_usage)
+        self.offload = gauges.offload is not None
+        if self.offload:  # the KV offloading connector (serving/offload), vLLM's names
+            self.ext_queries = counter("vllm:external_prefix_cache_queries",
+                                       "Tokens looked up with the KV offloading connector on.")
+            self.ext_hits = counter("vllm:external_prefix_cache_hits",
+                                    "Prompt tokens whose KV came back from the connector's host store.")
+            kind = labels + ["transfer_type"]
+            off_bytes = Counter("vllm:kv_offload_total_bytes", "Bytes moved by the KV offloading connector.",
+                                kind, registry=r)
+            off_size = Histogram("vllm:kv_offload_size", "KV offloading transfer size per step (bytes).", kind,
+                                 buckets=_OFFLOAD_BUCKETS, registry=r)
+            self.off_bytes = {t: off_bytes.labels(model_name=model_name, transfer_type=t)
+                              for t in ("gpu_to_cpu", "cpu_to_gpu")}
+            self.off_size = {t: off_size.labels(model_name=model_name, transfer_type=t)
+                             for t in ("gpu_to_cpu", "cpu_to_gpu")}
+            gauge("vllm:kv_offload_host_usage_perc", "Fraction of the connector's host-store blocks filed, queued or "
+                  "pinned (1 = full).", gauges.offload)
         self.req_prompt = hist("vllm:request_prompt_tokens", "Prompt tokens per finished request.", _TOKEN_BUCKETS)
         self.req_gen = hist("vllm:request_generation_tokens", "Generated tokens per finished request.",
                             _TOKEN_BUCKETS)
@@ -176,6 +202,13 @@ class PrometheusStatLogger:
             self.prefix_queries.inc(rec.prefix_cache_queries)
         if rec.prefix_cache_hits:
             self.prefix_hits.inc(rec.prefix_cache_hits)
+        if self.offload:
+            self.ext_queries.inc(rec.external_prefix_cache_queries)
+            self.ext_hits.inc(rec.external_prefix_cache_hits)
+            for t, n in (("gpu_to_cpu", rec.kv_offload_to_host_bytes), ("cpu_to_gpu", rec.kv_offload_to_device_bytes)):
+                if n:
+                    self.off_bytes[t].inc(n)
+                    self.off_size[t].observe(n)
         if self.hisparse:
             self.hot_hits.inc(rec.hisparse_hits)
             self.hot_misses.inc(rec.hisparse_misses)
@@ -212,6 +245,7 @@ class LoggingStatLogger:
         self._t0 = now
         self._prompt = self._gen = self._steps = self._preempt = self._q = self._h = 0
         self._hot_h = self._hot_m = self._hot_b = 0
+        self._ext_q = self._ext_h = self._off_out = self._off_in = 0
         self._host = self._device = 0.0
 
     def record(self, rec: StepRecord) -> None:
@@ -224,6 +258,10 @@ class LoggingStatLogger:
         self._hot_h += rec.hisparse_hits
         self._hot_m += rec.hisparse_misses
         self._hot_b += rec.hisparse_h2d_bytes
+        self._ext_q += rec.external_prefix_cache_queries
+        self._ext_h += rec.external_prefix_cache_hits
+        self._off_out += rec.kv_offload_to_host_bytes
+        self._off_in += rec.kv_offload_to_device_bytes
         if rec.is_step:
             self._steps += 1
             self._host += rec.host_s
@@ -247,7 +285,14 @@ class LoggingStatLogger:
                 f"Prefix cache hit rate: {hit_rate:.1f}%, Preemptions: {self._preempt}, "
                 f"Steps: {self._steps}, host overhead {1e3 * self._host / steps:.2f} ms/step "
                 f"({100 * host_share:.0f}% of step time), device {1e3 * self._device / steps:.2f} ms/step"
-                + self._hisparse_summary(dt))
+                + self._hisparse_summary(dt) + self._offload_summary(dt))
+
+    def _offload_summary(self, dt: float) -> str:
+        if self.gauges.offload is None:
+            return ""
+        rate = 100.0 * self._ext_h / self._ext_q if self._ext_q else 0.0
+        return (f", KV offload: external hit rate {rate:.1f}%, to host {self._off_out / 2**20 / dt:.2f} MiB/s, "
+                f"to device {self._off_in / 2**20 / dt:.2f} MiB/s, host store {100 * self.gauges.offload():.1f}%")
 
     def _hisparse_summary(self, dt: float) -> str:
         hs = self.gauges.hisparse

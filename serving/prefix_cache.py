@@ -49,6 +49,16 @@ page as a placeholder, HiSparse state "none" or "mixed", and reads its rows thro
 buffer) and `PrefixHit.host_blocks` every host block found (so an adopted device page whose host
 copy exists is clean at once). The other groups still need device pages, so a hit is as long as
 the shortest coverage.
+
+Offload tier (the KV offloading connector, `serving/offload/`). With an `offload` store, full pages
+of the groups it manages are also stored to host memory as soon as they are full
+(`cache_computed_units` queues the stores; the store files them under the key of their last unit
+once copied). A lookup that finds no device page for a key of such a group takes the host copy:
+`PrefixHit.blocks` holds NULL_BLOCK there and `PrefixHit.loads` the host block; the request gets a
+fresh device page loaded from it before its first step (`KVCacheManager.allocate_slots(loads=)`),
+so unlike the HiSparse tier the request runs fully resident. The hit's tokens from the first
+loaded page on are external hits (`external_hits`, vLLM's `external_prefix_cache_hits`), the ones
+before it local (`hits`).
 """
 
 from __future__ import annotations
@@ -99,12 +109,25 @@ class PrefixHit:
         request's own page from (copy-on-write); absent for groups whose pages end at H.
     host_blocks: host tier only: page index → host block of the host group's pages below H that
         have a host copy (NULL_BLOCK in `blocks` where there is no device page).
+    loads: offload tier only: per group, page index → host block of the pages that come back
+        from the connector's host store (NULL_BLOCK in `blocks` below H; an index equal to
+        `len(blocks[g])` is the page H ends inside, whose copy-on-write source is then the host
+        block). `load_keys` has the keys they are filed under.
     """
 
     num_tokens: int
     blocks: dict[str, list[int]]
     copy_from: dict[str, int] = field(default_factory=dict)
     host_blocks: dict[int, int] = field(default_factory=dict)
+    loads: dict[str, dict[int, int]] = field(default_factory=dict)
+    load_keys: dict[str, dict[int, bytes]] = field(default_factory=dict)
+    num_local_tokens: int | None = None
+
+    @property
+    def num_external_tokens(self) -> int:
+        """Tokens of the hit from the first page that comes back from the offload tier on (vLLM's
+        external prefix-cache hit); the tokens before it are the device-local hit."""
+        return 0 if self.num_local_tokens is None else self.num_tokens - self.num_local_tokens
 
 
 class PrefixCache:
@@ -122,8 +145,10 @@ class PrefixCache:
     Raises ValueError when the host group's pages are not one hash unit long.
     """
 
-    def __init__(self, kv: KVCacheManager, host_pool: BlockPool | None = None, host_group: str = "mla"):
+    def __init__(self, kv: KVCacheManager, host_pool: BlockPool | None = None, host_group: str = "mla",
+                 offload=None):
         self.kv = kv
+        self.offload = offload  # serving.offload.OffloadStore: the connector's tier, or None
         self.unit = reduce(math.gcd, [g.tokens_per_page for g in kv.groups])
         self._units_per_page = {g.name: g.tokens_per_page // self.unit for g in kv.groups}
         self._entries: dict[str, dict[bytes, int]] = {g.name: {} for g in kv.groups}
@@ -138,6 +163,8 @@ class PrefixCache:
         self.hits = 0
         self.copies = 0
         self.host_hits = 0  # hit tokens whose host-group page came from the host tier only
+        self.external_queries = 0  # tokens looked up with the offload tier on (vLLM's external_*)
+        self.external_hits = 0  # hit tokens from the first page loaded from the offload tier on
 
     # ------------------------------------------------------------------ hashing
 
@@ -164,10 +191,14 @@ class PrefixCache:
         best = limit
         found: dict[str, tuple[list[int], int | None]] = {}
         host_found: dict[int, int] = {}
+        load_found: dict[str, dict[int, tuple[int, bytes]]] = {}
+        off = self.offload
         for g in self.kv.groups:
             k = self._units_per_page[g.name]
             entries = self._entries[g.name]
             tier = self.host_pool is not None and g.name == self.host_group
+            offloaded = off is not None and g.name in off.groups
+            loads = load_found[g.name] = {}
             full: list[int] = []
             while (len(full) + 1) * k <= best:
                 key = hashes[(len(full) + 1) * k - 1]
@@ -175,6 +206,11 @@ class PrefixCache:
                 if tier and key in self._host_entries:
                     host_found[len(full)] = self._host_entries[key]
                     block = NULL_BLOCK if block is None else block
+                if block is None and offloaded:
+                    hb = off.lookup(g.name, key)
+                    if hb is not None:  # the device lost it; the offload store has it
+                        loads[len(full)] = (hb, key)
+                        block = NULL_BLOCK
                 if block is None:
                     break
                 full.append(block)
@@ -190,21 +226,32 @@ class PrefixCache:
             if best == 0:
                 return PrefixHit(0, {g.name: [] for g in self.kv.groups})
         hit = PrefixHit(best * self.unit, {})
+        local = hit.num_tokens
         for g in self.kv.groups:
             k = self._units_per_page[g.name]
             full, partial = found[g.name]
             n = best // k
             hit.blocks[g.name] = full[:n]
-            if best % k:
+            loads = {i: v for i, v in load_found[g.name].items() if i < n or (i == n and best % k)}
+            if best % k and n not in loads:  # (else the page H ends inside comes back from the host)
                 hit.copy_from[g.name] = full[n] if n < len(full) else partial
+            if loads:
+                hit.loads[g.name] = {i: hb for i, (hb, _) in loads.items()}
+                hit.load_keys[g.name] = {i: key for i, (_, key) in loads.items()}
+                local = min(local, min(loads) * self.kv.group(g.name).tokens_per_page)
         hit.host_blocks = {i: b for i, b in host_found.items() if i < best}
+        if off is not None:
+            hit.num_local_tokens = local
         return hit
 
     def record_query(self, num_query_tokens: int, hit: PrefixHit) -> None:
         """Count one admission's lookup (tokens queried, tokens hit, pages made copy-on-write)."""
         self.queries += num_query_tokens
-        self.hits += hit.num_tokens
+        self.hits += hit.num_tokens - hit.num_external_tokens
         self.copies += len(hit.copy_from)
+        if self.offload is not None:
+            self.external_queries += num_query_tokens
+            self.external_hits += hit.num_external_tokens
         if self.host_pool is not None:
             self.host_hits += self.unit * sum(1 for b in hit.blocks.get(self.host_group, []) if b == NULL_BLOCK)
 
@@ -242,7 +289,29 @@ class PrefixCache:
                     pool.set_tag(block, page.tag)
                 page.keys.append(key)
                 entries[key] = block
+        if self.offload is not None:
+            self._queue_offload_stores(request, hashes, done, units)
         request.num_published_units = units
+
+    def _queue_offload_stores(self, request: Request, hashes: list[bytes], done: int, units: int) -> None:
+        """Queue the connector's stores of the pages that became full (their last unit now below
+        `units`, not below `done`) in the groups it manages."""
+        off = self.offload
+        for g in self.kv.groups:
+            if g.name not in off.groups:
+                continue
+            k = self._units_per_page[g.name]
+            table = self.kv.table(request.request_id, g.name)
+            for j in range(done // k, min(units // k, len(table.blocks))):
+                if (j + 1) * k <= done or table.blocks[j] == NULL_BLOCK or j in table.placeholders:
+                    continue
+                off.queue_store(g.name, hashes[(j + 1) * k - 1], table.blocks[j])
+
+    def adopt_loads(self, hit: PrefixHit) -> None:
+        """An admitted hit's loads are planned: pin their host blocks until the step ran
+        (`OffloadStore.unpin`)."""
+        if self.offload is not None:
+            self.offload.pin([hb for pages in hit.loads.values() for hb in pages.values()])
 
     def on_block_reuse(self, block: int, tag: Any) -> bool:
         """A `BlockPool.on_reuse` handler: the pool handed out a published page, so all its keys
@@ -263,6 +332,9 @@ class PrefixCache:
                     return False
         if any(b not in self._pages for b in hit.copy_from.values()):
             return False
+        for g, pages in hit.loads.items():
+            if not all(self.offload.is_filed(g, hit.load_keys[g][i], hb) for i, hb in pages.items()):
+                return False
         return all(b in self._host_keys for b in hit.host_blocks.values())
 
     def unpublish_block(self, block: int) -> bool:

@@ -24,6 +24,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # the engine step that ran it failed (vLLM's finish reason "error")
 
     @property
     def is_finished(self) -> bool:
@@ -32,7 +33,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """OpenAI finish reason: "stop", "length", "abort", or None while unfinished."""
+        """Finish reason: "stop", "length", "abort", "error", or None while unfinished."""
         return _FINISH_REASONS.get(self)
 
 
@@ -40,6 +41,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

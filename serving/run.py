@@ -5,7 +5,8 @@ use under `$GLM53_HOME` or `~/.cache/glm53`) on http://127.0.0.1:8000. Flags fol
 unsupported combinations fail at start-up with a message naming the flag. `--model` takes an HF
 safetensors directory or an orbax directory from scripts/convert_checkpoint.py. The multi-process
 flags (`--coordinator-address`, `--num-processes`, `--process-id`, ...; sharding/distributed.py)
-initialise `jax.distributed` before any JAX backend exists.
+initialise `jax.distributed` before any JAX backend exists. SIGTERM / Ctrl-C drain the server
+(`--shutdown-timeout`), and a dead engine makes the process exit 1 (`serving/lifecycle.py`).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def build_server(argv: list[str] | None = None):
         seed=args.seed, enable_prefix_caching=args.enable_prefix_caching, max_logprobs=args.max_logprobs,
         disable_log_stats=args.disable_log_stats, parallel=args.parallel,
         kv_cache_dtype=args.kv_cache_dtype, cuda_graph_sizes=cuda_graph_sizes(args.cuda_graph_sizes),
-        attention_config=args.attention_config)
+        attention_config=args.attention_config, kv_transfer_config=args.kv_transfer_config)
     try:
         engine = LLMEngine.from_args(eargs)
     except (ValueError, FileNotFoundError) as e:
@@ -113,11 +114,19 @@ def main(argv: list[str] | None = None) -> None:
     except ArgumentError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
+    from serving.lifecycle import DrainMiddleware, GracefulServer
+
     logger.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
+    drain = DrainMiddleware(app)
+    config = uvicorn.Config(drain, host=args.host, port=args.port, log_level=str(args.log_level).lower(),
+                            timeout_graceful_shutdown=5)
+    server = GracefulServer(config, engine, drain, args.shutdown_timeout)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=str(args.log_level).lower())
+        server.run()
     finally:
         engine.shutdown()
+    if server.exit_code:
+        raise SystemExit(server.exit_code)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ from kernels.host_rows import store_pages
 from kernels.paged import copy_pages
 from serving.hisparse.device_state import HiSparseDeviceState
 from serving.kv_cache import KVCacheManager
-from serving.sampling import sample_with_logprobs
+from serving.faults import FaultInjection, InjectedFault
+from serving.sampling import mask_unreachable, sample_with_logprobs
 from sharding.mesh import ParallelLayout
 from sharding.rules import arena_shards, shard_params
 from serving.scheduler import SchedulerOutput
@@ -105,14 +106,23 @@ class ModelRunner:
       max_num_seqs / max_num_batched_tokens / max_model_len: the scheduler limits.
       cuda_graph_sizes: decode-sized token buckets compiled besides the prefill ones (None: the
         powers of two up to max_num_seqs, `default_cuda_graph_sizes`; () for none).
+      sampling_vocab_size: ids at or past it are never sampled nor reported in logprobs (the
+        tokenizer's size when the checkpoint pads its vocabulary; `serving.sampling.mask_unreachable`).
+        None: every id of the model's vocabulary.
+      offload: the KV offloading connector (`serving.offload.Offload`) or None: its queued stores
+        and the step's loads run before each step (`run_offload`).
     """
 
     def __init__(self, model: GlmForCausalLM, layout: KVCacheLayout, num_blocks: int, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, seed: int = 0, max_logprobs: int = 20,
                  parallel: ParallelLayout | None = None, cuda_graph_sizes=None,
-                 hisparse: HiSparseDeviceState | None = None):
+                 hisparse: HiSparseDeviceState | None = None, sampling_vocab_size: int | None = None,
+                 offload=None):
         self.layout = layout
         self.hisparse = hisparse
+        self.offload = offload  # serving.offload.Offload (its store's queue, its transfer programs)
+        if offload is not None and parallel is not None:
+            raise ValueError("the offloading connector runs on one device for now")
         if hisparse is not None and parallel is not None:
             raise ValueError("HiSparse runs on one device for now")
         self.parallel = parallel
@@ -143,8 +153,12 @@ class ModelRunner:
         self.last = StepStats()
         self.last_logprobs: dict[str, TokenLogprobs] = {}
         self.num_page_copies = 0  # whole-page copies run on the device so far
+        self.faults: FaultInjection | None = FaultInjection.from_env()  # test hook (serving/faults.py)
         graphdef = self.graphdef
-        k = max(1, min(max_logprobs, model.cfg.vocab_size))
+        reachable = model.cfg.vocab_size if sampling_vocab_size is None else min(sampling_vocab_size,
+                                                                                 model.cfg.vocab_size)
+        self.sampling_vocab_size = reachable
+        k = max(1, min(max_logprobs, reachable))
 
         # A step copies at most one page per group for each request it admits. Under a parallel
         # layout the arena holds one `num_blocks` shard per (replica, DCP rank), rows
@@ -171,9 +185,11 @@ class ModelRunner:
             model = nnx.merge(graphdef, state)
             if hs is None:
                 logits, _, kv_arena = model(batch, kv_arena, layout, parallel)
+                logits = mask_unreachable(logits, reachable)
                 return sample_with_logprobs(logits, temperature, top_p, seeds, steps, want_logprobs, k), kv_arena, None
             kv = PagedKV(kv_arena, HotState(hot.host_row_SGM, hot.rank_SGM, jnp.zeros(4, jnp.int32)))
             logits, _, kv = model(batch, kv, layout, parallel, host)
+            logits = mask_unreachable(logits, reachable)
             out = sample_with_logprobs(logits, temperature, top_p, seeds, steps, want_logprobs, k)
             return out, kv.arena, (kv.hot, host.pool)
 
@@ -239,6 +255,20 @@ class ModelRunner:
                                                     jnp.asarray(dst))
         if wait:
             jax.block_until_ready(done)
+
+    def run_offload(self, loads, wait: bool = False) -> None:
+        """The offloading connector's transfers before a step: every queued store (host block ←
+        arena page, pages computed by earlier steps) as one program, then the step's `loads`
+        (`(host block, device page)`: arena page ← host block) as another, which donates the
+        arena to the step. `wait` blocks until the stores ran (an idle engine flushing)."""
+        store, transfer = self.offload.store, self.offload.transfer
+        jobs = store.take_stores(len(store.queue))
+        if jobs:
+            transfer.store(self.kv_arena, [(j.device_block, j.host_block) for j in jobs])
+        if loads:
+            self.kv_arena = transfer.load(self.kv_arena, loads)
+        if wait:
+            transfer.wait()
 
     def _hisparse_args(self):
         """The step's `hs` argument: None or (hot state, host pool)."""
@@ -334,6 +364,9 @@ class ModelRunner:
         to the requested number)."""
         t0 = time.perf_counter()
         batch, extra = self.prepare(sched, kv)
+        self._maybe_fault()
+        if self.offload is not None:
+            self.run_offload(sched.page_loads)
         t1 = time.perf_counter()
         out, self.kv_arena, hs = self._step(self.state, self._place(batch), self.kv_arena, *map(jnp.asarray, extra),
                                             self._hisparse_args())
@@ -347,6 +380,29 @@ class ModelRunner:
         self.last = StepStats(sched.num_scheduled_tokens, batch.input_ids_T.shape[0], t1 - t0, t2 - t1)
         self.last_logprobs = {}
         return self._collect(sched, toks, tok_lp, top_ids, top_lp)
+
+    def _maybe_fault(self) -> None:
+        """The fault-injection test hook (`serving.faults`); a no-op unless armed."""
+        if self.faults is None:
+            return
+        kind = self.faults.fire()
+        if kind == "device_lost":  # what a step that failed after donating its buffers leaves
+            for x in self._donated_buffers():
+                x.delete()
+        if kind is not None:
+            raise InjectedFault(f"injected {kind} (fault-injection test hook)")
+
+    def _donated_buffers(self) -> list[jax.Array]:
+        """The device state a step donates: the KV arena and HiSparse's hot state and host pool."""
+        bufs = [self.kv_arena]
+        if self.hisparse is not None:
+            bufs += [x for x in jax.tree.leaves(self._hisparse_args()) if isinstance(x, jax.Array)]
+        return bufs
+
+    def device_state_lost(self) -> bool:
+        """True when a donated buffer was deleted (a step failed after donating it): the engine
+        cannot continue (`serving.faults.EngineDeadError`)."""
+        return any(x.is_deleted() for x in self._donated_buffers())
 
     def _collect(self, sched: SchedulerOutput, toks, tok_lp, top_ids, top_lp, row0: int = 0) -> dict[str, list[int]]:
         """Sampled tokens of `sched`'s requests from rows `row0 + i` of the step outputs (and
@@ -389,6 +445,7 @@ class ModelRunner:
         valid = np.concatenate([np.stack(e[5:7])[:, np.asarray(e[6]) >= 0] for _, e in parts], axis=1)
         copies[:, : valid.shape[1]] = valid  # valid entries first (copy_pages stops at the first −1)
         extra = (cat(0), cat(1), cat(2), cat(3), want_lp, *copies)
+        self._maybe_fault()
         t1 = time.perf_counter()
         out, self.kv_arena, _ = self._step(self.state, self._place(batch), self.kv_arena, *map(jnp.asarray, extra),
                                            None)

@@ -16,6 +16,23 @@ import jax
 import jax.numpy as jnp
 
 
+def mask_unreachable(logits_BV: jax.Array, reachable: int) -> jax.Array:
+    """Logits `[B, V]` with the ids `>= reachable` set to -inf (static `reachable`; a no-op when it
+    is >= V).
+
+    A checkpoint's `vocab_size` is padded past its tokenizer (GLM-5.3: 154,880 rows for 154,856
+    tokens; the tiny checkpoint 512 for 496). The padding rows are never trained towards, have no
+    text, and are not sampled here: greedy, temperature sampling and the reported logprobs all see
+    the distribution over the tokenizer's ids (vLLM leaves them reachable and detokenizes them as
+    ""; we keep them out, so a stream never holds a token without text).
+    """
+    V = logits_BV.shape[-1]
+    if reachable >= V:
+        return logits_BV
+    keep = jnp.arange(V) < reachable
+    return jnp.where(keep, logits_BV, jnp.asarray(-jnp.inf, logits_BV.dtype))
+
+
 def sample_tokens(logits_BV: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array, seed_B: jax.Array,
                   step_B: jax.Array) -> jax.Array:
     """logits fp32 `[B, V]` → token ids int32 `[B]`. temperature 0 → argmax (ties: lowest id)."""

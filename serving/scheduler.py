@@ -55,7 +55,8 @@ from serving.request import Request, RequestStatus
 from serving.types import RequestOutput
 
 
-_ABORT_STATUS = {"abort": RequestStatus.FINISHED_ABORTED, "stop": RequestStatus.FINISHED_STOPPED}
+_ABORT_STATUS = {"abort": RequestStatus.FINISHED_ABORTED, "stop": RequestStatus.FINISHED_STOPPED,
+                 "error": RequestStatus.FINISHED_ERROR}
 
 
 @dataclass(frozen=True)
@@ -127,13 +128,16 @@ class SchedulerOutput:
     ones), their total token count, the ids preempted while building the step, the ids that
     finished or were aborted since the previous step (the runner drops their cached state), and
     the whole-page copies `(source block, destination block)` that must run on the device before
-    the step's forward pass (copy-on-write of prefix-cache pages a hit covers only in part)."""
+    the step's forward pass (copy-on-write of prefix-cache pages a hit covers only in part), and
+    the offloading connector's loads `(host block, destination block)` that must run before it
+    too (pages of a prefix hit that come back from host memory)."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     preempted: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
     page_copies: list[tuple[int, int]] = field(default_factory=list)
+    page_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -251,8 +255,9 @@ class Scheduler:
     def abort(self, request_id: str, finished_reason: str = "abort") -> RequestOutput | None:
         """Remove a waiting or running request, freeing its pages and state row.
 
-        finished_reason: "abort", or "stop" when the front end ended the request because its
-            output matched a stop string (the engine does not see stop strings).
+        finished_reason: "abort", "stop" when the front end ended the request because its
+            output matched a stop string (the engine does not see stop strings), or "error"
+            when the engine step that ran it failed.
 
         Returns its final RequestOutput (with that finish_reason), or None when the id is
         unknown or already finished.
@@ -323,6 +328,8 @@ class Scheduler:
                 break  # first come, first served among the others
             if hit is not None:
                 self.prefix_cache.record_query(req.num_tokens, hit)
+                if hit.loads:
+                    self.prefix_cache.adopt_loads(hit)
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_hit
             req.num_computed_tokens = num_hit
@@ -339,6 +346,7 @@ class Scheduler:
             preempted=preempted,
             finished_ids=self._finished_since_step,
             page_copies=self.kv.take_page_copies(),
+            page_loads=self.kv.take_page_loads(),
         )
         self._finished_since_step = []
         self.policy.end_step(out)

@@ -80,11 +80,13 @@ class RequestOutput:
 
     new_token_ids: tokens generated since the previous increment (may be empty on the final one).
     finished: True on the last increment; finish_reason is then "stop" (EOS or a stop token),
-        "length" (max_tokens or max_model_len) or "abort".
+        "length" (max_tokens or max_model_len), "abort", or "error" (the step that ran it failed;
+        `error` then says why).
     num_prompt_tokens / num_cached_tokens: prompt length and how many prompt tokens were served
         from the prefix cache (0 without prefix caching).
     num_output_tokens: total generated so far.
     new_logprobs: one `TokenLogprobs` per new token when the request asked for logprobs.
+    error: with finish_reason "error", the engine's message (the server turns it into a 500).
     """
 
     request_id: str
@@ -95,6 +97,7 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     new_logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
 
 
 class EngineClient(Protocol):

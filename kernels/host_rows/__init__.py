@@ -1,7 +1,10 @@
-"""Host-pool row transfers for HiSparse: the write-through page store and the host → hot-row
-copy (`gather_host_rows`), each with an XLA memory-kind mechanism and a host-callback one."""
+"""Host-memory transfers, each with an XLA memory-kind mechanism and a host-callback one: for
+HiSparse the write-through page store and the host → hot-row copy (`gather_host_rows`); for the
+KV offloading connector whole-page stores and loads (`store_arena_pages`, `load_arena_pages`)."""
 
 from kernels.host_rows.api import default_mechanism
-from kernels.host_rows.ops import MECHANISMS, HostRowStore, copy_host_rows, page_to_rows, store_pages
+from kernels.host_rows.ops import (MECHANISMS, HostRowStore, copy_host_rows, load_arena_pages, page_to_rows,
+                                   store_arena_pages, store_pages)
 
-__all__ = ["MECHANISMS", "HostRowStore", "copy_host_rows", "default_mechanism", "page_to_rows", "store_pages"]
+__all__ = ["MECHANISMS", "HostRowStore", "copy_host_rows", "default_mechanism", "load_arena_pages", "page_to_rows",
+           "store_arena_pages", "store_pages"]

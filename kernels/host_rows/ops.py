@@ -202,3 +202,73 @@ def store_pages(pool, kv_arena: jax.Array, src_blocks_C: jax.Array, dst_blocks_C
 
         return pool, lax.fori_loop(0, n, body, jnp.int32(0))
     raise ValueError(f"unknown host-row mechanism {mechanism!r}; expected one of {MECHANISMS}")
+
+
+# ----------------------------------------------------------------------------- whole pages
+# The KV offloading connector keeps whole arena pages of any group in a host page store
+# `uint32[num_host_blocks, page_words]` (block 0 null): a page is one contiguous row, so a store
+# is one contiguous `[1, page_words]` slab moved to host memory and a load one contiguous host
+# slice moved to device memory — both XLA's supported host-offload pattern. For the "callback"
+# mechanism the store is a `HostRowStore` whose rows are pages (one "token" per page).
+
+
+def _num_valid(idx_C: jax.Array) -> jax.Array:
+    """Leading entries ≥ 1 (the first entry < 1 ends the list)."""
+    valid = idx_C >= 1
+    return jnp.argmin(jnp.concatenate([valid, jnp.zeros((1,), bool)])).astype(jnp.int32)
+
+
+def store_arena_pages(host, kv_arena: jax.Array, src_blocks_C: jax.Array, dst_blocks_C: jax.Array, *,
+                      mechanism: str):
+    """Host block `dst_blocks_C[i]` ← arena page `src_blocks_C[i]` (whole pages, every group's
+    format), for the leading entries with `dst ≥ 1`.
+
+    Args:
+      host: the page store (`pinned_host` `jax.Array` `uint32[N, page_words]` for "memory_kind",
+        donate it; a `HostRowStore` of N rows × page_words for "callback").
+      kv_arena: `uint32[num_blocks, page_words]` (read only).
+      src_blocks_C, dst_blocks_C: int32 `[C]`, −1 padded.
+    Returns `(host, done)`: the updated store and an int32 scalar ready once the stores ran.
+    Raises ValueError for an unknown mechanism.
+    """
+    n = _num_valid(dst_blocks_C)
+    if mechanism == "memory_kind":
+        def body(i, h):
+            page = lax.dynamic_slice_in_dim(kv_arena, src_blocks_C[i], 1, axis=0)
+            return lax.dynamic_update_slice(h, jax.device_put(page, jax.memory.Space.Host), (dst_blocks_C[i], 0))
+
+        return lax.fori_loop(0, n, body, host), n
+    if mechanism == "callback":
+        def body(i, acc):
+            page = lax.dynamic_slice_in_dim(kv_arena, src_blocks_C[i], 1, axis=0)[:, None, :]  # [1, 1, PW]
+            return acc + io_callback(host._store, jax.ShapeDtypeStruct((), jnp.int32), dst_blocks_C[i][None], page,
+                                     jnp.int32(1), ordered=False)
+
+        return host, lax.fori_loop(0, n, body, jnp.int32(0))
+    raise ValueError(f"unknown host-row mechanism {mechanism!r}; expected one of {MECHANISMS}")
+
+
+def load_arena_pages(kv_arena: jax.Array, host, src_blocks_C: jax.Array, dst_blocks_C: jax.Array, *,
+                     mechanism: str) -> jax.Array:
+    """Arena page `dst_blocks_C[i]` ← host block `src_blocks_C[i]`, for the leading entries with
+    `dst ≥ 1` (the inverse of `store_arena_pages`; donate the arena).
+
+    Returns the updated arena. Raises ValueError for an unknown mechanism.
+    """
+    n = _num_valid(dst_blocks_C)
+    PW = kv_arena.shape[1]
+    if mechanism == "memory_kind":
+        def body(i, arena):
+            page = lax.dynamic_slice(host, (src_blocks_C[i], 0), (1, PW))  # contiguous host slice
+            page = jax.device_put(page, jax.memory.Space.Device)
+            return lax.dynamic_update_slice(arena, page, (dst_blocks_C[i], 0))
+
+        return lax.fori_loop(0, n, body, kv_arena)
+    if mechanism == "callback":
+        def body(i, arena):
+            page = io_callback(lambda r, c, a: host._gather(r, c, PW, a), jax.ShapeDtypeStruct((1, PW), jnp.uint32),
+                               src_blocks_C[i][None], jnp.int32(0), jnp.int32(0), ordered=False)
+            return lax.dynamic_update_slice(arena, page, (dst_blocks_C[i], 0))
+
+        return lax.fori_loop(0, n, body, kv_arena)
+    raise ValueError(f"unknown host-row mechanism {mechanism!r}; expected one of {MECHANISMS}")

@@ -91,9 +91,10 @@ class HiSparse:
                 f"{plan.host_bound}); running at once <= min({plan.requests}, --max-num-seqs {max_num_seqs})")
 
 
-def build_hisparse(config: HiSparseConfig, kv, layout, model_cfg, args, on_host_reuse) -> HiSparse:
+def build_hisparse(config: HiSparseConfig, kv, layout, model_cfg, args, on_host_reuse, offload=None) -> HiSparse:
     """Size and check the host pool, and build the policy (and, with --enable-prefix-caching, a
-    prefix cache with a host tier) over `kv` for an engine with `args`.
+    prefix cache with a host tier, and the offloading connector's tier when `offload`, an
+    `OffloadStore`, is given) over `kv` for an engine with `args`.
 
     Raises HiSparseConfigError (a ValueError) naming the `hisparse_config` key: a device buffer
     below (spec + 1) × index_topk, a host pool that cannot hold one --max-model-len request or
@@ -107,7 +108,8 @@ def build_hisparse(config: HiSparseConfig, kv, layout, model_cfg, args, on_host_
     num_host = resolved.host_blocks(host_block_bytes)
     check_host_pool(num_host, host_block_bytes, args.max_model_len, tpp)
     host = HostPool(num_host, on_reuse=on_host_reuse)
-    prefix_cache = PrefixCache(kv, host_pool=host.blocks) if args.enable_prefix_caching else None
+    prefix_cache = (PrefixCache(kv, host_pool=host.blocks, offload=offload) if args.enable_prefix_caching
+                    else None)
     policy = HiSparsePolicy(kv, host, resolved, model_cfg.index_topk, prefix_cache)
     groups = len(model_cfg.full_layers)
     device = HiSparseDeviceState(resolved, mla, num_host, args.max_num_seqs, groups,

@@ -277,6 +277,9 @@ class HiSparsePolicy(DeviceResidentPolicy):
         off = sum(1 for b in cached.get(self.group, []) if b == NULL_BLOCK)
         pool = self.kv.pool
         revived = len({b for bs in cached.values() for b in bs if b != NULL_BLOCK and pool.is_free(b)})
+        # Pages of the hit that come back from the offloading connector need fresh device pages.
+        revived += sum(1 for g, pages in (hit.loads.items() if hit is not None else ()) for i in pages
+                       if i < len(cached.get(g, [])))
 
         def need(total_tokens: int, rows: int) -> int:
             tok = sum(max(0, math.ceil(total_tokens / g.tokens_per_page) - len(cached.get(g.name, [])))
@@ -307,7 +310,7 @@ class HiSparsePolicy(DeviceResidentPolicy):
                 return 0
         if hit is not None and self.prefix_cache is not None and not self.prefix_cache.hit_intact(hit):
             return 0  # making room handed out a page of the hit; the next step looks it up again
-        if not self.kv.allocate_slots(rid, target, hit and hit.blocks, hit and hit.copy_from):
+        if not self.kv.allocate_slots(rid, target, hit and hit.blocks, hit and hit.copy_from, hit and hit.loads):
             return 0
         rec = self.records[rid] = RequestResidency()
         for i, b in (hit.host_blocks.items() if hit is not None else ()):

@@ -223,6 +223,30 @@ def test_engine_unit_predictions():
     assert "3 requests of 384 tokens" in msg and "= 2" in msg
 
 
+@pytest.mark.parametrize("dcp, dp", [(2, 1), (4, 1), (1, 2), (2, 2)])
+def test_capacity_line_uses_the_parallel_layout(dcp, dp):
+    """Under DCP an engine page spans tpp × dcp tokens, and each DP replica has its own pool:
+    the start-up line counts the requests a replica's real allocator (`KVCacheManager` with the
+    engine's group specs, as `LLMEngine` builds them) admits one after another, times dp — not
+    the single-device figure (which said "14 requests of 4096" under TP2 × DCP2)."""
+    from serving.block_pool import BlockPool
+    from serving.kv_cache import KVCacheGroupSpec, KVCacheManager
+
+    lay = build_kv_layout(TINY, "float32", with_mtp=False)
+    L, nblocks = 384, 26
+    kv = KVCacheManager(BlockPool(nblocks), [KVCacheGroupSpec(g.name, g.tokens_per_page * dcp) for g in lay.groups])
+    admitted = 0
+    while kv.can_allocate(f"r{admitted}", L):
+        kv.allocate_slots(f"r{admitted}", L)
+        admitted += 1
+    single = cap.predict_device_resident_requests(lay, nblocks, L)
+    msg = cap.engine_capacity_summary(lay, nblocks, L, max_num_seqs=64, dcp=dcp, dp=dp)
+    assert f"{admitted * dp} requests of {L} tokens" in msg, msg
+    if dcp > 1:
+        assert admitted > single and f"DCP {dcp}" in msg
+    assert f"= {admitted * dp}" in msg
+
+
 # ----------------------------------------------------------------------------- the real engine
 
 class _Capture(logging.Handler):

@@ -12,6 +12,7 @@ every nested jaxpr (jit, while/fori, scan, cond bodies).
 from __future__ import annotations
 
 import jax
+import jax.extend  # noqa: F401 - jax.extend.core below (not imported by `import jax`)
 
 # Reading a host value is allowed only for these: a slice (then moved), the move itself, and
 # writing a moved value into a host array. Control flow passes values through; its bodies are

@@ -63,3 +63,18 @@ def test_summary_metrics():
     bad = [_turn(0, 0, [5, 6, 1, 1], 0.0, 0.2), got[1]]
     row = ba.summarize("preemption", 2, bad, [1], before, after, 2.0, 2, ref)
     assert row["divergences"] == 1 and not row["greedy_identical"]
+
+
+def test_summary_connector_metrics():
+    """The offload mode's host-tier hit rate and bytes come from vLLM's connector counters (Δ over
+    the point); without the connector they are None / 0."""
+    turns = [_turn(0, 0, [5, 6], 0.0, 0.2)]
+    before = {"vllm:external_prefix_cache_queries_total": 100, "vllm:external_prefix_cache_hits_total": 10,
+              "vllm:kv_offload_total_bytes_total{gpu_to_cpu}": 1000, "vllm:kv_offload_total_bytes_total{cpu_to_gpu}": 0}
+    after = {"vllm:external_prefix_cache_queries_total": 500, "vllm:external_prefix_cache_hits_total": 110,
+             "vllm:kv_offload_total_bytes_total{gpu_to_cpu}": 9000, "vllm:kv_offload_total_bytes_total{cpu_to_gpu}": 64}
+    row = ba.summarize("offload", 1, turns, [1], before, after, 1.0, 1, None)
+    assert row["host_tier_hit_rate"] == pytest.approx(100 / 400)
+    assert (row["offload_to_host_bytes"], row["offload_to_device_bytes"]) == (8000, 64)
+    row = ba.summarize("preemption", 1, turns, [1], {}, {}, 1.0, 1, None)
+    assert row["host_tier_hit_rate"] is None and row["offload_to_host_bytes"] == 0

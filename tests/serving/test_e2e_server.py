@@ -280,3 +280,65 @@ def test_return_token_ids_gives_prompt_and_output_ids(server, client):
     assert ids == c["token_ids"]
     assert chunks[0][0]["prompt_token_ids"] == prompt
     assert all("prompt_token_ids" not in ch for chs in chunks[1:] for ch in chs)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_never_hit_the_padding_ids(client, stream):
+    """The tiny checkpoint pads its vocabulary (512 embedding rows, 496 tokenizer ids): asking for
+    the 20 most likely tokens used to put padding ids among them, and turning those into text
+    failed the request (500, or an error event ending the stream). Now the padding ids are never
+    sampled nor reported (`serving.sampling.mask_unreachable`), so every reported token has text
+    and bytes. Sampling at temperature 1.5 with
+    several seeds also exercises the sampled (not just greedy) path."""
+    msgs = [{"role": "user", "content": "List some words."}]
+    for seed in range(3):
+        kw = dict(model="glm-5.3-tiny", messages=msgs, max_tokens=12, temperature=1.5, seed=seed, logprobs=True,
+                  top_logprobs=20, extra_body={"ignore_eos": True})
+        if stream:
+            text, entries = "", []
+            for chunk in client.chat.completions.create(stream=True, **kw):
+                for c in chunk.choices:
+                    text += c.delta.content or ""
+                    entries += c.logprobs.content if c.logprobs and c.logprobs.content else []
+        else:
+            r = client.chat.completions.create(**kw)
+            text, entries = r.choices[0].message.content, r.choices[0].logprobs.content
+        assert len(entries) == 12
+        for e in entries:
+            assert len(e.top_logprobs) == 20
+            assert all(t.token != "" and t.bytes for t in e.top_logprobs), "a padding id was reported"
+            assert e.token != "" and e.bytes
+        assert text is not None
+
+
+def test_a_failed_engine_step_answers_500_and_the_server_keeps_serving(server, client):
+    """The runner's fault-injection hook (`serving.faults.FaultInjection`) makes the next step
+    raise: that request gets an OpenAI 500 body (non-streaming, or streaming before the first
+    token) or a final error event (streaming, after its first tokens), its pages are freed, `/health` stays 200, and the next request gets the same
+    tokens as before the fault."""
+    from serving.faults import FaultInjection
+
+    base, engine = server
+    runner = engine.engine.runner
+    prompt = [21, 22, 23, 24, 25, 26, 27]
+    before = greedy_completion(client, prompt, 6)[0]
+    runner.faults = FaultInjection("step_error")
+    try:
+        with pytest.raises(openai.InternalServerError) as ei:
+            greedy_completion(client, [31, 32, 33], 6)
+        body = ei.value.response.json()
+        assert body["error"]["code"] == 500 and "engine step failed" in body["error"]["message"]
+        runner.faults = FaultInjection("step_error", at_step=3)  # after the stream's first tokens
+        stream = client.completions.create(model="glm-5.3-tiny", prompt=[41, 42, 43], max_tokens=6, temperature=0,
+                                           stream=True)
+        got = []
+        with pytest.raises(openai.APIError, match="engine step failed"):
+            for chunk in stream:
+                got.append(chunk)
+        assert len(got) == 2  # the tokens of steps 1 and 2, then the error event
+    finally:
+        runner.faults = None
+    assert httpx.get(base + "/health").status_code == 200
+    assert greedy_completion(client, prompt, 6)[0] == before
+    assert engine.engine.audit() == []
+    assert not engine.engine.has_unfinished_requests()

@@ -44,12 +44,17 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def test_logprobs_are_the_log_softmax_of_the_model_logits(llm):
+    """Over the tokenizer's ids: the checkpoint's padding rows (ids 496..511 of its 512) are never
+    sampled nor reported (serving.sampling.mask_unreachable, docs/reliability.md)."""
     from glm53 import api
+    from glm53.tiny_checkpoint import default_model_dir
+    from glm53.tokenizer import tokenizer_vocab_size
 
     prompt = list(range(10, 26))
     out = llm.generate([prompt], greedy(max_tokens=5, logprobs=4))[0].outputs[0]
     toks = out.token_ids
-    ref = log_softmax(api.forward(api.load(), prompt + toks[:-1]))[len(prompt) - 1:]
+    n = tokenizer_vocab_size(default_model_dir())
+    ref = log_softmax(api.forward(api.load(), prompt + toks[:-1])[:, :n])[len(prompt) - 1:]
     assert len(out.logprobs) == len(toks) == 5
     for row, tok, lp in zip(ref, toks, out.logprobs):
         # fp32 on both sides; the engine prefills in a different step layout, so the sums are

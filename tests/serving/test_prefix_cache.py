@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from serving.prefix_cache import PrefixCache, chain_hash
 from serving.request import Request
 from tests.serving.test_scheduler import VOCAB, make_engine, prompt  # noqa: F401 (fixture)
@@ -200,3 +202,68 @@ def test_preempting_a_request_that_shares_pages_keeps_them_for_the_other(make_en
     e.run()
     e.check_against_reference()
     assert e.sched.num_preemptions_total >= 1
+
+
+def test_offload_tier_brings_an_evicted_prefix_back_without_recompute(make_engine):
+    """The connector's tier on the paged fake runner: a's pages are stored as they fill; others
+    then take every device page; b (a's prompt plus a tail) gets a's prefix back from the host:
+    the hit's pages are loaded (fake runner: host → arena before the step), nothing below the hit
+    is recomputed, and the KV read back and the tokens equal the uncached run's."""
+    e = make_engine(num_blocks=24, max_num_batched_tokens=64, max_model_len=96, prefix_caching=True,
+                    offload_blocks=80)
+    base = prompt(41, 40)
+    e.add("a", base, max_tokens=3, ignore_eos=True)
+    e.run()
+    for i in range(3):
+        e.add(f"x{i}", prompt(50 + i, 40), max_tokens=3, ignore_eos=True)
+        e.run()
+    e.add("b", base + prompt(60, 9), max_tokens=4, ignore_eos=True)
+    e.step()
+    first = {s.request_id: s for s in e.steps[-1].scheduled}["b"]
+    # 40 + 9 tokens: the indexer group's full pages end at 32, so the hit is 32 (mla pages 0-7
+    # and indexer pages 0-1 from the host).
+    assert first.start_pos == 32 and e.prefix_cache.external_hits == 32
+    assert len(e.steps[-1].page_loads) == 8 + 2
+    e.run()
+    e.check_against_reference()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_workload_with_the_offload_tier(make_engine, seed):
+    _random_offload_workload(make_engine, seed)
+
+
+def test_the_random_offload_workloads_hit_the_host_tier(make_engine):
+    hits = [_random_offload_workload(make_engine, seed) for seed in range(8)]
+    assert sum(h > 0 for h in hits) >= 4, hits
+
+
+def _random_offload_workload(make_engine, seed) -> int:
+    """Shared prefixes, a device pool too small to keep them, a host store small enough to evict
+    too, aborts: every stream equals its uncached reference, the fake runner's KV checks pass
+    (stores before loads, loads before the step, no write to a shared page), audits stay clean
+    (the host store's included). Returns the external (host-tier) hit tokens."""
+    rng = random.Random(seed)
+    e = make_engine(num_blocks=rng.choice([32, 40, 56]), max_num_seqs=rng.choice([2, 3, 4]),
+                    max_num_batched_tokens=rng.choice([8, 16, 64]), max_model_len=96, prefix_caching=True,
+                    offload_blocks=rng.choice([8, 24, 80]))
+    heads = [prompt(7000 + 10 * seed + h, rng.choice([32, 40, 49])) for h in range(3)]
+    aborted = set()
+    pending = [(rng.randrange(60), f"r{i}") for i in range(16)]
+    for step in range(5000):
+        for t, rid in [x for x in pending if x[0] <= step]:
+            head = rng.choice(heads)
+            e.add(rid, head[: rng.randint(len(head) // 2, len(head))] + prompt(rng.randrange(10**6), rng.randint(0, 12)),
+                  max_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.5)
+            pending.remove((t, rid))
+        if rng.random() < 0.02 and e.sched.requests:
+            rid = rng.choice(sorted(e.sched.requests))
+            e.sched.abort(rid)
+            aborted.add(rid)
+        if not pending and not e.sched.has_unfinished_requests():
+            break
+        e.step()
+    assert not pending and not e.sched.has_unfinished_requests()
+    e.check_against_reference(skip=aborted)
+    assert e.offload.audit() == [] and not e.offload.pinned
+    return e.prefix_cache.external_hits

@@ -17,6 +17,7 @@ import pytest
 
 from serving.block_pool import BlockPool
 from serving.kv_cache import KVCacheGroupSpec, KVCacheManager
+from serving.offload.store import OffloadStore
 from serving.prefix_cache import PrefixCache
 from serving.request import Request, RequestStatus
 from serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -51,12 +52,15 @@ def reference(req: Request, eos: set[int], max_model_len: int) -> tuple[list[int
 class FakeRunner:
     """Writes KV through slot mappings into a paged arena, reads it back through block tables."""
 
-    def __init__(self, kv: KVCacheManager, tokens_per_step: int = 1):
+    def __init__(self, kv: KVCacheManager, tokens_per_step: int = 1, offload=None):
         self.kv = kv
         self.tokens_per_step = tokens_per_step
         max_tpp = max(g.tokens_per_page for g in kv.groups)
         self.arena = np.full((kv.pool.num_blocks, max_tpp), -1, dtype=np.int64)
         self.num_copies = 0
+        self.offload = offload  # an OffloadStore: its stores and the step's loads run first
+        if offload is not None:
+            self.host = np.full((offload.blocks.num_blocks, max_tpp), -1, dtype=np.int64)
 
     @staticmethod
     def _encode(token, pos, gi):
@@ -68,7 +72,16 @@ class FakeRunner:
         return slots // g.tokens_per_page, slots % g.tokens_per_page
 
     def step(self, out: SchedulerOutput) -> dict[str, list[int]]:
-        # Page copies first, then every write of the step (like one forward pass), then the reads.
+        # The connector's stores, then its loads (ModelRunner.run_offload), then page copies,
+        # then every write of the step (like one forward pass), then the reads.
+        if self.offload is not None:
+            for job in self.offload.take_stores(len(self.offload.queue)):
+                assert self.offload.blocks.refcount(job.host_block) == 1
+                self.host[job.host_block] = self.arena[job.device_block]
+            for hb, dst in out.page_loads:
+                assert self.offload.blocks.refcount(hb) >= 1, "load from an unpinned host block"
+                assert self.kv.pool.refcount(dst) == 1
+                self.arena[dst] = self.host[hb]
         srcs, dsts = [c[0] for c in out.page_copies], [c[1] for c in out.page_copies]
         assert not set(srcs) & set(dsts) and len(set(dsts)) == len(dsts)
         for src, dst in out.page_copies:
@@ -107,7 +120,8 @@ class FakeRunner:
 
 class Engine:
     def __init__(self, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96,
-                 long_prefill_token_threshold=0, eos=(EOS,), tokens_per_step=1, prefix_caching=False):
+                 long_prefill_token_threshold=0, eos=(EOS,), tokens_per_step=1, prefix_caching=False,
+                 offload_blocks=0):
         self.pool = BlockPool(num_blocks)
         self.kv = KVCacheManager(
             self.pool,
@@ -116,7 +130,8 @@ class Engine:
         )
         self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
                                       long_prefill_token_threshold)
-        self.prefix_cache = PrefixCache(self.kv) if prefix_caching else None
+        self.offload = OffloadStore(offload_blocks, ("mla", "indexer"), 1) if offload_blocks else None
+        self.prefix_cache = PrefixCache(self.kv, offload=self.offload) if prefix_caching else None
         self.evicted: list[int] = []
         if self.prefix_cache is not None:
             def on_reuse(block, tag):
@@ -125,7 +140,7 @@ class Engine:
             self.pool.on_reuse = on_reuse
         self.sched = Scheduler(self.config, self.kv, eos, self.prefix_cache)
         self.eos = set(eos)
-        self.runner = FakeRunner(self.kv, tokens_per_step)
+        self.runner = FakeRunner(self.kv, tokens_per_step, self.offload)
         self.streams: dict[str, list[int]] = {}
         self.reasons: dict[str, str] = {}
         self.steps: list[SchedulerOutput] = []
@@ -157,6 +172,10 @@ class Engine:
             assert o.num_output_tokens == len(self.streams[o.request_id])
             if o.finished:
                 self.reasons[o.request_id] = o.finish_reason
+        if self.offload is not None:
+            self.offload.complete()
+            self.offload.unpin()
+            assert self.offload.audit() == []
         assert self.sched.audit() == []
         self.steps.append(out)
         return out

@@ -1,0 +1,81 @@
+"""The CPU KV offloading connector (vLLM's OffloadingConnector idea, DESIGN §6.1 baseline (b)).
+
+    python -m serving.run --enable-prefix-caching --kv-transfer-config \\
+        '{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{"cpu_bytes_to_use":N}}'
+
+Full pages of every KV cache group it manages are stored to a host store of `cpu_bytes_to_use`
+bytes after the step that computed them; a request whose prefix the device prefix cache lost gets
+those pages back from the host (loaded into fresh device pages before its first step) instead of
+recomputing them, and `cached_tokens` counts them. A request runs only once all its pages are on
+the device, so the connector saves prefill but does not raise concurrency: it is the baseline
+Hybrid HiSparse is measured against. With HiSparse on, the connector manages the groups HiSparse
+does not (the indexer keys; MTP), the two host budgets being separate flags as in the reference.
+
+* `config.py`   — the flag's keys and checks.
+* `store.py`    — host blocks, their LRU and `(group, key)` entries, the store queue, load pins.
+* `transfer.py` — the host page array and the store / load programs the runner dispatches.
+
+Lookups go through `serving.prefix_cache.PrefixCache` (its `offload` tier), allocation through
+`KVCacheManager.allocate_slots(loads=...)`, and the runner runs the transfers
+(`ModelRunner.run_offload`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from serving.offload.config import OffloadConfig, OffloadConfigError
+from serving.offload.store import OffloadStore, OffloadTag, StoreJob
+from serving.offload.transfer import OffloadTransfer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Offload", "OffloadConfig", "OffloadConfigError", "OffloadStore", "OffloadTag", "OffloadTransfer",
+           "StoreJob", "build_offload", "offload_config"]
+
+
+def offload_config(kv_transfer_config: dict | None) -> OffloadConfig | None:
+    """The parsed `--kv-transfer-config`, or None when absent. Raises OffloadConfigError."""
+    if kv_transfer_config is None:
+        return None
+    return OffloadConfig.from_dict(kv_transfer_config)
+
+
+@dataclass
+class Offload:
+    """One engine's connector pieces."""
+
+    config: OffloadConfig
+    store: OffloadStore
+    transfer: OffloadTransfer
+
+    def summary(self) -> str:
+        s = self.store
+        return (f"KV offloading connector: host store {s.num_usable} pages x {s.page_bytes / 2**20:.2f} MiB "
+                f"({s.num_usable * s.page_bytes / 2**30:.3f} GiB of cpu_bytes_to_use "
+                f"{self.config.cpu_bytes_to_use / 2**30:.3f} GiB, {self.transfer.mechanism} transfers) for the "
+                f"groups {list(s.groups)}")
+
+
+def build_offload(config: OffloadConfig, layout, groups) -> Offload:
+    """Size and check the host store for `layout`'s pages and build the connector over `groups`.
+
+    Raises OffloadConfigError naming cpu_bytes_to_use when the store cannot hold one page, or
+    exceeds the host memory available."""
+    from kernels.host_rows import default_mechanism
+    from serving.hisparse.config import available_host_memory
+
+    page_bytes = layout.page_bytes
+    n = config.host_blocks(page_bytes)
+    if n < 2:
+        raise OffloadConfigError(f"--kv-transfer-config kv_connector_extra_config.cpu_bytes_to_use "
+                                 f"{config.cpu_bytes_to_use} holds no page of {page_bytes} bytes")
+    avail = available_host_memory()
+    if avail is not None and (n - 1) * page_bytes > avail:
+        raise OffloadConfigError(f"--kv-transfer-config kv_connector_extra_config.cpu_bytes_to_use "
+                                 f"{(n - 1) * page_bytes / 2**30:.3f} GiB exceeds the {avail / 2**30:.3f} GiB of "
+                                 "host memory available")
+    store = OffloadStore(n, groups, page_bytes)
+    transfer = OffloadTransfer(n, page_bytes // 4, default_mechanism())
+    return Offload(config, store, transfer)

@@ -1,0 +1,173 @@
+"""Schema-driven fuzzing of the OpenAPI surface against a live server (the real engine, tiny
+checkpoint): hypothesis builds request bodies over every field of the request models
+(`ChatCompletionRequest`, `CompletionRequest`), each field either a plausible value (including
+edge cases: out-of-range token ids, negative or huge limits, empty lists, junk roles) or junk of
+any JSON type, plus unknown keys, non-object bodies and bytes that are not JSON.
+
+Every answer must be a 2xx or a 4xx with an OpenAI error body whose `code` is the status; no
+5xx, no dropped connection, no in-band error event in a stream. Afterwards the server is healthy,
+no request is left in the engine and the block-pool audit is clean. The number of examples per
+endpoint is `$GLM53_FUZZ_EXAMPLES` (default 150)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from serving.api.protocol import ChatCompletionRequest, CompletionRequest
+from serving.run import build_server
+from tests.helpers.live_server import live_server
+from tests.serving.test_e2e_server import ARGV
+
+EXAMPLES = int(os.environ.get("GLM53_FUZZ_EXAMPLES", "150"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+junk = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3), max_leaves=6)
+text = st.text(max_size=40) | st.sampled_from(["hello", "<|user|>", "\u0000", "\ud7ff\ue000", "a" * 200, ""])
+token_ids = st.lists(st.integers(-3, 520) | st.integers(-2**40, 2**40), max_size=12)
+small_limit = st.integers(-2, 12) | st.sampled_from([0, 10**6, 2**63])
+prob = st.floats(-1, 3, allow_nan=False) | st.sampled_from([0.0, 1.0, 1e-9])
+tool = st.fixed_dictionaries({"type": st.sampled_from(["function", "other"]), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["get_weather", "", "x" * 70])},
+    optional={"parameters": st.just({"type": "object", "properties": {"city": {"type": "string"}}}) | junk})})
+part = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "junk"])}, optional={"text": text})
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool", "developer", "robot"]) | junk},
+    optional={"content": text | st.lists(part, max_size=2) | st.none() | junk, "name": text,
+              "tool_call_id": text, "tool_calls": junk, "reasoning_content": text})
+
+COMMON = {
+    "model": st.just("glm-5.3-tiny") | text | junk,
+    "temperature": prob | junk, "top_p": prob | junk, "top_k": st.integers(-2, 600) | junk,
+    "min_p": prob, "seed": st.integers(-2**64, 2**64) | junk, "n": st.integers(-1, 3) | junk,
+    "stop": text | st.lists(text, max_size=5) | junk, "stream": st.booleans() | junk,
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | junk}) | junk,
+    "presence_penalty": prob | junk, "frequency_penalty": prob | junk, "repetition_penalty": prob | junk,
+    "logit_bias": st.dictionaries(st.sampled_from(["5", "-1", "999", "x"]), st.floats(-200, 200)) | junk,
+    "ignore_eos": st.booleans() | junk, "stop_token_ids": token_ids | junk, "skip_special_tokens": st.booleans(),
+}
+CHAT = {**COMMON,
+        "messages": st.lists(message, max_size=4) | junk,
+        "max_completion_tokens": small_limit | junk, "reasoning_effort": st.sampled_from(["low", "high", "x"]) | junk,
+        "tools": st.lists(tool, max_size=2) | junk,
+        "tool_choice": st.sampled_from(["auto", "none", "required", "x"]) | junk, "parallel_tool_calls": st.booleans(),
+        "logprobs": st.booleans() | junk, "top_logprobs": st.integers(-1, 30) | junk,
+        "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]) | junk,
+        "chat_template_kwargs": st.dictionaries(st.text(max_size=8), junk, max_size=2) | junk}
+COMPLETION = {**COMMON,
+              "prompt": text | token_ids | st.lists(text, max_size=3) | st.lists(token_ids, max_size=3) | junk,
+              "echo": st.booleans() | junk, "logprobs": st.integers(-1, 30) | junk, "best_of": st.integers(-1, 3),
+              "suffix": text | junk, "return_token_ids": st.booleans() | junk}
+assert set(CHAT) >= set(ChatCompletionRequest.model_fields) - {"max_tokens"}
+assert set(COMPLETION) >= set(CompletionRequest.model_fields) - {"max_tokens"}
+
+
+# Valid values only: the requests that must succeed (the wide strategies above are the edge cases).
+ok_text = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=30)
+VALID_COMMON = {
+    "temperature": st.floats(0, 2), "top_p": st.floats(0.05, 1), "top_k": st.sampled_from([-1, 1, 5, 50]),
+    "seed": st.integers(0, 2**32), "n": st.integers(1, 2), "stop": ok_text | st.lists(ok_text, max_size=2),
+    "stream": st.booleans(), "stream_options": st.just({"include_usage": True}), "ignore_eos": st.booleans(),
+    "stop_token_ids": st.lists(st.integers(0, 495), max_size=2), "skip_special_tokens": st.booleans(),
+}
+VALID_CHAT = {**VALID_COMMON, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5),
+              "tools": st.lists(tool.filter(lambda t: t["type"] == "function" and t["function"]["name"] == "get_weather"
+                                            and "parameters" not in t["function"]), max_size=1)}
+VALID_COMPLETION = {**VALID_COMMON, "logprobs": st.integers(0, 5), "echo": st.booleans(),
+                    "return_token_ids": st.booleans()}
+REQUIRED = {
+    "chat": {"model": st.just("glm-5.3-tiny"), "max_tokens": st.integers(1, 8), "messages": st.lists(
+        st.fixed_dictionaries({"role": st.sampled_from(["system", "user"]), "content": ok_text}), min_size=1,
+        max_size=3).filter(lambda ms: ms[-1]["role"] == "user")},
+    "completion": {"model": st.just("glm-5.3-tiny"), "max_tokens": st.integers(1, 8),
+                   "prompt": ok_text | st.lists(st.integers(0, 495), min_size=1, max_size=12)},
+}
+
+
+def bodies(kind: str) -> st.SearchStrategy:
+    """Request bodies, a third each: valid ones (every optional field absent or valid), valid
+    ones with one or two fields replaced by an edge value or junk, and wild ones (each field
+    absent, plausible or junk, `max_tokens` small so no fuzzed request runs for a whole context;
+    or a body that is not a JSON object, or not JSON)."""
+    wide = CHAT if kind == "chat" else COMPLETION
+    valid = st.fixed_dictionaries(REQUIRED[kind], optional=VALID_CHAT if kind == "chat" else VALID_COMPLETION)
+
+    @st.composite
+    def mutated(draw):
+        body = draw(valid)
+        for name in draw(st.lists(st.sampled_from(sorted(wide) + ["unknown_field"]), min_size=1, max_size=2)):
+            body[name] = draw(wide.get(name, junk))
+        body["max_tokens"] = draw(st.integers(1, 8)) if name != "max_tokens" else body["max_tokens"]
+        return body
+
+    wild = st.fixed_dictionaries({"max_tokens": small_limit}, optional={**wide, "unknown_field": junk})
+    not_object = junk.map(json.dumps) | st.binary(max_size=30) | st.just('{"messages": [') | st.just(
+        '{"a": ' * 600 + "1" + "}" * 600)
+    enc = lambda x: x if isinstance(x, bytes) else (x if isinstance(x, str) else json.dumps(x)).encode(  # noqa: E731
+        "utf-8", "surrogatepass")
+    return st.one_of(valid, mutated(), st.one_of(wild, not_object)).map(enc)
+
+
+@pytest.fixture(scope="module")
+def server():
+    app, args, engine = build_server(ARGV)
+    with live_server(app) as base_url:
+        with httpx.Client(base_url=base_url, timeout=120) as http:
+            yield http, engine
+    engine.shutdown()
+
+
+def check(r: httpx.Response, stream_body: str | None) -> None:
+    assert r.status_code < 500, (r.status_code, r.text[:500])
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
+        assert err["code"] == r.status_code
+        return
+    if stream_body is None:
+        assert "choices" in r.json()
+        return
+    events = [line[6:] for line in stream_body.splitlines() if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", stream_body[-300:]
+    for e in events[:-1]:
+        assert "error" not in json.loads(e), e
+
+
+def post(http: httpx.Client, path: str, body: bytes) -> None:
+    headers = {"content-type": "application/json"}
+    with http.stream("POST", path, content=body, headers=headers) as r:
+        raw = r.read().decode("utf-8", errors="replace")
+        is_stream = r.headers.get("content-type", "").startswith("text/event-stream")
+    check(httpx.Response(r.status_code, headers=r.headers, content=raw.encode()) if not is_stream else r,
+          raw if is_stream else None)
+
+
+@FUZZ
+@given(body=bodies("chat"))
+def test_fuzz_chat_completions(server, body):
+    post(server[0], "/v1/chat/completions", body)
+
+
+@FUZZ
+@given(body=bodies("completion"))
+def test_fuzz_completions(server, body):
+    post(server[0], "/v1/completions", body)
+
+
+def test_server_is_sound_after_fuzzing(server):
+    http, engine = server
+    assert http.get("/health").status_code == 200
+    assert http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}).status_code == 200
+    assert not engine.engine.has_unfinished_requests()
+    assert engine.engine.audit() == []
+    pool = engine.engine.pool
+    assert pool.num_free == pool.num_usable_blocks, "KV pages leaked"

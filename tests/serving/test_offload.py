@@ -1,0 +1,215 @@
+"""The CPU KV offloading connector (`serving/offload/`, `--kv-transfer-config`) in the real engine
+(tiny checkpoint, CPU): host-tier prefix hits give the cold run's tokens and logprobs without
+recomputing the hit; concurrent identical and overlapping prompts under eviction pressure give the
+one-by-one outputs; the agentic multi-turn workload's greedy streams equal the ample-pool run's,
+alone and under Hybrid HiSparse (where it manages the indexer keys only); bad flags fail naming
+the key; every pool and host-store audit is clean."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import numpy as np
+import pytest
+
+from glm53 import api
+from glm53.equality import compare_streams
+from serving.cli_args import ArgumentError, make_arg_parser, validate_args
+from serving.offload import OffloadConfig, OffloadConfigError
+from serving.types import SamplingParams
+from tests.helpers.conversations import run_conversations
+from tests.serving.test_hisparse_engine import AMPLE, CONV, HISPARSE, SMALL, engine, mean_running
+
+GiB = 2**30
+
+
+def offload_flag(nbytes: int = GiB // 16) -> dict:
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": nbytes}}
+
+
+def run_one(e, rid, prompt, max_tokens=8):
+    """Greedy run of one request; (tokens, logprobs, cached tokens, prompt tokens computed)."""
+    computed = []
+    orig = e.scheduler.schedule
+
+    def schedule():
+        out = orig()
+        computed.extend(sr.num_new_tokens for sr in out.scheduled if sr.request_id == rid and
+                        sr.start_pos < len(prompt))
+        return out
+
+    e.scheduler.schedule = schedule
+    try:
+        e.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2))
+        toks, lps, cached = [], [], None
+        while e.has_unfinished_requests():
+            for o in e.step():
+                if o.request_id == rid:
+                    toks += o.new_token_ids
+                    lps += o.new_logprobs or []
+                    cached = o.num_cached_tokens
+    finally:
+        e.scheduler.schedule = orig
+    return toks, lps, cached, sum(computed)
+
+
+def assert_clean(e):
+    assert e.audit() == []
+    e.step()  # idle: queued stores are flushed
+    assert e.audit() == []
+    assert e.pool.num_free == e.pool.num_usable_blocks
+    st = e.offload.store
+    assert not st.queue and not st.in_flight and not st.pinned
+    assert st.blocks.num_free == st.num_usable  # filed blocks sit in the LRU free queue
+
+
+@pytest.fixture(scope="module")
+def small():
+    return engine(SMALL, "bfloat16", kv_transfer_config=offload_flag())
+
+
+def test_a_prefix_evicted_from_the_device_comes_back_from_the_host(small):
+    e = small
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(10, 490, 900).tolist()
+    cold = run_one(e, "cold", prompt)
+    assert cold[2] == 0 and cold[3] == len(prompt)
+    stored = e.offload.store.num_stored
+    assert stored >= 14  # 14 full MLA pages and 1 full indexer page (768 tokens)
+    for i in range(3):  # other prompts take the device pages back: the device cache loses the prefix
+        run_one(e, f"evict{i}", rng.integers(10, 490, 900).tolist())
+    ext0, loaded0 = e.prefix_cache.external_hits, e.offload.store.num_loaded
+    warm = run_one(e, "warm", prompt)
+    hit = warm[2]
+    # The hit ends at the indexer group's first page (768 tokens: its pages are the largest, and
+    # only full pages are stored).
+    assert hit == 768 and e.prefix_cache.external_hits - ext0 == hit
+    assert warm[3] == len(prompt) - hit, "the host-tier hit was recomputed"
+    assert e.offload.store.num_loaded - loaded0 == 768 // 64 + 1  # 12 MLA pages + 1 indexer page
+    assert warm[0] == cold[0]
+    np.testing.assert_allclose([x.logprob for x in warm[1]], [x.logprob for x in cold[1]], rtol=0, atol=1e-5)
+    assert_clean(e)
+
+
+def test_concurrent_identical_and_overlapping_prompts_match_one_by_one(small):
+    """Three shared 800-token heads, each with several tails, some prompts identical: run one by
+    one, then all at once (twice), on a pool that cannot keep them: stores and loads interleave
+    with evictions, and every output must be the one-by-one output."""
+    e = small
+    rng = np.random.default_rng(1)
+    heads = [rng.integers(10, 490, 800).tolist() for _ in range(3)]
+    prompts = []
+    for i in range(9):
+        tail = rng.integers(10, 490, 40 + 30 * (i % 3)).tolist()
+        prompts.append(heads[i % 3] + tail)
+    prompts += [prompts[0], prompts[4]]  # identical prompts
+    alone = [run_one(e, f"alone{i}", p, 6)[0] for i, p in enumerate(prompts)]
+    for rep in range(2):
+        outs = {}
+        for i, p in enumerate(prompts):
+            e.add_request(f"r{rep}-{i}", p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+            outs[f"r{rep}-{i}"] = []
+        while e.has_unfinished_requests():
+            for o in e.step():
+                outs[o.request_id] += o.new_token_ids
+            assert e.audit() == []
+        assert [outs[f"r{rep}-{i}"] for i in range(len(prompts))] == alone
+    assert e.prefix_cache.external_hits > 0 and e.offload.store.num_loaded > 0
+    assert_clean(e)
+
+
+@pytest.mark.parametrize("mode", ["offload", "hisparse+offload"])
+def test_agentic_streams_equal_the_ample_run(mode):
+    lm = api.load(cache_dtype="bfloat16")
+    ample = run_conversations(engine(AMPLE, "bfloat16"), logprobs=2, **CONV)
+    hs = HISPARSE if mode == "hisparse+offload" else None
+    e = engine(SMALL, "bfloat16", hs, kv_transfer_config=offload_flag())
+    run = run_conversations(e, **CONV)
+    st = e.offload.store
+    print(f"\n{mode}: mean running {mean_running(run):.2f}, {e.scheduler.num_preemptions_total} preemptions, "
+          f"external hits {e.prefix_cache.external_hits} of {e.prefix_cache.external_queries} tokens, "
+          f"{st.num_stored} pages stored, {st.num_loaded} loaded")
+    compare_streams(ample.outputs, run.outputs, ample.logprobs, ample.prompts, lm)
+    assert st.groups == (("indexer",) if hs else ("mla", "indexer"))
+    assert e.prefix_cache.external_hits > 0
+    if hs:
+        assert e.scheduler.num_preemptions_total == 0
+    assert_clean(e)
+
+
+@pytest.mark.parametrize("flag, match", [
+    ('{"kv_connector": "LMCacheConnectorV1", "kv_connector_extra_config": {"cpu_bytes_to_use": 1}}',
+     "kv_connector 'LMCacheConnectorV1'"),
+    ('{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 1e9, "x": 1}}',
+     r"unknown key\(s\) \['x'\]"),
+    ('{"kv_connector": "OffloadingConnector", "kv_buffer": 1, "kv_connector_extra_config": {}}',
+     r"unknown key\(s\) \['kv_buffer'\]"),
+    ('{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": -5}}',
+     "cpu_bytes_to_use must be a positive"),
+    ('{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 1e9, '
+     '"spec_name": "GPUSpec"}}', "spec_name 'GPUSpec'"),
+    ('{"kv_connector": "OffloadingConnector", "kv_role": "kv_producer", "kv_connector_extra_config": '
+     '{"cpu_bytes_to_use": 1e9}}', "kv_role 'kv_producer'"),
+    ('{"kv_connector": "OffloadingConnector"', "--kv-transfer-config"),
+])
+def test_bad_kv_transfer_config_fails_at_start_up_naming_the_key(flag, match):
+    args = make_arg_parser().parse_args(["--kv-transfer-config", flag, "--enable-prefix-caching"])
+    with pytest.raises(ArgumentError, match=match):
+        validate_args(args)
+
+
+def test_the_reference_flag_is_accepted_and_needs_prefix_caching():
+    ref = ('{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":'
+           '{"spec_name":"TieringOffloadingSpec","cpu_bytes_to_use":137438953472}}')
+    args = make_arg_parser().parse_args(["--kv-transfer-config", ref, "--enable-prefix-caching"])
+    validate_args(args)
+    assert OffloadConfig.from_dict(args.kv_transfer_config).cpu_bytes_to_use == 128 * GiB
+    with pytest.raises(ArgumentError, match="--enable-prefix-caching"):
+        validate_args(make_arg_parser().parse_args(["--kv-transfer-config", ref]))
+    with pytest.raises(OffloadConfigError, match="exceeds"):
+        engine(SMALL, "bfloat16", kv_transfer_config=offload_flag(1 << 50))
+
+
+def test_served_host_tier_hit_counts_in_cached_tokens_and_metrics():
+    """The reference flag on the real server (openai client): after the device prefix cache
+    forgets a prompt (`PrefixCache.reset`), sending it again reports the host-tier hit in
+    `cached_tokens` and in vLLM's external prefix-cache and kv_offload counters."""
+    import json
+    import time
+
+    import httpx
+    import openai
+
+    from serving.run import build_server
+    from tests.helpers.live_server import live_server
+    from tests.serving.test_e2e_server import ARGV
+
+    app, _, served = build_server(ARGV + ["--kv-transfer-config", json.dumps(offload_flag())])
+    e = served.engine
+    try:
+        with live_server(app) as base:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+            prompt = np.random.default_rng(3).integers(10, 490, 850).tolist()
+            kw = dict(model="glm-5.3-tiny", prompt=prompt, max_tokens=4, temperature=0, logprobs=1,
+                      extra_body={"ignore_eos": True})
+            cold = client.completions.create(**kw)
+            deadline = time.time() + 30
+            while (e.offload.store.queue or e.offload.store.in_flight) and time.time() < deadline:
+                time.sleep(0.05)
+            assert e.prefix_cache.reset() > 0  # the device cache forgets the prompt
+            warm = client.completions.create(**kw)
+            assert warm.usage.prompt_tokens_details.cached_tokens == 768
+            assert warm.choices[0].logprobs.tokens == cold.choices[0].logprobs.tokens
+            text = httpx.get(base + "/metrics").text
+            metric = {line.split("{")[0] + ("{" + line.split("{")[1].split("}")[0] + "}" if "transfer_type" in line
+                                            else ""): float(line.rsplit(" ", 1)[1])
+                      for line in text.splitlines() if line.startswith("vllm:")}
+            assert metric["vllm:external_prefix_cache_hits_total"] == 768
+            assert metric["vllm:external_prefix_cache_queries_total"] == 2 * 850
+            out = next(v for k, v in metric.items() if k.startswith("vllm:kv_offload_total_bytes") and "gpu_to_cpu" in k)
+            back = next(v for k, v in metric.items() if k.startswith("vllm:kv_offload_total_bytes") and "cpu_to_gpu" in k)
+            assert out >= 14 * e.offload.store.page_bytes and back == 13 * e.offload.store.page_bytes
+    finally:
+        served.shutdown()
+    assert e.audit() == []
