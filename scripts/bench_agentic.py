@@ -317,7 +317,7 @@ def percentile(xs, q):
     return float(np.percentile(xs, q)) if xs else float("nan")
 
 
-def summarize(mode, conc, results, samples, before, after, wall, pred, ref) -> dict:
+def summarize(mode, conc, results, samples, before, after, wall, pred, ref, lm=None) -> dict:
     from glm53.equality import compare_streams
 
     ok = [r for r in results if r.error is None and r.t_first is not None]
@@ -346,9 +346,13 @@ def summarize(mode, conc, results, samples, before, after, wall, pred, ref) -> d
     if ref is not None:
         key = lambda r: (r.conv, r.turn)  # noqa: E731
         divs = compare_streams({key(r): r.output for r in ref}, {key(r): r.output for r in ok},
-                               {key(r): r.top2_gaps for r in ref}, {key(r): r.prompt for r in ref},
+                               {key(r): r.top2_gaps for r in ref}, {key(r): r.prompt for r in ref}, lm,
                                strict=False, verbose=False)
         row["divergences"] = len(divs)
+        row["divergence_details"] = [
+            {"conversation": d.key[0], "turn": d.key[1], "token": d.index, "top2_logit_gap": round(d.logit_gap, 6),
+             "indexer_gap": None if d.index_gap is None else round(d.index_gap, 6), "accepted_by": d.accepted_by}
+            for d in divs]
         row["greedy_identical"] = not [x for x in divs if x.accepted_by is None] and row["errors"] == 0
     return row
 
@@ -438,6 +442,16 @@ def main(argv=None) -> list[dict]:
     host_blocks = math.ceil(hs["host_pool_gib"] * 2**30 / (mla.bytes_per_token * mla.tokens_per_page))
     vocab = 400  # the tiny tokenizer's ordinary ids lie below its special tokens
     rows, refs = [], {}
+    lm = None  # the model for the equality rule's indexer diagnostic (loaded once, for the compared modes)
+
+    def equality_model():
+        nonlocal lm
+        if lm is None:
+            from glm53 import api
+
+            lm = api.load(cache_dtype=cache_dtype)
+        return lm
+
     for mode in (["ample"] if "ample" in modes else []) + [m for m in modes if m != "ample"]:
         server = Server(common + flags[mode], out / f"server_{mode}.log")
         print(f"{mode}: server healthy after {server.startup_s:.0f} s", flush=True)
@@ -465,7 +479,8 @@ def main(argv=None) -> list[dict]:
                         refs.setdefault(c, []).extend(results)
                     runs.append(summarize(mode, c, results, samples, before, after, wall, pred,
                                           [r for r in refs.get(c, []) if (r.conv, r.turn) in
-                                           {(x.conv, x.turn) for x in results}] if mode != "ample" else None))
+                                           {(x.conv, x.turn) for x in results}] if mode != "ample" else None,
+                                          lm=equality_model() if mode != "ample" else None))
                 runs.sort(key=lambda r: r["logical_throughput_tok_s"])
                 row = dict(runs[len(runs) // 2], repeats=len(runs))
                 if mode != "ample":

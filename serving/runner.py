@@ -153,6 +153,7 @@ class ModelRunner:
         self.last = StepStats()
         self.last_logprobs: dict[str, TokenLogprobs] = {}
         self.num_page_copies = 0  # whole-page copies run on the device so far
+        self.num_hot_steps = 0  # HiSparse steps run with the hot path (some request held a hot lease)
         self.faults: FaultInjection | None = FaultInjection.from_env()  # test hook (serving/faults.py)
         graphdef = self.graphdef
         reachable = model.cfg.vocab_size if sampling_vocab_size is None else min(sampling_vocab_size,
@@ -234,10 +235,13 @@ class ModelRunner:
         for T in tqdm(self.buckets, desc="compiling step buckets", disable=not progress, unit="bucket"):
             t = time.perf_counter()
             batch, extra = self._dummy(T)
-            out, self.kv_arena, hs = self._step(self.state, self._place(batch), self.kv_arena, *extra,
-                                                self._hisparse_args())
-            self._keep_hisparse(hs)
-            jax.block_until_ready(out)
+            # HiSparse compiles both programs of a bucket: with the hot path, and plain (`execute`).
+            for hs_args in ([self._hisparse_args()] if self.hisparse is not None else []) + [None]:
+                if hs_args is None:
+                    batch.hot = None
+                out, self.kv_arena, hs = self._step(self.state, self._place(batch), self.kv_arena, *extra, hs_args)
+                self._keep_hisparse(hs)
+                jax.block_until_ready(out)
             self.compile_seconds[T] = time.perf_counter() - t
         if self.hisparse is not None:
             self.run_stores([], wait=True)  # the store program
@@ -368,14 +372,22 @@ class ModelRunner:
         if self.offload is not None:
             self.run_offload(sched.page_loads)
         t1 = time.perf_counter()
+        # HiSparse without a hot lease in the step (no pressure): the plain program, which is the
+        # non-HiSparse step (no resolver, no hot state, no host pool), so the engine performs as
+        # without HiSparse until pressure arrives.
+        hs_args = self._hisparse_args() if self.hisparse is not None and bool(batch.hot.active) else None
+        if hs_args is None:
+            batch.hot = None
+        else:
+            self.num_hot_steps += 1
         out, self.kv_arena, hs = self._step(self.state, self._place(batch), self.kv_arena, *map(jnp.asarray, extra),
-                                            self._hisparse_args())
+                                            hs_args)
         self._keep_hisparse(hs)
         want_lp = bool(extra[4])
         stats = hs[0].stats_4 if hs is not None else None
         (toks, tok_lp, top_ids, top_lp), stats = jax.device_get((out if want_lp else out[:1] + (None,) * 3, stats))
-        if stats is not None:
-            self.hisparse.record(stats)
+        if self.hisparse is not None:
+            self.hisparse.record(stats if stats is not None else (0, 0, 0, 0))
         t2 = time.perf_counter()
         self.last = StepStats(sched.num_scheduled_tokens, batch.input_ids_T.shape[0], t1 - t0, t2 - t1)
         self.last_logprobs = {}

@@ -167,3 +167,30 @@ def test_a_request_three_times_the_device_pool_is_served():
 
 def test_conversation_user_tokens_are_deterministic():
     assert user_tokens(1, 2, 5) == user_tokens(1, 2, 5) != user_tokens(2, 2, 5)
+
+
+def test_without_pressure_every_step_is_the_plain_program():
+    """The issue's "with no pressure the engine behaves and performs as today": on a pool that holds
+    everything, no request takes a hot lease, every step runs the non-HiSparse program (no
+    resolver, no host reads) and the streams equal the baseline's bit for bit; on the small pool
+    the hot path runs."""
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(10, 490, 700).tolist() for _ in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+    def run(e):
+        for i, p in enumerate(prompts):
+            e.add_request(f"p{i}", p, params)
+        outs = {}
+        while e.has_unfinished_requests():
+            for o in e.step():
+                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return outs
+
+    base = run(engine(AMPLE, "bfloat16"))
+    hs = engine(AMPLE, "bfloat16", HISPARSE)
+    assert run(hs) == base
+    assert hs.runner.num_hot_steps == 0 and hs.hisparse.device.misses == 0
+    small = engine(SMALL, "bfloat16", HISPARSE)
+    run(small)
+    assert small.runner.num_hot_steps > 0
