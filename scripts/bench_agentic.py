@@ -40,7 +40,9 @@ takes the next conversation and runs its turns one after the other), while a scr
   `vllm:kv_offload_total_bytes` by transfer type);
 * `greedy_identical`: every stream of the mode equals the ample run's (same conversation and
   turn) under DESIGN §10's equality rule (`glm53.equality`: divergences only at a top-2 logit
-  gap < 1e-4 or an indexer top-k boundary gap < 1e-3, counted in `divergences`).
+  gap < 1e-4 or an indexer top-k boundary gap < 1e-3, counted in `divergences`, each listed in
+  `divergence_details` with its gaps). Once a turn diverged (explained), the conversation's later
+  prompts differ from the reference's: those turns are not compared (`turns_after_a_divergence`).
 
 Writes `OUT/summary.json` (a list of rows with the keys above plus `mode`, `concurrency`),
 `OUT/summary.csv`, `OUT/agentic.png` (interactivity vs logical throughput; running requests vs
@@ -345,9 +347,14 @@ def summarize(mode, conc, results, samples, before, after, wall, pred, ref, lm=N
     row["offload_to_device_bytes"] = int(d("vllm:kv_offload_total_bytes_total{cpu_to_gpu}"))
     if ref is not None:
         key = lambda r: (r.conv, r.turn)  # noqa: E731
-        divs = compare_streams({key(r): r.output for r in ref}, {key(r): r.output for r in ok},
-                               {key(r): r.top2_gaps for r in ref}, {key(r): r.prompt for r in ref}, lm,
-                               strict=False, verbose=False)
+        # A turn whose prompt is not the reference's (an earlier turn of its conversation took
+        # another, explained, path) has no reference to be compared with: counted apart.
+        ref_prompt = {key(r): r.prompt for r in ref}
+        same = {key(r) for r in ok if ref_prompt.get(key(r)) == r.prompt}
+        row["turns_after_a_divergence"] = sum(1 for r in ok if key(r) in ref_prompt and key(r) not in same)
+        divs = compare_streams({key(r): r.output for r in ref if key(r) in same},
+                               {key(r): r.output for r in ok if key(r) in same},
+                               {key(r): r.top2_gaps for r in ref}, ref_prompt, lm, strict=False, verbose=False)
         row["divergences"] = len(divs)
         row["divergence_details"] = [
             {"conversation": d.key[0], "turn": d.key[1], "token": d.index, "top2_logit_gap": round(d.logit_gap, 6),

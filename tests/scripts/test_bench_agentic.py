@@ -78,3 +78,17 @@ def test_summary_connector_metrics():
     assert (row["offload_to_host_bytes"], row["offload_to_device_bytes"]) == (8000, 64)
     row = ba.summarize("preemption", 1, turns, [1], {}, {}, 1.0, 1, None)
     assert row["host_tier_hit_rate"] is None and row["offload_to_host_bytes"] == 0
+
+
+def test_turns_after_an_explained_divergence_are_not_compared():
+    """Turn 0 of conversation 0 diverges at a near-tie (accepted by the logit rule); its turn 1
+    then has another prompt than the reference's and is counted apart, not as a divergence."""
+    ref = [_turn(0, 0, [5, 6, 7], 0.0, 0.2), _turn(0, 1, [1, 1], 1.0, 0.2)]
+    ref[0].top2_gaps = [0.5, 1e-6, 0.5]
+    ref[1].prompt = [1, 2, 3, 5, 6, 7, 9]
+    got = [_turn(0, 0, [5, 8, 8], 0.0, 0.2), _turn(0, 1, [4, 4], 1.0, 0.2)]
+    got[1].prompt = [1, 2, 3, 5, 8, 8, 9]
+    row = ba.summarize("hisparse", 1, got, [1], {}, {}, 1.0, 1, ref)
+    assert row["divergences"] == 1 and row["turns_after_a_divergence"] == 1
+    assert row["greedy_identical"]
+    assert row["divergence_details"][0]["accepted_by"] == "logit"
