@@ -231,10 +231,12 @@ class LLMEngine:
             cls = DataParallelEngine
         engine = cls(model, layout, nblocks, args, eos, path)
         par = args.parallel
-        logger.info("%s", engine_capacity_summary(
-            layout, nblocks, args.max_model_len, args.max_num_seqs,
-            dcp=par.decode_context_parallel_size if par is not None else 1,
-            dp=par.data_parallel_size if par is not None else 1))
+        line = engine_capacity_summary(layout, nblocks, args.max_model_len, args.max_num_seqs,
+                                       dcp=par.decode_context_parallel_size if par is not None else 1,
+                                       dp=par.data_parallel_size if par is not None else 1)
+        if engine.hisparse is not None:  # the line counts full residency; HiSparse's own follows
+            line = line.replace("KV capacity:", "KV capacity without HiSparse:", 1) + " (HiSparse: next line)"
+        logger.info("%s", line)
         if engine.hisparse is not None:
             logger.info("%s", engine.hisparse.summary(nblocks, args.max_model_len, args.max_num_seqs,
                                                       args.max_num_batched_tokens))

@@ -42,7 +42,7 @@ class DrainMiddleware:
         path = scope.get("path", "")
         if self.draining and path != "/metrics":
             body = json.dumps({"error": {"message": "the server is shutting down", "type": "ServiceUnavailableError",
-                                         "param": None, "code": 503}}).encode()
+                                         "param": None, "code": 503}}, separators=(",", ":")).encode()
             await send({"type": "http.response.start", "status": 503,
                         "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
                                     (b"content-length", str(len(body)).encode())]})
