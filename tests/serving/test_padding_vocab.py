@@ -1,6 +1,7 @@
 """Padding ids: the rows of a checkpoint's embedding past its tokenizer (GLM-5.3 154,880 vs
 154,856; the tiny checkpoint 512 vs 496) have no text and are never sampled."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -35,10 +36,11 @@ def test_mask_keeps_padding_ids_out_of_sampling_and_logprobs():
     logits = rng.normal(size=(B, V)).astype(np.float32)
     logits[:, n:] += 10.0  # the padding rows would win everything
     masked = mask_unreachable(jnp.asarray(logits), n)
-    greedy = sample_tokens(masked, jnp.zeros(B), jnp.ones(B), jnp.arange(B), jnp.zeros(B, jnp.int32))
+    sample = jax.jit(sample_tokens)
+    greedy = sample(masked, jnp.zeros(B), jnp.ones(B), jnp.arange(B), jnp.zeros(B, jnp.int32))
     np.testing.assert_array_equal(np.asarray(greedy), logits[:, :n].argmax(-1))
     for step in range(20):
-        s = sample_tokens(masked, jnp.full(B, 2.0), jnp.ones(B), jnp.arange(B), jnp.full(B, step, jnp.int32))
+        s = sample(masked, jnp.full(B, 2.0), jnp.ones(B), jnp.arange(B), jnp.full(B, step, jnp.int32))
         assert (np.asarray(s) < n).all()
     tok_lp, top_ids, top_lp = compute_logprobs(masked, greedy, k=8)
     assert (np.asarray(top_ids) < n).all()
