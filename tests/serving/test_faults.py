@@ -1,5 +1,5 @@
 """Engine faults (`serving/faults.py`) and cancellation, in every residency mode (device-resident and
-Hybrid HiSparse): a step that raises with the device state intact fails only its own requests
+Hybrid HiSparse) and with the KV offloading connector: a step that raises with the device state intact fails only its own requests
 (finish reason "error", every page freed) and the engine goes on producing the same tokens; a
 step that loses the device state kills the engine (`EngineDeadError`); a request cancelled while
 it waits, prefills or decodes frees every page in every group and every host block."""
@@ -13,8 +13,11 @@ from serving.faults import EngineDeadError, FaultInjection
 from serving.types import SamplingParams
 from tests.serving.test_hisparse_engine import AMPLE, HISPARSE, SMALL, engine
 
+OFFLOAD = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 2**26}}
 MODES = {"device": dict(num_blocks=AMPLE, kv_cache_dtype="bfloat16"),
-         "hisparse": dict(num_blocks=SMALL, kv_cache_dtype="bfloat16", attention_config=HISPARSE)}
+         "hisparse": dict(num_blocks=SMALL, kv_cache_dtype="bfloat16", attention_config=HISPARSE),
+         # the offloading connector on a small pool: queued stores and pinned loads in flight
+         "offload": dict(num_blocks=SMALL, kv_cache_dtype="bfloat16", kv_transfer_config=OFFLOAD)}
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
@@ -40,6 +43,10 @@ def assert_all_free(e):
         host = e.hisparse.host
         assert not host.queue and not host.in_flight
         assert host.blocks.num_free == host.num_usable, "host blocks leaked"
+    if e.offload is not None:
+        st = e.offload.store
+        assert not st.queue and not st.in_flight and not st.pinned and st.audit() == []
+        assert st.blocks.num_free == st.num_usable, "offload host blocks leaked"
 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(eng):
