@@ -245,6 +245,13 @@ def validate_args(args: argparse.Namespace) -> None:
     _check_output_parsers(args)
 
 
+def _parallel_flags_used(args: argparse.Namespace) -> list[str]:
+    """The parallelism flags set above 1, as written on the command line (`--tensor-parallel-size 2`)."""
+    return [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in
+            ("tensor_parallel_size", "data_parallel_size", "prefill_context_parallel_size",
+             "decode_context_parallel_size") if getattr(args, n, 1) > 1]
+
+
 def _check_kv_transfer_config(args: argparse.Namespace) -> None:
     """`--kv-transfer-config`: the OffloadingConnector (`serving/offload/config.py`), parsed here
     so a bad key fails at start-up naming it. It keys the host store by the prefix cache's hashes,
@@ -260,9 +267,7 @@ def _check_kv_transfer_config(args: argparse.Namespace) -> None:
     if not args.enable_prefix_caching:
         raise ArgumentError("--kv-transfer-config OffloadingConnector needs --enable-prefix-caching (the host store "
                             "is keyed by the prefix cache's block hashes)")
-    used = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in
-            ("tensor_parallel_size", "data_parallel_size", "prefill_context_parallel_size",
-             "decode_context_parallel_size") if getattr(args, n, 1) > 1]
+    used = _parallel_flags_used(args)
     if used:
         raise _not_yet(f"--kv-transfer-config with {', '.join(used)} (the offloading connector runs on one device "
                        "in this build)")
@@ -287,9 +292,7 @@ def _check_attention_config(config: dict | None, args: argparse.Namespace | None
             except HiSparseConfigError as e:
                 raise ArgumentError(str(e)) from None
             if args is not None:
-                used = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in
-                        ("tensor_parallel_size", "data_parallel_size", "prefill_context_parallel_size",
-                         "decode_context_parallel_size") if getattr(args, n, 1) > 1]
+                used = _parallel_flags_used(args)
                 if used:
                     raise _not_yet(f"--attention-config hisparse_config with {', '.join(used)} "
                                    "(HiSparse runs on one device in this build)")

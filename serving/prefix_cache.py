@@ -124,6 +124,12 @@ class PrefixHit:
     num_local_tokens: int | None = None
 
     @property
+    def num_load_pages(self) -> int:
+        """Fresh device pages the loads need beyond the ones `blocks` leaves for new tokens: one per
+        loaded page below the hit (the page H ends inside is the request's first new page)."""
+        return sum(1 for g, pages in self.loads.items() for i in pages if i < len(self.blocks.get(g, ())))
+
+    @property
     def num_external_tokens(self) -> int:
         """Tokens of the hit from the first page that comes back from the offload tier on (vLLM's
         external prefix-cache hit); the tokens before it are the device-local hit."""

@@ -174,6 +174,12 @@ def copy_host_rows(kv_arena: jax.Array, pool, host_rows_X: jax.Array, slots_X: j
     raise ValueError(f"unknown host-row mechanism {mechanism!r}; expected one of {MECHANISMS}")
 
 
+def _num_valid(idx_C: jax.Array) -> jax.Array:
+    """Leading entries ≥ 1 (the first entry < 1 ends the list)."""
+    valid = idx_C >= 1
+    return jnp.argmin(jnp.concatenate([valid, jnp.zeros((1,), bool)])).astype(jnp.int32)
+
+
 def store_pages(pool, kv_arena: jax.Array, src_blocks_C: jax.Array, dst_blocks_C: jax.Array, layout: GroupLayout,
                 component: str, *, mechanism: str):
     """The write-through pre-copy: host block `dst_blocks_C[i]` ← arena page `src_blocks_C[i]`
@@ -184,8 +190,7 @@ def store_pages(pool, kv_arena: jax.Array, src_blocks_C: jax.Array, dst_blocks_C
     an int32 scalar that is ready once the stores ran (order later reads after it).
     """
     tpp = layout.tokens_per_page
-    valid = dst_blocks_C >= 1
-    n = jnp.argmin(jnp.concatenate([valid, jnp.zeros((1,), bool)])).astype(jnp.int32)
+    n = _num_valid(dst_blocks_C)
     if mechanism == "memory_kind":
         def body(i, p):
             page = lax.dynamic_slice_in_dim(kv_arena, src_blocks_C[i], 1, axis=0)[0]
@@ -210,12 +215,6 @@ def store_pages(pool, kv_arena: jax.Array, src_blocks_C: jax.Array, dst_blocks_C
 # is one contiguous `[1, page_words]` slab moved to host memory and a load one contiguous host
 # slice moved to device memory — both XLA's supported host-offload pattern. For the "callback"
 # mechanism the store is a `HostRowStore` whose rows are pages (one "token" per page).
-
-
-def _num_valid(idx_C: jax.Array) -> jax.Array:
-    """Leading entries ≥ 1 (the first entry < 1 ends the list)."""
-    valid = idx_C >= 1
-    return jnp.argmin(jnp.concatenate([valid, jnp.zeros((1,), bool)])).astype(jnp.int32)
 
 
 def store_arena_pages(host, kv_arena: jax.Array, src_blocks_C: jax.Array, dst_blocks_C: jax.Array, *,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serving.block_pool import BlockPool
+from serving.copy_queue import CopyQueue
 
 
 @dataclass(eq=False)
@@ -41,7 +42,7 @@ class CopyJob:
     key: bytes | None = None
 
 
-class HostPool:
+class HostPool(CopyQueue[CopyJob]):
     """Host blocks (a `BlockPool`, block 0 null) and the copy queue.
 
     Args:
@@ -50,9 +51,8 @@ class HostPool:
     """
 
     def __init__(self, num_blocks: int, on_reuse=None):
+        super().__init__()
         self.blocks = BlockPool(num_blocks, on_reuse=on_reuse)
-        self.queue: deque[CopyJob] = deque()
-        self.in_flight: list[CopyJob] = []
         self.num_copied = 0  # pages copied so far
 
     @property
@@ -84,16 +84,12 @@ class HostPool:
 
     def take_stores(self, max_copies: int) -> list[CopyJob]:
         """Move up to `max_copies` queued copies in flight (they run in the step being built)."""
-        if self.in_flight:
-            raise RuntimeError("the previous step's copies were not completed")
-        n = min(max_copies, len(self.queue))
-        self.in_flight = [self.queue.popleft() for _ in range(n)]
-        return list(self.in_flight)
+        return self.take(max_copies)
 
     def complete(self) -> list[CopyJob]:
         """The in-flight copies finished (their step ran); returns them. The caller marks pages
         clean, publishes them and drops each copy's reference (`release`)."""
-        done, self.in_flight = self.in_flight, []
+        done = self.finish()
         self.num_copied += len(done)
         return done
 

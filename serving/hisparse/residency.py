@@ -277,14 +277,12 @@ class HiSparsePolicy(DeviceResidentPolicy):
         off = sum(1 for b in cached.get(self.group, []) if b == NULL_BLOCK)
         pool = self.kv.pool
         revived = len({b for bs in cached.values() for b in bs if b != NULL_BLOCK and pool.is_free(b)})
-        # Pages of the hit that come back from the offloading connector need fresh device pages.
-        revived += sum(1 for g, pages in (hit.loads.items() if hit is not None else ()) for i in pages
-                       if i < len(cached.get(g, [])))
+        loaded = hit.num_load_pages if hit is not None else 0  # pages coming back from the connector
 
         def need(total_tokens: int, rows: int) -> int:
             tok = sum(max(0, math.ceil(total_tokens / g.tokens_per_page) - len(cached.get(g.name, [])))
                       for g in self.kv.groups)
-            return tok + revived + self._lease_pages(rid, rows, off)
+            return tok + revived + loaded + self._lease_pages(rid, rows, off)
 
         num_new = self._cap_rows(num_new, off)
         # Each running request keeps a page of headroom for its growth (a new tail page is

@@ -23,10 +23,10 @@ program donates the arena to the step: a data dependency).
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 from serving.block_pool import BlockPool
+from serving.copy_queue import CopyQueue
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class StoreJob:
     key: bytes
 
 
-class OffloadStore:
+class OffloadStore(CopyQueue[StoreJob]):
     """Host-side bookkeeping of the connector (module docstring).
 
     Args:
@@ -59,14 +59,13 @@ class OffloadStore:
     """
 
     def __init__(self, num_blocks: int, groups, page_bytes: int):
+        super().__init__()
         self.blocks = BlockPool(num_blocks, on_reuse=self._on_reuse)
         self.groups = tuple(groups)
         self.page_bytes = int(page_bytes)
         self._entries: dict[tuple[str, bytes], int] = {}
         self._filed: dict[int, OffloadTag] = {}
         self._queued: set[tuple[str, bytes]] = set()
-        self.queue: deque[StoreJob] = deque()
-        self.in_flight: list[StoreJob] = []
         self.pinned: list[int] = []
         # Totals since start-up (pages; bytes = pages × page_bytes).
         self.num_stored = 0
@@ -111,16 +110,12 @@ class OffloadStore:
     def take_stores(self, max_jobs: int) -> list[StoreJob]:
         """Move up to `max_jobs` queued stores in flight (they run before the next step).
         Raises RuntimeError when the previous ones were not completed."""
-        if self.in_flight:
-            raise RuntimeError("the previous step's offload stores were not completed")
-        n = min(max_jobs, len(self.queue))
-        self.in_flight = [self.queue.popleft() for _ in range(n)]
-        return list(self.in_flight)
+        return self.take(max_jobs)
 
     def complete(self) -> list[StoreJob]:
         """The in-flight stores ran (their step finished): file each block under its key and
         drop the store's reference (the block joins the LRU free queue with its tag)."""
-        done, self.in_flight = self.in_flight, []
+        done = self.finish()
         for job in done:
             tag = OffloadTag(job.group, job.key)
             self.blocks.set_tag(job.host_block, tag)

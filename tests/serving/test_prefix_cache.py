@@ -142,22 +142,14 @@ def test_random_shared_prefix_workload_with_preemption_and_eviction(make_engine)
     e = make_engine(num_blocks=26, max_num_seqs=4, max_num_batched_tokens=24, max_model_len=80,
                     prefix_caching=True)
     stems = [prompt(200 + i, 40) for i in range(3)]
-    aborted = set()
-    pending = [(rng.randrange(60), f"r{i}") for i in range(30)]
-    for step in range(6000):
-        for t, rid in [x for x in pending if x[0] <= step]:
-            stem = rng.choice(stems)
-            p = stem[: rng.randint(10, 40)] + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))]
-            e.add(rid, p, max_tokens=rng.randint(1, 20), ignore_eos=True)
-            pending.remove((t, rid))
-        if rng.random() < 0.01 and e.sched.requests:
-            rid = rng.choice(sorted(e.sched.requests))
-            e.sched.abort(rid)
-            aborted.add(rid)
-        if not pending and not e.sched.has_unfinished_requests():
-            break
-        e.step()
-    assert not pending and not e.sched.has_unfinished_requests()
+    arrivals = [(rng.randrange(60), f"r{i}") for i in range(30)]
+
+    def add(rid):
+        stem = rng.choice(stems)
+        p = stem[: rng.randint(10, 40)] + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))]
+        e.add(rid, p, max_tokens=rng.randint(1, 20), ignore_eos=True)
+
+    aborted = e.drive(rng, arrivals, add, 0.01, 6000)
     e.check_against_reference(skip=aborted)
     assert e.prefix_cache.hits > 0 and e.evicted and e.sched.num_preemptions_total > 0
     # Both copy-on-write paths ran: device copies (held pages) and pages taken over (free ones).
@@ -248,22 +240,14 @@ def _random_offload_workload(make_engine, seed) -> int:
                     max_num_batched_tokens=rng.choice([8, 16, 64]), max_model_len=96, prefix_caching=True,
                     offload_blocks=rng.choice([8, 24, 80]))
     heads = [prompt(7000 + 10 * seed + h, rng.choice([32, 40, 49])) for h in range(3)]
-    aborted = set()
-    pending = [(rng.randrange(60), f"r{i}") for i in range(16)]
-    for step in range(5000):
-        for t, rid in [x for x in pending if x[0] <= step]:
-            head = rng.choice(heads)
-            e.add(rid, head[: rng.randint(len(head) // 2, len(head))] + prompt(rng.randrange(10**6), rng.randint(0, 12)),
-                  max_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.5)
-            pending.remove((t, rid))
-        if rng.random() < 0.02 and e.sched.requests:
-            rid = rng.choice(sorted(e.sched.requests))
-            e.sched.abort(rid)
-            aborted.add(rid)
-        if not pending and not e.sched.has_unfinished_requests():
-            break
-        e.step()
-    assert not pending and not e.sched.has_unfinished_requests()
+    arrivals = [(rng.randrange(60), f"r{i}") for i in range(16)]
+
+    def add(rid):
+        head = rng.choice(heads)
+        e.add(rid, head[: rng.randint(len(head) // 2, len(head))] + prompt(rng.randrange(10**6), rng.randint(0, 12)),
+              max_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.5)
+
+    aborted = e.drive(rng, arrivals, add, 0.02, 5000)
     e.check_against_reference(skip=aborted)
     assert e.offload.audit() == [] and not e.offload.pinned
     return e.prefix_cache.external_hits

@@ -187,6 +187,25 @@ class Engine:
             self.step()
         raise AssertionError("did not finish")
 
+    def drive(self, rng, arrivals, add, abort_rate, max_steps):
+        """Step until every arrival `(step, rid)` was added (`add(rid)`, at its step) and every
+        request finished; each step a live request is aborted with probability `abort_rate`.
+        Returns the aborted ids."""
+        pending, aborted = list(arrivals), set()
+        for step in range(max_steps):
+            for t, rid in [x for x in pending if x[0] <= step]:
+                add(rid)
+                pending.remove((t, rid))
+            if rng.random() < abort_rate and self.sched.requests:
+                rid = rng.choice(sorted(self.sched.requests))
+                assert self.sched.abort(rid).finish_reason == "abort"
+                aborted.add(rid)
+            if not pending and not self.sched.has_unfinished_requests():
+                break
+            self.step()
+        assert not pending and not self.sched.has_unfinished_requests()
+        return aborted
+
     def check_against_reference(self, skip=()):
         for rid, req in self.added.items():
             if rid in skip:
@@ -453,19 +472,8 @@ def test_random_workload_with_tiny_pool(make_engine, seed):
     e = make_engine(num_blocks=rng.choice([20, 30, 60]), max_num_seqs=rng.choice([2, 3, 5]),
                     max_num_batched_tokens=rng.choice([8, 16, 40]), max_model_len=64,
                     long_prefill_token_threshold=rng.choice([0, 6]))
-    aborted = set()
-    pending = [(rng.randrange(40), f"r{i}") for i in range(12)]
-    for step in range(4000):
-        for t, rid in [x for x in pending if x[0] <= step]:
-            e.add(rid, prompt(1000 * seed + int(rid[1:]), rng.randint(1, 30)),
-                  max_tokens=rng.randint(1, 30), ignore_eos=rng.random() < 0.5)
-            pending.remove((t, rid))
-        if rng.random() < 0.02 and e.sched.requests:
-            rid = rng.choice(sorted(e.sched.requests))
-            assert e.sched.abort(rid).finish_reason == "abort"
-            aborted.add(rid)
-        if not pending and not e.sched.has_unfinished_requests():
-            break
-        e.step()
-    assert not pending and not e.sched.has_unfinished_requests()
+    arrivals = [(rng.randrange(40), f"r{i}") for i in range(12)]
+    aborted = e.drive(rng, arrivals, lambda rid: e.add(rid, prompt(1000 * seed + int(rid[1:]), rng.randint(1, 30)),
+                                                      max_tokens=rng.randint(1, 30), ignore_eos=rng.random() < 0.5),
+                      0.02, 4000)
     e.check_against_reference(skip=aborted)
