@@ -36,6 +36,7 @@ class LayerContext:
     index_group: str = "indexer"  # KV group holding this layer's indexer keys
     parallel: ParallelLayout | None = None  # the mesh and roles (None: one device)
     host: HostAccess | None = None  # HiSparse host pool (None: every selected row is resident)
+    reuse_topk: bool = False  # full layers take `prev_sel` instead of running the indexer (MTP draft steps ≥ 1)
 
     @property
     def hisparse(self) -> bool:
@@ -86,7 +87,9 @@ class MLAttention(nnx.Module):
         """→ (out `[T, D]`, kv, selection). The selection is `(topk [T, K] positions, slots [T, K]
         or None)`: a full layer computes it (resolving the slots through the HiSparse hot buffer
         when `ctx.hisparse`, copying missed rows for its whole IndexShare group of `group_layers`
-        layers), and a shared layer reuses `prev_sel`, the one of the group's full layer."""
+        layers), and a shared layer reuses `prev_sel`, the one of the group's full layer. With
+        `ctx.reuse_topk` a full layer reuses `prev_sel` too (its indexer does not run and writes no
+        key): MTP draft steps ≥ 1 under `index_share_for_mtp_iteration`."""
         cfg = self.cfg
         T = h_TD.shape[0]
         N, A, dn = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
@@ -98,7 +101,7 @@ class MLAttention(nnx.Module):
         k_pe = apply_rope_interleaved(kv_lat[:, A:], ctx.cos, ctx.sin)
         arena = attention.write_kv(kv.arena, jnp.concatenate([c_kv, k_pe], -1), ctx.batch, ctx.layout,
                                    ctx.group, "mla", mla_layer, parallel=ctx.parallel)
-        if self.indexer is not None:
+        if self.indexer is not None and not (ctx.reuse_topk and prev_sel is not None):
             qI, w, kI = self.indexer.project(h_TD, c_q, ctx.cos, ctx.sin)
             arena = attention.write_kv(arena, kI, ctx.batch, ctx.layout, ctx.index_group, "indexer",
                                        index_layer, parallel=ctx.parallel)

@@ -116,21 +116,15 @@ class GlmForCausalLM(nnx.Module):
         return self.logits(h[jnp.asarray(batch.logits_indices_B)]), h, kv_arena
 
     def mtp_logits(self, batch: ForwardBatch, hidden_TD: jax.Array, kv_arena: jax.Array, layout: KVCacheLayout,
-                   parallel: ParallelLayout | None = None):
+                   parallel: ParallelLayout | None = None, zero_embed_pos0: bool = True):
         """MTP step: `batch.input_ids_T[i]` is token i+1 paired with backbone hidden `hidden_TD[i]`
         (final-normed) at position `batch.positions_T[i]` = i; uses the `mtp` KV group.
-        → (logits fp32 `[len(logits_indices), vocab]` predicting token i+2, kv_arena)."""
-        if self.mtp is None:
-            raise ValueError("this checkpoint has no MTP layer (num_nextn_predict_layers = 0)")
-        cfg = self.cfg
-        m = self.mtp
+        → (logits fp32 `[len(logits_indices), vocab]` predicting token i+2, kv_arena).
+        `zero_embed_pos0`: zero the embedding at position 0 (vLLM's form, DESIGN §3.6); see
+        `glm53.mtp.mtp_forward`. Raises ValueError when the model has no MTP layer."""
+        from glm53.mtp import mtp_forward
+
         batch = jax.tree.map(jnp.asarray, batch)
-        cos, sin = rope_cos_sin(batch.positions_T, cfg.qk_rope_head_dim, cfg.rope_theta)
-        ctx = LayerContext(batch=batch, layout=layout, cos=cos, sin=sin, group="mtp", index_group="mtp",
-                           parallel=parallel)
-        e = m.enorm(constrain(self.embed_tokens(batch.input_ids_T), parallel, TOKENS, None))
-        u = m.eh_proj(jnp.concatenate([e, m.hnorm(hidden_TD.astype(e.dtype))], axis=-1))
-        wrapped = isinstance(kv_arena, PagedKV)
-        x, kv, _ = m.block(u, kv_arena if wrapped else PagedKV(kv_arena), ctx, 0, 0, None)
-        h = m.shared_head_norm(x)
-        return self.logits(h[batch.logits_indices_B]), (kv if wrapped else kv.arena)
+        h, kv_arena, _ = mtp_forward(self, batch, hidden_TD, kv_arena, layout, parallel,
+                                     zero_embed_pos0=zero_embed_pos0)
+        return self.logits(h[batch.logits_indices_B]), kv_arena

@@ -113,7 +113,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
     sch.add_argument(
         "--speculative-config",
         default=None,
-        help='JSON, e.g. {"method": "mtp", "num_speculative_tokens": 1}.',
+        help='JSON, e.g. {"method": "mtp", "num_speculative_tokens": 3}: MTP speculative decoding (k = 1…5; '
+             'keys adaptive, adaptive_min_acceptance, disable_by_batch_size; docs/spec_decode.md).',
     )
 
     par = p.add_argument_group("parallelism")
@@ -238,8 +239,7 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.cuda_graph_sizes is not None and any(v < 1 for v in args.cuda_graph_sizes):
         raise ArgumentError(f"--cuda-graph-sizes must be >= 1, got {args.cuda_graph_sizes}")
     args.parallel = parallel_config(args)
-    if args.speculative_config is not None:
-        raise _not_yet("--speculative-config")
+    _check_speculative_config(args)
     _check_kv_transfer_config(args)
     _check_attention_config(args.attention_config, args)
     _check_output_parsers(args)
@@ -250,6 +250,24 @@ def _parallel_flags_used(args: argparse.Namespace) -> list[str]:
     return [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in
             ("tensor_parallel_size", "data_parallel_size", "prefill_context_parallel_size",
              "decode_context_parallel_size") if getattr(args, n, 1) > 1]
+
+
+def _check_speculative_config(args: argparse.Namespace) -> None:
+    """`--speculative-config`: MTP speculation (`serving/spec_decode/config.py`), parsed here so a
+    bad key fails at start-up naming it. It runs on one device and with TP / EP / DCP; PCP and DP
+    are refused (the checkpoint's lack of an MTP layer is found when it is loaded)."""
+    from serving.spec_decode import SpeculativeConfig, SpeculativeConfigError
+
+    if args.speculative_config is None:
+        return
+    try:
+        SpeculativeConfig.from_dict(args.speculative_config)
+    except SpeculativeConfigError as e:
+        raise ArgumentError(str(e)) from None
+    bad = [f for f in _parallel_flags_used(args) if f.startswith(("--data-parallel", "--prefill-context"))]
+    if bad:
+        raise ArgumentError(f"--speculative-config runs with tensor / expert / decode context parallelism; "
+                            f"drop {', '.join(bad)}")
 
 
 def _check_kv_transfer_config(args: argparse.Namespace) -> None:

@@ -187,7 +187,7 @@ class DataParallelEngine(LLMEngine):
             for out in o:
                 lp = lps.get(out.request_id)
                 if lp is not None and out.new_token_ids:
-                    out.new_logprobs = [lp]
+                    out.new_logprobs = lp[: len(out.new_token_ids)]
             per_replica.append(o)
             outs.extend(o)
         st = self.runner.last

@@ -33,6 +33,7 @@ from serving.prefix_cache import PrefixCache
 from serving.request import Request
 from serving.runner import ModelRunner
 from serving.scheduler import Scheduler, SchedulerConfig
+from serving.spec_decode import DraftController, SpecDecodingStats, SpeculativeConfig
 from serving.types import RequestOutput, SamplingParams
 from sharding.mesh import ParallelConfig, ParallelLayout
 
@@ -69,6 +70,7 @@ class EngineArgs:
     cuda_graph_sizes: list[int] | None = None  # decode-sized step buckets (None: 1, 2, 4, … max_num_seqs)
     attention_config: dict | None = None  # --attention-config (hisparse_config: Hybrid HiSparse)
     kv_transfer_config: dict | None = None  # --kv-transfer-config (the OffloadingConnector)
+    speculative_config: dict | None = None  # --speculative-config (MTP speculative decoding)
 
 
 def _model_dtype(name: str, device) -> jnp.dtype:
@@ -127,6 +129,13 @@ class LLMEngine:
         caps = {g.name: math.ceil(args.max_model_len / s.tokens_per_page) for g, s in zip(layout.groups, groups)}
         self.kv = KVCacheManager(self.pool, groups, caps)
         self.hisparse = None  # serving.hisparse.HiSparse when --attention-config has hisparse_config
+        self.spec_config = SpeculativeConfig.from_dict(args.speculative_config)
+        k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
+        self.spec_stats = SpecDecodingStats(k) if k else None  # since start-up
+        self.drafts = DraftController(self.spec_config) if k else None
+        # Tests and the benchmark's oracle row: `fn(request, n) -> n draft tokens` replaces the MTP
+        # layer's drafts after each step (the device still drafts; these are what gets verified).
+        self.drafter_override = None
         hs_config = hisparse_config(args.attention_config)
         self.offload = self._build_offload(layout, hs_config is not None)
         off_store = self.offload.store if self.offload is not None else None
@@ -136,7 +145,7 @@ class LLMEngine:
                                  "--tensor-parallel-size / --prefill-context-parallel-size / "
                                  "--decode-context-parallel-size / --data-parallel-size")
             self.hisparse = build_hisparse(hs_config, self.kv, layout, model.cfg, args, self._on_host_block_reuse,
-                                           offload=off_store)
+                                           offload=off_store, num_speculative_tokens=k)
             self.prefix_cache = self.hisparse.prefix_cache
             policy = self.hisparse.policy
         else:
@@ -144,7 +153,7 @@ class LLMEngine:
             policy = None
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len),
-            self.kv, eos_token_ids, self.prefix_cache, policy)
+            self.kv, eos_token_ids, self.prefix_cache, policy, drafts=self.drafts)
         self.runner = ModelRunner(model, layout, num_blocks, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len, seed=args.seed,
@@ -152,7 +161,7 @@ class LLMEngine:
                                   cuda_graph_sizes=args.cuda_graph_sizes,
                                   sampling_vocab_size=tokenizer_vocab_size(model_path),
                                   hisparse=self.hisparse.device if self.hisparse is not None else None,
-                                  offload=self.offload)
+                                  offload=self.offload, num_speculative_tokens=k)
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_steps = 0
         self.host_overhead_s = 0.0
@@ -160,7 +169,8 @@ class LLMEngine:
                                    lambda: self.scheduler.num_requests_waiting,
                                    lambda: self.scheduler.kv_cache_usage,
                                    self.hisparse.gauges() if self.hisparse is not None else None,
-                                   self.offload.store.usage if self.offload is not None else None)
+                                   self.offload.store.usage if self.offload is not None else None,
+                                   num_speculative_tokens=k)
         self.stat_loggers: list = []
         if not args.disable_log_stats:
             self.stat_loggers.append(LoggingStatLogger(self.gauges, args.log_stats_interval_s))
@@ -217,7 +227,11 @@ class LLMEngine:
         if args.max_num_batched_tokens < 1 or args.max_num_seqs < 1:
             raise ValueError("--max-num-batched-tokens and --max-num-seqs must be >= 1")
         cache_dtype = jnp.dtype(dtype).name if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
-        layout = build_kv_layout(cfg, cache_dtype, with_mtp=False)
+        spec = SpeculativeConfig.from_dict(args.speculative_config)
+        if spec is not None and cfg.num_mtp_layers == 0:
+            raise ValueError(f"--speculative-config method \"mtp\" needs a checkpoint with an MTP layer; {path} has "
+                             "none (num_nextn_predict_layers = 0)")
+        layout = build_kv_layout(cfg, cache_dtype, with_mtp=spec is not None)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(jax.tree.map(lambda v: v, model)) if hasattr(x, "nbytes"))
         nblocks = num_kv_blocks(layout.page_bytes, args, device, weight_bytes)
         logger.info("model %s loaded in %.1fs (%s, %.1f MiB of weights); KV arena %d pages x %.2f MiB "
@@ -226,6 +240,8 @@ class LLMEngine:
                     {g.name: g.tokens_per_page for g in layout.groups})
         eos = tuple(eos_token_ids) if eos_token_ids is not None else read_eos(cfg, path)
         if args.parallel is not None and args.parallel.data_parallel_size > 1:
+            if spec is not None:
+                raise ValueError("--speculative-config with --data-parallel-size > 1 is not supported yet")
             from serving.dp_engine import DataParallelEngine  # N attention replicas, one step
 
             cls = DataParallelEngine
@@ -240,6 +256,13 @@ class LLMEngine:
         if engine.hisparse is not None:
             logger.info("%s", engine.hisparse.summary(nblocks, args.max_model_len, args.max_num_seqs,
                                                       args.max_num_batched_tokens))
+        if engine.spec_config is not None:
+            sc, mtp = engine.spec_config, layout.group("mtp")
+            logger.info("MTP speculative decoding: %d draft tokens per request per step (%s), %d verification rows per "
+                        "decoding request; the MTP layer's own KV group adds %d B/token (%d tokens/page)%s",
+                        sc.num_speculative_tokens, "adaptive" if sc.adaptive else "static",
+                        sc.num_speculative_tokens + 1, mtp.bytes_per_token, mtp.tokens_per_page,
+                        "; the HiSparse hot buffer is sized for the verification rows" if engine.hisparse else "")
         if engine.prefix_cache is not None:
             logger.info("prefix caching on: hits in steps of %d tokens (the hash unit); pages a hit covers in "
                         "part are copied on write", engine.prefix_cache.unit)
@@ -323,7 +346,13 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
             return self._fail_step([(self.scheduler, sched)], e)
         hot_stats = self.hisparse.device.last_stats if self.hisparse is not None else None
-        outs = self.scheduler.update_from_output(sched, sampled)
+        drafts = self.runner.last_drafts if self.drafts is not None else None
+        outs = self.scheduler.update_from_output(sched, sampled, drafts)
+        if self.drafter_override is not None:
+            for sr in sched.scheduled:
+                if sr.request.spec_token_ids:
+                    sr.request.spec_token_ids = list(self.drafter_override(sr.request, len(sr.request.spec_token_ids)))
+        spec_step = self._observe_drafts(sched)
         self._after_offload()
         st = self.runner.last
         self._flush_if_idle()
@@ -332,7 +361,7 @@ class LLMEngine:
             for out in outs:
                 lp = lps.get(out.request_id)
                 if lp is not None and out.new_token_ids:
-                    out.new_logprobs = [lp]
+                    out.new_logprobs = lp[: len(out.new_token_ids)]
         host = (time.perf_counter() - t0) - st.device_s
         self.num_steps += 1
         self.host_overhead_s += host
@@ -343,9 +372,26 @@ class LLMEngine:
                              num_scheduled_tokens=st.num_tokens, host_s=host, device_s=st.device_s)
             if hot_stats is not None:
                 rec.hisparse_hits, rec.hisparse_misses, _, rec.hisparse_h2d_bytes = hot_stats
+            rec.spec_decoding = spec_step
             self._timing(sched, outs, rec)
             self._emit(rec)
         return outs
+
+    def _observe_drafts(self, sched) -> "SpecDecodingStats | None":
+        """MTP speculation: count the step's verifications (drafts verified, accepted) into the
+        totals and the draft controller; → the step's counters (None without speculation)."""
+        if self.drafts is None:
+            return None
+        acc = self.runner.last_accepted
+        step = SpecDecodingStats(self.drafts.k)
+        verified = []
+        for sr in sched.scheduled:
+            if sr.num_spec_tokens and sr.request_id in acc:
+                step.observe(sr.num_spec_tokens, acc[sr.request_id])
+                verified.append((sr.num_spec_tokens, acc[sr.request_id]))
+        self.spec_stats.add(step)
+        self.drafts.observe(verified)
+        return step
 
     def _fail_step(self, scheduled, error: BaseException) -> list[RequestOutput]:
         """A step raised: finish its requests with finish reason "error" (pages freed in every

@@ -16,6 +16,12 @@ HiSparse metrics (registered only when the engine runs HiSparse): counters
 `vllm:hisparse_cache_hits`, `vllm:hisparse_cache_misses`, `vllm:hisparse_host_to_device_bytes`
 (exposed with prometheus_client's `_total` suffix), gauges `vllm:hisparse_requests{state}` and
 `vllm:hisparse_host_pool_usage_perc`.
+
+MTP speculation metrics (registered only with `--speculative-config`), vLLM's names: counters
+`vllm:spec_decode_num_drafts`, `vllm:spec_decode_num_draft_tokens`,
+`vllm:spec_decode_num_accepted_tokens` and `vllm:spec_decode_num_accepted_tokens_per_pos{position}`
+(each exposed with the `_total` suffix); the log line adds the mean acceptance length
+`1 + accepted / drafts` and the per-position acceptance rates of its window.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ class StepRecord:
     external_prefix_cache_queries / external_prefix_cache_hits: tokens looked up with the
     offloading connector on / hit tokens from its host store (vLLM's external prefix cache).
     kv_offload_to_host_bytes / kv_offload_to_device_bytes: the connector's stores and loads.
+    spec_decoding: the step's verifications (`serving.spec_decode.SpecDecodingStats`), or None.
     """
 
     num_prompt_tokens: int = 0
@@ -90,6 +97,7 @@ class StepRecord:
     external_prefix_cache_hits: int = 0
     kv_offload_to_host_bytes: int = 0
     kv_offload_to_device_bytes: int = 0
+    spec_decoding: object = None  # serving.spec_decode.SpecDecodingStats of the step (MTP speculation)
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,7 @@ class EngineGauges:
     kv_cache_usage: Callable[[], float]
     hisparse: object = None  # serving.hisparse.HiSparseGauges when HiSparse is on
     offload: Callable[[], float] | None = None  # the connector's host-store usage when it is on
+    num_speculative_tokens: int = 0  # k of MTP speculation (0: off)
 
 
 class PrometheusStatLogger:
@@ -186,6 +195,15 @@ class PrometheusStatLogger:
                              for t in ("gpu_to_cpu", "cpu_to_gpu")}
             gauge("vllm:kv_offload_host_usage_perc", "Fraction of the connector's host-store blocks filed, queued or "
                   "pinned (1 = full).", gauges.offload)
+        self.spec_k = gauges.num_speculative_tokens
+        if self.spec_k:  # MTP speculation (serving/spec_decode), vLLM's names
+            self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Draft verifications (one per request per "
+                                       "step that verified drafts).")
+            self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.")
+            self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+            per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted per draft "
+                              "position (0-based).", labels + ["position"], registry=r)
+            self.spec_per_pos = [per_pos.labels(model_name=model_name, position=str(j)) for j in range(self.spec_k)]
         self.req_prompt = hist("vllm:request_prompt_tokens", "Prompt tokens per finished request.", _TOKEN_BUCKETS)
         self.req_gen = hist("vllm:request_generation_tokens", "Generated tokens per finished request.",
                             _TOKEN_BUCKETS)
@@ -213,6 +231,14 @@ class PrometheusStatLogger:
             self.hot_hits.inc(rec.hisparse_hits)
             self.hot_misses.inc(rec.hisparse_misses)
             self.hot_bytes.inc(rec.hisparse_h2d_bytes)
+        sd = rec.spec_decoding
+        if self.spec_k and sd is not None and sd.num_drafts:
+            self.spec_drafts.inc(sd.num_drafts)
+            self.spec_draft_tokens.inc(sd.num_draft_tokens)
+            self.spec_accepted.inc(sd.num_accepted_tokens)
+            for c, v in zip(self.spec_per_pos, sd.accepted_per_pos):
+                if v:
+                    c.inc(v)
         for v in rec.ttft_s:
             self.ttft.observe(v)
         for v in rec.inter_token_s:
@@ -247,6 +273,7 @@ class LoggingStatLogger:
         self._hot_h = self._hot_m = self._hot_b = 0
         self._ext_q = self._ext_h = self._off_out = self._off_in = 0
         self._host = self._device = 0.0
+        self._spec = None
 
     def record(self, rec: StepRecord) -> None:
         """Accumulate; log and restart the window once `interval_s` has passed."""
@@ -262,6 +289,12 @@ class LoggingStatLogger:
         self._ext_h += rec.external_prefix_cache_hits
         self._off_out += rec.kv_offload_to_host_bytes
         self._off_in += rec.kv_offload_to_device_bytes
+        if rec.spec_decoding is not None:
+            if self._spec is None:
+                from serving.spec_decode import SpecDecodingStats
+
+                self._spec = SpecDecodingStats(rec.spec_decoding.num_spec_tokens)
+            self._spec.add(rec.spec_decoding)
         if rec.is_step:
             self._steps += 1
             self._host += rec.host_s
@@ -285,7 +318,17 @@ class LoggingStatLogger:
                 f"Prefix cache hit rate: {hit_rate:.1f}%, Preemptions: {self._preempt}, "
                 f"Steps: {self._steps}, host overhead {1e3 * self._host / steps:.2f} ms/step "
                 f"({100 * host_share:.0f}% of step time), device {1e3 * self._device / steps:.2f} ms/step"
-                + self._hisparse_summary(dt) + self._offload_summary(dt))
+                + self._hisparse_summary(dt) + self._offload_summary(dt) + self._spec_summary())
+
+    def _spec_summary(self) -> str:
+        sd = self._spec
+        if sd is None:
+            return ""
+        rate = 100.0 * sd.num_accepted_tokens / sd.num_draft_tokens if sd.num_draft_tokens else 0.0
+        per_pos = ", ".join(f"{r:.3f}" for r in sd.per_position_rates())
+        return (f", SpecDecoding: mean acceptance length {sd.mean_acceptance_length:.2f}, accepted "
+                f"{sd.num_accepted_tokens}/{sd.num_draft_tokens} draft tokens ({rate:.1f}%), per-position "
+                f"acceptance [{per_pos}]")
 
     def _offload_summary(self, dt: float) -> str:
         if self.gauges.offload is None:

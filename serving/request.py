@@ -64,6 +64,8 @@ class Request:
     num_published_units: leading hash units already offered to the prefix cache.
     first_token_time / last_token_time: `time.monotonic()` of its first and latest generated
         token (None before the first), for the latency metrics.
+    spec_token_ids: draft tokens proposed by the previous step (MTP speculative decoding) for the
+        next step to verify; not part of `all_token_ids` until accepted.
 
     A step may schedule any number of new tokens for a request (a prefill chunk, one decode
     token, or a decode token plus draft tokens for speculative verification).
@@ -83,6 +85,7 @@ class Request:
     num_published_units: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -41,6 +41,8 @@ from serving.sampling import mask_unreachable, sample_with_logprobs
 from sharding.mesh import ParallelLayout
 from sharding.rules import arena_shards, shard_params
 from serving.scheduler import SchedulerOutput
+from serving.spec_decode.inputs import build_spec_batch, empty_spec_batch
+from serving.spec_decode.step import spec_decode_forward
 from serving.types import TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -105,20 +107,34 @@ class ModelRunner:
       model: the loaded model. layout: its KV arena layout. num_blocks: arena pages (incl. null).
       max_num_seqs / max_num_batched_tokens / max_model_len: the scheduler limits.
       cuda_graph_sizes: decode-sized token buckets compiled besides the prefill ones (None: the
-        powers of two up to max_num_seqs, `default_cuda_graph_sizes`; () for none).
+        powers of two up to max_num_seqs, `default_cuda_graph_sizes`, times k + 1 under MTP
+        speculation; () for none).
       sampling_vocab_size: ids at or past it are never sampled nor reported in logprobs (the
         tokenizer's size when the checkpoint pads its vocabulary; `serving.sampling.mask_unreachable`).
         None: every id of the model's vocabulary.
       offload: the KV offloading connector (`serving.offload.Offload`) or None: its queued stores
         and the step's loads run before each step (`run_offload`).
+      num_speculative_tokens: k > 0 runs MTP speculation: every step verifies the scheduled drafts
+        (`serving.spec_decode.rejection`) and the MTP layer drafts k tokens per sampling request
+        for the next step (`glm53.mtp.propose_drafts`), all inside the one jitted step; the layout
+        must have the `mtp` KV group. `execute` then returns up to k + 1 tokens per request and
+        `last_drafts` holds the next drafts.
     """
 
     def __init__(self, model: GlmForCausalLM, layout: KVCacheLayout, num_blocks: int, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, seed: int = 0, max_logprobs: int = 20,
                  parallel: ParallelLayout | None = None, cuda_graph_sizes=None,
                  hisparse: HiSparseDeviceState | None = None, sampling_vocab_size: int | None = None,
-                 offload=None):
+                 offload=None, num_speculative_tokens: int = 0):
         self.layout = layout
+        self.spec_k = num_speculative_tokens
+        if self.spec_k and "mtp" not in [g.name for g in layout.groups]:
+            raise ValueError("MTP speculation needs the KV layout's `mtp` group (build_kv_layout(with_mtp=True))")
+        if self.spec_k and parallel is not None and (parallel.pcp > 1 or parallel.dp > 1):
+            raise ValueError("--speculative-config runs with tensor / expert / decode context parallelism; drop "
+                             "--prefill-context-parallel-size / --data-parallel-size")
+        self.last_drafts: dict[str, list[int]] = {}
+        self.last_accepted: dict[str, int] = {}
         self.hisparse = hisparse
         self.offload = offload  # serving.offload.Offload (its store's queue, its transfer programs)
         if offload is not None and parallel is not None:
@@ -132,6 +148,8 @@ class ModelRunner:
         pcp = parallel.pcp if parallel is not None else 1
         if cuda_graph_sizes is None:
             cuda_graph_sizes = default_cuda_graph_sizes(max_num_seqs, 2 * pcp if pcp > 1 else 1)
+            if self.spec_k:  # a decode step of B requests verifying k drafts each has B·(k + 1) rows
+                cuda_graph_sizes = tuple(b * (self.spec_k + 1) for b in cuda_graph_sizes)
         self.buckets = token_buckets(max_num_batched_tokens, cuda_graph_sizes)
         dcp = parallel.dcp if parallel is not None else 1  # under DCP an engine page spans tpp × dcp tokens
         self.widths = {g.name: math.ceil(max_model_len / (g.tokens_per_page * dcp)) for g in layout.groups}
@@ -151,7 +169,7 @@ class ModelRunner:
         self.seed = seed
         self.max_logprobs = max_logprobs
         self.last = StepStats()
-        self.last_logprobs: dict[str, TokenLogprobs] = {}
+        self.last_logprobs: dict[str, list[TokenLogprobs]] = {}
         self.num_page_copies = 0  # whole-page copies run on the device so far
         self.num_hot_steps = 0  # HiSparse steps run with the hot path (some request held a hot lease)
         self.faults: FaultInjection | None = FaultInjection.from_env()  # test hook (serving/faults.py)
@@ -172,18 +190,28 @@ class ModelRunner:
         mla = layout.group("mla")
         mechanism = hisparse.mechanism if hisparse is not None else None
         narrow_rows = hisparse.narrow_rows if hisparse is not None else None
+        spec_k = self.spec_k
 
         @functools.partial(jax.jit, donate_argnums=(2, 10))
         def step(state, batch: ForwardBatch, kv_arena, temperature, top_p, seeds, steps, want_logprobs, copy_src,
-                 copy_dst, hs):
+                 copy_dst, hs, sp=None):
             # hs: None, or HiSparse's (hot state, host pool), donated. (Its write-through copies run
-            # before, in their own program: `run_stores`.)
+            # before, in their own program: `run_stores`.) sp: the `SpecBatch` under MTP speculation.
             host = None
             if hs is not None:
                 hot, pool = hs
                 host = HostAccess(pool, mechanism, narrow_rows=narrow_rows)
             kv_arena = copy_pages(kv_arena, copy_src, copy_dst)  # copy-on-write pages, before any write
             model = nnx.merge(graphdef, state)
+            if sp is not None:
+                kv = kv_arena if hs is None else PagedKV(kv_arena, HotState(hot.host_row_SGM, hot.rank_SGM,
+                                                                            jnp.zeros(4, jnp.int32)))
+                out, kv = spec_decode_forward(model, batch, kv, host, temperature, top_p, seeds, steps, want_logprobs,
+                                              sp, layout=layout, parallel=parallel, num_speculative_tokens=spec_k,
+                                              reachable=reachable, num_logprobs=k)
+                if hs is None:
+                    return out, kv, None
+                return out, kv.arena, (kv.hot, host.pool)
             if hs is None:
                 logits, _, kv_arena = model(batch, kv_arena, layout, parallel)
                 logits = mask_unreachable(logits, reachable)
@@ -222,6 +250,7 @@ class ModelRunner:
             batch, B = stack_replicas([batch] * self.dp, self.parallel.pcp), B * self.dp
         z = np.zeros(B, np.float32)
         copies = np.full((2, self.max_page_copies), -1, np.int32)
+        self._dummy_spec = empty_spec_batch(T, B, self.spec_k) if self.spec_k else None
         return batch, (z, np.ones(B, np.float32), np.zeros(B, np.uint32), np.zeros(B, np.int32), np.bool_(False),
                        *copies)
 
@@ -239,7 +268,8 @@ class ModelRunner:
             for hs_args in ([self._hisparse_args()] if self.hisparse is not None else []) + [None]:
                 if hs_args is None:
                     batch.hot = None
-                out, self.kv_arena, hs = self._step(self.state, self._place(batch), self.kv_arena, *extra, hs_args)
+                out, self.kv_arena, hs = self._step(self.state, self._place(batch), self.kv_arena, *extra, hs_args,
+                                                    self._dummy_spec)
                 self._keep_hisparse(hs)
                 jax.block_until_ready(out)
             self.compile_seconds[T] = time.perf_counter() - t
@@ -364,8 +394,8 @@ class ModelRunner:
         """Run one step; returns sampled tokens for the requests whose chunk samples.
 
         For sampling requests whose `sampling_params.logprobs` is not None, `last_logprobs`
-        then maps the request id to the sampled token's `TokenLogprobs` (top alternatives cut
-        to the requested number)."""
+        then maps the request id to its sampled tokens' `TokenLogprobs` (top alternatives cut
+        to the requested number), one per token."""
         t0 = time.perf_counter()
         batch, extra = self.prepare(sched, kv)
         self._maybe_fault()
@@ -380,18 +410,53 @@ class ModelRunner:
             batch.hot = None
         else:
             self.num_hot_steps += 1
+        sp = None
+        if self.spec_k:
+            sp = build_spec_batch(sched, batch.input_ids_T.shape[0], self.max_num_seqs + 1, self.spec_k,
+                                  sched.num_draft_steps)
+            sp = jax.tree.map(jnp.asarray, sp)
         out, self.kv_arena, hs = self._step(self.state, self._place(batch), self.kv_arena, *map(jnp.asarray, extra),
-                                            hs_args)
+                                            hs_args, sp)
         self._keep_hisparse(hs)
         want_lp = bool(extra[4])
         stats = hs[0].stats_4 if hs is not None else None
-        (toks, tok_lp, top_ids, top_lp), stats = jax.device_get((out if want_lp else out[:1] + (None,) * 3, stats))
+        if self.spec_k:
+            (toks, acc, drafts, tok_lp, top_ids, top_lp), stats = jax.device_get(
+                (out if want_lp else out[:3] + (None,) * 3, stats))
+        else:
+            acc = drafts = None
+            (toks, tok_lp, top_ids, top_lp), stats = jax.device_get((out if want_lp else out[:1] + (None,) * 3, stats))
         if self.hisparse is not None:
             self.hisparse.record(stats if stats is not None else (0, 0, 0, 0))
         t2 = time.perf_counter()
         self.last = StepStats(sched.num_scheduled_tokens, batch.input_ids_T.shape[0], t1 - t0, t2 - t1)
         self.last_logprobs = {}
+        if self.spec_k:
+            return self._collect_spec(sched, toks, acc, drafts, tok_lp, top_ids, top_lp)
         return self._collect(sched, toks, tok_lp, top_ids, top_lp)
+
+    def _collect_spec(self, sched: SchedulerOutput, toks, acc, drafts, tok_lp, top_ids, top_lp) -> dict[str, list[int]]:
+        """Speculative step outputs → accepted tokens per sampling request (row i: `toks[i, :acc[i] + 1]`),
+        `last_drafts` (the next step's drafts, `sched.num_draft_steps` of them), `last_accepted`
+        (drafts accepted per verified request) and `last_logprobs`."""
+        sampled, self.last_drafts, self.last_accepted = {}, {}, {}
+        n_drafts = max(1, min(self.spec_k, sched.num_draft_steps))
+        for i, sr in enumerate(sched.scheduled):
+            if not sr.sample:
+                continue
+            a = int(acc[i])
+            rid = sr.request_id
+            sampled[rid] = [int(t) for t in toks[i, : a + 1]]
+            self.last_drafts[rid] = [int(t) for t in drafts[i, :n_drafts]]
+            if sr.num_spec_tokens:
+                self.last_accepted[rid] = a
+            n = sr.request.sampling_params.logprobs
+            if n is not None:
+                self.last_logprobs[rid] = [
+                    TokenLogprobs(int(toks[i, j]), float(tok_lp[i, j]),
+                                  [(int(x), float(y)) for x, y in zip(top_ids[i, j, :n], top_lp[i, j, :n])])
+                    for j in range(a + 1)]
+        return sampled
 
     def _maybe_fault(self) -> None:
         """The fault-injection test hook (`serving.faults`); a no-op unless armed."""
@@ -427,9 +492,9 @@ class ModelRunner:
             sampled[sr.request_id] = [int(toks[j])]
             n = sr.request.sampling_params.logprobs
             if n is not None:
-                self.last_logprobs[sr.request_id] = TokenLogprobs(
+                self.last_logprobs[sr.request_id] = [TokenLogprobs(
                     int(toks[j]), float(tok_lp[j]),
-                    [(int(a), float(b)) for a, b in zip(top_ids[j, :n], top_lp[j, :n])])
+                    [(int(a), float(b)) for a, b in zip(top_ids[j, :n], top_lp[j, :n])])]
         return sampled
 
     def execute_replicas(self, scheds: list[SchedulerOutput], kvs: list[KVCacheManager]) -> list[dict[str, list[int]]]:

@@ -98,6 +98,9 @@ class ScheduledRequest:
     first_chunk: True when the request was admitted from the waiting queue this step (new, or
         resumed after preemption): its state row may have had another owner before, so the
         runner must (re)initialise the device-side per-request state at `request.state_row`.
+    num_spec_tokens: draft tokens verified this step (MTP speculative decoding): the last
+        `num_spec_tokens` of the `num_new_tokens` rows are the request's `spec_token_ids`, which
+        are not yet part of its tokens. 0 otherwise.
     """
 
     request: Request
@@ -105,6 +108,7 @@ class ScheduledRequest:
     start_pos: int
     sample: bool = False
     first_chunk: bool = False
+    num_spec_tokens: int = 0
 
     @property
     def request_id(self) -> str:
@@ -113,8 +117,10 @@ class ScheduledRequest:
 
     @property
     def token_ids(self) -> list[int]:
-        """The tokens fed this step (valid until `update_from_output`)."""
-        return self.request.all_token_ids[self.start_pos : self.start_pos + self.num_new_tokens]
+        """The tokens fed this step, drafts last (valid until `update_from_output`)."""
+        n = self.num_new_tokens - self.num_spec_tokens
+        toks = self.request.all_token_ids[self.start_pos : self.start_pos + n]
+        return toks + self.request.spec_token_ids[: self.num_spec_tokens] if self.num_spec_tokens else toks
 
     @property
     def positions(self) -> np.ndarray:
@@ -130,7 +136,8 @@ class SchedulerOutput:
     the whole-page copies `(source block, destination block)` that must run on the device before
     the step's forward pass (copy-on-write of prefix-cache pages a hit covers only in part), and
     the offloading connector's loads `(host block, destination block)` that must run before it
-    too (pages of a prefix hit that come back from host memory)."""
+    too (pages of a prefix hit that come back from host memory). With MTP speculation,
+    `num_draft_steps` is how many drafts per request the step proposes for the next one."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_scheduled_tokens: int = 0
@@ -138,6 +145,12 @@ class SchedulerOutput:
     finished_ids: list[str] = field(default_factory=list)
     page_copies: list[tuple[int, int]] = field(default_factory=list)
     page_loads: list[tuple[int, int]] = field(default_factory=list)
+    num_draft_steps: int = 0
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Draft tokens verified in this step (all requests)."""
+        return sum(sr.num_spec_tokens for sr in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -155,6 +168,10 @@ class Scheduler:
       prefix_cache: optional `PrefixCache` over the same manager (prefix caching on).
       policy: how pages are held (`serving/kv_policy.py`); default `DeviceResidentPolicy`
         (everything resident, preemption when the pool runs out).
+      drafts: MTP speculative decoding (`serving.spec_decode.DraftController`) or None: a decoding
+        request with `spec_token_ids` is scheduled with its drafts after its decode token (as
+        many as the controller allows this step, the token budget, the pool, `max_tokens` and
+        `max_model_len` leave room for), and `update_from_output` keeps the accepted ones.
 
     Raises:
       ValueError: the manager's per-request table caps cannot cover max_model_len.
@@ -167,11 +184,13 @@ class Scheduler:
         eos_token_ids: Iterable[int] | int | None = (),
         prefix_cache: PrefixCache | None = None,
         policy: DeviceResidentPolicy | None = None,
+        drafts=None,
     ):
         self.config = config
         self.kv = kv_cache_manager
         self.prefix_cache = prefix_cache
         self.policy = policy if policy is not None else DeviceResidentPolicy(kv_cache_manager)
+        self.drafts = drafts
         if eos_token_ids is None:
             eos_token_ids = ()
         elif isinstance(eos_token_ids, int):
@@ -289,6 +308,7 @@ class Scheduler:
         preempted: list[str] = []
 
         self.policy.begin_step(self.running)
+        max_spec = self.drafts.num_drafts(len(self.running)) if self.drafts is not None else 0
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -296,6 +316,9 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
+            num_known = req.num_tokens - req.num_computed_tokens
+            if num_new == num_known == 1:
+                num_new = min(budget, 1 + self._num_spec(req, max_spec))
             num_new = self.policy.cap_new_tokens(req, num_new)
             while True:
                 granted = self.policy.allocate(req, num_new, [sr.request for sr in scheduled])
@@ -309,7 +332,8 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break  # it preempted itself; everything after it is preempted too
-            scheduled.append(self._scheduled(req, num_new, first_chunk=False))
+            scheduled.append(self._scheduled(req, num_new, first_chunk=False,
+                                             num_spec=max(0, num_new - num_known)))
             budget -= num_new
             i += 1
 
@@ -347,13 +371,15 @@ class Scheduler:
             finished_ids=self._finished_since_step,
             page_copies=self.kv.take_page_copies(),
             page_loads=self.kv.take_page_loads(),
+            num_draft_steps=max_spec,
         )
         self._finished_since_step = []
         self.policy.end_step(out)
         return out
 
     def update_from_output(
-        self, sched_out: SchedulerOutput, sampled: dict[str, list[int]]
+        self, sched_out: SchedulerOutput, sampled: dict[str, list[int]],
+        drafts: dict[str, list[int]] | None = None,
     ) -> list[RequestOutput]:
         """Apply a step's results.
 
@@ -363,6 +389,12 @@ class Scheduler:
         "stop" (the token is kept in the output); max_tokens generated or max_model_len reached
         -> "length". "stop" wins when both apply to the same token. Finished requests release
         their pages and state rows. Requests aborted since `schedule()` are skipped.
+
+        Speculative decoding: a request verified with n drafts gets `sampled` = its a accepted
+        drafts and one more token (a + 1 tokens); its KV stays valid for the decode token and the
+        accepted drafts only, so num_computed_tokens advances by 1 + a and the rejected drafts'
+        slots are written again by the next step (rollback). `drafts[request_id]` become its
+        `spec_token_ids` for the next step.
 
         Returns one RequestOutput per request that produced tokens or finished, in batch order.
 
@@ -379,10 +411,14 @@ class Scheduler:
             req = sr.request
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted since schedule()
-            req.num_computed_tokens = sr.start_pos + sr.num_new_tokens
+            tokens = sampled.get(req.request_id, []) if sr.sample else []
+            req.num_computed_tokens = sr.start_pos + sr.num_new_tokens - sr.num_spec_tokens
+            if sr.num_spec_tokens:
+                req.num_computed_tokens += min(sr.num_spec_tokens, max(0, len(tokens) - 1))
+            req.spec_token_ids = list(drafts.get(req.request_id, ())) if drafts is not None and sr.sample else []
             new_tokens: list[int] = []
             status = None
-            for token in sampled.get(req.request_id, []) if sr.sample else []:
+            for token in tokens:
                 token = int(token)
                 req.append_output_token_ids(token)
                 new_tokens.append(token)
@@ -476,6 +512,15 @@ class Scheduler:
         return ([(r, True) for r, c in zip(window, cont) if c]
                 + [(r, False) for r, c in zip(window, cont) if not c])
 
+    def _num_spec(self, req: Request, max_spec: int) -> int:
+        """Drafts a decoding request may verify this step: its `spec_token_ids`, at most `max_spec`,
+        leaving room for the extra token under `max_tokens` and the KV under the length limit."""
+        n = min(len(req.spec_token_ids), max_spec, self._len_limit - 1 - req.num_tokens)
+        mt = req.sampling_params.max_tokens
+        if mt is not None:
+            n = min(n, mt - req.num_output_tokens - 1)
+        return max(0, n)
+
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         return self._cap(req.num_tokens - req.num_computed_tokens, budget)
 
@@ -485,14 +530,15 @@ class Scheduler:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         return min(num_new, budget)
 
-    def _scheduled(self, req: Request, num_new: int, first_chunk: bool) -> ScheduledRequest:
+    def _scheduled(self, req: Request, num_new: int, first_chunk: bool, num_spec: int = 0) -> ScheduledRequest:
         start = req.num_computed_tokens
         return ScheduledRequest(
             request=req,
             num_new_tokens=num_new,
             start_pos=start,
-            sample=start + num_new >= req.num_tokens,
+            sample=start + num_new - num_spec >= req.num_tokens,
             first_chunk=first_chunk,
+            num_spec_tokens=num_spec,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -501,6 +547,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_published_units = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(req)

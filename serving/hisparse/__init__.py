@@ -91,10 +91,14 @@ class HiSparse:
                 f"{plan.host_bound}); running at once <= min({plan.requests}, --max-num-seqs {max_num_seqs})")
 
 
-def build_hisparse(config: HiSparseConfig, kv, layout, model_cfg, args, on_host_reuse, offload=None) -> HiSparse:
+def build_hisparse(config: HiSparseConfig, kv, layout, model_cfg, args, on_host_reuse, offload=None,
+                   num_speculative_tokens: int = 0) -> HiSparse:
     """Size and check the host pool, and build the policy (and, with --enable-prefix-caching, a
     prefix cache with a host tier, and the offloading connector's tier when `offload`, an
-    `OffloadStore`, is given) over `kv` for an engine with `args`.
+    `OffloadStore`, is given) over `kv` for an engine with `args`. With MTP speculation
+    (`num_speculative_tokens` k > 0) the hot buffer defaults to (k + 2) × index_topk rows per
+    decoding request (k + 1 verification rows may each miss all of their top-k); the MTP layer's
+    own KV (`mtp` group) stays device-resident like the indexer keys.
 
     Raises HiSparseConfigError (a ValueError) naming the `hisparse_config` key: a device buffer
     below (spec + 1) × index_topk, a host pool that cannot hold one --max-model-len request or
@@ -103,7 +107,8 @@ def build_hisparse(config: HiSparseConfig, kv, layout, model_cfg, args, on_host_
 
     mla = layout.group("mla")
     tpp = mla.tokens_per_page
-    resolved = config.resolve(index_topk=model_cfg.index_topk, tokens_per_page=tpp)
+    resolved = config.resolve(index_topk=model_cfg.index_topk, tokens_per_page=tpp,
+                              num_speculative_tokens=num_speculative_tokens)
     host_block_bytes = mla.bytes_per_token * tpp
     num_host = resolved.host_blocks(host_block_bytes)
     check_host_pool(num_host, host_block_bytes, args.max_model_len, tpp)

@@ -718,6 +718,10 @@ def test_cli_defaults_and_json_flags():
         (["--attention-config", '{"sparse_mla_force_mqa": false}'], "--attention-config sparse_mla_force_mqa"),
         (["--attention-config", '{"sparse_mla": 1}'], "--attention-config: unknown key"),
         (["--speculative-config", "[1]"], "--speculative-config"),
+        (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'], "--speculative-config method"),
+        (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 9}'], "num_speculative_tokens"),
+        (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}', "-dp", "2"],
+         "--speculative-config runs with .* drop --data-parallel-size 2"),
         (["--max-model-len", "0"], "--max-model-len"),
     ],
 )

@@ -65,3 +65,35 @@ def test_served_streams_equal_single_device(cfg, single_device_streams):
         top2 = np.sort(row)[-2:]
         print(f"\n{rid}: diverges at token {i} ({got[rid][i]} vs {ref[i]}), top-2 gap {top2[1] - top2[0]:.2e}")
         assert top2[1] - top2[0] < EPS
+
+
+def test_mtp_speculation_under_tp2_dcp2_serves_the_single_device_streams(single_device_streams):
+    """MTP speculation (k = 2) under TP2 × DCP2: the k + 1 verification rows are decode rows whose KV
+    is spread over the DCP ranks like any decode token's; an oracle drafter (the single-device
+    continuation) makes every decode step verify 3 rows, and the streams equal the single-device
+    run without speculation; so do the MTP layer's own drafts (almost all rejected)."""
+    args = EngineArgs(dtype="float32", max_model_len=192, max_num_seqs=4, max_num_batched_tokens=64,
+                      num_gpu_blocks_override=24, compile_progress=False, cuda_graph_sizes=[],
+                      parallel=ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2,
+                                              dcp_comm_backend="a2a"),
+                      speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    engine = LLMEngine.from_args(args)
+    ref = single_device_streams
+
+    def run():
+        for rid, p in PROMPTS.items():
+            engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        streams = {rid: [] for rid in PROMPTS}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                streams[out.request_id].extend(out.new_token_ids)
+            assert engine.audit() == []
+        return streams
+
+    assert run() == ref  # the MTP layer's own drafts (random weights: rejected)
+    s = engine.spec_stats
+    assert s.num_draft_tokens > 0
+    before = (s.num_draft_tokens, s.num_accepted_tokens)
+    engine.drafter_override = lambda req, n: (ref[req.request_id][req.num_output_tokens:] + [0] * n)[:n]
+    assert run() == ref  # every draft accepted
+    assert s.num_draft_tokens > before[0] and s.num_accepted_tokens - before[1] == s.num_draft_tokens - before[0]

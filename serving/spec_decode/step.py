@@ -1,0 +1,71 @@
+"""The speculative part of the jitted step: target rows → verification → MTP drafts.
+
+Called by `serving.runner.ModelRunner`'s step under MTP speculation instead of the plain
+`forward + sample`; everything runs on the device, the host reads the outputs after the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from glm53.mtp import propose_drafts
+from serving.sampling import compute_logprobs, mask_unreachable
+from serving.spec_decode.inputs import SpecBatch
+from serving.spec_decode.rejection import verify_drafts
+
+
+def spec_decode_forward(model, batch, kv, host, temperature_B, top_p_B, seed_B, step_B, want_logprobs,
+                        sp: SpecBatch, *, layout, parallel, num_speculative_tokens: int, reachable: int,
+                        num_logprobs: int):
+    """One speculative step over `batch` (T rows, B request rows).
+
+    1. The target model over every row (`hidden_states`: prefill chunks, decode rows and the
+       verification rows `[t, d_1 … d_n]` alike), logits at rows `sp.sample_row_B + j`, j = 0…k.
+    2. `verify_drafts`: accepted drafts and the correction / bonus token per request, with the
+       sampling parameters of `serving.sampling` (and, when `want_logprobs`, the logprobs of every
+       row's token).
+    3. `propose_drafts`: the MTP layer's k drafts per sampling request for the next step, its first
+       step fed the token just emitted at each request's last accepted row.
+
+    Args:
+      kv: the arena, or a `PagedKV` (HiSparse), returned updated in the same form.
+      host: HiSparse host access or None.
+      num_logprobs: static width of the top-logprobs arrays.
+
+    Returns `((tokens_BS, num_accepted_B, drafts_BK, token_logprob_BS, top_ids_BSL, top_logprobs_BSL), kv)`
+    with S = k + 1; the logprob arrays are zeros unless `want_logprobs`.
+    """
+    k = num_speculative_tokens
+    h, kv = model.hidden_states(batch, kv, layout, parallel, host)
+    T, B_all, S = h.shape[0], sp.sample_row_B.shape[0], k + 1
+    # Every scheduled request has at least one row, so the first min(B, T) request rows hold them
+    # all: verification and drafting run on those only (a batch-1 decode step of bucket k + 1 does
+    # not verify and draft for max_num_seqs + 1 rows), and the outputs are padded back to B rows.
+    B = min(B_all, T)
+    sp = dataclasses.replace(sp, sample_row_B=sp.sample_row_B[:B], draft_BK=sp.draft_BK[:B],
+                             num_draft_B=sp.num_draft_B[:B], valid_B=sp.valid_B[:B])
+    temperature_B, top_p_B, seed_B, step_B = (x[:B] for x in (temperature_B, top_p_B, seed_B, step_B))
+    rows_BS = jnp.clip(sp.sample_row_B[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :], 0, T - 1)
+    logits = mask_unreachable(model.logits(h[rows_BS.reshape(-1)]), reachable)
+    tokens_BS, acc_B = verify_drafts(logits.reshape(B, S, -1), sp.draft_BK, sp.num_draft_B, temperature_B, top_p_B,
+                                     seed_B, step_B)
+    L = num_logprobs
+
+    def lps():
+        t, i, v = compute_logprobs(logits, tokens_BS.reshape(-1), L)
+        return t.reshape(B, S), i.reshape(B, S, L), v.reshape(B, S, L)
+
+    def no_lps():
+        return jnp.zeros((B, S), jnp.float32), jnp.zeros((B, S, L), jnp.int32), jnp.zeros((B, S, L), jnp.float32)
+
+    lp = jax.lax.cond(want_logprobs, lps, no_lps)
+    last_row_B = jnp.where(sp.valid_B, sp.sample_row_B + acc_B, 0)
+    emitted_B = jnp.take_along_axis(tokens_BS, acc_B[:, None], axis=1)[:, 0]  # the token after the last accepted row
+    mtp_ids = sp.mtp_ids_T.at[jnp.where(sp.valid_B, last_row_B, T)].set(emitted_B, mode="drop")
+    drafts_BK, kv = propose_drafts(model, batch, mtp_ids, h, kv, layout, last_row_B=last_row_B, valid_B=sp.valid_B,
+                                   num_steps=sp.num_draft_steps, k=k, reachable=reachable, parallel=parallel)
+    pad = lambda x: jnp.pad(x, [(0, B_all - B)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
+    return tuple(pad(x) for x in (tokens_BS, acc_B, drafts_BK, *lp)), kv
