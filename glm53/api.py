@@ -42,12 +42,18 @@ class LoadedModel:
 
 def load(path: str | None = None, *, dtype=jnp.float32, cache_dtype: str | None = None,
          progress: bool = False) -> LoadedModel:
-    """Load an HF `glm_moe_dsa` checkpoint directory (default: the embedded tiny checkpoint,
-    generated on first use). `cache_dtype` defaults to the model dtype's name."""
+    """Load an HF `glm_moe_dsa` checkpoint directory or hub id (`glm53.hub.resolve_model`; default:
+    the embedded tiny checkpoint, generated on first use). `cache_dtype` defaults to the model
+    dtype's name. Turns on the persistent compilation cache the server uses
+    (`glm53.compile_cache`), so a notebook's later sessions reuse the compiled forward programs.
+    Raises `glm53.hub.ModelNotFoundError` when `path` names nothing loadable."""
+    from glm53.compile_cache import enable_compilation_cache
+    from glm53.hub import resolve_model
     from glm53.tiny_checkpoint import default_model_dir
     from glm53.tokenizer import GlmTokenizer
 
-    path = path or str(default_model_dir())
+    enable_compilation_cache()
+    path = resolve_model(path) or str(default_model_dir())
     model = load_model(path, dtype=dtype, progress=progress)
     layout = build_kv_layout(model.cfg, cache_dtype or jnp.dtype(dtype).name)
     try:
@@ -94,10 +100,16 @@ def forward(lm: LoadedModel, token_ids) -> np.ndarray:
 
 def generate(lm: LoadedModel, prompt_ids, max_new_tokens: int = 16, *, eos_token_ids=(),
              return_logits: bool = False):
-    """Greedy generation: one prefill step, then one decode step per token (paged cache).
+    """Greedy generation of ONE sequence: one prefill step, then one jitted decode step per token
+    driven from Python (paged cache) — simple to step through; for batches and speed use
+    `generate_batch` (one compiled program).
 
-    Returns the generated ids (and, if `return_logits`, the logits `[n, vocab]` each token was
-    chosen from)."""
+    Tokens are the argmax over the tokenizer's ids (a checkpoint's padded vocabulary rows are never
+    chosen, as in the engine). Returns the generated ids only, not the prompt (and, if
+    `return_logits`, the raw logits `[n, vocab]` each token was chosen from)."""
+    from glm53.tokenizer import tokenizer_vocab_size
+
+    reachable = min(lm.config.vocab_size, tokenizer_vocab_size(lm.path) or lm.config.vocab_size)
     prompt = list(map(int, prompt_ids))
     total = len(prompt) + max_new_tokens
     pages, nblocks = _pages(lm, total)
@@ -107,7 +119,7 @@ def generate(lm: LoadedModel, prompt_ids, max_new_tokens: int = 16, *, eos_token
     out, all_logits = [], []
     for _ in range(max_new_tokens):
         row = np.asarray(logits[-1])
-        tok = int(np.argmax(row))
+        tok = int(np.argmax(row[:reachable]))
         out.append(tok)
         all_logits.append(row)
         if tok in eos_token_ids or len(out) == max_new_tokens:
@@ -115,3 +127,156 @@ def generate(lm: LoadedModel, prompt_ids, max_new_tokens: int = 16, *, eos_token
         batch = single_sequence_batch(lm.layout, [tok], len(prompt) + len(out) - 1, pages, logits_all=True)
         logits, _, arena = forward_step(lm, batch, arena)
     return (out, np.stack(all_logits)) if return_logits else out
+
+
+@dataclass
+class BatchGeneration:
+    """The result of `generate_batch` for B prompts.
+
+    token_ids: int32 `[B, P + N]` numpy: each row is its prompt, then its new tokens, then
+        `pad_id` (P = the longest prompt, N = max_new_tokens; prompts are NOT left-padded: row b's
+        new tokens start at `prompt_lens[b]`).
+    prompt_lens / num_new: int32 `[B]`: prompt length and tokens generated (≤ N; fewer when an
+        EOS id ended the row, the EOS token included).
+    """
+
+    token_ids: np.ndarray
+    prompt_lens: np.ndarray
+    num_new: np.ndarray
+    pad_id: int = 0
+
+    @property
+    def new_token_ids(self) -> list[list[int]]:
+        """The generated tokens of each row (EOS included when one ended it)."""
+        return [list(map(int, row[p:p + n])) for row, p, n in zip(self.token_ids, self.prompt_lens, self.num_new)]
+
+    @property
+    def sequences(self) -> list[list[int]]:
+        """Prompt followed by its generated tokens, per row."""
+        return [list(map(int, row[: p + n])) for row, p, n in zip(self.token_ids, self.prompt_lens, self.num_new)]
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_generate(graphdef, layout: KVCacheLayout, B: int, P: int, N: int, num_eos: int, reachable: int):
+    """One program: prefill of B ragged prompts (padded to P each), then the whole decode loop."""
+    from glm53.sampling import mask_unreachable, sample_tokens
+
+    total = P + N
+    per_group = {g.name: math.ceil(total / g.tokens_per_page) for g in layout.groups}
+    # Request b's pages of group g: a contiguous range after block 0 (the null block); row B of the
+    # block tables is all null (padding tokens point at it).
+    base, nxt = {}, 1
+    for g in layout.groups:
+        base[g.name] = nxt
+        nxt += B * per_group[g.name]
+    num_blocks = nxt
+    tables = {g.name: jnp.concatenate([
+        base[g.name] + jnp.arange(B, dtype=jnp.int32)[:, None] * per_group[g.name]
+        + jnp.arange(per_group[g.name], dtype=jnp.int32)[None, :],
+        jnp.zeros((1, per_group[g.name]), jnp.int32)]) for g in layout.groups}
+
+    def slots(req, pos, valid):
+        out = {}
+        for g in layout.groups:
+            tpp = g.tokens_per_page
+            page = tables[g.name][req, pos // tpp]
+            out[g.name] = jnp.where(valid, page * tpp + pos % tpp, -1).astype(jnp.int32)
+        return out
+
+    @jax.jit
+    def run(state, prompts_BP, plen_B, temperature_B, top_p_B, seed_B, eos_E, pad_id):
+        model = nnx.merge(graphdef, state)
+        arena = layout.empty_arena(num_blocks)
+        # Prefill: every prompt's P rows (the rows past its length are padding: no write, null row).
+        j_P = jnp.arange(P, dtype=jnp.int32)
+        valid_BP = j_P[None, :] < plen_B[:, None]
+        req_BP = jnp.where(valid_BP, jnp.arange(B, dtype=jnp.int32)[:, None], B)
+        pos_BP = jnp.broadcast_to(j_P[None, :], (B, P))
+        batch = ForwardBatch(input_ids_T=prompts_BP.reshape(-1), positions_T=jnp.where(valid_BP, pos_BP, 0).reshape(-1),
+                             req_idx_T=req_BP.reshape(-1), slot_mapping=slots(req_BP.reshape(-1), pos_BP.reshape(-1),
+                                                                              valid_BP.reshape(-1)),
+                             block_tables=tables, logits_indices_B=jnp.arange(B, dtype=jnp.int32) * P + plen_B - 1)
+        logits, _, arena = model(batch, arena, layout)
+
+        def sample(logits, step):
+            return sample_tokens(mask_unreachable(logits, reachable), temperature_B, top_p_B, seed_B,
+                                 jnp.full((B,), step, jnp.int32))
+
+        tok = sample(logits, 0)
+        is_eos = lambda t: jnp.any(t[:, None] == eos_E[None, :], axis=1) if num_eos else jnp.zeros(B, bool)  # noqa: E731
+        out = jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(tok)
+        done = is_eos(tok)
+        num_new = jnp.ones(B, jnp.int32)
+
+        def cond(c):
+            step, _, _, done, _, _ = c
+            return (step < N) & ~jnp.all(done)
+
+        def body(c):
+            step, arena, tok, done, out, num_new = c
+            pos = plen_B + step - 1  # the position of the token sampled last
+            live = ~done
+            req = jnp.where(live, jnp.arange(B, dtype=jnp.int32), B)
+            b = ForwardBatch(input_ids_T=tok, positions_T=jnp.where(live, pos, 0), req_idx_T=req,
+                             slot_mapping=slots(req, pos, live), block_tables=tables,
+                             logits_indices_B=jnp.arange(B, dtype=jnp.int32))
+            logits, _, arena = model(b, arena, layout)
+            new = sample(logits, step)
+            out = out.at[:, step].set(jnp.where(live, new, pad_id))
+            num_new = num_new + live.astype(jnp.int32)
+            done = done | (live & is_eos(new))
+            return step + 1, arena, jnp.where(live, new, tok), done, out, num_new
+
+        _, _, _, _, out, num_new = jax.lax.while_loop(cond, body, (jnp.int32(1), arena, tok, done, out, num_new))
+        return out, num_new
+
+    return run
+
+
+def generate_batch(lm: LoadedModel, prompts, max_new_tokens: int = 16, *, temperature: float = 0.0,
+                   top_p: float = 1.0, seed: int = 0, eos_token_ids=(), pad_id: int | None = None) -> BatchGeneration:
+    """Generate for a batch of prompts with ONE jit-compiled program: the prefill of every prompt,
+    then the whole decode loop (`lax.while_loop`) with on-device sampling and EOS handling — no
+    Python per token. For notebooks and batch scripts; the server's engine (`serving.llm.LLM`) adds
+    continuous batching, prefix caching and the rest.
+
+    Args:
+      prompts: B lists of token ids (ragged; each non-empty).
+      max_new_tokens: N, the most tokens generated per prompt (a row stops at an EOS id).
+      temperature / top_p: 0 = greedy (ties: lowest id); else sampling with the engine's rules
+        (`glm53.sampling.sample_tokens`: temperature, then the top-p nucleus), reachable ids only.
+      seed: row b draws from `fold_in(PRNGKey(seed + b), step)`.
+      eos_token_ids: ids that end a row (kept as its last token); () = none.
+      pad_id: fills the rows past their end (default: the tokenizer's pad id, else 0).
+
+    Returns a `BatchGeneration` (`token_ids [B, P + N]`: prompt, then new tokens, then padding;
+    `prompt_lens`, `num_new`; `.new_token_ids`, `.sequences`). The program is compiled once per
+    (B, longest prompt, N, number of EOS ids) and kept (and stored in the persistent compilation
+    cache). Raises ValueError for an empty prompt or batch, or N < 1.
+    """
+    from glm53.tokenizer import tokenizer_vocab_size
+
+    prompts = [list(map(int, p)) for p in prompts]
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("generate_batch needs at least one prompt, and no empty prompt")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    B, P, N = len(prompts), max(map(len, prompts)), int(max_new_tokens)
+    if pad_id is None:
+        pad_id = getattr(lm.tokenizer, "pad_token_id", None) or 0
+    reachable = min(lm.config.vocab_size, tokenizer_vocab_size(lm.path) or lm.config.vocab_size)
+    eos = tuple(int(t) for t in eos_token_ids)
+    graphdef, state = nnx.split(lm.model)
+    run = _compiled_generate(graphdef, lm.layout, B, P, N, len(eos), reachable)
+    prompts_BP = np.full((B, P), pad_id, np.int32)
+    for b, p in enumerate(prompts):
+        prompts_BP[b, : len(p)] = p
+    plen = np.array([len(p) for p in prompts], np.int32)
+    out, num_new = run(state, prompts_BP, plen, np.full(B, temperature, np.float32), np.full(B, top_p, np.float32),
+                       (seed + np.arange(B)).astype(np.uint32), np.array(eos or (0,), np.int32), np.int32(pad_id))
+    out, num_new = np.asarray(out), np.asarray(num_new)
+    ids = np.full((B, P + N), pad_id, np.int32)
+    for b in range(B):
+        ids[b, : plen[b]] = prompts[b]
+        ids[b, plen[b]: plen[b] + N] = out[b]
+    return BatchGeneration(ids, plen, num_new, pad_id)

@@ -7,7 +7,7 @@ request row whose block table is all null, so they attend to nothing and affect 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 EPS_LOGIT = 1e-4  # fp32 logits; prefill vs decode of a token differ by ~1e-6
 EPS_INDEX = 1e-3  # indexer scores are O(1) sums of 4 heads' ReLU dots; the same ~1e-6 noise moves them

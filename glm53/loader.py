@@ -21,7 +21,6 @@ import math
 import os
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

@@ -136,14 +136,30 @@ def run_ours_once(engine, prompts: list[list[int]], new_tokens: int, tag: str) -
     }
 
 
+def run_jit_once(lm, prompts: list[list[int]], new_tokens: int) -> dict:
+    """`glm53.api.generate_batch` (one jit-compiled program: prefill + `lax.while_loop` decode):
+    timed with `new_tokens` and with 1 new token; the difference is the decode of new_tokens − 1
+    steps. → timings and every row's generated ids."""
+    from glm53 import api
+
+    t0 = time.perf_counter()
+    api.generate_batch(lm, prompts, 1)
+    t1 = time.perf_counter()
+    out = api.generate_batch(lm, prompts, new_tokens)
+    t2 = time.perf_counter()
+    B, decode_s = len(prompts), max((t2 - t1) - (t1 - t0), 1e-9)
+    return {"total_s": t2 - t1, "prefill_s": t1 - t0, "decode_s": decode_s,
+            "decode_tok_s": B * (new_tokens - 1) / decode_s, "tokens": out.new_token_ids}
+
+
 def build_engine(args, model_dir: str, batches: list[int]):
     """The engine, sized so that every batch prefills in one step. → (engine, setup facts)."""
     import jax
 
     from serving.engine import EngineArgs, LLMEngine
-    from serving.run import _enable_compilation_cache
+    from glm53.compile_cache import enable_compilation_cache
 
-    _enable_compilation_cache()
+    enable_compilation_cache()
     max_batched = max(512, max(batches) * args.prompt_len)
     eargs = EngineArgs(model=model_dir, max_model_len=args.max_model_len, max_num_seqs=max(batches),
                        max_num_batched_tokens=max_batched, num_gpu_blocks_override=args.num_gpu_blocks_override,
@@ -274,28 +290,36 @@ class HFClient:
         self.proc.wait(60)
 
 
-def bench(args, engine, hf: HFClient | None, batches: list[int], prompts: dict) -> dict:
-    """For each batch: one warm-up of each side, then `repeats` rounds of ours-then-HF (the two
-    sides alternate, so both see the same background load), then one untimed HF run with the
-    indexer's tie rule pinned to ours (tokens and top-2 logit gaps).
-    → {B: {"ours": run, "hf": run, "pair_ratios": [...], "hf_ties": {"tokens", "top2_gap"}}}."""
+def bench(args, engine, hf: HFClient | None, batches: list[int], prompts: dict, lm=None) -> dict:
+    """For each batch: one warm-up of each side, then `repeats` rounds of ours-then-jit-then-HF
+    (the sides alternate, so all see the same background load), then one untimed HF run with the
+    indexer's tie rule pinned to ours (tokens and top-2 logit gaps). `lm` (a `glm53.api` model):
+    also time `api.generate_batch` (`run_jit_once`).
+    → {B: {"ours": run, "jit": run, "hf": run, "pair_ratios": [...], "hf_ties": {"tokens", "top2_gap"}}}."""
     out = {}
     warm = min(4, args.new_tokens)
     for B in batches:
         run_ours_once(engine, prompts[B], warm, f"warm{B}")
+        if lm is not None:
+            run_jit_once(lm, prompts[B], args.new_tokens)  # compiles both programs
         if hf:
             hf.ask({"prompts": prompts[B], "new_tokens": warm})
-        ours_runs, hf_runs = [], []
+        ours_runs, jit_runs, hf_runs = [], [], []
         for k in range(args.repeats):
             ours_runs.append(run_ours_once(engine, prompts[B], args.new_tokens, f"b{B}r{k}"))
+            if lm is not None:
+                jit_runs.append(run_jit_once(lm, prompts[B], args.new_tokens))
             if hf:
                 hf_runs.append(hf.ask({"prompts": prompts[B], "new_tokens": args.new_tokens}))
-        out[B] = {"ours": median_run(ours_runs), "hf": median_run(hf_runs) if hf else None}
+        out[B] = {"ours": median_run(ours_runs), "hf": median_run(hf_runs) if hf else None,
+                  "jit": median_run(jit_runs) if jit_runs else None}
         if hf:
             out[B]["pair_ratios"] = [o["decode_tok_s"] / h["decode_tok_s"] for o, h in zip(ours_runs, hf_runs)]
             # Untimed: HF again with its indexer's top-k ties broken like ours (scripts/hf_tie_rule.py).
             out[B]["hf_ties"] = hf.ask({"prompts": prompts[B], "new_tokens": args.new_tokens, "position_ties": True})
         msg = f"  batch {B:>3}: ours {out[B]['ours']['decode_tok_s']:10.1f} tok/s"
+        if out[B]["jit"]:
+            msg += f", generate_batch {out[B]['jit']['decode_tok_s']:10.1f} tok/s"
         if hf:
             msg += f", HF {out[B]['hf']['decode_tok_s']:10.1f} tok/s"
         print(msg, flush=True)
@@ -333,13 +357,14 @@ def divergences(ours: list[list[int]], ref: list[list[int]], ref_top2_gap: list[
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'batch':>5} | {'ours tok/s':>10} | {'HF tok/s':>9} | {'ours/HF':>7} | {'step ms':>7} | "
+    head = (f"{'batch':>5} | {'ours tok/s':>10} | {'gen_batch tok/s':>15} | {'HF tok/s':>9} | {'ours/HF':>7} | {'step ms':>7} | "
             f"{'device ms':>9} | {'host ms':>7} | {'host %':>6} | {'ours prefill ms':>15} | {'HF prefill ms':>13}")
     lines = [head, "-" * len(head)]
     for r in rows:
         hf = r.get("hf")
         lines.append(
             f"{r['batch']:>5} | {r['ours']['decode_tok_s']:>10.1f} | "
+            f"{r.get('generate_batch', {}).get('decode_tok_s', float('nan')):>15.1f} | "
             f"{(hf['decode_tok_s'] if hf else float('nan')):>9.1f} | {r.get('ratio', float('nan')):>6.1f}x | "
             f"{r['ours']['step_ms']:>7.2f} | {r['ours']['device_ms']:>9.2f} | {r['ours']['host_ms']:>7.2f} | "
             f"{100 * r['ours']['host_share']:>5.1f}% | {1e3 * r['ours']['prefill_s']:>15.1f} | "
@@ -365,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-attn-implementation", default=None, help="HF attention backend (default: HF's choice)")
     p.add_argument("--hf-threads", type=int, default=1,
                    help="torch intra-op threads for HF (0: torch's default; see the docstring)")
-    p.add_argument("--skip-hf", action="store_true", help="measure only our engine")
+    p.add_argument("--skip-hf", action="store_true", help="measure only our engine (and generate_batch)")
+    p.add_argument("--skip-jit", action="store_true", help="do not time glm53.api.generate_batch")
     p.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -405,7 +431,10 @@ def main(argv: list[str] | None = None) -> int:
         client = HFClient(hf_python, {"model": model_dir, "pad_token_id": pad, "threads": args.hf_threads,
                                       "attn_implementation": args.hf_attn_implementation}, args.out)
     try:
-        res = bench(args, engine, client, batches, prompts)
+        from glm53 import api
+
+        lm = None if args.skip_jit else api.load(model_dir)
+        res = bench(args, engine, client, batches, prompts, lm)
         hf_setup = client.ask({"setup": True}) if client else None
     finally:
         if client:
@@ -415,6 +444,11 @@ def main(argv: list[str] | None = None) -> int:
     for B in batches:
         o, h = res[B]["ours"], res[B]["hf"]
         row = {"batch": B, "ours": {k: v for k, v in o.items() if k != "tokens"}}
+        j = res[B]["jit"]
+        if j:
+            row["generate_batch"] = {k: v for k, v in j.items() if k != "tokens"}
+            row["generate_batch"]["rows_equal_engine"] = sum(a == b for a, b in zip(j["tokens"], o["tokens"]))
+            row["generate_batch_vs_engine"] = j["decode_tok_s"] / o["decode_tok_s"]
         if h:
             row["hf"] = {k: v for k, v in h.items() if k != "tokens"}
             row["ratio"] = o["decode_tok_s"] / h["decode_tok_s"]

@@ -3,9 +3,12 @@
 #
 #   scripts/bootstrap.sh serve [serving.run flags…]   install, then start the OpenAI server
 #   scripts/bootstrap.sh test  [pytest args…]         install, then run the whole test suite
+#   scripts/bootstrap.sh which-python                 print the Python >= 3.12 it would build .venv with
 #
 # Finds a Python >= 3.12 by itself: $PYTHON, then python3.13/python3.12/python3/python on PATH,
-# then pyenv's installed versions (~/.pyenv/versions/*), then /usr/local and /opt installs.
+# then pyenv's installed versions (~/.pyenv/versions/*), then the Pythons `uv python install`
+# manages (`uv python find`, $UV_PYTHON_INSTALL_DIR or ~/.local/share/uv/python/*), then /usr/local
+# and /opt installs.
 # Set GLM53_EXTRAS=cuda12 to install the CUDA 12 build of JAX as well.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,9 +22,14 @@ find_python() {
   for c in python3.14 python3.13 python3.12 python3 python; do
     command -v "$c" >/dev/null 2>&1 && candidates+=("$(command -v "$c")")
   done
-  local roots=("${PYENV_ROOT:-$HOME/.pyenv}/versions" /usr/local/bin /opt/python /opt)
+  if command -v uv >/dev/null 2>&1; then
+    c="$(uv python find '>=3.12' 2>/dev/null || true)"
+    [ -n "$c" ] && candidates+=("$c")
+  fi
+  local uv_root="${UV_PYTHON_INSTALL_DIR:-${XDG_DATA_HOME:-$HOME/.local/share}/uv/python}"
+  local roots=("${PYENV_ROOT:-$HOME/.pyenv}/versions" "$uv_root" /usr/local/bin /opt/python /opt)
   for r in "${roots[@]}"; do
-    for c in "$r"/3.1[2-9]*/bin/python3 "$r"/python3.1[2-9] "$r"/*/bin/python3.1[2-9]; do
+    for c in "$r"/3.1[2-9]*/bin/python3 "$r"/python3.1[2-9] "$r"/*/bin/python3.1[2-9] "$r"/cpython-3.1[2-9]*/bin/python3; do
       [ -x "$c" ] && candidates+=("$c")
     done
   done
@@ -34,7 +42,10 @@ find_python() {
 action="${1:-}"
 case "$action" in
   serve|test) shift ;;
-  *) echo "usage: $0 {serve|test} [args…]" >&2; exit 2 ;;
+  which-python)
+    find_python || { echo "error: no Python >= 3.12 found" >&2; exit 1; }
+    exit 0 ;;
+  *) echo "usage: $0 {serve|test|which-python} [args…]" >&2; exit 2 ;;
 esac
 
 if [ ! -x .venv/bin/python ] || ! ok .venv/bin/python; then
@@ -42,7 +53,7 @@ if [ ! -x .venv/bin/python ] || ! ok .venv/bin/python; then
     echo "note: PYTHON=$PYTHON is not a working Python >= 3.12; looking elsewhere" >&2
   fi
   if ! py="$(find_python)"; then
-    echo "error: no Python >= 3.12 found (JAX 0.11 needs it); looked at \$PYTHON, PATH, pyenv versions, /usr/local, /opt." >&2
+    echo "error: no Python >= 3.12 found (JAX 0.11 needs it); looked at \$PYTHON, PATH, pyenv versions, uv's Pythons, /usr/local, /opt." >&2
     echo "Install one (e.g. 'pyenv install 3.12' or 'uv python install 3.12') and rerun, or set PYTHON=/path/to/python3.12." >&2
     exit 1
   fi

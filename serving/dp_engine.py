@@ -91,6 +91,8 @@ class DataParallelEngine(LLMEngine):
                              "in this build (HiSparse runs on one device)")
         self.hisparse = None
         self.offload = None  # the offloading connector runs on one device for now
+        self.spec_config = None  # MTP speculation is refused with --data-parallel-size > 1 (LLMEngine.from_args)
+        self.spec_stats = self.drafts = self.drafter_override = None
         self.args = args
         self.model_path = model_path
         self.config = model.cfg

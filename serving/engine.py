@@ -46,7 +46,8 @@ CPU_KV_CACHE_BYTES = 512 * 2**20
 
 @dataclass
 class EngineArgs:
-    """Engine settings (vLLM flag names). `model` is a checkpoint directory (None = the tiny default).
+    """Engine settings (vLLM flag names). `model` is a checkpoint directory, a Hugging Face hub id or
+    'tiny' (None = the tiny default; `glm53.hub.resolve_model`).
 
     max_logprobs: most `logprobs` alternatives a request may ask for (the device step always
         computes this many). disable_log_stats: no periodic statistics log line.
@@ -210,10 +211,11 @@ class LLMEngine:
         """Load the checkpoint, size the KV arena, build the engine and compile its step buckets.
         With `--data-parallel-size` > 1 the engine is a `serving.dp_engine.DataParallelEngine`
         (the KV page count is per replica)."""
+        from glm53.hub import resolve_model
         from glm53.tiny_checkpoint import default_model_dir
         from glm53.tokenizer import eos_token_ids as read_eos
 
-        path = args.model or str(default_model_dir())
+        path = resolve_model(args.model) or str(default_model_dir())
         device = jax.devices()[0]
         dtype = _model_dtype(args.dtype, device)
         t0 = time.perf_counter()
@@ -258,9 +260,11 @@ class LLMEngine:
                                                       args.max_num_batched_tokens))
         if engine.spec_config is not None:
             sc, mtp = engine.spec_config, layout.group("mtp")
+            mode = (f"adaptive, min acceptance {sc.adaptive_min_acceptance}" if sc.adaptive else "static") + (
+                f"; none while more than {sc.disable_by_batch_size} requests run" if sc.disable_by_batch_size else "")
             logger.info("MTP speculative decoding: %d draft tokens per request per step (%s), %d verification rows per "
                         "decoding request; the MTP layer's own KV group adds %d B/token (%d tokens/page)%s",
-                        sc.num_speculative_tokens, "adaptive" if sc.adaptive else "static",
+                        sc.num_speculative_tokens, mode,
                         sc.num_speculative_tokens + 1, mtp.bytes_per_token, mtp.tokens_per_page,
                         "; the HiSparse hot buffer is sized for the verification rows" if engine.hisparse else "")
         if engine.prefix_cache is not None:

@@ -68,7 +68,11 @@ class LLM:
       tokenizer: optional tokenizer object (`encode`, `decode`, `apply_chat_template`); default:
         the checkpoint's.
       **engine_args: any `EngineArgs` field (max_model_len, max_num_seqs, max_num_batched_tokens,
-        enable_prefix_caching, gpu_memory_utilization, num_gpu_blocks_override, seed, ...).
+        enable_prefix_caching, gpu_memory_utilization, num_gpu_blocks_override, seed,
+        speculative_config, ...). `compile_progress` defaults to True: start-up shows a progress
+        bar over the step buckets it compiles. Compiled steps go to the persistent compilation
+        cache the server uses (`glm53.compile_cache`), so a second `LLM(...)` with the same
+        settings starts in seconds.
 
     Raises:
       TypeError: an unknown engine argument. ValueError: as `LLMEngine.from_args`.
@@ -79,7 +83,10 @@ class LLM:
         unknown = sorted(set(engine_args) - names)
         if unknown:
             raise TypeError(f"unknown engine arguments {unknown}; known: {sorted(names)}")
-        engine_args.setdefault("compile_progress", False)
+        from glm53.compile_cache import enable_compilation_cache
+
+        enable_compilation_cache()
+        engine_args.setdefault("compile_progress", True)
         engine_args.setdefault("disable_log_stats", True)
         self.engine = LLMEngine.from_args(EngineArgs(model=model, **engine_args))
         if tokenizer is None:

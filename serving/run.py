@@ -18,20 +18,9 @@ import sys
 logger = logging.getLogger("serving.run")
 
 
-def _enable_compilation_cache() -> None:
-    """Persist compiled steps across restarts under `$GLM53_HOME/jax-compilation-cache`
-    (default `~/.cache/glm53/…`); set GLM53_COMPILATION_CACHE=off to disable."""
-    import jax
-
-    if os.environ.get("GLM53_COMPILATION_CACHE", "") == "off":
-        return
-    home = os.environ.get("GLM53_HOME", os.path.expanduser("~/.cache/glm53"))
-    jax.config.update("jax_compilation_cache_dir", os.path.join(home, "jax-compilation-cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-
-
 def build_server(argv: list[str] | None = None):
     """Parse flags, load the model, compile, and return (app, args, async_engine)."""
+    from glm53.compile_cache import enable_compilation_cache
     from glm53.tokenizer import GlmTokenizer
     from serving.async_engine import AsyncEngine
     from serving.cli_args import make_arg_parser, validate_args
@@ -47,19 +36,15 @@ def build_server(argv: list[str] | None = None):
         init_distributed(args.distributed_config)
     except RuntimeError as e:
         raise SystemExit(f"error: {e}") from e
-    _enable_compilation_cache()
+    enable_compilation_cache()
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model = args.model
-    if model is not None and not os.path.isdir(model):
-        from glm53.config import PRESETS
-        if model == "tiny":
-            model = None
-        elif model in PRESETS:
-            raise SystemExit(f"--model {model}: presets other than 'tiny' have no weights here; "
-                             "pass a checkpoint directory")
-        else:
-            raise SystemExit(f"--model {model}: not a directory")
+    from glm53.hub import ModelNotFoundError, resolve_model
+
+    try:
+        model = resolve_model(args.model)  # a directory, 'tiny' (None), or a hub id → its snapshot
+    except ModelNotFoundError as e:
+        raise SystemExit(f"error: {e}") from e
     eargs = EngineArgs(
         model=model, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs or 32, max_num_batched_tokens=args.max_num_batched_tokens or 512,

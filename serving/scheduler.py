@@ -26,6 +26,11 @@ The baseline policy of DESIGN §6 (after vLLM v1). Each `schedule()` call builds
    the hit ends inside is copied on write (`SchedulerOutput.page_copies`), and its computation
    starts after the hit.
 
+With MTP speculation (`drafts`, `serving/spec_decode`), a decoding request carries the drafts
+the previous step proposed after its decode token (`ScheduledRequest.num_spec_tokens`); the step
+verifies them and `update_from_output` keeps the accepted ones (the rejected drafts' KV is not
+counted, so the next step writes those slots again).
+
 A preempted request resumes by prefilling all of its tokens so far (prompt and generated ones),
 so with a deterministic model it produces exactly the tokens it would have produced otherwise.
 

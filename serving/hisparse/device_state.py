@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 

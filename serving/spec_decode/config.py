@@ -42,14 +42,21 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SpeculativeConfig | None":
-        """The config of a `--speculative-config` dict; None for None / {}.
+        """The config of a `--speculative-config` dict; None for None (the flag absent).
 
-        Raises SpeculativeConfigError naming the key: unknown keys, a method other than MTP, k
-        outside 1…5, a threshold outside (0, 1], a batch size < 1."""
-        if not d:
+        Raises SpeculativeConfigError naming the key: {} (no drafter named), a separate draft
+        `model`, unknown keys, a method other than MTP, k missing or outside 1…5, a threshold
+        outside (0, 1], a batch size < 1."""
+        if d is None:
             return None
         if not isinstance(d, dict):
             raise SpeculativeConfigError("--speculative-config must be a JSON object")
+        if not d:
+            raise SpeculativeConfigError('--speculative-config {} names no drafter: give {"method": "mtp", '
+                                         '"num_speculative_tokens": k}, or drop the flag')
+        if "model" in d:
+            raise SpeculativeConfigError("--speculative-config: this engine drafts with the checkpoint's own MTP "
+                                         "layer; a separate draft `model` is not supported (drop the key)")
         known = {"method", "num_speculative_tokens", "adaptive", "adaptive_min_acceptance", "disable_by_batch_size"}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -58,6 +65,8 @@ class SpeculativeConfig:
         if method not in METHODS:
             raise SpeculativeConfigError(f"--speculative-config method {method!r} is not supported; this engine "
                                          f"drafts with the checkpoint's MTP layer: method \"mtp\"")
+        if "num_speculative_tokens" not in d:
+            raise SpeculativeConfigError("--speculative-config num_speculative_tokens is required (1…5)")
         k = d.get("num_speculative_tokens")
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise SpeculativeConfigError(f"--speculative-config num_speculative_tokens must be an integer in "

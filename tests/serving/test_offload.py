@@ -7,7 +7,6 @@ the key; every pool and host-store audit is clean."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 
 import numpy as np
 import pytest

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from serving.prefix_cache import PrefixCache, chain_hash
+from serving.prefix_cache import chain_hash
 from serving.request import Request
 from tests.serving.test_scheduler import VOCAB, make_engine, prompt  # noqa: F401 (fixture)
 

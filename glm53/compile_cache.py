@@ -1,0 +1,34 @@
+"""The persistent JAX compilation cache shared by the server, `serving.llm.LLM` and `glm53.api.load`.
+
+Compiled programs (the engine's step buckets, `api.forward_step`, ...) are written under
+`$GLM53_HOME/jax-compilation-cache` (default `~/.cache/glm53/jax-compilation-cache`) and read back
+by later processes, so a notebook's second `LLM(...)` or a server restart skips most of the
+compile time. `GLM53_COMPILATION_CACHE=off` disables it. A directory already configured by the
+caller (`jax.config.jax_compilation_cache_dir`) is left alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+
+def compilation_cache_dir() -> str:
+    """The directory the cache uses: `$GLM53_HOME/jax-compilation-cache`."""
+    home = os.environ.get("GLM53_HOME", os.path.expanduser("~/.cache/glm53"))
+    return os.path.join(home, "jax-compilation-cache")
+
+
+def enable_compilation_cache() -> str | None:
+    """Turn the persistent cache on (idempotent). → the directory in use, or None when disabled by
+    `GLM53_COMPILATION_CACHE=off`. Programs taking under 1 s to compile are not stored."""
+    if os.environ.get("GLM53_COMPILATION_CACHE", "") == "off":
+        return None
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return current
+    path = compilation_cache_dir()
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    return path

@@ -1,0 +1,26 @@
+"""`glm53.api.load` and `serving.llm.LLM` use the server's persistent compilation cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_llm_and_api_load_use_the_persistent_compilation_cache(tmp_path):
+    """A fresh process: `glm53.api.load` turns the cache on under $GLM53_HOME, and a jitted step
+    lands there (so notebooks reuse compiles, as the server does)."""
+    code = ("import jax; from glm53 import api; lm = api.load(); "
+            "import numpy as np; api.forward(lm, list(range(5, 40))); "
+            "print(jax.config.jax_compilation_cache_dir)")
+    env = {**os.environ, "GLM53_HOME": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
+                       cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cache = tmp_path / "jax-compilation-cache"
+    assert r.stdout.strip().splitlines()[-1] == str(cache)
+    assert any(cache.iterdir())  # compiled programs were written
