@@ -59,7 +59,14 @@ def build_server(argv: list[str] | None = None):
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from e
     tokenizer = GlmTokenizer.from_pretrained(engine.model_path)
-    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else "glm-5.3-tiny")
+    if args.served_model_name:
+        name = args.served_model_name
+    elif model is None:  # no --model, or --model tiny
+        name = "glm-5.3-tiny"
+    elif not os.path.isdir(args.model):  # a hub id: served under it, as vLLM does
+        name = args.model
+    else:
+        name = os.path.basename(os.path.normpath(args.model))
     metrics = PrometheusStatLogger(name, engine.gauges)
     engine.stat_loggers.append(metrics)
     async_engine = AsyncEngine(engine, name)
