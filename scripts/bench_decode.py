@@ -9,7 +9,9 @@ For each batch size (default 1, 8, 32) the same workload runs through both:
   and an attention mask), in fp32 on CPU.
 
 Both sides get the same prompts (random token ids of the regular vocabulary, fixed seed) and
-generate the same number of new tokens. Only the steady decode phase is compared: for ours the
+generate the same number of new tokens. The checkpoint's padded vocabulary rows (ids past the
+tokenizer's) are never chosen by ours (`glm53.sampling.mask_unreachable`); HF gets them as
+`suppress_tokens`, so both choose among the same ids. Only the steady decode phase is compared: for ours the
 steps after every request of the batch has its first token (each of them schedules exactly one
 token per request), for HF the forward passes after the first one (a logits processor stamps
 the time of every generation step). Prefill time is reported separately. The HF model lives in a
@@ -89,6 +91,15 @@ def regular_vocab_size(model_dir: str) -> int:
 
 
 # ----------------------------------------------------------------------------------- ours
+def unreachable_ids(model_dir: str, vocab_size: int) -> list[int]:
+    """The checkpoint's padded vocabulary rows: ids at or past the tokenizer's size (which ours
+    never chooses, `glm53.sampling.mask_unreachable`)."""
+    from glm53.tokenizer import tokenizer_vocab_size
+
+    n = tokenizer_vocab_size(model_dir)
+    return list(range(n, vocab_size)) if n is not None and n < vocab_size else []
+
+
 def run_ours_once(engine, prompts: list[list[int]], new_tokens: int, tag: str) -> dict:
     """One batch through `engine`; returns timings and every row's generated ids."""
     from serving.types import SamplingParams
@@ -228,6 +239,8 @@ def hf_worker(spec: dict) -> int:
         clock = StepClock()
         gen_cfg = copy.deepcopy(model.generation_config)
         gen_cfg.update(max_new_tokens=n, do_sample=False, pad_token_id=pad, eos_token_id=None)
+        if spec.get("suppress_tokens"):  # the checkpoint's padded vocabulary rows, never sampled by ours
+            gen_cfg.update(suppress_tokens=spec["suppress_tokens"])
         if position_ties:  # untimed check run: also return every step's logits
             gen_cfg.update(output_scores=True, return_dict_in_generate=True)
         t0 = time.perf_counter()
@@ -429,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     client = None
     if hf_python:
         client = HFClient(hf_python, {"model": model_dir, "pad_token_id": pad, "threads": args.hf_threads,
-                                      "attn_implementation": args.hf_attn_implementation}, args.out)
+                                      "attn_implementation": args.hf_attn_implementation,
+                                      "suppress_tokens": unreachable_ids(model_dir, hf_cfg["vocab_size"])}, args.out)
     try:
         from glm53 import api
 
