@@ -48,13 +48,14 @@ point too (`--hf-worker`; the file imports only the standard library at module l
 and transformers. Other options: `--model DIR` (default: the embedded tiny checkpoint),
 `--batches 1,8,32`, `--prompt-len 32`, `--new-tokens 64`, `--repeats 3`, `--max-model-len 512`
 (the engine's context limit, which sets its block-table width),
-`--num-gpu-blocks-override N`, `--check-tokens 4`, `--hf-threads 1`, `--skip-hf`. Writes
+`--num-gpu-blocks-override N`, `--check-tokens 4`, `--hf-threads 0`, `--skip-hf`, `--skip-jit`. Writes
 `DIR/bench_decode.json` and prints a table.
 
-`--hf-threads` defaults to 1: on a loaded 2-core machine torch's default of one OpenMP thread
-per core made each HF decode step 10-40x slower (0.3-0.75 s instead of 16-35 ms per step of the
-tiny model at batch 1, the OpenMP workers waiting on each other), which would flatter our
-ratio; 1 thread is HF's fastest setting there. Pass `--hf-threads 0` on an idle machine.
+`--hf-threads` defaults to 0 (torch's default, one OpenMP thread per core): HF's fastest setting
+on an idle machine (2 cores, tiny model: 135 / 594 / 1,227 tok/s at batch 1 / 8 / 32 against 118 /
+560 / 929 with one thread). On a loaded machine the OpenMP workers wait on each other and each HF
+decode step became 10-40x slower (0.3-0.75 s instead of 16-35 ms at batch 1), which would flatter
+our ratio: pass `--hf-threads 1` there. Give HF whichever is faster on the machine at hand.
 """
 
 from __future__ import annotations
@@ -401,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-python", default=None, help="interpreter with torch + transformers (default: $HF_PYTHON "
                    "or this one if it has them)")
     p.add_argument("--hf-attn-implementation", default=None, help="HF attention backend (default: HF's choice)")
-    p.add_argument("--hf-threads", type=int, default=1,
+    p.add_argument("--hf-threads", type=int, default=0,
                    help="torch intra-op threads for HF (0: torch's default; see the docstring)")
     p.add_argument("--skip-hf", action="store_true", help="measure only our engine (and generate_batch)")
     p.add_argument("--skip-jit", action="store_true", help="do not time glm53.api.generate_batch")
