@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -38,6 +39,26 @@ PROMPTS = {"a": list(range(5, 25)), "b": [(7 * i) % 300 + 4 for i in range(90)],
            "c": [(13 * i) % 400 + 4 for i in range(150)]}
 MAX_TOKENS = 16
 VOCAB = 496  # the tiny tokenizer's ids (the checkpoint pads its vocabulary to 512)
+
+
+@functools.lru_cache(maxsize=None)
+def shared_engine(k: int | None, kv_cache_dtype: str = "bfloat16") -> LLMEngine:
+    """One engine per (k, cache dtype) for the whole module (each costs a compile): the tests
+    that share one leave it idle and clean (they assert the audit), and restore what they change."""
+    return make_engine(k, kv_cache_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def plain_run(kv_cache_dtype: str):
+    """The run without speculation on PROMPTS (greedy, top-2 logprobs), once per cache dtype."""
+    return serve(shared_engine(None, kv_cache_dtype), logprobs=2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_shared_engines():
+    yield
+    shared_engine.cache_clear()  # the engines' arenas are freed with the module
+    plain_run.cache_clear()
 
 
 def make_engine(k: int | None, kv_cache_dtype: str = "bfloat16", **kw) -> LLMEngine:
@@ -71,29 +92,30 @@ def serve(engine: LLMEngine, prompts=PROMPTS, logprobs=None, check=None, max_tok
 def reference(request):
     """The run without speculation: streams, top-2 logprobs, the model (for the indexer rule)."""
     dtype = request.param
-    toks, lps = serve(make_engine(None, dtype), logprobs=2)
+    toks, lps = plain_run(dtype)
     return dtype, toks, lps, api.load(cache_dtype=dtype)
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_streams_equal_with_and_without_mtp(k, reference):
     dtype, ref, ref_lps, lm = reference
-    e = make_engine(k, dtype)
+    e = shared_engine(k, dtype)
+    before = e.spec_stats.num_drafts
     got, _ = serve(e)
     compare_streams(ref, got, ref_lps, PROMPTS, lm)
     s = e.spec_stats
-    assert s.num_drafts > 0 and s.num_draft_tokens >= s.num_drafts  # drafts were really verified
+    assert s.num_drafts > before and s.num_draft_tokens >= s.num_drafts  # drafts were really verified
     print(f"\n{dtype} k={k}: {s.num_accepted_tokens}/{s.num_draft_tokens} drafts accepted (random weights)")
 
 
 @pytest.fixture(scope="module")
 def k3_engine():
-    return make_engine(3)
+    return shared_engine(3)
 
 
 @pytest.fixture(scope="module")
 def plain_streams():
-    return serve(make_engine(None), logprobs=2)
+    return plain_run("bfloat16")
 
 
 def _per_pos_consistent(s, k):
