@@ -13,7 +13,9 @@ REPO = Path(__file__).resolve().parents[2]
 def test_llm_and_api_load_use_the_persistent_compilation_cache(tmp_path):
     """A fresh process: `glm53.api.load` turns the cache on under $GLM53_HOME, and a jitted step
     lands there (so notebooks reuse compiles, as the server does)."""
-    code = ("import jax; from glm53 import api; lm = api.load(); "
+    from glm53.tiny_checkpoint import default_model_dir
+
+    code = (f"import jax; from glm53 import api; lm = api.load({str(default_model_dir())!r}); "
             "import numpy as np; api.forward(lm, list(range(5, 40))); "
             "print(jax.config.jax_compilation_cache_dir)")
     env = {**os.environ, "GLM53_HOME": str(tmp_path), "JAX_PLATFORMS": "cpu"}
