@@ -64,16 +64,11 @@ def indexer_boundary_gap(lm, token_ids) -> float:
     """The smallest k-th vs (k+1)-th indexer score gap, over the full layers, of the last token
     of `token_ids` prefilled from scratch (`glm53.api.forward`); inf when no layer has more than
     k candidates."""
-    from glm53 import api
+    from glm53.inspect import forward_fresh
 
     gaps: list[float] = []
     with _record_indexer_gaps(gaps):
-        api._compiled.cache_clear()
-        try:
-            api.forward(lm, token_ids)
-            jax.effects_barrier()
-        finally:
-            api._compiled.cache_clear()
+        forward_fresh(lm, token_ids)
     return min(gaps) if gaps else float("inf")
 
 

@@ -34,18 +34,25 @@ def _capture_topk(out: list[np.ndarray]):
         attn.indexer_topk = orig
 
 
+def forward_fresh(lm, token_ids) -> None:
+    """`glm53.api.forward` recompiled now (so an indexer patched by the caller is traced) and its
+    host callbacks flushed; the compiled-step cache is cleared again after, so later calls do not
+    keep the patched program."""
+    from glm53 import api
+
+    api._compiled.cache_clear()
+    try:
+        api.forward(lm, token_ids)
+        jax.effects_barrier()
+    finally:
+        api._compiled.cache_clear()
+
+
 def indexer_selections(lm, token_ids) -> list[np.ndarray]:
     """→ one int32 array `[S, index_topk]` per full layer (`lm.config.full_layers` order): row i
     holds the positions (≤ i) the layer's indexer selected for query i, −1 where fewer than
     `index_topk` positions exist."""
-    from glm53 import api
-
     sel: list[np.ndarray] = []
     with _capture_topk(sel):
-        api._compiled.cache_clear()
-        try:
-            api.forward(lm, token_ids)
-            jax.effects_barrier()
-        finally:
-            api._compiled.cache_clear()
+        forward_fresh(lm, token_ids)
     return sel

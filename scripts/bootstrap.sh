@@ -27,7 +27,9 @@ find_python() {
     [ -n "$c" ] && candidates+=("$c")
   fi
   local uv_root="${UV_PYTHON_INSTALL_DIR:-${XDG_DATA_HOME:-$HOME/.local/share}/uv/python}"
-  local roots=("${PYENV_ROOT:-$HOME/.pyenv}/versions" "$uv_root" /usr/local/bin /opt/python /opt)
+  local system_roots
+  read -r -a system_roots <<< "${BOOTSTRAP_SYSTEM_ROOTS:-/usr/local/bin /opt/python /opt}"  # tests replace these
+  local roots=("${PYENV_ROOT:-$HOME/.pyenv}/versions" "$uv_root" "${system_roots[@]}")
   for r in "${roots[@]}"; do
     for c in "$r"/3.1[2-9]*/bin/python3 "$r"/python3.1[2-9] "$r"/*/bin/python3.1[2-9] "$r"/cpython-3.1[2-9]*/bin/python3; do
       [ -x "$c" ] && candidates+=("$c")

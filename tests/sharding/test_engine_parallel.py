@@ -25,22 +25,33 @@ MAX_TOKENS = 6
 EPS = 1e-4
 
 
-def serve(parallel: ParallelConfig | None):
+def build(parallel: ParallelConfig | None, speculative_config=None) -> LLMEngine:
     args = EngineArgs(dtype="float32", max_model_len=192, max_num_seqs=4, max_num_batched_tokens=64,
                       num_gpu_blocks_override=24, compile_progress=False, parallel=parallel,
-                      cuda_graph_sizes=[])
-    engine = LLMEngine.from_args(args)
-    dcp = parallel.decode_context_parallel_size if parallel is not None else 1
-    assert (engine.runner.parallel is not None) == (parallel is not None)
-    assert engine.kv.group("mla").tokens_per_page == 64 * dcp  # engine pages span 64 × DCP tokens
+                      cuda_graph_sizes=[], speculative_config=speculative_config)
+    return LLMEngine.from_args(args)
+
+
+def run(engine: LLMEngine, audit_each_step: bool = True) -> dict:
+    """PROMPTS to the end (greedy, ignore_eos); audit after every step (or only at the end)."""
     for rid, p in PROMPTS.items():
         engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
     streams = {rid: [] for rid in PROMPTS}
     while engine.has_unfinished_requests():
         for out in engine.step():
             streams[out.request_id].extend(out.new_token_ids)
+        if audit_each_step:
+            assert engine.audit() == []
     assert engine.audit() == []
     return streams
+
+
+def serve(parallel: ParallelConfig | None):
+    engine = build(parallel)
+    dcp = parallel.decode_context_parallel_size if parallel is not None else 1
+    assert (engine.runner.parallel is not None) == (parallel is not None)
+    assert engine.kv.group("mla").tokens_per_page == 64 * dcp  # engine pages span 64 × DCP tokens
+    return run(engine, audit_each_step=False)
 
 
 @pytest.fixture(scope="module")
@@ -72,28 +83,14 @@ def test_mtp_speculation_under_tp2_dcp2_serves_the_single_device_streams(single_
     is spread over the DCP ranks like any decode token's; an oracle drafter (the single-device
     continuation) makes every decode step verify 3 rows, and the streams equal the single-device
     run without speculation; so do the MTP layer's own drafts (almost all rejected)."""
-    args = EngineArgs(dtype="float32", max_model_len=192, max_num_seqs=4, max_num_batched_tokens=64,
-                      num_gpu_blocks_override=24, compile_progress=False, cuda_graph_sizes=[],
-                      parallel=ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2,
-                                              dcp_comm_backend="a2a"),
-                      speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    engine = LLMEngine.from_args(args)
+    engine = build(ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2, dcp_comm_backend="a2a"),
+                   {"method": "mtp", "num_speculative_tokens": 2})
     ref = single_device_streams
 
-    def run():
-        for rid, p in PROMPTS.items():
-            engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
-        streams = {rid: [] for rid in PROMPTS}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                streams[out.request_id].extend(out.new_token_ids)
-            assert engine.audit() == []
-        return streams
-
-    assert run() == ref  # the MTP layer's own drafts (random weights: rejected)
+    assert run(engine) == ref  # the MTP layer's own drafts (random weights: rejected)
     s = engine.spec_stats
     assert s.num_draft_tokens > 0
     before = (s.num_draft_tokens, s.num_accepted_tokens)
     engine.drafter_override = lambda req, n: (ref[req.request_id][req.num_output_tokens:] + [0] * n)[:n]
-    assert run() == ref  # every draft accepted
+    assert run(engine) == ref  # every draft accepted
     assert s.num_draft_tokens > before[0] and s.num_accepted_tokens - before[1] == s.num_draft_tokens - before[0]
