@@ -24,6 +24,11 @@ tables over `REQUESTS`, the arena over `KV_REPLICA` × `KV_CONTEXT`) and runs on
   kernels on its own queries against it.
 * DCP over TP × PCP: both at once — the PCP part of the shards is gathered into a temporary copy
   that is still round-robin sharded over TP, and the TP part runs queries-to-KV as above.
+
+Under HiSparse (`resolve_hot`, `store_host_pages`) every KV shard (replica × DCP rank) has its own
+part of the host pool and its own hot state; `resolve_hot` returns each shard's own slots and
+`sparse_attention` reads them (`_attend_resolved`: over DCP-PCP the selected rows, not every page,
+are exchanged). docs/hisparse.md, "Parallel layouts".
 """
 
 from __future__ import annotations
@@ -39,14 +44,15 @@ from jax.sharding import PartitionSpec
 from glm53.batch import ForwardBatch
 from glm53.hot_cache import HostAccess, HotState, PagedKV
 from glm53.kv_layout import KVCacheLayout
-from kernels.host_rows import copy_host_rows
+from kernels.host_rows import (copy_host_rows, join_column_parts, read_host_rows, scatter_host_rows,
+                                split_words, store_pages)
 from kernels.hot_resolve import hot_resolve
 from kernels.indexer_topk import indexer_topk
 from kernels.paged import GroupLayout, gather_rows, positions_to_slots, write_cache
 from kernels.sparse_mla import sparse_mla
 from sharding import collectives as col
 from sharding import context_parallel as cp
-from sharding.mesh import ATTN_HEADS, KV_CONTEXT, KV_REPLICA, REQUESTS, TOKENS, ParallelLayout
+from sharding.mesh import AXES, ATTN_HEADS, KV_CONTEXT, KV_REPLICA, REQUESTS, TOKENS, ParallelLayout
 
 
 # ---------------------------------------------------------------------- helpers
@@ -212,11 +218,11 @@ def sparse_attention(q_abs_TNC: jax.Array, kv_arena: jax.Array, topk_TK: jax.Arr
                  if slots_TK is None else slots_TK)
         o, _ = attend(q_abs_TNC, kv_arena, slots, layer, layout=g)
         return o
-    if slots_TK is not None:
-        raise NotImplementedError("resolved slots (HiSparse) are only supported on one device")
     par = parallel
     s = _specs(par)
     inter = par.config.dcp_kv_cache_interleave_size
+    if slots_TK is not None:
+        return _attend_resolved(q_abs_TNC, kv_arena, slots_TK, g, layer, attend, par)
 
     def body(arena, q, topk, bt, req, lyr):
         if mode == "replicated":
@@ -237,7 +243,215 @@ def sparse_attention(q_abs_TNC: jax.Array, kv_arena: jax.Array, topk_TK: jax.Arr
     return f(kv_arena, q_abs_TNC, topk_TK, batch.block_tables[group], batch.req_idx_T, layer)
 
 
+def _attend_resolved(q_abs_TNC, kv_arena, slots_TK, g: GroupLayout, layer, attend, par: ParallelLayout):
+    """Sparse MLA over slots resolved per KV shard by `resolve_hot` under a parallel layout.
+
+    `slots_TK` is `[shards · T_replica, K]` (`hot_slot_spec`): each (replica, DCP rank) shard's
+    arena slots for every token of its replica, −1 where the shard does not own the position.
+    Without DCP the shard's own tokens attend its complete cache. DCP over TP: every head over the
+    shard's slots, `(o, lse)` merged over the ranks. DCP over PCP (or TP × PCP): each rank gathers
+    the rows of the replica's selections it owns and a reduce-scatter over the PCP ranks gives
+    every rank the selected rows of its own queries (each row comes from exactly one rank, the
+    others add zeros), attended as a temporary one-page-per-query arena; with a TP part left, the
+    partials are merged over it as above."""
+    s = _specs(par)
+    gather, split = _dcp_axes(par)
+    pcp_axes = ("pcp",) if par.pcp > 1 else ()
+    _, comp = g.component("mla")
+
+    def body(arena, q, slots, lyr):
+        T = q.shape[0]
+        if not gather:
+            if pcp_axes:  # the shard's slots cover the replica's tokens: keep this rank's own
+                slots = jax.lax.dynamic_slice_in_dim(slots, jax.lax.axis_index(pcp_axes) * T, T, axis=0)
+            if not split:
+                o, _ = attend(q, arena, slots, lyr, layout=g)
+                return o
+            o, lse = attend(col.all_gather_tiled(q, split, axis=1), arena, slots, lyr, layout=g)
+            o, _ = col.merge_partials(o, lse, split, par.config.dcp_comm_backend)
+            return o
+        K = slots.shape[1]
+        rows = gather_rows(arena, slots, g, "mla", lyr)  # [T_replica, K, W]
+        rows = jnp.where((slots >= 0)[..., None], rows, 0)
+        rows = col.reduce_scatter_tiled(rows, gather, axis=0)  # [T, K, W]: every owned row once
+        valid = col.reduce_scatter_tiled((slots >= 0).astype(jnp.int32), gather, axis=0) > 0
+        tg = GroupLayout(g.name + "_selected", K, (dataclasses.replace(comp, num_layers=1),))
+        temp = jnp.concatenate([jnp.zeros((1, K * rows.shape[2]), rows.dtype), rows.reshape(T, -1)], axis=0)
+        sel = (1 + jnp.arange(T, dtype=jnp.int32))[:, None] * K + jnp.arange(K, dtype=jnp.int32)[None, :]
+        sel = jnp.where(valid, sel, -1)
+        if not split:
+            o, _ = attend(q, temp, sel, 0, layout=tg)
+            return o
+        o, lse = attend(col.all_gather_tiled(q, split, axis=1), temp, sel, 0, layout=tg)
+        o, _ = col.merge_partials(o, lse, split, par.config.dcp_comm_backend)
+        return o
+
+    f = _shard_map(par, body, (s["arena"], s["heads3"], hot_slot_spec(par), s["rep"]), s["heads3"])
+    return f(kv_arena, q_abs_TNC, slots_TK, layer)
+
+
 # ---------------------------------------------------------------------- HiSparse hot buffer
+def kv_shard_axes(par: ParallelLayout) -> tuple[str, ...]:
+    """Mesh axes that hold distinct KV (and so distinct HiSparse host pools and hot state): the
+    DP replicas, then the DCP ranks (the arena's shard order: replica-major)."""
+    return par.axes(KV_REPLICA, KV_CONTEXT)
+
+
+def host_split_axes(par: ParallelLayout) -> tuple[str, ...]:
+    """Mesh axes (size > 1) whose devices hold the same KV — TP or PCP ranks outside DCP. A
+    HiSparse host pool's columns are split over them, so a replica (or DCP shard) keeps one host
+    copy of its rows however many devices read it."""
+    shard = kv_shard_axes(par)
+    return tuple(a for a in AXES if a not in shard and par.mesh.shape[a] > 1)
+
+
+def host_pool_spec(par: ParallelLayout) -> PartitionSpec:
+    """Partition of the global host pool `uint32[shards · rows, parts · L · Wp]`: rows over the
+    KV shards (`kv_shard_axes`), columns over `host_split_axes`."""
+    split = host_split_axes(par)
+    return PartitionSpec(kv_shard_axes(par), split if split else None)
+
+
+def hot_state_spec(par: ParallelLayout) -> PartitionSpec:
+    """Partition of the hot state `[shards · max_num_seqs, G, M]`: one block of state rows per KV
+    shard (replicated, and computed identically, over `host_split_axes`)."""
+    return PartitionSpec(kv_shard_axes(par), None, None)
+
+
+def hot_slot_spec(par: ParallelLayout) -> PartitionSpec:
+    """Partition of resolved slots `[shards · T_replica, K]` (see `_attend_resolved`)."""
+    return PartitionSpec(kv_shard_axes(par), None)
+
+
+def _resolve_rows(topk_TK, req_idx_T, bt, hb, row_S, rank_S, tpp: int, narrow_rows: int | None):
+    """The resolver over one shard (or the one device): `(slots, miss_rows, miss_slots, stats [3],
+    row_S, rank_S)`; skipped (plain block-table lookup) when `hb.active` is False."""
+    N = topk_TK.shape[0] * topk_TK.shape[1]
+    M = row_S.shape[1]
+
+    def resolve_width(m):
+        """The resolver over the first m hot slots (every lease of the step fits them)."""
+        def run(_):
+            slots, mr, ms, st, r, k = hot_resolve(
+                topk_TK, req_idx_T, bt, hb.host_table_BP, hb.hot_table_BH[:, :m // tpp], hb.state_row_B,
+                jnp.minimum(hb.reset_from_B, m), row_S[:, :m], rank_S[:, :m], hb.num_host_blocks,
+                tokens_per_page=tpp)
+            # (dynamic_update_slice, not `.at[:, :m].set`: that scatter inside a cond inside a
+            # shard_map crashes XLA:CPU's compiler in jax 0.11.2.)
+            return (slots, mr, ms, st, jax.lax.dynamic_update_slice(row_S, r, (0, 0)),
+                    jax.lax.dynamic_update_slice(rank_S, k, (0, 0)))
+        return run
+
+    narrow = min(M, narrow_rows or M)
+
+    def resolve(_):
+        # Decode steps lease at most `narrow` rows: resolving over that width only (not the
+        # prefill leases' width) keeps the per-step work proportional to what is leased.
+        if narrow == M:
+            return resolve_width(M)(None)
+        return jax.lax.cond(hb.narrow, resolve_width(narrow), resolve_width(M), None)
+
+    def skip(_):
+        none = jnp.full((N,), -1, jnp.int32)
+        return (positions_to_slots(topk_TK, bt, req_idx_T, tpp), none, none, jnp.zeros(3, jnp.int32), row_S, rank_S)
+
+    return jax.lax.cond(hb.active, resolve, skip, None)
+
+
+HOST_COPY_CHUNK = 1024  # missed rows per all-gather when a host pool's columns are split
+
+
+def _copy_split_rows(arena, pool, miss_rows, miss_slots, g: GroupLayout, first_layer, num_layers: int,
+                     split: tuple[str, ...], num_parts: int, mechanism: str):
+    """Missed rows from a pool whose columns are split over `split` (memory_kind): each device
+    reads its part of the same rows, chunk by chunk; the parts are all-gathered and joined."""
+    _, comp = g.component("mla")
+    W = comp.row_words
+    wp = split_words(W, num_parts)
+    X = miss_rows.shape[0]
+    C = min(HOST_COPY_CHUNK, X)
+    pad = (-X) % C
+    rows_p = jnp.pad(miss_rows, (0, pad), constant_values=-1)
+    slots_p = jnp.pad(miss_slots, (0, pad), constant_values=-1)
+    n = jnp.sum(miss_rows >= 0).astype(jnp.int32)
+
+    def chunk(c, a):
+        r = jax.lax.dynamic_slice(rows_p, (c * C,), (C,))
+        sl = jax.lax.dynamic_slice(slots_p, (c * C,), (C,))
+        part = read_host_rows(pool, r, jnp.asarray(first_layer, jnp.int32) * wp, num_layers * wp, C,
+                              mechanism=mechanism)
+        rows = join_column_parts(jax.lax.all_gather(part, split, axis=0, tiled=False).reshape(num_parts, C, -1),
+                                 num_layers, W)
+        return scatter_host_rows(a, sl, rows, g, "mla", first_layer, num_layers)
+
+    return jax.lax.fori_loop(0, (n + C - 1) // C, chunk, arena)
+
+
+def _resolve_parallel(topk_TK, kv: PagedKV, batch: ForwardBatch, g: GroupLayout, first_layer, num_layers: int,
+                      index_group, host: HostAccess, par: ParallelLayout):
+    """`resolve_hot` under a parallel layout: one shard_map in which every KV shard (replica ×
+    DCP rank) resolves, with its own hot state and host pool, the positions it owns among the
+    whole replica's top-k (all-gathered over PCP): DCP ranks convert the merged global top-k to
+    their local positions (others −1), so each rank's hot buffer only ever holds its own rows.
+    Devices holding the same KV (TP, or PCP without DCP) resolve identically and read their
+    column part of the missed rows (`host_split_axes`)."""
+    s = _specs(par)
+    tpp = g.tokens_per_page
+    hb = batch.hot
+    shard_axes = kv_shard_axes(par)
+    ctx_axes = par.axes(KV_CONTEXT)
+    split = host_split_axes(par)
+    R = _split_size(par, split)
+    pcp_axes = ("pcp",) if par.pcp > 1 else ()
+    n_dcp, inter = par.dcp, par.config.dcp_kv_cache_interleave_size
+    callback = host.mechanism == "callback"
+    store = host.pool if callback else None
+    hot: HotState = kv.hot
+    req_spec = par.spec(REQUESTS)
+    bt_spec = s["bt"]
+
+    def body(arena, pool, topk, req, bt, htab, hottab, srow, reset, row_SGM, rank_SGM, active, nhb, narrow, lyr, ig):
+        topk = col.all_gather_tiled(topk, pcp_axes)
+        req = col.all_gather_tiled(req, pcp_axes)
+        if ctx_axes:
+            topk = cp.dcp_local_positions(topk, jax.lax.axis_index(ctx_axes), n_dcp, inter, tpp)
+        hbl = dataclasses.replace(hb, host_table_BP=htab, hot_table_BH=hottab, state_row_B=srow, reset_from_B=reset,
+                                  active=active, num_host_blocks=nhb, narrow=narrow)
+        row_S = jax.lax.dynamic_index_in_dim(row_SGM, ig, axis=1, keepdims=False)
+        rank_S = jax.lax.dynamic_index_in_dim(rank_SGM, ig, axis=1, keepdims=False)
+        slots, miss_rows, miss_slots, stats, row_S, rank_S = _resolve_rows(topk, req, bt, hbl, row_S, rank_S, tpp,
+                                                                           host.narrow_rows)
+        if callback:
+            shard = jax.lax.axis_index(shard_axes)
+            per_shard = store.shape[0] // _split_size(par, shard_axes)
+            arena = copy_host_rows(arena, store, miss_rows, miss_slots, g, "mla", lyr, num_layers,
+                                   mechanism="callback", row_offset=shard * per_shard)
+        elif R == 1:
+            arena = copy_host_rows(arena, pool, miss_rows, miss_slots, g, "mla", lyr, num_layers,
+                                   mechanism=host.mechanism)
+        else:
+            arena = _copy_split_rows(arena, pool, miss_rows, miss_slots, g, lyr, num_layers, split, R,
+                                     host.mechanism)
+        row_SGM = jax.lax.dynamic_update_index_in_dim(row_SGM, row_S, ig, axis=1)
+        rank_SGM = jax.lax.dynamic_update_index_in_dim(rank_SGM, rank_S, ig, axis=1)
+        stats = jax.lax.psum(jnp.concatenate([stats, stats[1:2] * num_layers]), shard_axes)
+        return slots, arena, row_SGM, rank_SGM, stats
+
+    st_spec = hot_state_spec(par)
+    rep = s["rep"]
+    pool_arg = jnp.zeros((), jnp.int32) if callback else host.pool
+    pool_spec = rep if callback else host_pool_spec(par)
+    f = _shard_map(par, body,
+                   (s["arena"], pool_spec, s["tok2"], s["tok"], bt_spec, bt_spec, bt_spec, req_spec, req_spec,
+                    st_spec, st_spec, rep, rep, rep, rep, rep),
+                   (hot_slot_spec(par), s["arena"], st_spec, st_spec, rep))
+    slots, arena, row_SGM, rank_SGM, stats = f(
+        kv.arena, pool_arg, topk_TK, batch.req_idx_T, batch.block_tables[g.name],
+        hb.host_table_BP, hb.hot_table_BH, hb.state_row_B, hb.reset_from_B, hot.host_row_SGM, hot.rank_SGM,
+        hb.active, hb.num_host_blocks, hb.narrow, first_layer, index_group)
+    return slots, PagedKV(arena, HotState(row_SGM, rank_SGM, hot.stats_4 + stats))
+
+
 def resolve_hot(topk_TK: jax.Array, kv: PagedKV, batch: ForwardBatch, layout: KVCacheLayout, group: str,
                 first_layer, num_layers: int, index_group, host: HostAccess,
                 parallel: ParallelLayout | None = None) -> tuple[jax.Array, PagedKV]:
@@ -252,46 +466,21 @@ def resolve_hot(topk_TK: jax.Array, kv: PagedKV, batch: ForwardBatch, layout: KV
     (`positions_to_slots`, exactly the non-HiSparse read) and no host row is read.
 
     Returns `(slots [T, K] int32, kv)` with the arena and hot state updated and this group's
-    `[hits, misses, dropped, misses · num_layers]` added to `kv.hot.stats_4`.
-    Raises NotImplementedError under a parallel layout (HiSparse runs on one device for now).
+    `[hits, misses, dropped, misses · num_layers]` added to `kv.hot.stats_4` (summed over the KV
+    shards). Under a parallel layout (`_resolve_parallel`) the slots are per KV shard,
+    `[shards · T_replica, K]` (`hot_slot_spec`), and `sparse_attention` takes them as they are.
     """
-    if _kv_mode(parallel) != "local":
-        raise NotImplementedError("HiSparse is only supported on one device")
     g = layout.group(group)
+    if _kv_mode(parallel) != "local":
+        return _resolve_parallel(topk_TK, kv, batch, g, first_layer, num_layers, index_group, host, parallel)
     tpp = g.tokens_per_page
     hb = batch.hot
     bt = batch.block_tables[group]
     hot: HotState = kv.hot
     row_S = jax.lax.dynamic_index_in_dim(hot.host_row_SGM, index_group, axis=1, keepdims=False)
     rank_S = jax.lax.dynamic_index_in_dim(hot.rank_SGM, index_group, axis=1, keepdims=False)
-    N = topk_TK.shape[0] * topk_TK.shape[1]
-
-    def resolve_width(m):
-        """The resolver over the first m hot slots (every lease of the step fits them)."""
-        def run(_):
-            slots, mr, ms, st, r, k = hot_resolve(
-                topk_TK, batch.req_idx_T, bt, hb.host_table_BP, hb.hot_table_BH[:, :m // tpp], hb.state_row_B,
-                jnp.minimum(hb.reset_from_B, m), row_S[:, :m], rank_S[:, :m], hb.num_host_blocks,
-                tokens_per_page=tpp)
-            return slots, mr, ms, st, row_S.at[:, :m].set(r), rank_S.at[:, :m].set(k)
-        return run
-
-    M = row_S.shape[1]
-    narrow = min(M, host.narrow_rows or M)
-
-    def resolve(_):
-        # Decode steps lease at most `narrow` rows: resolving over that width only (not the
-        # prefill leases' width) keeps the per-step work proportional to what is leased.
-        if narrow == M:
-            return resolve_width(M)(None)
-        return jax.lax.cond(hb.narrow, resolve_width(narrow), resolve_width(M), None)
-
-    def skip(_):
-        none = jnp.full((N,), -1, jnp.int32)
-        return (positions_to_slots(topk_TK, bt, batch.req_idx_T, tpp), none, none, jnp.zeros(3, jnp.int32),
-                row_S, rank_S)
-
-    slots, miss_rows, miss_slots, stats, row_S, rank_S = jax.lax.cond(hb.active, resolve, skip, None)
+    slots, miss_rows, miss_slots, stats, row_S, rank_S = _resolve_rows(topk_TK, batch.req_idx_T, bt, hb, row_S,
+                                                                       rank_S, tpp, host.narrow_rows)
     # Outside the cond: the host pool is only ever read by the copy loop (zero trips when skipped).
     arena = copy_host_rows(kv.arena, host.pool, miss_rows, miss_slots, g, "mla", first_layer, num_layers,
                            mechanism=host.mechanism, after=host.after)
@@ -299,6 +488,46 @@ def resolve_hot(topk_TK: jax.Array, kv: PagedKV, batch: ForwardBatch, layout: KV
                    jax.lax.dynamic_update_index_in_dim(hot.rank_SGM, rank_S, index_group, axis=1),
                    hot.stats_4 + jnp.concatenate([stats, stats[1:2] * num_layers]))
     return slots, PagedKV(arena, hot)
+
+
+def store_host_pages(pool, kv_arena: jax.Array, src_RC: jax.Array, dst_RC: jax.Array, layout: KVCacheLayout,
+                     group: str, *, mechanism: str, parallel: ParallelLayout | None = None):
+    """HiSparse's write-through copies: host block `dst[i]` ← arena page `src[i]` (every layer of
+    the group, token-major; `kernels.host_rows.store_pages`).
+
+    On one device `src_RC`/`dst_RC` are `[C]`. Under a parallel layout they are `[dp, C]`
+    (replica r's list, engine block ids), and every KV shard of replica r stores its own share
+    of each page into its own part of the pool; devices that hold the same KV each store their
+    column part (memory_kind), or only the first of them writes the shared store (callback).
+    Returns `(pool, done)` as `store_pages`."""
+    g = layout.group(group)
+    if _kv_mode(parallel) == "local":
+        return store_pages(pool, kv_arena, src_RC, dst_RC, g, group, mechanism=mechanism)
+    par = parallel
+    s = _specs(par)
+    shard_axes = kv_shard_axes(par)
+    split = host_split_axes(par)
+    R = _split_size(par, split)
+    lists = par.spec(KV_REPLICA, None)
+    if mechanism == "callback":
+        store = pool
+        per_shard = store.shape[0] // _split_size(par, shard_axes)
+
+        def body_cb(arena, src, dst):
+            first = jax.lax.axis_index(split) == 0 if split else True
+            _, done = store_pages(store, arena, src[0], dst[0], g, group, mechanism="callback",
+                                  row_offset=jax.lax.axis_index(shard_axes) * per_shard, enabled=first)
+            return done
+
+        f = _shard_map(par, body_cb, (s["arena"], lists, lists), s["rep"])
+        return pool, f(kv_arena, src_RC, dst_RC)
+
+    def body(p, arena, src, dst):
+        part = jax.lax.axis_index(split) if split else 0
+        return store_pages(p, arena, src[0], dst[0], g, group, mechanism=mechanism, num_parts=R, part=part)
+
+    f = _shard_map(par, body, (host_pool_spec(par), s["arena"], lists, lists), (host_pool_spec(par), s["rep"]))
+    return f(pool, kv_arena, src_RC, dst_RC)
 
 
 def engine_tokens_per_page(layout: KVCacheLayout, group: str, parallel: ParallelLayout | None = None) -> int:

@@ -562,6 +562,8 @@ def reference_deployments() -> dict[str, Deployment]:
       per rank, 1M context.
     * `pcp8-dcp8-prefill`: the prefill node of part 2: PCP8 × DCP8 × EP8, no TP (attention weights
       replicated), 1M context, KV sharded by DCP8.
+    * `tp8-dcp8-hisparse`: part 1's node with the KV also sharded by token over its 8 TP ranks
+      (DCP8) under HiSparse, 1M context — the combination no other engine serves.
     """
     common = dict(accelerator=H200, num_gpus=8, gpu_memory_utilization=0.92, checkpoint_dtype="fp8",
                   kv_cache_dtype="fp8", num_speculative_tokens=3)
@@ -573,6 +575,28 @@ def reference_deployments() -> dict[str, Deployment]:
                                  max_model_len=1_048_576, **common),
         "pcp8-dcp8-prefill": Deployment(name="pcp8-dcp8-prefill", tp=1, pcp=8, dcp=8, enable_expert_parallel=True,
                                         max_model_len=1_048_576, **common),
+        "tp8-dcp8-hisparse": Deployment(name="tp8-dcp8-hisparse", tp=8, dcp=8, hot_buffer_multiplier=2,
+                                        host_pool_bytes=384 * GiB, indexer_offload_bytes=128 * GiB,
+                                        max_model_len=1_048_576, **common),
+    }
+
+
+def hisparse_layouts(seq_len: int = 1_048_576) -> dict[str, Deployment]:
+    """One 8×H200 node serving `seq_len`-token contexts with Hybrid HiSparse, three ways, at the
+    reference memory sizes (FP8 weights and KV, MTP3, util 0.92, hot lease 2 × top-k, 512 GiB of
+    host memory for HiSparse + indexer offload per node):
+
+    * `TP8 + HiSparse` — one replica, the 384 GiB pool shared by its TP ranks (one host copy);
+    * `TP8 × DCP8 + HiSparse` — the same node with the KV sharded by token over the 8 TP ranks:
+      each rank holds 1/8 of every context (indexer keys included) and its token share of the
+      host pool, but a full hot buffer per request (any rank may own a whole top-k);
+    * `DP8 + HiSparse` — 8 attention replicas (EP8 experts) with 48 GiB pools each.
+    """
+    refs = reference_deployments()
+    return {
+        "TP8 + HiSparse": refs["tp8-hisparse"].replace(max_model_len=seq_len),
+        "TP8 x DCP8 + HiSparse": refs["tp8-dcp8-hisparse"].replace(max_model_len=seq_len),
+        "DP8 + HiSparse": refs["dp8-decode"].replace(max_model_len=seq_len),
     }
 
 
@@ -689,8 +713,8 @@ class HiSparsePagePlan:
 def predict_hisparse_requests(layout, num_blocks: int, max_model_len: int, hot_rows: int,
                               host_blocks: int | None = None, offloaded: tuple[str, ...] = ("mla",),
                               tail_pages: int = TAIL_PAGES, reserve_pages: int = 0, reserve_per_request: int = 0,
-                              window_tokens: int | None = None, prefill_hot_rows: int | None = None
-                              ) -> HiSparsePagePlan:
+                              window_tokens: int | None = None, prefill_hot_rows: int | None = None,
+                              hot_tokens_per_page: int | None = None) -> HiSparsePagePlan:
     """DESIGN §9's HiSparse device-bound and host-bound counts in pages of `layout`.
 
     The `offloaded` groups (the sparse-MLA group) keep only `tail_pages` pages per request on
@@ -708,19 +732,25 @@ def predict_hisparse_requests(layout, num_blocks: int, max_model_len: int, hot_r
     with an in-flight window instead: the offloaded groups' pages of `window_tokens` tokens (the
     engine: two prefill chunks) and a prefill hot buffer of `prefill_hot_rows` rows, next to the
     other groups' pages of the whole context (without `window_tokens`, such a request gives 0).
+
+    Under decode context parallelism pass the engine's pages (`g · N` tokens) as `layout` and
+    `hot_tokens_per_page = g`: a leased engine page is a `g`-row page on each of the N ranks, and
+    every rank's hot buffer must hold `hot_rows` rows (any rank may own a whole top-k), so the
+    lease is ⌈hot_rows / g⌉ engine pages — N times the single-device hot rows over the group.
     """
     pages = pages_per_request(layout, max_model_len)
     gs = {g.name: g for g in getattr(layout, "groups", layout)}
     unknown = [g for g in offloaded if g not in gs]
     if unknown or not offloaded:
         raise ValueError(f"offloaded groups {offloaded} not all in the layout's {sorted(gs)}")
-    hot_pages = math.ceil(hot_rows / gs[offloaded[0]].tokens_per_page)
+    hot_tpp = hot_tokens_per_page or gs[offloaded[0]].tokens_per_page
+    hot_pages = math.ceil(hot_rows / hot_tpp)
     usable = num_blocks - 1
     first = sum(pages.values()) + hot_pages
     resident_rest = sum(n for g, n in pages.items() if g not in offloaded)
     if first > usable and window_tokens is not None:  # the in-flight window
         win = pages_per_request([gs[g] for g in offloaded], min(max_model_len, window_tokens))
-        pre = math.ceil((prefill_hot_rows or hot_rows) / gs[offloaded[0]].tokens_per_page)
+        pre = math.ceil((prefill_hot_rows or hot_rows) / hot_tpp)
         first = resident_rest + sum(win.values()) + tail_pages * len(offloaded) + max(hot_pages, pre)
     steady = resident_rest + hot_pages + tail_pages * len(offloaded)
     device_bound = 0 if usable < first else 1 + max(0, usable - reserve_pages - first) // (steady + reserve_per_request)

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from glm53.batch import ForwardBatch
+from glm53.hot_cache import HotBatch
 from glm53.kv_layout import KVCacheLayout
 from sharding.context_parallel import pcp_chunk_order
 from sharding.mesh import REQUESTS, TOKENS, ParallelLayout
@@ -72,29 +73,41 @@ def pcp_reorder(batch: ForwardBatch, pcp: int) -> ForwardBatch:
     take = lambda a: np.asarray(a)[order]  # noqa: E731
     return ForwardBatch(take(batch.input_ids_T), take(batch.positions_T), take(batch.req_idx_T),
                         {k: take(v) for k, v in batch.slot_mapping.items()}, dict(batch.block_tables),
-                        inv[np.asarray(batch.logits_indices_B)].astype(np.int32))
+                        inv[np.asarray(batch.logits_indices_B)].astype(np.int32), batch.hot)
 
 
 def stack_replicas(batches: list[ForwardBatch], pcp: int = 1) -> ForwardBatch:
     """DP: concatenate the replicas' (PCP-reordered) batches into one global batch. All replicas
     must have the same token count, rows and table widths."""
+    hots = [b.hot for b in batches]
     batches = [pcp_reorder(b, pcp) for b in batches]
     T = batches[0].num_tokens
     cat = lambda xs: np.concatenate([np.asarray(x) for x in xs])  # noqa: E731
+    hot = None
+    if hots[0] is not None:  # HiSparse: row arrays per replica, one active/narrow flag for the step
+        hot = HotBatch(cat([h.host_table_BP for h in hots]), cat([h.hot_table_BH for h in hots]),
+                       cat([h.state_row_B for h in hots]), cat([h.reset_from_B for h in hots]),
+                       np.bool_(any(bool(h.active) for h in hots)), hots[0].num_host_blocks,
+                       np.bool_(all(bool(h.narrow) or not bool(h.active) for h in hots)))
     return ForwardBatch(
         cat([b.input_ids_T for b in batches]), cat([b.positions_T for b in batches]),
         cat([b.req_idx_T for b in batches]),
         {k: cat([b.slot_mapping[k] for b in batches]) for k in batches[0].slot_mapping},
         {k: cat([b.block_tables[k] for b in batches]) for k in batches[0].block_tables},
-        cat([np.asarray(b.logits_indices_B) + r * T for r, b in enumerate(batches)]).astype(np.int32))
+        cat([np.asarray(b.logits_indices_B) + r * T for r, b in enumerate(batches)]).astype(np.int32), hot)
 
 
 def batch_shardings(batch: ForwardBatch, parallel: ParallelLayout) -> ForwardBatch:
     """Shardings of a global batch: token arrays over TOKENS, block tables over REQUESTS, logits
     indices replicated."""
     tok, bt = parallel.sharding(TOKENS), parallel.sharding(REQUESTS, None)
+    rep = parallel.sharding()
+    hot = None
+    if batch.hot is not None:  # HiSparse: per-request rows with the block tables, flags replicated
+        row = parallel.sharding(REQUESTS)
+        hot = HotBatch(bt, bt, row, row, rep, rep, rep)
     return ForwardBatch(tok, tok, tok, {k: tok for k in batch.slot_mapping}, {k: bt for k in batch.block_tables},
-                        parallel.sharding(None))
+                        parallel.sharding(None), hot)
 
 
 def shard_batch(batch: ForwardBatch, parallel: ParallelLayout) -> ForwardBatch:

@@ -60,6 +60,7 @@ Numbers on a CPU measure the serving machinery on a tiny model, not an H200's sp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import csv
 import json
 import math
@@ -127,6 +128,8 @@ class Server:
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        if any(f.endswith("-parallel-size") for f in flags) and "XLA_FLAGS" not in os.environ:
+            env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"  # a parallel layout on the CPU
         self.log = open(log_path, "w")
         cmd = [sys.executable, "-m", "serving.run", "--port", str(self.port), "--served-model-name", MODEL,
                "--log-level", "warning", *flags]
@@ -283,9 +286,31 @@ def run_point(server: Server, wl: Workload, concurrency: int, vocab: int, logpro
 
 
 # ----------------------------------------------------------------------------------- sizing
-def pool_sizes(wl: Workload, baseline_contexts: int, top_conc: int, cache_dtype: str):
-    """(model config, KV layout, pages per final context, small pool, ample pool) in arena pages
-    (incl. the null block)."""
+LAYOUTS = {  # --layout → the server's parallel flags (8 simulated CPU devices when > 1)
+    "1": [],
+    "tp2": ["--tensor-parallel-size", "2"],
+    "tp2xdcp2": ["--tensor-parallel-size", "2", "--decode-context-parallel-size", "2"],
+    "dp2": ["--data-parallel-size", "2", "--enable-expert-parallel"],
+}
+
+
+def layout_sizes(name: str) -> tuple[int, int]:
+    """(dcp, dp) of a --layout."""
+    flags = LAYOUTS[name]
+    get = lambda f: int(flags[flags.index(f) + 1]) if f in flags else 1  # noqa: E731
+    return get("--decode-context-parallel-size"), get("--data-parallel-size")
+
+
+@dataclasses.dataclass(frozen=True)
+class _EnginePages:
+    name: str
+    tokens_per_page: int
+
+
+def pool_sizes(wl: Workload, baseline_contexts: int, top_conc: int, cache_dtype: str, dcp: int = 1):
+    """(model config, KV layout, pages per final context, small pool, ample pool) in engine pages
+    (incl. the null block; under DCP an engine page spans tokens_per_page × dcp tokens, the pools
+    are per arena shard)."""
     from glm53.capacity import pages_per_request
     from glm53.config import GlmConfig
     from glm53.kv_layout import build_kv_layout
@@ -293,25 +318,29 @@ def pool_sizes(wl: Workload, baseline_contexts: int, top_conc: int, cache_dtype:
 
     cfg = GlmConfig.from_pretrained(str(default_model_dir()))
     layout = build_kv_layout(cfg, cache_dtype, with_mtp=False)
-    per = sum(pages_per_request(layout, wl.final_context).values())
+    per = sum(pages_per_request([_EnginePages(g.name, g.tokens_per_page * dcp) for g in layout.groups],
+                                wl.final_context).values())
     return cfg, layout, per, baseline_contexts * per + 1, 2 * top_conc * per + 8
 
 
 def predicted(mode: str, layout, nblocks: int, wl: Workload, hs: dict, conc: int, max_num_seqs: int,
-              host_blocks: int) -> int:
-    """The planner's steady-state running requests for the final context, capped by c."""
+              host_blocks: int, dcp: int = 1, dp: int = 1) -> int:
+    """The planner's steady-state running requests for the final context, capped by c (engine
+    pages under DCP with per-rank hot rows; `dp` replicas of `max_num_seqs` each)."""
     from glm53.capacity import predict_device_resident_requests, predict_hisparse_requests
 
     L = wl.final_context
+    groups = [_EnginePages(g.name, g.tokens_per_page * dcp) for g in layout.groups]
     if mode == "hisparse":
         g = layout.group("mla")
         dec = math.ceil(hs["device_buffer_rows"] / g.tokens_per_page) * g.tokens_per_page
-        n = predict_hisparse_requests(layout, nblocks, L, dec, host_blocks=host_blocks, reserve_per_request=1,
+        n = predict_hisparse_requests(groups, nblocks, L, dec, host_blocks=host_blocks, reserve_per_request=1,
                                       window_tokens=2 * hs["max_num_batched_tokens"],
-                                      prefill_hot_rows=hs["prefill_rows"]).requests
+                                      prefill_hot_rows=hs["prefill_rows"],
+                                      hot_tokens_per_page=g.tokens_per_page).requests
     else:
-        n = predict_device_resident_requests(layout, nblocks, L)
-    return min(n, conc, max_num_seqs)
+        n = predict_device_resident_requests(groups, nblocks, L)
+    return min(n * dp, conc, max_num_seqs * dp)
 
 
 # ----------------------------------------------------------------------------------- report
@@ -401,6 +430,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--turns", type=int, default=13)
     p.add_argument("--concurrency", default="1,8,16,24,32")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--layout", default="1", choices=list(LAYOUTS),
+                   help="parallel layout of every server (8 simulated CPU devices when > 1); the offloading "
+                        "connector runs on one device, so under a parallel layout the offload mode is skipped and "
+                        "hisparse runs without the indexer connector")
     p.add_argument("--baseline-contexts", type=int, default=2,
                    help="the small pool (preemption and hisparse) holds this many final contexts fully resident")
     p.add_argument("--kv-cache-dtype", default="auto")
@@ -420,7 +453,11 @@ def main(argv=None) -> list[dict]:
     modes = [m for m in args.modes.split(",") if m]
     wl = Workload.scaled(args.scale, args.turns)
     cache_dtype = "float32" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
-    cfg, layout, per, small, ample = pool_sizes(wl, args.baseline_contexts, max(concs), cache_dtype)
+    dcp, dp = layout_sizes(args.layout)
+    if args.layout != "1" and "offload" in modes:
+        print(f"--layout {args.layout}: skipping the offload mode (the offloading connector runs on one device)")
+        modes = [m for m in modes if m != "offload"]
+    cfg, layout, per, small, ample = pool_sizes(wl, args.baseline_contexts, max(concs), cache_dtype, dcp)
     mla = layout.group("mla")
     host_bytes = (2 * max(concs) + 4) * wl.final_context * mla.bytes_per_token
     hs = {"host_pool_gib": round(host_bytes / 2**30, 4) + 0.001, **json.loads(args.hisparse_config)}
@@ -440,13 +477,14 @@ def main(argv=None) -> list[dict]:
           f"pages, ample {ample}; hisparse_config {hs}; host budget {host_total / 2**20:.1f} MiB", flush=True)
     common = ["--max-model-len", str(max_len), "--max-num-seqs", str(max_num_seqs), "--enable-prefix-caching",
               "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-cache-dtype", args.kv_cache_dtype,
-              "--disable-log-stats"]
+              "--disable-log-stats", *LAYOUTS[args.layout]]
     flags = {"ample": ["--num-gpu-blocks-override", str(ample)],
              "preemption": ["--num-gpu-blocks-override", str(small)],
              "offload": ["--num-gpu-blocks-override", str(small), *connector(host_total)],
              "hisparse": ["--num-gpu-blocks-override", str(small), "--attention-config",
-                          json.dumps({"hisparse_config": hs}), *connector(host_total // 4)]}
-    host_blocks = math.ceil(hs["host_pool_gib"] * 2**30 / (mla.bytes_per_token * mla.tokens_per_page))
+                          json.dumps({"hisparse_config": hs}),
+                          *(connector(host_total // 4) if args.layout == "1" else [])]}
+    host_blocks = math.ceil(hs["host_pool_gib"] * 2**30 / (mla.bytes_per_token * mla.tokens_per_page * dcp))
     vocab = 400  # the tiny tokenizer's ordinary ids lie below its special tokens
     rows, refs = [], {}
     lm = None  # the model for the equality rule's indexer diagnostic (loaded once, for the compared modes)
@@ -473,7 +511,7 @@ def main(argv=None) -> list[dict]:
                                                         args.max_num_batched_tokens,
                                                         "prefill_rows": hs.get("prefill_buffer_size",
                                                                                max(hs_rows, 16 * cfg.index_topk))},
-                                 c, max_num_seqs, host_blocks)
+                                 c, max_num_seqs, host_blocks, dcp, dp)
                 # A point of c ≤ 2 lasts seconds: it is run `--low-repeats` times (new
                 # conversations each time, so no run reuses another's prefixes) and the run with
                 # the median logical throughput is reported.

@@ -181,6 +181,26 @@ def plot(cfg: GlmConfig, deps: list[cap.Deployment], multipliers: list[int], win
     plt.close(fig)
 
 
+def layouts_table(cfg: GlmConfig, seq_len: int) -> list[str]:
+    """Hybrid HiSparse on one 8×H200 node three ways (`glm53.capacity.hisparse_layouts`) at
+    `seq_len`-token contexts: KV room, per-device footprints and the requests each bound allows."""
+    out = [f"Hybrid HiSparse across layouts, {fmt_tokens(seq_len)}-token contexts, one 8×H200 node "
+           "(FP8 weights + KV, MTP3, util 0.92, hot lease 2 × top-k; planner, glm53.capacity.capacity)",
+           f"{'layout':<24}{'KV room/GPU':>12}{'resident':>9}{'first/GPU':>11}{'steady/GPU':>11}{'hot/GPU':>9}"
+           f"{'dev-bound':>10}{'host pool':>11}{'host-bound':>11}{'HiSparse':>9}{'pool for dev-bound':>20}"]
+    for name, d in cap.hisparse_layouts(seq_len).items():
+        p = cap.capacity(cfg, d, seq_len)
+        gib = lambda b: f"{b / cap.GiB:.2f}G"  # noqa: E731
+        out.append(f"{name:<24}{gib(p.kv_room_per_gpu):>12}{p.device_resident:>9}{gib(p.first_bytes):>11}"
+                   f"{gib(p.steady_bytes):>11}{gib(p.hot_bytes):>9}{p.hisparse_device_bound:>10}"
+                   f"{gib(d.host_pool_bytes) + ('/rep' if d.dp > 1 else ''):>11}{p.hisparse_host_bound:>11}"
+                   f"{p.hisparse:>9}{gib(p.min_host_pool_bytes) + ('/rep' if d.dp > 1 else ''):>20}")
+    out.append("first/steady/hot: bytes per device of the admitted request and of each other request; under DCP a "
+               "rank holds 1/8 of every context but a whole hot buffer (any rank may own a request's whole "
+               "top-k). Counts are for the node (DP: 8 replicas).")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="glm-5.3", help="preset name or checkpoint directory (default glm-5.3)")
@@ -195,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hot-multipliers", default="1,2,3,5", help="plot's hot-buffer sizes in units of index_topk")
     ap.add_argument("--admission-window", type=parse_tokens, default=32768)
     ap.add_argument("--out", default=None, help="directory for capacity.png")
+    ap.add_argument("--layouts-length", type=parse_tokens, default=1_048_576,
+                    help="context length of the HiSparse-across-layouts table (default 1M)")
     args = ap.parse_args(argv)
 
     cfg = load_config(args.model)
@@ -219,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     for d in deps:
         rows = sorted(set(lengths) | ({d.max_model_len} if d.max_model_len < lengths[-1] else set()))
         out += [""] + table(cfg, d, rows, args.admission_window)
+    out += [""] + layouts_table(cfg, args.layouts_length)
     print("\n".join(out))
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -298,7 +298,7 @@ def _check_attention_config(config: dict | None, args: argparse.Namespace | None
     no longer than index_topk stay on the sparse MLA op; there is no dense-MHA prefill path), so it
     is accepted; `false` and unknown keys are refused naming the key. `hisparse_config` (Hybrid
     HiSparse, `serving/hisparse/config.py`) is parsed here so a bad key fails at start-up; it runs
-    on one device for now, so the parallelism flags are refused with it."""
+    on every parallel layout (docs/hisparse.md)."""
     from serving.hisparse import HiSparseConfigError, hisparse_config
 
     for key, value in (config or {}).items():
@@ -311,11 +311,6 @@ def _check_attention_config(config: dict | None, args: argparse.Namespace | None
                 hisparse_config(config)
             except HiSparseConfigError as e:
                 raise ArgumentError(str(e)) from None
-            if args is not None:
-                used = _parallel_flags_used(args)
-                if used:
-                    raise _not_yet(f"--attention-config hisparse_config with {', '.join(used)} "
-                                   "(HiSparse runs on one device in this build)")
         else:
             raise ArgumentError(f"--attention-config: unknown key {key!r} "
                                 "(known: sparse_mla_force_mqa, hisparse_config)")

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from glm53.tokenizer import tokenizer_vocab_size
 from serving.block_pool import BlockPool
 from serving.engine import EngineArgs, LLMEngine
+from serving.hisparse import build_hisparse, hisparse_config
 from serving.kv_cache import KVCacheGroupSpec, KVCacheManager
 from serving.metrics import EngineGauges, LoggingStatLogger, StepRecord
 from serving.prefix_cache import PrefixCache
@@ -70,6 +71,11 @@ class EngineReplica:
             return
         self.kv.on_block_reuse(block, tag)
 
+    def on_host_block_reuse(self, block: int, tag) -> None:
+        """The replica's HiSparse host pool's reuse callback (its prefix cache's host tier)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.on_host_block_reuse(block, tag)
+
 
 class DataParallelEngine(LLMEngine):
     """`LLMEngine` over `dp` attention replicas (see the module docstring). Built by
@@ -86,10 +92,7 @@ class DataParallelEngine(LLMEngine):
         par = args.parallel
         if par is None or par.data_parallel_size < 2:
             raise ValueError("DataParallelEngine needs --data-parallel-size >= 2")
-        if (args.attention_config or {}).get("hisparse_config") is not None:
-            raise ValueError("--attention-config hisparse_config with --data-parallel-size > 1 is not supported "
-                             "in this build (HiSparse runs on one device)")
-        self.hisparse = None
+        self.hisparse = None  # serving.hisparse.HiSparse (one host pool, policy, prefix cache per replica)
         self.offload = None  # the offloading connector runs on one device for now
         self.spec_config = None  # MTP speculation is refused with --data-parallel-size > 1 (LLMEngine.from_args)
         self.spec_stats = self.drafts = self.drafter_override = None
@@ -107,25 +110,37 @@ class DataParallelEngine(LLMEngine):
             rep = EngineReplica(r, None, None, None, None)  # filled below (the pool's callback needs rep)
             rep.pool = BlockPool(num_blocks, on_reuse=rep.on_block_reuse)
             rep.kv = KVCacheManager(rep.pool, groups, caps)
-            rep.prefix_cache = PrefixCache(rep.kv) if args.enable_prefix_caching else None
+            self.replicas.append(rep)
+        hs_config = hisparse_config(args.attention_config)
+        if hs_config is not None:  # each replica: its own host pool of host_pool_gib, policy, prefix cache
+            self.hisparse = build_hisparse(hs_config, [r.kv for r in self.replicas], layout, model.cfg, args,
+                                           [r.on_host_block_reuse for r in self.replicas], parallel=self.parallel)
+        for rep in self.replicas:
+            policy = None
+            if self.hisparse is not None:
+                rep.prefix_cache = self.hisparse.prefix_caches[rep.index]
+                policy = self.hisparse.policies[rep.index]
+            else:
+                rep.prefix_cache = PrefixCache(rep.kv) if args.enable_prefix_caching else None
             rep.scheduler = Scheduler(
                 SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len),
-                rep.kv, eos_token_ids, rep.prefix_cache)
-            self.replicas.append(rep)
+                rep.kv, eos_token_ids, rep.prefix_cache, policy)
         self.prefix_cache = self.replicas[0].prefix_cache
         self.runner = ModelRunner(model, layout, num_blocks, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len, seed=args.seed,
                                   max_logprobs=args.max_logprobs, parallel=self.parallel,
                                   cuda_graph_sizes=args.cuda_graph_sizes,
-                                  sampling_vocab_size=tokenizer_vocab_size(model_path))
+                                  sampling_vocab_size=tokenizer_vocab_size(model_path),
+                                  hisparse=self.hisparse.device if self.hisparse is not None else None)
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_steps = 0
         self.host_overhead_s = 0.0
         reps = self.replicas
         self.gauges = EngineGauges(lambda: sum(r.scheduler.num_requests_running for r in reps),
                                    lambda: sum(r.scheduler.num_requests_waiting for r in reps),
-                                   lambda: sum(r.scheduler.kv_cache_usage for r in reps) / len(reps))
+                                   lambda: sum(r.scheduler.kv_cache_usage for r in reps) / len(reps),
+                                   self.hisparse.gauges() if self.hisparse is not None else None)
         self.stat_loggers: list = []
         if not args.disable_log_stats:
             self.stat_loggers.append(LoggingStatLogger(self.gauges, args.log_stats_interval_s))
@@ -164,6 +179,7 @@ class DataParallelEngine(LLMEngine):
             rec = StepRecord(is_step=False)
             rec.finished.append(self._finished_stats(req, time.monotonic()))
             self._emit(rec)
+        self._flush_if_idle()
         return out
 
     def has_unfinished_requests(self) -> bool:
@@ -176,6 +192,7 @@ class DataParallelEngine(LLMEngine):
         preempted_before = sum(r.scheduler.num_preemptions_total for r in self.replicas)
         scheds = [r.scheduler.schedule() for r in self.replicas]
         if all(s.is_empty for s in scheds):
+            self._flush_if_idle()
             return []
         try:
             sampled = self.runner.execute_replicas(scheds, [r.kv for r in self.replicas])
@@ -192,6 +209,8 @@ class DataParallelEngine(LLMEngine):
                     out.new_logprobs = lp[: len(out.new_token_ids)]
             per_replica.append(o)
             outs.extend(o)
+        self._flush_if_idle()
+        hot_stats = self.hisparse.device.last_stats if self.hisparse is not None else None
         st = self.runner.last
         host = (time.perf_counter() - t0) - st.device_s
         self.num_steps += 1
@@ -203,6 +222,8 @@ class DataParallelEngine(LLMEngine):
             preempted = sum(r.scheduler.num_preemptions_total for r in self.replicas) - preempted_before
             rec = StepRecord(num_preemptions=preempted, num_scheduled_tokens=st.num_tokens, host_s=host,
                              device_s=st.device_s)
+            if hot_stats is not None:
+                rec.hisparse_hits, rec.hisparse_misses, _, rec.hisparse_h2d_bytes = hot_stats
             for sched, o in zip(scheds, per_replica):
                 self._timing(sched, o, rec)
             self._emit(rec)

@@ -141,12 +141,8 @@ class LLMEngine:
         self.offload = self._build_offload(layout, hs_config is not None)
         off_store = self.offload.store if self.offload is not None else None
         if hs_config is not None:
-            if self.parallel is not None:
-                raise ValueError("--attention-config hisparse_config runs on one device for now: drop "
-                                 "--tensor-parallel-size / --prefill-context-parallel-size / "
-                                 "--decode-context-parallel-size / --data-parallel-size")
             self.hisparse = build_hisparse(hs_config, self.kv, layout, model.cfg, args, self._on_host_block_reuse,
-                                           offload=off_store, num_speculative_tokens=k)
+                                           offload=off_store, num_speculative_tokens=k, parallel=self.parallel)
             self.prefix_cache = self.hisparse.prefix_cache
             policy = self.hisparse.policy
         else:
@@ -318,9 +314,9 @@ class LLMEngine:
         """Nothing left to run: complete HiSparse's queued write-through copies and the
         connector's queued stores now (the last pages of finished or aborted requests go to the
         host tiers) rather than with the next request's step."""
-        if self.scheduler.has_unfinished_requests():
+        if self.has_unfinished_requests():
             return
-        if self.hisparse is not None and self.hisparse.host.queue:
+        if self.hisparse is not None and any(h.queue for h in self.hisparse.hosts):
             self._flush_host_copies()
         if self.offload is not None and self.offload.store.queue:
             self.runner.run_offload([], wait=True)
@@ -413,7 +409,8 @@ class LLMEngine:
             if self.hisparse is not None:
                 from serving.scheduler import SchedulerOutput
 
-                self.hisparse.policy.after_update(SchedulerOutput())
+                for policy in self.hisparse.policies:
+                    policy.after_update(SchedulerOutput())
             self._after_offload()
         outs, rec = [], StepRecord(is_step=False)
         now = time.monotonic()
@@ -440,10 +437,12 @@ class LLMEngine:
         so their host copies complete and are published."""
         from serving.scheduler import SchedulerOutput
 
-        policy = self.hisparse.policy
-        while self.hisparse.host.queue:
-            self.runner.run_stores(policy.take_stores(self.hisparse.device.max_stores), wait=True)
-            policy.after_update(SchedulerOutput())
+        hs = self.hisparse
+        while any(h.queue for h in hs.hosts):
+            jobs = [p.take_stores(hs.device.max_stores) for p in hs.policies]
+            self.runner.run_stores(jobs if self.runner.parallel is not None else jobs[0], wait=True)
+            for p in hs.policies:
+                p.after_update(SchedulerOutput())
 
     # ------------------------------------------------------------------ statistics
     def _timing(self, sched, outs: list[RequestOutput], rec: StepRecord) -> None:

@@ -32,7 +32,7 @@ from glm53.kv_layout import KVCacheLayout
 from glm53.model import GlmForCausalLM
 from glm53.parallel_batch import empty_parallel_arena, pcp_reorder, shard_batch, stack_replicas
 from glm53.hot_cache import HostAccess, HotState, PagedKV
-from kernels.host_rows import store_pages
+from glm53.attention import store_host_pages
 from kernels.paged import copy_pages
 from serving.hisparse.device_state import HiSparseDeviceState
 from serving.kv_cache import KVCacheManager
@@ -139,8 +139,6 @@ class ModelRunner:
         self.offload = offload  # serving.offload.Offload (its store's queue, its transfer programs)
         if offload is not None and parallel is not None:
             raise ValueError("the offloading connector runs on one device for now")
-        if hisparse is not None and parallel is not None:
-            raise ValueError("HiSparse runs on one device for now")
         self.parallel = parallel
         self.graphdef, self.state = nnx.split(model)
         self.max_num_seqs = max_num_seqs
@@ -172,6 +170,7 @@ class ModelRunner:
         self.last_logprobs: dict[str, list[TokenLogprobs]] = {}
         self.num_page_copies = 0  # whole-page copies run on the device so far
         self.num_hot_steps = 0  # HiSparse steps run with the hot path (some request held a hot lease)
+        self._store_jobs: dict[int, list] = {}  # HiSparse copies `prepare` took, per replica
         self.faults: FaultInjection | None = FaultInjection.from_env()  # test hook (serving/faults.py)
         graphdef = self.graphdef
         reachable = model.cfg.vocab_size if sampling_vocab_size is None else min(sampling_vocab_size,
@@ -187,7 +186,6 @@ class ModelRunner:
         self.arena_shards = arena_shards(parallel) if parallel is not None else 1
         self.max_page_copies = max_num_seqs * len(layout.groups) * self.arena_shards
 
-        mla = layout.group("mla")
         mechanism = hisparse.mechanism if hisparse is not None else None
         narrow_rows = hisparse.narrow_rows if hisparse is not None else None
         spec_k = self.spec_k
@@ -231,7 +229,8 @@ class ModelRunner:
             # then updates in place would make XLA copy the whole arena every step.
             @functools.partial(jax.jit, donate_argnums=(0,))
             def store_only(pool, kv_arena, store_src, store_dst):
-                return store_pages(pool, kv_arena, store_src, store_dst, mla, "mla", mechanism=mechanism)
+                return store_host_pages(pool, kv_arena, store_src, store_dst, layout, "mla", mechanism=mechanism,
+                                        parallel=parallel)
 
             self._store_only = store_only
 
@@ -281,9 +280,10 @@ class ModelRunner:
 
     def run_stores(self, jobs, wait: bool = False) -> None:
         """HiSparse: dispatch the write-through copies `jobs` (`serving.hisparse.host_pool.CopyJob`,
-        at most `max_stores`) as their own program over the current arena (one fixed shape: the
-        list is −1 padded). Call it before the step that should see them complete; `wait` blocks
-        until they ran (an idle engine flushing its queue)."""
+        at most `max_stores`; under data parallelism one list per replica) as their own program
+        over the current arena (one fixed shape: the list is −1 padded). Call it before the step
+        that should see them complete; `wait` blocks until they ran (an idle engine flushing its
+        queue)."""
         src, dst = self.hisparse.store_lists(jobs)
         self.hisparse.pool, done = self._store_only(self.hisparse.pool, self.kv_arena, jnp.asarray(src),
                                                     jnp.asarray(dst))
@@ -303,6 +303,16 @@ class ModelRunner:
             self.kv_arena = transfer.load(self.kv_arena, loads)
         if wait:
             transfer.wait()
+
+    def _dispatch_stores(self) -> None:
+        """HiSparse: run the write-through copies `prepare` took from the policies (one list per
+        replica), before the step."""
+        if self.hisparse is None:
+            return
+        jobs = [self._store_jobs.get(r, []) for r in range(self.dp)]
+        self._store_jobs = {}
+        if any(jobs):
+            self.run_stores(jobs if self.parallel is not None else jobs[0])
 
     def _hisparse_args(self):
         """The step's `hs` argument: None or (hot state, host pool)."""
@@ -372,9 +382,8 @@ class ModelRunner:
         tables = {g: kv.block_table_array(rids, g, w) for g, w in self.widths.items()}
         batch = ForwardBatch(ids, pos, req, slots, tables, logits_idx)
         if self.hisparse is not None:
-            batch.hot, jobs = self.hisparse.inputs(sched, B, self.widths["mla"])
-            if jobs:
-                self.run_stores(jobs)
+            batch.hot, jobs = self.hisparse.inputs(sched, B, self.widths["mla"], replica)
+            self._store_jobs[replica] = jobs
         copies = np.full((2, self.max_page_copies), -1, np.int32)
         if sched.page_copies:
             pairs = np.asarray(sched.page_copies, np.int32).T  # [2, C] engine block ids
@@ -398,6 +407,7 @@ class ModelRunner:
         to the requested number), one per token."""
         t0 = time.perf_counter()
         batch, extra = self.prepare(sched, kv)
+        self._dispatch_stores()
         self._maybe_fault()
         if self.offload is not None:
             self.run_offload(sched.page_loads)
@@ -515,6 +525,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         T = self.bucket(max(s.num_scheduled_tokens for s in scheds))
         parts = [self.prepare(s, kv, T, r) for r, (s, kv) in enumerate(zip(scheds, kvs))]
+        self._dispatch_stores()
         batch = stack_replicas([b for b, _ in parts], self.parallel.pcp)
         cat = lambda k: np.concatenate([e[k] for _, e in parts])  # noqa: E731
         want_lp = np.bool_(any(bool(e[4]) for _, e in parts))
@@ -524,9 +535,18 @@ class ModelRunner:
         extra = (cat(0), cat(1), cat(2), cat(3), want_lp, *copies)
         self._maybe_fault()
         t1 = time.perf_counter()
-        out, self.kv_arena, _ = self._step(self.state, self._place(batch), self.kv_arena, *map(jnp.asarray, extra),
-                                           None)
-        toks, tok_lp, top_ids, top_lp = jax.device_get(out if want_lp else out[:1] + (None,) * 3)
+        hs_args = self._hisparse_args() if self.hisparse is not None and bool(batch.hot.active) else None
+        if hs_args is None:
+            batch.hot = None
+        else:
+            self.num_hot_steps += 1
+        out, self.kv_arena, hs = self._step(self.state, self._place(batch), self.kv_arena, *map(jnp.asarray, extra),
+                                            hs_args)
+        self._keep_hisparse(hs)
+        stats = hs[0].stats_4 if hs is not None else None
+        (toks, tok_lp, top_ids, top_lp), stats = jax.device_get((out if want_lp else out[:1] + (None,) * 3, stats))
+        if self.hisparse is not None:
+            self.hisparse.record(stats if stats is not None else (0, 0, 0, 0))
         t2 = time.perf_counter()
         self.last = StepStats(sum(s.num_scheduled_tokens for s in scheds), batch.input_ids_T.shape[0],
                               t1 - t0, t2 - t1)

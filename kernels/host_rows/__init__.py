@@ -3,8 +3,10 @@ HiSparse the write-through page store and the host → hot-row copy (`gather_hos
 KV offloading connector whole-page stores and loads (`store_arena_pages`, `load_arena_pages`)."""
 
 from kernels.host_rows.api import default_mechanism
-from kernels.host_rows.ops import (MECHANISMS, HostRowStore, copy_host_rows, load_arena_pages, page_to_rows,
+from kernels.host_rows.ops import (MECHANISMS, HostRowStore, column_part, copy_host_rows, join_column_parts,
+                                   load_arena_pages, page_to_rows, read_host_rows, scatter_host_rows, split_words,
                                    store_arena_pages, store_pages)
 
-__all__ = ["MECHANISMS", "HostRowStore", "copy_host_rows", "default_mechanism", "load_arena_pages", "page_to_rows",
+__all__ = ["MECHANISMS", "HostRowStore", "column_part", "copy_host_rows", "default_mechanism", "join_column_parts",
+           "load_arena_pages", "page_to_rows", "read_host_rows", "scatter_host_rows", "split_words",
            "store_arena_pages", "store_pages"]

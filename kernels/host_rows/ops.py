@@ -119,7 +119,7 @@ def _scatter_layers(kv_arena, slots_X, rows_XnW, layout, component, first_layer,
 
 def copy_host_rows(kv_arena: jax.Array, pool, host_rows_X: jax.Array, slots_X: jax.Array, layout: GroupLayout,
                    component: str, first_layer, num_layers: int, *, mechanism: str,
-                   after: jax.Array | None = None) -> jax.Array:
+                   after: jax.Array | None = None, row_offset=0) -> jax.Array:
     """`gather_host_rows` into the arena: for each valid i (entries with `host_rows_X[i] ≥ 0`
     come first; the first −1 ends the list), copy host row `host_rows_X[i]`'s words of layers
     `[first_layer, first_layer + num_layers)` into arena slot `slots_X[i]` of those layers.
@@ -131,6 +131,8 @@ def copy_host_rows(kv_arena: jax.Array, pool, host_rows_X: jax.Array, slots_X: j
         IndexShare groups scan over it); num_layers: static.
       after: callback mechanism only: an array the reads are ordered after (e.g. the step's
         host stores).
+      row_offset: callback mechanism only: added to every valid host row (a shard's rows in a
+        `HostRowStore` shared by the shards of a parallel layout; int or traced int32).
     Returns the updated arena. An entry with an invalid slot (−1 or inside the null block; the
     resolver never emits one) writes its row into the null block, which no reader reads.
     Raises ValueError for an unknown mechanism or rows stored in several segments.
@@ -157,7 +159,7 @@ def copy_host_rows(kv_arena: jax.Array, pool, host_rows_X: jax.Array, slots_X: j
         X = host_rows_X.shape[0]
         C = min(CALLBACK_CHUNK, X)
         pad = (-X) % C
-        rows_p = jnp.pad(host_rows_X, (0, pad), constant_values=-1)
+        rows_p = jnp.pad(jnp.where(host_rows_X >= 0, host_rows_X + row_offset, -1), (0, pad), constant_values=-1)
         slots_p = jnp.pad(slots_X, (0, pad), constant_values=-1)
         # The reads take `after` as an operand (a real data dependency: they run after the
         # step's stores; an arithmetic no-op on it would be folded away by XLA).
@@ -180,11 +182,80 @@ def _num_valid(idx_C: jax.Array) -> jax.Array:
     return jnp.argmin(jnp.concatenate([valid, jnp.zeros((1,), bool)])).astype(jnp.int32)
 
 
+def split_words(row_words: int, num_parts: int) -> int:
+    """Words of one layer's row in each of `num_parts` column parts (rows padded to a multiple
+    of the parts): ⌈row_words / num_parts⌉."""
+    return -(-row_words // num_parts)
+
+
+def column_part(rows_XLW: jax.Array, num_layers: int, row_words: int, num_parts: int, part) -> jax.Array:
+    """Host rows `[..., L·W]` → column part `part` of `num_parts`: `[..., L·Wp]`, each layer's row
+    zero-padded to `num_parts · Wp` words and cut into equal parts (Wp = `split_words`). A pool
+    split this way keeps one copy of every row over the parts, and every group's layers stay
+    contiguous in each part."""
+    wp = split_words(row_words, num_parts)
+    x = rows_XLW.reshape(*rows_XLW.shape[:-1], num_layers, row_words)
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, wp * num_parts - row_words)])
+    x = lax.dynamic_slice_in_dim(x, jnp.asarray(part, jnp.int32) * wp, wp, axis=x.ndim - 1)
+    return x.reshape(*rows_XLW.shape[:-1], num_layers * wp)
+
+
+def join_column_parts(parts_RXnW: jax.Array, num_layers: int, row_words: int) -> jax.Array:
+    """Inverse of `column_part` for `num_layers` layers: the parts `[R, X, n·Wp]` of rows (all
+    of them, part r first) → the rows `[X, n·W]`."""
+    R, X, _ = parts_RXnW.shape
+    x = parts_RXnW.reshape(R, X, num_layers, -1)
+    x = jnp.moveaxis(x, 0, 2).reshape(X, num_layers, -1)[..., :row_words]
+    return x.reshape(X, num_layers * row_words)
+
+
+def read_host_rows(pool, host_rows_X: jax.Array, col_start, num_cols: int, num_out: int, *, mechanism: str,
+                   row_offset=0) -> jax.Array:
+    """Words `[col_start, col_start + num_cols)` of host rows `host_rows_X` (valid entries ≥ 0
+    first; the first −1 ends the list) → a device buffer `uint32[num_out, num_cols]` (row i =
+    entry i; rows past the valid entries or past `num_out` are zero). The building block of a
+    pool split by columns over devices: each device reads its part of the same rows, then the
+    parts are all-gathered (`join_column_parts`).
+
+    row_offset: callback mechanism only (as `copy_host_rows`). Raises ValueError for an unknown
+    mechanism."""
+    n = jnp.minimum(jnp.sum(host_rows_X >= 0), num_out).astype(jnp.int32)
+    col0 = jnp.asarray(col_start, jnp.int32)
+    buf = jnp.zeros((num_out, num_cols), jnp.uint32)
+    if mechanism == "memory_kind":
+        def body(i, b):
+            row = lax.dynamic_slice(pool, (host_rows_X[i], col0), (1, num_cols))  # contiguous host slice
+            return lax.dynamic_update_slice(b, jax.device_put(row, jax.memory.Space.Device), (i, 0))
+
+        return lax.fori_loop(0, n, body, buf)
+    if mechanism == "callback":
+        rows = jnp.where(jnp.arange(host_rows_X.shape[0]) < n, host_rows_X, -1)[:num_out]
+        rows = jnp.where(rows >= 0, rows + row_offset, -1)
+        rows = jnp.pad(rows, (0, num_out - rows.shape[0]), constant_values=-1)
+        return io_callback(lambda rr, cc, aa: pool._gather(rr, cc, num_cols, aa),
+                           jax.ShapeDtypeStruct((num_out, num_cols), jnp.uint32), rows, col0, jnp.int32(0),
+                           ordered=False)
+    raise ValueError(f"unknown host-row mechanism {mechanism!r}; expected one of {MECHANISMS}")
+
+
+def scatter_host_rows(kv_arena: jax.Array, slots_X: jax.Array, rows_XnW: jax.Array, layout: GroupLayout,
+                      component: str, first_layer, num_layers: int) -> jax.Array:
+    """Write rows `[X, n·W]` (layers `[first_layer, first_layer + n)` of each) at arena slots
+    `[X]`; −1 and null-block slots are dropped."""
+    return _scatter_layers(kv_arena, slots_X, rows_XnW, layout, component, first_layer, num_layers)
+
+
 def store_pages(pool, kv_arena: jax.Array, src_blocks_C: jax.Array, dst_blocks_C: jax.Array, layout: GroupLayout,
-                component: str, *, mechanism: str):
+                component: str, *, mechanism: str, num_parts: int = 1, part=0, row_offset=0, enabled=True):
     """The write-through pre-copy: host block `dst_blocks_C[i]` ← arena page `src_blocks_C[i]`
     (all layers of the component, token-major), for the leading entries with `dst ≥ 1` (the
     first entry < 1 ends the list).
+
+    Parallel layouts (one shard of the pool per device): `num_parts`/`part` (memory_kind) store
+    only column part `part` of the rows (`column_part`; the pool's columns are split over the
+    devices that hold the same KV); `row_offset` (callback: the shard's first row in the shared
+    `HostRowStore`) and `enabled` (callback: False on the devices that must not write, so a row
+    is written once) may be traced.
 
     Returns `(pool, done)`: the updated pool (the same `HostRowStore` object for "callback") and
     an int32 scalar that is ready once the stores ran (order later reads after it).
@@ -192,18 +263,25 @@ def store_pages(pool, kv_arena: jax.Array, src_blocks_C: jax.Array, dst_blocks_C
     tpp = layout.tokens_per_page
     n = _num_valid(dst_blocks_C)
     if mechanism == "memory_kind":
+        _, comp = _one_segment(layout, component)
+
         def body(i, p):
             page = lax.dynamic_slice_in_dim(kv_arena, src_blocks_C[i], 1, axis=0)[0]
-            rows = jax.device_put(page_to_rows(page, layout, component), jax.memory.Space.Host)
+            rows = page_to_rows(page, layout, component)
+            if num_parts > 1:
+                rows = column_part(rows, comp.num_layers, comp.row_words, num_parts, part)
+            rows = jax.device_put(rows, jax.memory.Space.Host)
             return lax.dynamic_update_slice(p, rows, (dst_blocks_C[i] * tpp, 0))
 
         return lax.fori_loop(0, n, body, pool), n
     if mechanism == "callback":
+        n = jnp.where(enabled, n, 0)
+
         def body(i, acc):
             page = lax.dynamic_slice_in_dim(kv_arena, src_blocks_C[i], 1, axis=0)
             rows = page_to_rows(page, layout, component)  # [1, tpp, L·W]
             return acc + io_callback(pool._store, jax.ShapeDtypeStruct((), jnp.int32),
-                                     (dst_blocks_C[i] * tpp)[None], rows, jnp.int32(1), ordered=False)
+                                     (dst_blocks_C[i] * tpp + row_offset)[None], rows, jnp.int32(1), ordered=False)
 
         return pool, lax.fori_loop(0, n, body, jnp.int32(0))
     raise ValueError(f"unknown host-row mechanism {mechanism!r}; expected one of {MECHANISMS}")

@@ -130,20 +130,22 @@ def available_host_memory() -> int | None:
 
 
 def check_host_pool(num_host_blocks: int, host_block_bytes: int, max_model_len: int, tokens_per_page: int,
-                    available: int | None = None) -> None:
-    """Start-up checks of the rounded pool. Raises HiSparseConfigError naming host_pool_gib when
-    it cannot hold one --max-model-len request or exceeds the available host memory."""
+                    available: int | None = None, replicas: int = 1) -> None:
+    """Start-up checks of the rounded pool (one per data-parallel replica: `replicas` of them).
+    Raises HiSparseConfigError naming host_pool_gib when it cannot hold one --max-model-len
+    request or the replicas' pools exceed the available host memory."""
     usable = num_host_blocks - 1
     need = math.ceil(max_model_len / tokens_per_page)
-    size = usable * host_block_bytes
+    size = usable * host_block_bytes * replicas
     if usable < need:
         raise HiSparseConfigError(
-            f"hisparse_config.host_pool_gib holds {usable} host blocks ({size / GiB:.3f} GiB), fewer than the "
-            f"{need} blocks ({need * host_block_bytes / GiB:.3f} GiB) one --max-model-len {max_model_len} request "
+            f"hisparse_config.host_pool_gib holds {usable} host blocks ({usable * host_block_bytes / GiB:.3f} GiB), "
+            f"fewer than the {need} blocks ({need * host_block_bytes / GiB:.3f} GiB) one --max-model-len {max_model_len} request "
             "needs")
     if available is None:
         available = available_host_memory()
     if available is not None and size > available:
         raise HiSparseConfigError(
-            f"hisparse_config.host_pool_gib = {size / GiB:.3f} GiB after rounding exceeds the "
+            f"hisparse_config.host_pool_gib = {size / GiB:.3f} GiB after rounding"
+            f"{f' (x {replicas} data-parallel replicas)' if replicas > 1 else ''} exceeds the "
             f"{available / GiB:.3f} GiB of host memory available")

@@ -28,6 +28,31 @@ from kernels.host_rows import HostRowStore
 from serving.hisparse.config import ResolvedHiSparse
 
 
+def make_parallel_host_pool(mechanism: str, rows_per_shard: int, num_layers: int, row_words: int, parallel):
+    """The host pool of a parallel layout: "memory_kind" — a `pinned_host` `jax.Array`
+    `uint32[shards · rows_per_shard, parts · L · Wp]` sharded by `glm53.attention.host_pool_spec`
+    (each KV shard's rows on its devices, the columns split over the devices that hold the same
+    KV: one host copy per shard), allocated shard by shard on the host; "callback" — one numpy
+    `HostRowStore` `[shards · rows_per_shard, L · W]` that every device reads (one copy)."""
+    from jax.sharding import NamedSharding
+
+    from glm53.attention import host_pool_spec, host_split_axes, kv_shard_axes
+    from kernels.host_rows import split_words
+
+    shards = int(np.prod([parallel.mesh.shape[a] for a in kv_shard_axes(parallel)]))
+    if mechanism == "callback":
+        return HostRowStore(shards * rows_per_shard, num_layers * row_words)
+    parts = int(np.prod([parallel.mesh.shape[a] for a in host_split_axes(parallel)] or [1]))
+    shape = (shards * rows_per_shard, parts * num_layers * split_words(row_words, parts))
+    sharding = NamedSharding(parallel.mesh, host_pool_spec(parallel), memory_kind="pinned_host")
+    pool = jax.make_array_from_callback(shape, sharding,
+                                        lambda idx: np.zeros(tuple(len(range(*i.indices(n))) for i, n in
+                                                                   zip(idx, shape)), np.uint32))
+    if jax.typeof(pool).memory_space != jax.memory.Space.Host:
+        raise RuntimeError(f"the host pool is typed {jax.typeof(pool)}, not host memory")
+    return pool
+
+
 def make_host_pool(mechanism: str, num_rows: int, row_words: int, device=None):
     """A zeroed host pool: a `pinned_host` `jax.Array` ("memory_kind") or a `HostRowStore`
     ("callback").
@@ -50,32 +75,51 @@ class HiSparseDeviceState:
 
     Args:
       config: the resolved HiSparse settings (mechanism, hot rows).
-      mla_layout: the MLA group's `GroupLayout` (tokens per page, layers, row words).
-      num_host_blocks: host blocks including the null block.
-      max_num_seqs: state rows. num_index_groups: IndexShare groups (full layers).
-      max_stores: copies per step (the store list's fixed length).
-      policy: the `HiSparsePolicy` whose leases, host tables and copy queue the steps follow.
+      mla_layout: the MLA group's `GroupLayout` (tokens per page on one device, layers, row words).
+      num_host_blocks: host blocks including the null block (per replica: every KV shard of a
+        replica holds its own share of the same host blocks).
+      max_num_seqs: state rows (per replica). num_index_groups: IndexShare groups (full layers).
+      max_stores: copies per step and replica (the store list's fixed length).
+      policy: the `HiSparsePolicy` whose leases, host tables and copy queue the steps follow, or a
+        list of them, one per data-parallel replica.
+      parallel: the `ParallelLayout`, or None on one device. The host pool and the hot state are
+        then global arrays with one shard per KV shard (replica × DCP rank;
+        `glm53.attention.host_pool_spec`, `hot_state_spec`).
     """
 
     def __init__(self, config: ResolvedHiSparse, mla_layout, num_host_blocks: int, max_num_seqs: int,
-                 num_index_groups: int, max_stores: int, policy):
-        self.policy = policy
+                 num_index_groups: int, max_stores: int, policy, parallel=None):
+        self.policies = list(policy) if isinstance(policy, (list, tuple)) else [policy]
+        self.policy = self.policies[0]
+        self.parallel = parallel
         _, comp = mla_layout.component("mla")
         self.tpp = mla_layout.tokens_per_page
         self.mechanism = config.mechanism
         self.num_host_blocks = int(num_host_blocks)
         self.row_words = comp.num_layers * comp.row_words
-        self.host_block_bytes = 4 * self.tpp * self.row_words
+        self.host_block_bytes = 4 * self.tpp * self.row_words  # one device's share of a host block
         self.hot_rows = config.max_hot_rows
         self.hot_pages = config.max_hot_rows // self.tpp
         self.narrow_rows = config.device_buffer_rows  # a decoding request's lease
         self.max_stores = int(max_stores)
-        self.pool = make_host_pool(self.mechanism, self.num_host_blocks * self.tpp, self.row_words)
-        # Committed to device memory like the step's outputs, so the step's first call with the
-        # state it returned hits the compiled executable (an uncommitted input next to the
-        # committed pinned_host pool would key a second compilation).
-        self.hot = jax.device_put(HotState.empty(max_num_seqs, num_index_groups, self.hot_rows),
-                                  SingleDeviceSharding(jax.devices()[0], memory_kind="device"))
+        rows = self.num_host_blocks * self.tpp
+        if parallel is None:
+            self.pool = make_host_pool(self.mechanism, rows, self.row_words)
+            # Committed to device memory like the step's outputs, so the step's first call with
+            # the state it returned hits the compiled executable (an uncommitted input next to
+            # the committed pinned_host pool would key a second compilation).
+            self.hot = jax.device_put(HotState.empty(max_num_seqs, num_index_groups, self.hot_rows),
+                                      SingleDeviceSharding(jax.devices()[0], memory_kind="device"))
+        else:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            from glm53.attention import hot_state_spec, kv_shard_axes
+
+            self.pool = make_parallel_host_pool(self.mechanism, rows, comp.num_layers, comp.row_words, parallel)
+            shards = int(np.prod([parallel.mesh.shape[a] for a in kv_shard_axes(parallel)]))
+            st = NamedSharding(parallel.mesh, hot_state_spec(parallel))
+            self.hot = jax.device_put(HotState.empty(shards * max_num_seqs, num_index_groups, self.hot_rows),
+                                      HotState(st, st, NamedSharding(parallel.mesh, PartitionSpec())))
         self.layer_row_bytes = 4 * comp.row_words  # one layer's row of one token
         self.hits = self.misses = self.dropped = 0  # lookups since start-up
         self.h2d_bytes = 0  # host → device bytes of hot-row copies since start-up
@@ -94,18 +138,23 @@ class HiSparseDeviceState:
                         np.bool_(False), np.int32(self.num_host_blocks), np.bool_(True))
 
     def store_lists(self, jobs) -> tuple[np.ndarray, np.ndarray]:
-        """int32 `[max_stores]` sources (device pages) and destinations (host blocks) of `jobs`,
-        −1 padded (the store program's one shape)."""
-        src = np.full(self.max_stores, -1, np.int32)
-        dst = np.full(self.max_stores, -1, np.int32)
-        src[:len(jobs)] = [j.device_block for j in jobs]
-        dst[:len(jobs)] = [j.host_block for j in jobs]
-        return src, dst
+        """int32 sources (device pages) and destinations (host blocks) of `jobs`, −1 padded to
+        `max_stores` (the store program's one shape): `[max_stores]` on one device; under a
+        parallel layout `[dp, max_stores]`, `jobs` then being one list per replica (a flat list:
+        replica 0's)."""
+        per = jobs if self.parallel is not None and jobs and isinstance(jobs[0], (list, tuple)) else [jobs]
+        nrep = self.parallel.dp if self.parallel is not None else 1
+        src = np.full((nrep, self.max_stores), -1, np.int32)
+        dst = np.full((nrep, self.max_stores), -1, np.int32)
+        for r, js in enumerate(per):
+            src[r, :len(js)] = [j.device_block for j in js]
+            dst[r, :len(js)] = [j.host_block for j in js]
+        return (src[0], dst[0]) if self.parallel is None else (src, dst)
 
-    def inputs(self, sched, num_rows: int, width: int) -> tuple[HotBatch, list]:
-        """The step's `HotBatch` (row i = `sched.scheduled[i]`) and the write-through copies to
-        run before it (taken from the policy's copy queue)."""
-        policy = self.policy
+    def inputs(self, sched, num_rows: int, width: int, replica: int = 0) -> tuple[HotBatch, list]:
+        """The step's `HotBatch` for one replica (row i = `sched.scheduled[i]`) and the
+        write-through copies to run before it (taken from the replica's policy's copy queue)."""
+        policy = self.policies[replica]
         hot = self.empty_inputs(num_rows, width)
         active, widest = False, 0
         for i, sr in enumerate(sched.scheduled):

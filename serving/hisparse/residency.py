@@ -105,6 +105,9 @@ class HiSparsePolicy(DeviceResidentPolicy):
       config: the resolved `hisparse_config`.
       index_topk: K of the model's indexer.
       prefix_cache: optional; its host tier gets the completed copies.
+      hot_tpp: hot slots a leased page gives each device (default: the group's tokens per page).
+        Under DCP an engine page of `g · N` tokens is a `g`-row page on every rank, and any rank may
+        own a whole top-k, so leases are sized in per-rank rows: `hot_tpp = g`.
     """
 
     name = "hisparse"
@@ -114,7 +117,7 @@ class HiSparsePolicy(DeviceResidentPolicy):
     admission_lookahead = 8
 
     def __init__(self, kv: KVCacheManager, host: HostPool, config: ResolvedHiSparse, index_topk: int,
-                 prefix_cache: "PrefixCache | None" = None, group: str = "mla"):
+                 prefix_cache: "PrefixCache | None" = None, group: str = "mla", hot_tpp: int | None = None):
         super().__init__(kv)
         self.host = host
         self.config = config
@@ -122,8 +125,9 @@ class HiSparsePolicy(DeviceResidentPolicy):
         self.tpp = kv.group(group).tokens_per_page
         self.K = index_topk
         self.prefix_cache = prefix_cache
-        self.dec_pages = config.device_buffer_rows // self.tpp
-        self.max_pages = config.max_hot_rows // self.tpp
+        self.hot_tpp = hot_tpp or self.tpp
+        self.dec_pages = config.device_buffer_rows // self.hot_tpp
+        self.max_pages = config.max_hot_rows // self.hot_tpp
         usable = kv.pool.num_usable_blocks
         self.watermark = min(usable, max(self.dec_pages, math.ceil(config.config.watermark * usable)))
         self.records: dict[str, RequestResidency] = {}
@@ -198,13 +202,14 @@ class HiSparsePolicy(DeviceResidentPolicy):
         off = self.off_pages(rid) if off is None else off
         if off == 0:
             return 0
-        need_rows = min(rows * self.K, off * self.tpp)
-        return max(self.dec_pages, min(self.max_pages, math.ceil(need_rows / self.tpp)))
+        need_rows = min(rows * self.K, off * self.hot_tpp)
+        return max(self.dec_pages, min(self.max_pages, math.ceil(need_rows / self.hot_tpp)))
 
     def _cap_rows(self, rows: int, off: int) -> int:
-        if off == 0 or rows * self.K <= self.max_pages * self.tpp or off * self.tpp <= self.max_pages * self.tpp:
+        cap = self.max_pages * self.hot_tpp
+        if off == 0 or rows * self.K <= cap or off * self.hot_tpp <= cap:
             return rows
-        return max(1, min(rows, self.max_pages * self.tpp // self.K))
+        return max(1, min(rows, cap // self.K))
 
     def cap_new_tokens(self, req: "Request", num_new: int) -> int:
         """The HiSparse prefill chunk bound (module docstring)."""
@@ -226,7 +231,7 @@ class HiSparsePolicy(DeviceResidentPolicy):
         """Requests already scheduled this step with several query rows (their leases were sized for
         their current residency)."""
         return {r.request_id for r in scheduled
-                if r.request_id != exclude and self._rows.get(r.request_id, 0) * self.K > self.dec_pages * self.tpp}
+                if r.request_id != exclude and self._rows.get(r.request_id, 0) * self.K > self.dec_pages * self.hot_tpp}
 
     def _pages_needed(self, req: "Request", num_new: int) -> int:
         rid = req.request_id
@@ -264,7 +269,7 @@ class HiSparsePolicy(DeviceResidentPolicy):
         if self._try_allocate(req, n):
             return n
         # A mixed request's chunk can shrink to what the decode lease covers.
-        small = max(1, min(n, self.dec_pages * self.tpp // self.K))
+        small = max(1, min(n, self.dec_pages * self.hot_tpp // self.K))
         if small < n and self._try_allocate(req, small):
             return small
         return 0
@@ -292,7 +297,7 @@ class HiSparsePolicy(DeviceResidentPolicy):
         # A prefix that starts on the host is prefilled through the hot buffer: when the lease
         # its whole first chunk wants does not fit, a smaller chunk (down to what the decode lease
         # covers) gets it started.
-        least = max(1, min(num_new, self.dec_pages * self.tpp // self.K)) if off else num_new
+        least = max(1, min(num_new, self.dec_pages * self.hot_tpp // self.K)) if off else num_new
         while num_new > least and need(req.num_tokens, num_new) + reserve > self._room(protect):
             num_new = max(least, num_new // 2)
         full = need(req.num_tokens, num_new)
@@ -475,7 +480,8 @@ class HiSparsePolicy(DeviceResidentPolicy):
             same = 0
             while same < min(len(seen), len(rec.lease)) and seen[same] == rec.lease[same]:
                 same += 1
-            reset = same * self.tpp if same < len(rec.lease) or len(seen) > len(rec.lease) else self.max_pages * self.tpp
+            reset = (same * self.hot_tpp if same < len(rec.lease) or len(seen) > len(rec.lease)
+                     else self.max_pages * self.hot_tpp)
         rec.seen_lease = list(rec.lease)
         return list(rec.lease), reset
 

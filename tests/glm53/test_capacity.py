@@ -146,6 +146,44 @@ def test_parallel_layout_dcp_shards_and_dp_replicates():
         _dep(room, num_gpus=8, tp=8, dcp=3)
 
 
+def test_hisparse_under_dcp_keeps_a_whole_hot_buffer_per_rank():
+    """The combined formula (bytes per device): under DCP N a request's KV per device shrinks N×
+    but every rank keeps a whole hot buffer (any rank may own a request's whole top-k), so the
+    steady footprint is ⌈L/N⌉·B_idx + hot + tail with hot and tail unchanged; the host bound is
+    per replica and does not change. At 1M tokens on the reference node TP8 × DCP8 admits more
+    requests on the device than TP8, and the layouts table shows all three."""
+    L = 1_048_576
+    lay = cap.hisparse_layouts(L)
+    tp8, dcp8, dp8 = (cap.capacity(GLM53, d, L) for d in lay.values())
+    kv = cap.kv_bytes_per_token(GLM53, "fp8", with_mtp=True)
+    assert dcp8.hot_bytes == tp8.hot_bytes == 4096 * kv.sparse_mla  # 2 × top-k rows, not divided by 8
+    assert dcp8.steady_bytes == math.ceil(L / 8) * kv.device_indexer + dcp8.hot_bytes + dcp8.tail_bytes
+    assert tp8.steady_bytes == L * kv.device_indexer + tp8.hot_bytes + tp8.tail_bytes
+    assert dcp8.hisparse_device_bound > 4 * tp8.hisparse_device_bound
+    assert dcp8.hisparse_host_bound == tp8.hisparse_host_bound  # the same 384 GiB pool per replica
+    assert dcp8.hisparse == min(dcp8.hisparse_device_bound, dcp8.hisparse_host_bound)
+    assert dp8.hisparse_host_bound == 0  # 48 GiB per replica holds no 1M-token request
+
+
+@pytest.mark.parametrize("dcp", [1, 2, 4])
+def test_engine_unit_hisparse_lease_under_dcp_matches_the_policy(dcp):
+    """Engine units: under DCP a leased engine page is a 64-row page on each rank, so a lease of
+    `device_buffer_size` rows per rank is ⌈rows / 64⌉ engine pages — the policy's `dec_pages` —
+    and the planner (`hot_tokens_per_page=64`) counts the same."""
+    from serving.block_pool import BlockPool
+    from serving.hisparse import HiSparseConfig, HiSparsePolicy
+    from serving.hisparse.host_pool import HostPool
+    from serving.kv_cache import KVCacheGroupSpec, KVCacheManager
+
+    lay = build_kv_layout(TINY, "float32", with_mtp=False)
+    kv = KVCacheManager(BlockPool(64), [KVCacheGroupSpec(g.name, g.tokens_per_page * dcp) for g in lay.groups])
+    resolved = HiSparseConfig(1.0, device_buffer_size=192).resolve(index_topk=64, tokens_per_page=64)
+    policy = HiSparsePolicy(kv, HostPool(100), resolved, 64, hot_tpp=64)
+    plan = cap.predict_hisparse_requests(kv, 64, 2048, 192, hot_tokens_per_page=64)
+    assert policy.dec_pages == plan.hot_pages == 3
+    assert plan.steady_pages == math.ceil(2048 / (768 * dcp)) + 3 + cap.TAIL_PAGES
+
+
 def test_checkpoint_weight_bytes_match_the_tiny_checkpoint_on_disk():
     from glm53.tiny_checkpoint import default_model_dir
 

@@ -31,8 +31,9 @@ def user_tokens(conv: int, turn: int, n: int, vocab: int = 490) -> list[int]:
 
 def run_conversations(engine, *, conversations: int, turns: int, first_tokens: int, new_tokens: int,
                       max_tokens: int, logprobs: int | None = None, audit: bool = True,
-                      max_steps: int = 100_000) -> ConversationRun:
-    """Drive the conversations to the end (see the module docstring); `audit()` after every step."""
+                      max_steps: int = 100_000, on_step=None) -> ConversationRun:
+    """Drive the conversations to the end (see the module docstring); `audit()` after every step,
+    then `on_step(engine, step_index)` when given (a check that must hold between steps)."""
     run = ConversationRun()
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     turn_of = {}
@@ -60,7 +61,9 @@ def run_conversations(engine, *, conversations: int, turns: int, first_tokens: i
             if out.finished and key[1] + 1 < turns:
                 submit(key[0], key[1] + 1)
         run.steps += 1
-        run.running.append(engine.scheduler.num_requests_running)
+        run.running.append(int(engine.gauges.num_requests_running()))
         if audit:
             assert engine.audit() == [], engine.audit()
+        if on_step is not None:
+            on_step(engine, run.steps)
     return run

@@ -141,3 +141,55 @@ def test_whole_page_stores_and_loads_round_trip_byte_exact(mechanism):
         reads += host_memory_reads(jax.make_jaxpr(load)(jnp.asarray(arena0), host, src, dst))
         assert [r for r in reads if r[1] != "ok"] == []
         assert {"dynamic_slice", "device_put", "dynamic_update_slice"} <= {n for n, _ in reads}
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_a_pool_split_by_columns_holds_every_row_once_and_reads_back_exact(parts):
+    """The layout of a pool shared by devices that hold the same KV (TP): each part stores its
+    column part of every page (`store_pages(num_parts=, part=)`), `read_host_rows` reads a
+    group's layers of some rows from each part, and `join_column_parts` reassembles them
+    exactly; the parts together are the rows once (plus the per-layer padding to a multiple of
+    the parts)."""
+    from kernels.host_rows import join_column_parts, read_host_rows, split_words
+
+    lay = GroupLayout("mla", TPP, (CacheComponent("mla", L, 10, "float32"),))  # W = 10 words
+    W = lay.components[0].row_words
+    wp = split_words(W, parts)
+    assert wp * parts >= W and wp * (parts - 1) < W
+    rng = np.random.default_rng(3)
+    arena = rng.integers(0, 2**32, (6, lay.words_per_page), dtype=np.uint32)
+    src, dst = np.array([4, 1, -1], np.int32), np.array([2, 5, -1], np.int32)
+    pools = []
+    for p in range(parts):
+        pool = make_pool("memory_kind", 6 * TPP, L * wp)
+        pool, _ = jax.jit(lambda q, a, p=p: store_pages(q, a, jnp.asarray(src), jnp.asarray(dst), lay, "mla",
+                                                        mechanism="memory_kind", num_parts=parts, part=p))(
+            pool, jnp.asarray(arena))
+        pools.append(pool)
+    assert sum(pool_array(q).nbytes for q in pools) == 6 * TPP * L * wp * parts * 4
+    rows = jnp.asarray([5 * TPP + 1, 2 * TPP + 3, -1, -1], jnp.int32)
+    first, n = 1, 3  # layers 1..3
+    got_parts = jnp.stack([jax.jit(lambda q: read_host_rows(q, rows, first * wp, n * wp, 4,
+                                                            mechanism="memory_kind"))(q) for q in pools])
+    got = np.asarray(join_column_parts(got_parts, n, W))
+    for i, (blk, off) in enumerate([(1, 1), (4, 3)]):  # host block 5 ← page 1, block 2 ← page 4
+        want = arena[blk].reshape(L, TPP, W)[first:first + n, off].reshape(-1)
+        np.testing.assert_array_equal(got[i], want)
+    assert not got[2:].any()  # past the valid rows: zeros
+
+
+def test_callback_stores_take_a_row_offset_and_can_be_disabled():
+    """The shared numpy pool of a parallel layout: a shard writes at its row offset, and only
+    one of the devices holding the same KV writes (`enabled`)."""
+    lay = GroupLayout("mla", TPP, (CacheComponent("mla", L, 12, "float32"),))
+    W = lay.components[0].row_words
+    arena = np.random.default_rng(4).integers(0, 2**32, (4, lay.words_per_page), dtype=np.uint32)
+    store = HostRowStore(2 * 4 * TPP, L * W)  # two shards of 4 blocks
+    src, dst = jnp.asarray([3, -1], jnp.int32), jnp.asarray([1, -1], jnp.int32)
+    f = jax.jit(lambda a, on: store_pages(store, a, src, dst, lay, "mla", mechanism="callback",
+                                          row_offset=4 * TPP, enabled=on)[1])
+    assert int(f(jnp.asarray(arena), False)) == 0 and not store.rows.any()
+    assert int(f(jnp.asarray(arena), True)) == 1
+    want = arena[3].reshape(L, TPP, W).transpose(1, 0, 2).reshape(TPP, L * W)
+    np.testing.assert_array_equal(store.rows[5 * TPP:6 * TPP], want)
+    assert not store.rows[:5 * TPP].any() and not store.rows[6 * TPP:].any()

@@ -1,0 +1,252 @@
+"""Hybrid HiSparse on every parallel layout (8 simulated CPU devices, the shipped tiny checkpoint).
+
+A multi-turn workload (3 conversations × 2 turns, first turn 400 tokens = 6 × index_topk — 900
+under DCP2 —, 24 new user tokens and 8 output tokens per turn) on a device pool far too small for it
+(`SMALL`), served with
+HiSparse under TP2 (one host copy per replica: the pool's columns split over the TP ranks), DP2 +
+EP (a host pool, policy and hot state per replica), TP2 × DCP2, PCP2 × DCP2 and DP2 × TP2 × DCP2
+(each DCP rank's host pool holds its token share of every page; each rank resolves the merged
+top-k for the positions it owns). Every run is checked against the single-device run on an
+ample pool without HiSparse (DESIGN §10's equality rule, `glm53.equality`), with nobody
+preempted, rows really read from the host, audits clean after every step, and — every few steps
+— every clean host block of every replica and DCP rank equal, byte for byte, to the device page
+it copies. Both host-gather mechanisms run ("callback" under TP2 × DCP2 and DP2 × TP2 × DCP2,
+"memory_kind" elsewhere).
+
+Also: an abort and a preemption in one replica leave the other replica's streams unchanged, and
+HiSparse + DCP + MTP (k = 2) serves the single-device non-speculative streams.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm53 import api
+from glm53.attention import host_split_axes
+from glm53.equality import compare_streams
+from kernels.host_rows import page_to_rows, split_words
+from serving.engine import EngineArgs, LLMEngine
+from sharding.mesh import ParallelConfig
+from tests.helpers.conversations import run_conversations
+from tests.helpers.host_memory import host_memory_reads
+
+AMPLE = 160
+# By DCP size: the workload and a device pool far too small for it (pages per arena shard, the
+# null page included). One device: a 400-token first turn needs 7 MLA + 1 indexer pages of 64
+# tokens, three run at once on 9 usable pages. DCP2 (engine pages of 128 tokens): a request's
+# HiSparse footprint (indexer page, hot lease of 2 pages — each rank's hot buffer is as large as
+# one device's — and 2 tail pages) only pays against contexts of many pages, so the first turns
+# are 900 tokens (8 MLA + 1 indexer pages) on 17 usable pages.
+CONVS = {1: dict(conversations=3, turns=2, first_tokens=400, new_tokens=24, max_tokens=8),
+         2: dict(conversations=3, turns=2, first_tokens=900, new_tokens=24, max_tokens=8)}
+SMALL = {1: 10, 2: 18}
+CONV = CONVS[1]
+
+
+def hisparse(mechanism: str) -> dict:
+    return {"hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 1024, "host_gather": mechanism}}
+
+
+def build(num_blocks: int, parallel: ParallelConfig | None = None, attention_config=None, **kw) -> LLMEngine:
+    args = EngineArgs(dtype="float32", max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=64,
+                      cuda_graph_sizes=[], num_gpu_blocks_override=num_blocks, compile_progress=False,
+                      disable_log_stats=True, enable_prefix_caching=True, attention_config=attention_config,
+                      parallel=parallel, **kw)
+    return LLMEngine.from_args(args)
+
+
+_REFERENCES: dict = {}
+
+
+def reference_for(dcp: int):
+    """The single-device run of `CONVS[dcp]` on an ample pool without HiSparse (top-2 logprobs for
+    the rule), computed once per module."""
+    if dcp not in _REFERENCES:
+        _REFERENCES[dcp] = run_conversations(build(AMPLE), logprobs=2, **CONVS[dcp])
+    return _REFERENCES[dcp]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return api.load(dtype=jnp.float32, cache_dtype="float32")
+
+
+def replicas(engine) -> list:
+    """(kv manager, HiSparse policy) per data-parallel replica."""
+    kvs = [r.kv for r in engine.replicas] if hasattr(engine, "replicas") else [engine.kv]
+    return list(zip(kvs, engine.hisparse.policies))
+
+
+def host_rows_of(engine) -> np.ndarray:
+    """The whole host pool as full rows `[shards · rows, L · W]` (column parts joined)."""
+    dev = engine.hisparse.device
+    _, comp = engine.layout.group("mla").component("mla")
+    L, W = comp.num_layers, comp.row_words
+    if dev.mechanism == "callback":
+        return dev.pool.rows
+    pool = np.asarray(dev.pool)
+    par = engine.runner.parallel
+    R = int(np.prod([par.mesh.shape[a] for a in host_split_axes(par)] or [1])) if par is not None else 1
+    wp = split_words(W, R)
+    n = pool.shape[0]
+    return pool.reshape(n, R, L, wp).transpose(0, 2, 1, 3).reshape(n, L, R * wp)[:, :, :W].reshape(n, L * W)
+
+
+def check_host_pool_bytes(engine) -> int:
+    """Every clean host block of every replica and DCP rank equals the device page it copies
+    (that rank's share of the engine page). → the number of (block, rank) pairs checked."""
+    dev, runner = engine.hisparse.device, engine.runner
+    g = engine.layout.group("mla")
+    tpp, nb = g.tokens_per_page, runner.num_blocks
+    dcp = runner.parallel.dcp if runner.parallel is not None else 1
+    arena = np.asarray(runner.kv_arena)
+    pool = host_rows_of(engine)
+    rows = dev.num_host_blocks * tpp
+    assert pool.shape[0] == rows * len(replicas(engine)) * dcp
+    checked = 0
+    for rep, (kv, pol) in enumerate(replicas(engine)):
+        for rid, rec in pol.records.items():
+            t = kv.table(rid, "mla")
+            for i, hb in rec.host_blocks.items():
+                if i in rec.pending or not t.is_owned(i):
+                    continue
+                for d in range(dcp):
+                    s = rep * dcp + d
+                    want = np.asarray(page_to_rows(jnp.asarray(arena[s * nb + t.blocks[i]]), g, "mla"))
+                    np.testing.assert_array_equal(pool[s * rows + hb * tpp: s * rows + (hb + 1) * tpp], want,
+                                                  err_msg=f"replica {rep} rank {d} request {rid} page {i}")
+                    checked += 1
+    return checked
+
+
+def preemptions(engine) -> int:
+    scheds = [r.scheduler for r in engine.replicas] if hasattr(engine, "replicas") else [engine.scheduler]
+    return sum(s.num_preemptions_total for s in scheds)
+
+
+LAYOUTS = {
+    "tp2": (ParallelConfig(tensor_parallel_size=2), "memory_kind"),
+    "dp2_ep": (ParallelConfig(data_parallel_size=2, enable_expert_parallel=True), "memory_kind"),
+    "tp2_dcp2": (ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2), "callback"),
+    "pcp2_dcp2": (ParallelConfig(prefill_context_parallel_size=2, decode_context_parallel_size=2), "memory_kind"),
+    "dp2_tp2_dcp2": (ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, decode_context_parallel_size=2),
+                     "callback"),
+}
+
+
+def host_reads_of_the_programs(engine) -> list[tuple[str, str]]:
+    """Host-memory reads of the engine's hot-path step and store program (`tests/helpers/host_memory`)."""
+    r = engine.runner
+    batch, extra = r._dummy(r.buckets[0])
+    step = host_memory_reads(jax.make_jaxpr(r._step)(r.state, r._place(batch), r.kv_arena, *extra,
+                                                     r._hisparse_args()))
+    src, dst = r.hisparse.store_lists([])
+    return step + host_memory_reads(jax.make_jaxpr(r._store_only)(r.hisparse.pool, r.kv_arena, src, dst))
+
+
+class Interference:
+    """DP2: mid-run (from step 10 on), abort a decoding request of replica 0, then preempt a
+    running request of replica 1 (its pages and host blocks freed, recomputed later)."""
+
+    def __init__(self):
+        self.aborted = self.preempted = None
+
+    def __call__(self, e, i):
+        if i < 10:
+            return
+        if self.aborted is None:
+            victim = next((r for r in e.replicas[0].scheduler.running if r.num_output_tokens > 0), None)
+            if victim is not None:
+                self.aborted = victim.request_id
+                e.abort(victim.request_id)
+        elif self.preempted is None and e.replicas[1].scheduler.running:
+            s1 = e.replicas[1].scheduler
+            victim = s1.running[-1]
+            self.preempted = victim.request_id
+            s1.running.remove(victim)
+            s1._preempt(victim)
+            assert e.audit() == []
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_streams_equal_the_single_device_ample_run(name, lm):
+    """Under DP2 + EP one replica also sees an abort and the other a preemption
+    (`Interference`): every other stream — the preempted one included — still equals the
+    reference, the aborted one is its prefix."""
+    par, mechanism = LAYOUTS[name]
+    dcp = par.decode_context_parallel_size
+    reference = reference_for(dcp)
+    engine = build(SMALL[dcp], par, hisparse(mechanism))
+    if mechanism == "memory_kind":  # on a GPU the host pool allows only slices and moves
+        reads = host_reads_of_the_programs(engine)
+        assert [x for x in reads if x[1] != "ok"] == []
+        assert {"dynamic_slice", "device_put", "dynamic_update_slice"} <= {n for n, _ in reads}
+    checked = []
+    interfere = Interference() if par.data_parallel_size > 1 and dcp == 1 else None
+
+    def on_step(e, i):
+        if interfere is not None:
+            interfere(e, i)
+        if i % 6 == 5:
+            checked.append(check_host_pool_bytes(e))
+
+    run = run_conversations(engine, **CONVS[dcp], on_step=on_step)
+    d = engine.hisparse.device
+    print(f"\n{name}: {engine.runner.num_hot_steps} hot steps, hits {d.hits}, misses {d.misses}, "
+          f"{d.h2d_bytes} B host->device, {sum(checked)} host blocks checked")
+    want = dict(reference.outputs)
+    if interfere is not None:
+        assert interfere.aborted and interfere.preempted
+        key = tuple(int(x) for x in interfere.aborted[1:].split("t"))
+        got = run.outputs.pop(key)
+        assert 0 < len(got) < CONVS[dcp]["max_tokens"] and got == want[key][:len(got)]
+        want = {k: v for k, v in want.items() if k in run.outputs}
+        assert [r.scheduler.num_preemptions_total for r in engine.replicas] == [0, 1]
+    else:
+        assert preemptions(engine) == 0
+    compare_streams(want, run.outputs, reference.logprobs, reference.prompts, lm)
+    assert engine.runner.num_hot_steps > 0 and d.misses > 0 and d.dropped == 0  # rows came from the host
+    assert sum(checked) > 0
+    for kv, pol in replicas(engine):  # nothing leaked, on the device or the host
+        assert kv.pool.num_free == kv.pool.num_usable_blocks
+        assert pol.host.blocks.num_free == pol.host.num_usable
+
+
+@pytest.mark.parametrize("argv", [["-tp", "2"], ["-tp", "2", "-dcp", "2"], ["-dp", "2", "--enable-expert-parallel"],
+                                  ["-pcp", "2", "-dcp", "2"], ["-dp", "2", "-tp", "2", "-dcp", "2"]])
+def test_cli_accepts_hisparse_on_every_parallel_layout(argv):
+    from serving.cli_args import make_arg_parser, validate_args
+
+    args = make_arg_parser().parse_args(["--attention-config", '{"hisparse_config": {"host_pool_gib": 1}}', *argv])
+    validate_args(args)
+    assert args.attention_config["hisparse_config"]["host_pool_gib"] == 1
+
+
+def test_hisparse_dcp_and_mtp_serve_the_single_device_non_speculative_streams(lm):
+    """TP2 × DCP2 + HiSparse (a pool far too small) + MTP speculation (k = 2) with an oracle drafter
+    (the reference continuation: every draft accepted, so every decode step verifies 3 rows per
+    request, each of which may miss its whole top-k on either rank): the streams equal the
+    single-device run without speculation. (The MTP layer's own drafts under TP2 × DCP2 are
+    covered by tests/sharding/test_engine_parallel.py.)"""
+    par = ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2)
+    reference = reference_for(2)
+    # The MTP group's pages and a 4-page hot lease per request: 6 more pages than without MTP.
+    engine = build(SMALL[2] + 6, par, hisparse("memory_kind"), speculative_config={"method": "mtp",
+                                                                                 "num_speculative_tokens": 2})
+    assert engine.hisparse.config.device_buffer_rows == 4 * 64  # (k + 2) × index_topk rows per rank
+
+    def oracle(req, n):
+        c, t = (int(x) for x in req.request_id[1:].split("t"))
+        return (reference.outputs[(c, t)][req.num_output_tokens:] + [0] * n)[:n]
+
+    engine.drafter_override = oracle
+    run = run_conversations(engine, **CONVS[2])
+    compare_streams(reference.outputs, run.outputs, reference.logprobs, reference.prompts, lm)
+    s = engine.spec_stats
+    assert s.num_accepted_tokens > 0 and s.num_accepted_tokens == s.num_draft_tokens  # every draft accepted
+    d = engine.hisparse.device
+    assert engine.runner.num_hot_steps > 0 and d.misses > 0 and d.dropped == 0
+    assert engine.scheduler.num_preemptions_total == 0
