@@ -3,8 +3,9 @@
 The scaled analog of `scripts/capacity.py`'s "HiSparse across layouts" table on the CPU (8
 simulated devices, the shipped tiny checkpoint): the same small device pool (pages per arena
 shard) and an ample host pool under TP2, TP2 × DCP2 and DP2 + EP, with --max-model-len L (default
-32 × index_topk). Each layout gets 2 × (the planner's count) requests of L − 16 prompt tokens and
-16 output tokens, submitted at once; the script records the running requests after every step and
+32 × index_topk). Each layout gets 2 × (the planner's count) requests of L − 128 prompt tokens and
+128 output tokens (a request decodes longer than the next one prefills, so the running set is
+bounded by memory, not by the token budget), submitted at once; the script records the running requests after every step and
 compares their maximum with the planner's prediction for the engine's pool
 (`serving.hisparse.HiSparse.plan`: `glm53.capacity.predict_hisparse_requests` with the engine's
 reserve, per replica × replicas, capped by --max-num-seqs), next to the device-resident count
@@ -38,7 +39,7 @@ LAYOUTS = {
     "TP2 x DCP2": ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2),
     "DP2 + EP": ParallelConfig(data_parallel_size=2, enable_expert_parallel=True),
 }
-OUTPUT_TOKENS = 16
+OUTPUT_TOKENS = 128  # decodes outlast a prefill (8 steps at 256 tokens), so admissions accumulate
 
 
 def measure(name: str, par, args) -> dict:
