@@ -34,6 +34,10 @@ from tests.helpers.conversations import run_conversations
 from tests.helpers.host_memory import host_memory_reads
 
 AMPLE = 160
+# One step bucket of 16 tokens: every engine compiles one hot-path and one plain program (plus the
+# store program) — compiles dominate these tests on simulated devices; under pressure a request
+# with pages off the device prefills 1024 / 64 = 16 rows per step anyway.
+MBT = 16
 # By DCP size: the workload and a device pool far too small for it (pages per arena shard, the
 # null page included). One device: a 400-token first turn needs 7 MLA + 1 indexer pages of 64
 # tokens, three run at once on 9 usable pages. DCP2 (engine pages of 128 tokens): a request's
@@ -51,7 +55,7 @@ def hisparse(mechanism: str) -> dict:
 
 
 def build(num_blocks: int, parallel: ParallelConfig | None = None, attention_config=None, **kw) -> LLMEngine:
-    args = EngineArgs(dtype="float32", max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=64,
+    args = EngineArgs(dtype="float32", max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=MBT,
                       cuda_graph_sizes=[], num_gpu_blocks_override=num_blocks, compile_progress=False,
                       disable_log_stats=True, enable_prefix_caching=True, attention_config=attention_config,
                       parallel=parallel, **kw)
