@@ -305,6 +305,16 @@ def host_split_axes(par: ParallelLayout) -> tuple[str, ...]:
     return tuple(a for a in AXES if a not in shard and par.mesh.shape[a] > 1)
 
 
+def num_kv_shards(par: ParallelLayout) -> int:
+    """KV shards of the layout: replicas × DCP ranks (`kv_shard_axes`)."""
+    return _split_size(par, kv_shard_axes(par))
+
+
+def num_host_parts(par: ParallelLayout) -> int:
+    """Column parts of a HiSparse host pool: the devices holding the same KV (`host_split_axes`)."""
+    return _split_size(par, host_split_axes(par))
+
+
 def host_pool_spec(par: ParallelLayout) -> PartitionSpec:
     """Partition of the global host pool `uint32[shards · rows, parts · L · Wp]`: rows over the
     KV shards (`kv_shard_axes`), columns over `host_split_axes`."""
@@ -423,7 +433,7 @@ def _resolve_parallel(topk_TK, kv: PagedKV, batch: ForwardBatch, g: GroupLayout,
                                                                            host.narrow_rows)
         if callback:
             shard = jax.lax.axis_index(shard_axes)
-            per_shard = store.shape[0] // _split_size(par, shard_axes)
+            per_shard = store.shape[0] // num_kv_shards(par)
             arena = copy_host_rows(arena, store, miss_rows, miss_slots, g, "mla", lyr, num_layers,
                                    mechanism="callback", row_offset=shard * per_shard)
         elif R == 1:
@@ -511,7 +521,7 @@ def store_host_pages(pool, kv_arena: jax.Array, src_RC: jax.Array, dst_RC: jax.A
     lists = par.spec(KV_REPLICA, None)
     if mechanism == "callback":
         store = pool
-        per_shard = store.shape[0] // _split_size(par, shard_axes)
+        per_shard = store.shape[0] // num_kv_shards(par)
 
         def body_cb(arena, src, dst):
             first = jax.lax.axis_index(split) == 0 if split else True

@@ -36,18 +36,17 @@ def make_parallel_host_pool(mechanism: str, rows_per_shard: int, num_layers: int
     `HostRowStore` `[shards · rows_per_shard, L · W]` that every device reads (one copy)."""
     from jax.sharding import NamedSharding
 
-    from glm53.attention import host_pool_spec, host_split_axes, kv_shard_axes
+    from glm53.attention import host_pool_spec, num_host_parts, num_kv_shards
     from kernels.host_rows import split_words
 
-    shards = int(np.prod([parallel.mesh.shape[a] for a in kv_shard_axes(parallel)]))
+    shards = num_kv_shards(parallel)
     if mechanism == "callback":
         return HostRowStore(shards * rows_per_shard, num_layers * row_words)
-    parts = int(np.prod([parallel.mesh.shape[a] for a in host_split_axes(parallel)] or [1]))
+    parts = num_host_parts(parallel)
     shape = (shards * rows_per_shard, parts * num_layers * split_words(row_words, parts))
     sharding = NamedSharding(parallel.mesh, host_pool_spec(parallel), memory_kind="pinned_host")
-    pool = jax.make_array_from_callback(shape, sharding,
-                                        lambda idx: np.zeros(tuple(len(range(*i.indices(n))) for i, n in
-                                                                   zip(idx, shape)), np.uint32))
+    local = sharding.shard_shape(shape)
+    pool = jax.make_array_from_callback(shape, sharding, lambda _: np.zeros(local, np.uint32))
     if jax.typeof(pool).memory_space != jax.memory.Space.Host:
         raise RuntimeError(f"the host pool is typed {jax.typeof(pool)}, not host memory")
     return pool
@@ -113,10 +112,10 @@ class HiSparseDeviceState:
         else:
             from jax.sharding import NamedSharding, PartitionSpec
 
-            from glm53.attention import hot_state_spec, kv_shard_axes
+            from glm53.attention import hot_state_spec, num_kv_shards
 
             self.pool = make_parallel_host_pool(self.mechanism, rows, comp.num_layers, comp.row_words, parallel)
-            shards = int(np.prod([parallel.mesh.shape[a] for a in kv_shard_axes(parallel)]))
+            shards = num_kv_shards(parallel)
             st = NamedSharding(parallel.mesh, hot_state_spec(parallel))
             self.hot = jax.device_put(HotState.empty(shards * max_num_seqs, num_index_groups, self.hot_rows),
                                       HotState(st, st, NamedSharding(parallel.mesh, PartitionSpec())))

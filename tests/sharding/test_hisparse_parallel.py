@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from glm53 import api
-from glm53.attention import host_split_axes
+from glm53.attention import num_host_parts
 from glm53.equality import compare_streams
 from kernels.host_rows import page_to_rows, split_words
 from serving.engine import EngineArgs, LLMEngine
@@ -95,7 +95,7 @@ def host_rows_of(engine) -> np.ndarray:
         return dev.pool.rows
     pool = np.asarray(dev.pool)
     par = engine.runner.parallel
-    R = int(np.prod([par.mesh.shape[a] for a in host_split_axes(par)] or [1])) if par is not None else 1
+    R = num_host_parts(par) if par is not None else 1
     wp = split_words(W, R)
     n = pool.shape[0]
     return pool.reshape(n, R, L, wp).transpose(0, 2, 1, 3).reshape(n, L, R * wp)[:, :, :W].reshape(n, L * W)
