@@ -355,7 +355,25 @@ TINY_HF_CONFIG: dict[str, Any] = {
     "eos_token_id": [1, 2, 3],
 }
 
-PRESETS: dict[str, dict[str, Any]] = {"glm-5.3": GLM53_HF_CONFIG, "tiny": TINY_HF_CONFIG}
+# The trained tiny model (`tiny-recall`, scripts/train_tiny.py): GLM-5.3's structure at a size
+# that trains on 2 CPU cores — 1 dense + 5 MoE layers in three IndexShare groups {0, 1} {2, 3}
+# {4, 5} (the last two stacked and scanned), one MTP layer, kv_lora_rank 128, index_topk 64,
+# rope theta 10,000 (contexts of ≤ 1K tokens) on 32 of the 64 qk dims (position-precise heads
+# such as "the previous token" need the finer angles; 16 rope dims learnt retrieval far slower).
+# vocab/eos come from the tiny tokenizer as above.
+TINY_RECALL_HF_CONFIG: dict[str, Any] = {
+    **TINY_HF_CONFIG,
+    "num_hidden_layers": 6,
+    "qk_rope_head_dim": 32,
+    "index_head_dim": 64,
+    "first_k_dense_replace": 1,
+    "indexer_types": ["full", "shared", "full", "shared", "full", "shared"],
+    "rope_theta": 10_000.0,
+    "max_position_embeddings": 2048,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {"glm-5.3": GLM53_HF_CONFIG, "tiny": TINY_HF_CONFIG,
+                                      "tiny-recall": TINY_RECALL_HF_CONFIG}
 
 
 def preset(name: str) -> GlmConfig:

@@ -1,7 +1,9 @@
 """`--model` resolution: a checkpoint directory, a preset name, or a Hugging Face hub id.
 
 * A directory: used as is (HF safetensors layout or an orbax checkpoint, `glm53.loader`).
-* `tiny` (or no `--model`): the embedded tiny checkpoint, generated on first use.
+* `tiny` (or no `--model`): the embedded tiny checkpoint (random weights), generated on first use.
+* `tiny-recall`: the trained tiny checkpoint shipped in `glm53/checkpoints/tiny-recall`
+  (scripts/train_tiny.py; it answers retrieval, copy and short questions, docs/tiny_recall.md).
 * A hub id such as `zai-org/GLM-5.3`, as vLLM and SGLang take it: resolved with `huggingface_hub`
   (`snapshot_download` of the config, tokenizer, chat template and safetensors files, with its
   progress bars). With `HF_HUB_OFFLINE=1` only the local HF cache (`HF_HOME` / `HF_HUB_CACHE`) is
@@ -14,12 +16,15 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 from glm53.config import PRESETS
 
 # The files a checkpoint needs (weights, config, tokenizer, chat template); other files of a hub
 # repository (READMEs, images, original-format weights) are not downloaded.
 HUB_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt")
+# Presets with weights shipped in the package: name → checkpoint directory.
+SHIPPED = {"tiny-recall": Path(__file__).with_name("checkpoints") / "tiny-recall"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
@@ -41,9 +46,15 @@ def resolve_model(name: str | None, revision: str | None = None) -> str | None:
         return None
     if os.path.isdir(name):
         return name
+    if name in SHIPPED:
+        d = SHIPPED[name]
+        if not (d / "model.safetensors").is_file():
+            raise ModelNotFoundError(f"--model {name}: the shipped checkpoint is missing from {d} (an incomplete "
+                                     "install?); scripts/train_tiny.py --out DIR rebuilds it")
+        return str(d)
     if name in PRESETS:
         raise ModelNotFoundError(f"--model {name}: the preset {name!r} is a configuration without weights; pass a "
-                                 "checkpoint directory or a hub id (e.g. zai-org/GLM-5.3), or 'tiny'")
+                                 "checkpoint directory or a hub id (e.g. zai-org/GLM-5.3), 'tiny' or 'tiny-recall'")
     if not is_hub_id(name):
         raise ModelNotFoundError(f"--model {name}: not a directory, a preset ({', '.join(sorted(PRESETS))}) or a "
                                  "Hugging Face hub id (org/name)")

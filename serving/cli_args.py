@@ -32,8 +32,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
         "--model",
         default=None,
         help="Checkpoint directory, Hugging Face hub id (e.g. zai-org/GLM-5.3; HF_HUB_OFFLINE=1 uses only the "
-             "local HF cache), or the preset 'tiny' (the embedded tiny model, the default). The 'glm-5.3' preset "
-             "is a configuration without weights (scripts/capacity.py uses it).",
+             "local HF cache), the preset 'tiny' (the embedded tiny model with random weights, the default) or "
+             "'tiny-recall' (the trained tiny model: retrieval, copying, short answers). The 'glm-5.3' preset is a "
+             "configuration without weights (scripts/capacity.py uses it).",
     )
     m.add_argument(
         "--served-model-name",

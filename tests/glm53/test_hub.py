@@ -53,3 +53,15 @@ def test_presets_and_bad_names(tmp_path):
     with pytest.raises(ModelNotFoundError, match="not a directory, a preset"):
         resolve_model(str(tmp_path / "missing" / "dir" / "x"))
     assert is_hub_id("zai-org/GLM-5.3") and not is_hub_id("./x/y") and not is_hub_id("/abs/path")
+
+
+def test_the_shipped_trained_preset(tmp_path, monkeypatch):
+    import glm53.hub as hub
+    from glm53.config import GlmConfig
+
+    path = resolve_model("tiny-recall")
+    cfg = GlmConfig.from_pretrained(path)
+    assert path.endswith("checkpoints/tiny-recall") and cfg.index_topk == 64 and cfg.num_mtp_layers == 1
+    monkeypatch.setitem(hub.SHIPPED, "tiny-recall", tmp_path / "gone")
+    with pytest.raises(ModelNotFoundError, match="shipped checkpoint is missing"):
+        resolve_model("tiny-recall")
