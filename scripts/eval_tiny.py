@@ -159,6 +159,9 @@ def run_mode(mode: str, path: str, data: dict, args) -> dict:
             res["answers"][name] = answer_all(llm, data[name], 64)
     res["engine"] = counts.__dict__
     if mode == "hisparse":
+        d = llm.engine.hisparse.device
+        res["engine"].update(hot_steps=llm.engine.runner.num_hot_steps, hisparse_hits=d.hits,
+                             hisparse_misses=d.misses, hisparse_dropped=d.dropped)
         res["num_gpu_blocks"] = args.hisparse_pages
     res["accuracy"] = {name: score(data[name], ans) for name, ans in res["answers"].items()}
     res["seconds"] = round(time.time() - t0, 1)
