@@ -22,7 +22,7 @@ from tests.helpers.live_server import live_server
 
 # One engine shape for both tests: prompts of 8 × index_topk (≈ 512 tokens), 4 at a time.
 COMMON = dict(max_model_len=640, max_num_seqs=4, max_num_batched_tokens=256)
-HISPARSE_PAGES = 14  # 4 requests × 9 pages of 64 tokens would need 36 resident pages
+HISPARSE_PAGES = 9  # 8 usable pages: not even ONE request (8 MLA + 1 indexer page) fits whole
 NUM_SAMPLES = 6
 
 
@@ -70,8 +70,8 @@ def test_server_answers_retrieval_questions(samples, server_answers):
 
 def test_hisparse_with_a_tiny_pool_gives_the_same_answers(samples, server_answers):
     llm = LLM("tiny-recall", dtype="float32", kv_cache_dtype="bfloat16", cuda_graph_sizes=[], compile_progress=False,
-              num_gpu_blocks_override=HISPARSE_PAGES, **COMMON,
-              attention_config={"hisparse_config": {"host_pool_gib": 0.02, "prefill_buffer_size": 512}})
+              num_gpu_blocks_override=HISPARSE_PAGES, enable_prefix_caching=True, **COMMON,
+              attention_config={"hisparse_config": {"host_pool_gib": 0.02, "prefill_buffer_size": 128}})
     engine: LLMEngine = llm.engine
     outs = llm.chat([s.messages for s in samples], SamplingParams(temperature=0, max_tokens=8),
                     chat_template_kwargs={"enable_thinking": False})
