@@ -245,7 +245,8 @@ def tiny_hf_config(tok: Tokenizer) -> dict:
     return cfg
 
 
-def _generation_config(cfg: dict) -> dict:
+def generation_config(cfg: dict) -> dict:
+    """generation_config.json for a config.json dict (eos / pad ids, the default sampling)."""
     return {
         "_from_model_config": False,
         "do_sample": True,
@@ -256,7 +257,8 @@ def _generation_config(cfg: dict) -> dict:
     }
 
 
-def _tokenizer_config(tok: Tokenizer, cfg: dict) -> dict:
+def tokenizer_config(tok: Tokenizer, cfg: dict) -> dict:
+    """tokenizer_config.json for `tok` (the added tokens, eos / pad names, HF fast-tokenizer class)."""
     decoder = tok.get_added_tokens_decoder()
     return {
         "added_tokens_decoder": {
@@ -329,9 +331,9 @@ def write_tiny_checkpoint(path: str | os.PathLike, seed: int = 0) -> Path:
     assert config.vocab_size >= tok.get_vocab_size(with_added_tokens=True)
 
     _write_json(out / "config.json", cfg)
-    _write_json(out / "generation_config.json", _generation_config(cfg))
+    _write_json(out / "generation_config.json", generation_config(cfg))
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
-    _write_json(out / "tokenizer_config.json", _tokenizer_config(tok, cfg))
+    _write_json(out / "tokenizer_config.json", tokenizer_config(tok, cfg))
     shutil.copyfile(CHAT_TEMPLATE_PATH, out / "chat_template.jinja")
     weights = out / "model.safetensors"
     save_file(tiny_weights(config, seed), str(weights), metadata={"format": "pt"})

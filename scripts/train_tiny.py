@@ -52,7 +52,7 @@ from glm53 import recall_tasks
 from glm53.config import TINY_RECALL_HF_CONFIG, GlmConfig
 from glm53.export import save_hf_checkpoint
 from glm53.model import GlmForCausalLM
-from glm53.tiny_checkpoint import (CHAT_TEMPLATE_PATH, _generation_config, _tokenizer_config, build_tiny_tokenizer,
+from glm53.tiny_checkpoint import (CHAT_TEMPLATE_PATH, generation_config, tokenizer_config, build_tiny_tokenizer,
                                    padded_vocab_size, EOS_TOKENS, PAD_TOKEN)
 from glm53.tokenizer import GlmTokenizer
 from glm53.training import train_forward
@@ -186,9 +186,9 @@ def main(argv=None) -> int:
     # Tokenizer files first: the data generator uses the checkpoint's own GlmTokenizer.
     raw_cfg = cfg.to_hf_config()
     (out / "tokenizer.json").write_text(tok_raw.to_str(pretty=True), encoding="utf-8")
-    (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tok_raw, raw_cfg), indent=2,
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tok_raw, raw_cfg), indent=2,
                                                           sort_keys=True) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(_generation_config(raw_cfg), indent=2,
+    (out / "generation_config.json").write_text(json.dumps(generation_config(raw_cfg), indent=2,
                                                            sort_keys=True) + "\n")
     shutil.copyfile(CHAT_TEMPLATE_PATH, out / "chat_template.jinja")
     tok = GlmTokenizer.from_pretrained(out)
@@ -260,7 +260,6 @@ def main(argv=None) -> int:
     wall = time.time() - t0
     nnx.update(model, params)
     save_hf_checkpoint(model, out, metadata={"trained_by": "scripts/train_tiny.py"})
-    (out / "generation_config.json").write_text(json.dumps(_generation_config(raw_cfg), indent=2, sort_keys=True) + "\n")
     (out / "train_log.json").write_text(json.dumps(dict(
         schedule=[dict(phase=p, length=t, batch=b, steps=s) for p, t, b, s in schedule], seed=args.seed, lr=args.lr,
         task_mix=dict(first_phase=dict(EARLY_MIX), later=dict(TASK_MIX)),
