@@ -16,14 +16,12 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from flax import nnx
-
 from glm53.checkpoint_keys import expected_checkpoint_shapes
+from glm53.loader import _param_table
 
 
 def _params(model) -> dict[str, np.ndarray]:
-    return {".".join(str(x) for x in path): np.asarray(node[...], np.float32)
-            for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Param)}
+    return {path: np.asarray(node[...], np.float32) for path, node in _param_table(model).items()}
 
 
 def _layer_tensors(cfg, p: str, get) -> dict[str, np.ndarray]:

@@ -143,10 +143,10 @@ def _run_layers(layers, x_BTD, cos, sin, *, sparse: bool, topk: int, index_types
     group = None  # (scores, allowed, target mass accumulated)
 
     def close(group):
-        scores, allowed, target = group
+        scores, allowed, selected, target = group
         target = lax.stop_gradient(target)
         kl = _kl(target, scores, allowed)
-        kept = jnp.where(topk_mask(lax.stop_gradient(scores), causal, topk), target, 0.0).sum(-1)
+        kept = jnp.where(selected, target, 0.0).sum(-1)
         mass = jnp.mean(kept / jnp.maximum(target.sum(-1), 1e-30))
         return kl, mass
 
@@ -160,10 +160,11 @@ def _run_layers(layers, x_BTD, cos, sin, *, sparse: bool, topk: int, index_types
                 kl_sum, mass_sum, n_idx = kl_sum + kl, mass_sum + mass, n_idx + 1
             c_q = attn.q_a_layernorm(attn.q_a_proj(h))
             scores = indexer_scores(attn.indexer, h, c_q, cos, sin)
-            mask = topk_mask(lax.stop_gradient(scores), causal, topk) if sparse else jnp.broadcast_to(causal, (B, T, T))
-            group = [scores, mask, jnp.zeros((B, T, T), jnp.float32)]
+            selected = topk_mask(lax.stop_gradient(scores), causal, topk)  # computed once: mask and metric
+            mask = selected if sparse else jnp.broadcast_to(causal, (B, T, T))
+            group = [scores, mask, selected, jnp.zeros((B, T, T), jnp.float32)]
         a, probs = attention_train(attn, h, cos, sin, group[1], c_q)
-        group[2] = group[2] + probs
+        group[3] = group[3] + probs
         x_BTD = x_BTD + a
         y = layer.mlp(layer.post_attention_layernorm(x_BTD).reshape(B * T, D))
         x_BTD = x_BTD + y.reshape(B, T, D)

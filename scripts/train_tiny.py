@@ -51,6 +51,7 @@ from tqdm import tqdm
 from glm53 import recall_tasks
 from glm53.config import TINY_RECALL_HF_CONFIG, GlmConfig
 from glm53.export import save_hf_checkpoint
+from glm53.loader import _param_table
 from glm53.model import GlmForCausalLM
 from glm53.tiny_checkpoint import (CHAT_TEMPLATE_PATH, generation_config, tokenizer_config, build_tiny_tokenizer,
                                    padded_vocab_size, EOS_TOKENS, PAD_TOKEN)
@@ -66,7 +67,6 @@ SCHEDULE = (
     ("sparse", 512, 8, 100),
 )
 QUICK_SCHEDULE = (("dense", 128, 4, 20), ("sparse", 256, 2, 10))
-PAD_ID = 0  # set from the tokenizer in main()
 # Task shares: the first (short-sequence) phase leans on copying, whose every answer token is an
 # induction target — the mechanism retrieval needs too — then retrieval dominates.
 EARLY_MIX = (("retrieval", 0.45), ("copy", 0.45), ("short", 0.1))
@@ -87,8 +87,7 @@ def init_params(model: GlmForCausalLM, seed: int) -> None:
     biases 0 (the router's correction bias stays 0: no load-balancing updates)."""
     rng = np.random.default_rng(seed)
     n_layers = model.cfg.num_hidden_layers + model.cfg.num_mtp_layers
-    for path, node in sorted(((".".join(map(str, p)), n) for p, n in nnx.iter_graph(model)
-                              if isinstance(n, nnx.Param)), key=lambda x: x[0]):
+    for path, node in sorted(_param_table(model).items()):
         shape = node.shape
         if path.endswith("norm.weight") or "layernorm" in path and path.endswith("weight"):
             v = np.ones(shape)
@@ -143,7 +142,7 @@ def held_out_batches(tok) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     return out
 
 
-def losses(model, ids, mask, sparse: bool, mtp_weight: float, kl_weight: float, prompt_weight: float):
+def losses(model, ids, mask, sparse: bool, mtp_weight: float, kl_weight: float, prompt_weight: float, pad_id: int):
     out = train_forward(model, ids, sparse=sparse, mtp=True)
 
     def ce(logits, targets, weights):
@@ -156,7 +155,7 @@ def losses(model, ids, mask, sparse: bool, mtp_weight: float, kl_weight: float, 
     lm, acc = ce(out.logits_BTV[:, :-1], ids[:, 1:], mask[:, 1:])
     # A light next-token loss on the prompts too (pad excluded): general features such as "which
     # token came before" form faster than from the answers alone.
-    real = (ids[:, 1:] != PAD_ID).astype(jnp.float32) * (1 - mask[:, 1:])
+    real = (ids[:, 1:] != pad_id).astype(jnp.float32) * (1 - mask[:, 1:])
     prompt, _ = ce(out.logits_BTV[:, :-1], ids[:, 1:], real)
     mtp, mtp_acc = ce(out.mtp_logits_BTV[:, :-2], ids[:, 2:], mask[:, 2:])
     total = lm + prompt_weight * prompt + mtp_weight * mtp + kl_weight * out.indexer_kl
@@ -192,8 +191,7 @@ def main(argv=None) -> int:
                                                            sort_keys=True) + "\n")
     shutil.copyfile(CHAT_TEMPLATE_PATH, out / "chat_template.jinja")
     tok = GlmTokenizer.from_pretrained(out)
-    global PAD_ID
-    PAD_ID = tok.pad_token_id
+
     model = GlmForCausalLM(cfg, dtype=jnp.float32)
     init_params(model, args.seed)
     graphdef, params = nnx.split(model, nnx.Param)
@@ -207,7 +205,7 @@ def main(argv=None) -> int:
         def step(params, opt_state, ids, mask):
             def loss_fn(p):
                 return losses(nnx.merge(graphdef, p), ids, mask, sparse, args.mtp_weight, args.kl_weight,
-                              args.prompt_weight)
+                              args.prompt_weight, tok.pad_token_id)
 
             (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
             updates, opt_state = opt.update(grads, opt_state, params)
