@@ -41,10 +41,11 @@ class LoadedModel:
 
 
 def load(path: str | None = None, *, dtype=jnp.float32, cache_dtype: str | None = None,
-         progress: bool = False) -> LoadedModel:
+         progress: bool = False, quantization: str | None = None) -> LoadedModel:
     """Load an HF `glm_moe_dsa` checkpoint directory or hub id (`glm53.hub.resolve_model`; default:
     the embedded tiny checkpoint, generated on first use). `cache_dtype` defaults to the model
-    dtype's name. Turns on the persistent compilation cache the server uses
+    dtype's name. `quantization`: as `glm53.loader.load_model` (None: an FP8 checkpoint keeps FP8
+    weights; "fp8": quantise a bf16 checkpoint at load; "none": dequantise FP8 weights). Turns on the persistent compilation cache the server uses
     (`glm53.compile_cache`), so a notebook's later sessions reuse the compiled forward programs.
     Raises `glm53.hub.ModelNotFoundError` when `path` names nothing loadable."""
     from glm53.compile_cache import enable_compilation_cache
@@ -54,7 +55,7 @@ def load(path: str | None = None, *, dtype=jnp.float32, cache_dtype: str | None 
 
     enable_compilation_cache()
     path = resolve_model(path) or str(default_model_dir())
-    model = load_model(path, dtype=dtype, progress=progress)
+    model = load_model(path, dtype=dtype, progress=progress, quantization=quantization)
     layout = build_kv_layout(model.cfg, cache_dtype or jnp.dtype(dtype).name)
     try:
         tok = GlmTokenizer.from_pretrained(path)

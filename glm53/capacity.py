@@ -258,13 +258,16 @@ class WeightBytes:
         return self.replicated + self.tp_sharded + self.expert_sharded
 
     def per_device(self, tp: int, ep: int) -> int:
-        """Bytes one device holds: replicated + TP-sharded / tp + routed experts / ep."""
+        """A checkpoint-file estimate: replicated + TP-sharded / tp + routed experts / ep. The
+        planner's per-device figure is `weight_bytes_per_gpu` (the model's parameter tree)."""
         return self.replicated + math.ceil(self.tp_sharded / tp) + math.ceil(self.expert_sharded / ep)
 
 
 @functools.lru_cache(maxsize=16)
 def checkpoint_weight_bytes(cfg: GlmConfig, checkpoint_dtype: str = "fp8", include_mtp: bool = True) -> WeightBytes:
-    """Bytes of the HF checkpoint of `cfg` (glm53.checkpoint_keys), split by sharding.
+    """Bytes of the HF checkpoint of `cfg` (glm53.checkpoint_keys), split by sharding — the files on
+    disk. What a device holds comes from the model's parameter tree instead (`weight_bytes_per_gpu`,
+    glm53.weight_bytes): the model replicates the embeddings that `per_device` counts as TP-split.
 
     fp8 (DESIGN §3.7): every quantised linear is 1 B per weight plus one fp32 scale per 128×128
     block; embeddings, head, norms, router (fp32), eh_proj and indexer weights_proj/k_norm keep
@@ -301,7 +304,8 @@ class Deployment:
 
     accelerator / num_gpus: the devices (HBM per device from the accelerator).
     gpu_memory_utilization: fraction of HBM the engine may use (weights + runtime + KV).
-    checkpoint_dtype: "fp8" or "bf16"; weight bytes per device follow from it and the layout
+    checkpoint_dtype: "fp8" (FP8 weights kept on the device) or "bf16"; weight bytes per device
+        follow from it and the layout through the model's parameter tree (`weight_bytes_per_gpu`)
         unless `weight_bytes_per_gpu` is given.
     runtime_reserve_bytes: per device, for activations, graphs and communication buffers. The
         default 9 GiB is an assumption: with it the PCP8 × DCP8 prefill engine of the source keeps
@@ -417,14 +421,53 @@ class Deployment:
                 f"{extra}, util {self.gpu_memory_utilization:g}{host}")
 
 
+def deployment_parallel_config(dep: Deployment):
+    """The `sharding.mesh.ParallelConfig` whose parameter sharding `dep` describes: tp, dp, pcp and
+    enable_expert_parallel as given; DCP left at 1 (it shards only the KV cache, never a weight)."""
+    from sharding.mesh import ParallelConfig
+
+    return ParallelConfig(tensor_parallel_size=dep.tp, data_parallel_size=dep.dp,
+                          prefill_context_parallel_size=dep.pcp, enable_expert_parallel=dep.enable_expert_parallel)
+
+
+def deployment_weight_format(dep: Deployment):
+    """(model dtype, `WeightQuant` or None) of `dep.checkpoint_dtype`: "fp8" → bf16 with FP8 weights
+    kept on the device in 128×128 blocks (`WeightQuant((128, 128))`), "bf16" → bf16, unquantised."""
+    import jax.numpy as jnp
+
+    from glm53.quant import WeightQuant
+
+    quant = WeightQuant(block=(FP8_WEIGHT_BLOCK, FP8_WEIGHT_BLOCK)) if dep.checkpoint_dtype == "fp8" else None
+    return jnp.bfloat16, quant
+
+
+def weight_bytes_breakdown_per_gpu(cfg: GlmConfig, dep: Deployment, by: str = "kind") -> dict[str, int]:
+    """`weight_bytes_per_gpu` of the parameter tree split by kind ("fp8" codes, "fp8_scales",
+    "unquantised") or by part of the model (by="part"); bytes per device
+    (`glm53.weight_bytes.weight_bytes_breakdown`). Ignores `dep.weight_bytes_per_gpu`."""
+    from glm53.weight_bytes import weight_bytes_breakdown
+
+    dtype, quant = deployment_weight_format(dep)
+    return weight_bytes_breakdown(cfg, dtype=dtype, quant=quant, parallel=deployment_parallel_config(dep),
+                                  with_mtp=dep.with_mtp, by=by)
+
+
 def weight_bytes_per_gpu(cfg: GlmConfig, dep: Deployment) -> int:
-    """Weight bytes on each device: `dep.weight_bytes_per_gpu` if given, else the checkpoint
-    (`checkpoint_weight_bytes`) split by the layout: TP-sharded tensors / tp, routed experts / ep,
-    the rest replicated. The MTP layer's weights count when MTP speculation is on."""
+    """Weight bytes on each device: `dep.weight_bytes_per_gpu` if given, else the model's real
+    parameter tree (`glm53.weight_bytes.device_weight_bytes`: `GlmForCausalLM` built abstractly in
+    `deployment_weight_format(dep)`, each parameter's shard under `deployment_parallel_config(dep)`
+    by the partition rules of sharding/rules.py). The MTP layer's weights count only when MTP
+    speculation is on (`dep.with_mtp`). GLM-5.3 FP8 checkpoint, MTP on: TP8 ≈ 91.3 GiB (attention
+    heads, MLP columns, lm_head and expert columns split 8 ways; embeddings, q_a/kv_a, the indexer,
+    norms and routers replicated), DP8 + EP8 ≈ 105.3 GiB (experts split 8 ways, everything else
+    replicated)."""
     if dep.weight_bytes_per_gpu is not None:
         return dep.weight_bytes_per_gpu
-    w = checkpoint_weight_bytes(cfg, dep.checkpoint_dtype, include_mtp=dep.with_mtp)
-    return w.per_device(dep.tp, dep.ep)
+    from glm53.weight_bytes import device_weight_bytes
+
+    dtype, quant = deployment_weight_format(dep)
+    return device_weight_bytes(cfg, dtype=dtype, quant=quant, parallel=deployment_parallel_config(dep),
+                               with_mtp=dep.with_mtp)
 
 
 def kv_room_per_gpu(cfg: GlmConfig, dep: Deployment) -> int:

@@ -20,12 +20,14 @@ from glm53.moe import DenseMLP, MoE
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: GlmConfig, *, has_indexer: bool, moe: bool, dtype, stack=()):
+    def __init__(self, cfg: GlmConfig, *, has_indexer: bool, moe: bool, dtype, stack=(), quant=None):
+        """`quant`: a `glm53.quant.WeightQuant` to keep the linears in block-scaled FP8, or None."""
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, stack=stack)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, stack=stack)
-        self.self_attn = MLAttention(cfg, has_indexer=has_indexer, dtype=dtype, stack=stack)
-        self.mlp = (MoE(cfg, dtype=dtype, stack=stack) if moe
-                    else DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, stack=stack))
+        self.self_attn = MLAttention(cfg, has_indexer=has_indexer, dtype=dtype, stack=stack, quant=quant)
+        self.mlp = (MoE(cfg, dtype=dtype, stack=stack, quant=quant) if moe
+                    else DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, stack=stack,
+                                  block=quant.linear_block if quant is not None else None))
 
     def __call__(self, x_TD, kv, ctx: LayerContext, mla_layer, index_layer, prev_sel, group_layers: int = 1):
         """→ (x `[T, D]`, kv (`PagedKV`), selection); see `MLAttention.__call__`."""
@@ -40,9 +42,10 @@ class DecoderGroup(nnx.Module):
     """One IndexShare group: layer 0 owns the indexer, layers 1.. reuse its top-k. Parameters are
     created with leading axes `stack` (the number of stacked groups)."""
 
-    def __init__(self, cfg: GlmConfig, group_size: int, *, dtype, stack=()):
+    def __init__(self, cfg: GlmConfig, group_size: int, *, dtype, stack=(), quant=None):
         self.layers = nnx.List([
-            DecoderLayer(cfg, has_indexer=(j == 0), moe=True, dtype=dtype, stack=stack) for j in range(group_size)
+            DecoderLayer(cfg, has_indexer=(j == 0), moe=True, dtype=dtype, stack=stack, quant=quant)
+            for j in range(group_size)
         ])
 
     def __call__(self, x_TD, kv, ctx: LayerContext, first_mla_layer, index_layer):

@@ -54,7 +54,11 @@ def _layer_tensors(cfg, p: str, get) -> dict[str, np.ndarray]:
 
 def hf_tensors(model) -> dict[str, np.ndarray]:
     """Every HF checkpoint tensor of `model` as fp32 numpy arrays (keys as in
-    `expected_checkpoint_shapes`; the MTP layer included when the model has one)."""
+    `expected_checkpoint_shapes`; the MTP layer included when the model has one). Raises
+    ValueError for a model with FP8 weights kept (export the checkpoint itself instead)."""
+    if model.quant is not None:
+        raise ValueError("exporting a model with FP8 weights kept is not supported: its FP8 checkpoint is the export "
+                         "(or load it with quantization='none')")
     cfg, plan = model.cfg, model.cfg.layer_plan
     params = _params(model)
     out = {"model.embed_tokens.weight": params["embed_tokens.weight"], "model.norm.weight": params["norm.weight"]}

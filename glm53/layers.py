@@ -12,6 +12,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from glm53.quant import scale_shape
+from kernels.fp8_matmul import dequantize_fp8_blocks, fp8_matmul
+
 
 def mm(x: jax.Array, w: jax.Array) -> jax.Array:
     """`x [..., in] @ w [in, out]` with fp32 accumulation, returned in x's dtype."""
@@ -21,13 +24,30 @@ def mm(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 class Linear(nnx.Module):
-    """Bias-free projection. weight `[*stack, in, out]`."""
+    """Bias-free projection. weight `[*stack, in, out]` in `dtype`, or with `block=(bk, bn)` FP8
+    kept on the device: weight float8_e4m3fn `[*stack, in, out]` and `weight_scale_inv` fp32
+    `[*stack, ceil(in/bk), ceil(out/bn)]` (glm53/quant.py), multiplied by `kernels.fp8_matmul`."""
 
-    def __init__(self, d_in: int, d_out: int, *, dtype, stack: tuple[int, ...] = ()):
-        self.weight = nnx.Param(jnp.zeros((*stack, d_in, d_out), dtype))
+    def __init__(self, d_in: int, d_out: int, *, dtype, stack: tuple[int, ...] = (),
+                 block: tuple[int, int] | None = None):
+        self.block = block
+        if block is None:
+            self.weight = nnx.Param(jnp.zeros((*stack, d_in, d_out), dtype))
+            self.weight_scale_inv = None
+        else:
+            self.weight = nnx.Param(jnp.zeros((*stack, d_in, d_out), jnp.float8_e4m3fn))
+            self.weight_scale_inv = nnx.Param(jnp.ones(scale_shape((*stack, d_in, d_out), block), jnp.float32))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return mm(x, self.weight[...])
+        if self.block is None:
+            return mm(x, self.weight[...])
+        return fp8_matmul(x, self.weight[...], self.weight_scale_inv[...], block=self.block)
+
+    def dense_weight(self, dtype=jnp.float32) -> jax.Array:
+        """The real weight `[*stack, in, out]` (dequantised when FP8)."""
+        if self.block is None:
+            return self.weight[...].astype(dtype)
+        return dequantize_fp8_blocks(self.weight[...], self.weight_scale_inv[...], self.block, dtype=dtype)
 
 
 class RMSNorm(nnx.Module):

@@ -20,7 +20,9 @@ from glm53.batch import ForwardBatch
 from glm53.config import GlmConfig
 from glm53.hot_cache import HostAccess, PagedKV
 from glm53.kv_layout import KVCacheLayout
-from glm53.layers import LayerNorm, Linear, RMSNorm, apply_rope_interleaved, mm
+from glm53.layers import LayerNorm, Linear, RMSNorm, apply_rope_interleaved
+from glm53.quant import WeightQuant, scale_shape
+from kernels.fp8_matmul import dequantize_fp8_blocks
 from sharding.mesh import ParallelLayout
 
 
@@ -47,11 +49,12 @@ class LayerContext:
 class Indexer(nnx.Module):
     """Lightning indexer of a full layer: queries from `c_q`, one shared key per token."""
 
-    def __init__(self, cfg: GlmConfig, *, dtype, stack=()):
+    def __init__(self, cfg: GlmConfig, *, dtype, stack=(), quant: WeightQuant | None = None):
         I, Dk = cfg.index_n_heads, cfg.index_head_dim
         self.n_heads, self.head_dim, self.rope_dim = I, Dk, cfg.qk_rope_head_dim
-        self.wq_b = Linear(cfg.q_lora_rank, I * Dk, dtype=dtype, stack=stack)
-        self.wk = Linear(cfg.hidden_size, Dk, dtype=dtype, stack=stack)
+        blk = quant.linear_block if quant is not None else None
+        self.wq_b = Linear(cfg.q_lora_rank, I * Dk, dtype=dtype, stack=stack, block=blk)
+        self.wk = Linear(cfg.hidden_size, Dk, dtype=dtype, stack=stack, block=blk)
         self.k_norm = LayerNorm(Dk, 1e-6, dtype=dtype, stack=stack)
         self.weights_proj = Linear(cfg.hidden_size, I, dtype=jnp.float32, stack=stack)
 
@@ -68,20 +71,41 @@ class Indexer(nnx.Module):
 
 
 class MLAttention(nnx.Module):
-    """MLA + DSA. `kv_b_proj` is kept split as `w_uk [N, dn, A]` and `w_uv [N, A, dv]` (absorbed form)."""
+    """MLA + DSA. `kv_b_proj` is kept split as `w_uk [N, dn, A]` and `w_uv [N, A, dv]` (absorbed form).
 
-    def __init__(self, cfg: GlmConfig, *, has_indexer: bool, dtype, stack=()):
+    With `quant` (FP8 weights kept) every projection is block-scaled FP8 and `w_uk`/`w_uv` are
+    FP8 codes with `w_uk_scale_inv [N, dn/g, ceil(A/b)]` / `w_uv_scale_inv [N, ceil(A/b), dv/g]`
+    (glm53/quant.py: the per-head split refines the scale rows to g = gcd(b, dn, dv))."""
+
+    def __init__(self, cfg: GlmConfig, *, has_indexer: bool, dtype, stack=(), quant: WeightQuant | None = None):
         self.cfg = cfg
         N, A, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype=dtype, stack=stack)
+        blk = quant.linear_block if quant is not None else None
+        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype=dtype, stack=stack, block=blk)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype, stack=stack)
-        self.q_b_proj = Linear(cfg.q_lora_rank, N * cfg.qk_head_dim, dtype=dtype, stack=stack)
-        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, A + R, dtype=dtype, stack=stack)
+        self.q_b_proj = Linear(cfg.q_lora_rank, N * cfg.qk_head_dim, dtype=dtype, stack=stack, block=blk)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, A + R, dtype=dtype, stack=stack, block=blk)
         self.kv_a_layernorm = RMSNorm(A, cfg.rms_norm_eps, dtype=dtype, stack=stack)
-        self.w_uk = nnx.Param(jnp.zeros((*stack, N, cfg.qk_nope_head_dim, A), dtype))
-        self.w_uv = nnx.Param(jnp.zeros((*stack, N, A, cfg.v_head_dim), dtype))
-        self.o_proj = Linear(N * cfg.v_head_dim, cfg.hidden_size, dtype=dtype, stack=stack)
-        self.indexer = Indexer(cfg, dtype=dtype, stack=stack) if has_indexer else None
+        uk_shape, uv_shape = (*stack, N, cfg.qk_nope_head_dim, A), (*stack, N, A, cfg.v_head_dim)
+        self.uk_block = quant.w_uk_block(cfg) if quant is not None else None
+        self.uv_block = quant.w_uv_block(cfg) if quant is not None else None
+        wdt = jnp.float8_e4m3fn if quant is not None else dtype
+        self.w_uk = nnx.Param(jnp.zeros(uk_shape, wdt))
+        self.w_uv = nnx.Param(jnp.zeros(uv_shape, wdt))
+        self.w_uk_scale_inv = (nnx.Param(jnp.ones(scale_shape(uk_shape, self.uk_block), jnp.float32))
+                               if quant is not None else None)
+        self.w_uv_scale_inv = (nnx.Param(jnp.ones(scale_shape(uv_shape, self.uv_block), jnp.float32))
+                               if quant is not None else None)
+        self.o_proj = Linear(N * cfg.v_head_dim, cfg.hidden_size, dtype=dtype, stack=stack, block=blk)
+        self.indexer = Indexer(cfg, dtype=dtype, stack=stack, quant=quant) if has_indexer else None
+
+    def absorbed_weights(self, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+        """`(w_uk [N, dn, A], w_uv [N, A, dv])` as real weights in `dtype` (dequantised when FP8:
+        the per-head products are small batched matmuls, run by XLA over the dequantised block)."""
+        if self.uk_block is None:
+            return self.w_uk[...].astype(dtype), self.w_uv[...].astype(dtype)
+        return (dequantize_fp8_blocks(self.w_uk[...], self.w_uk_scale_inv[...], self.uk_block, dtype=dtype),
+                dequantize_fp8_blocks(self.w_uv[...], self.w_uv_scale_inv[...], self.uv_block, dtype=dtype))
 
     def __call__(self, h_TD, kv: PagedKV, ctx: LayerContext, mla_layer, index_layer, prev_sel, group_layers: int = 1):
         """→ (out `[T, D]`, kv, selection). The selection is `(topk [T, K] positions, slots [T, K]
@@ -117,13 +141,14 @@ class MLAttention(nnx.Module):
             kv = kv.with_arena(arena)
             sel = prev_sel
         # Absorb W_UK into the queries (fp32 accumulation): q_abs = [W_UK^T q_nope | q_pe].
-        q_lat = jnp.einsum("tnd,nda->tna", q_nope, self.w_uk[...], preferred_element_type=jnp.float32,
+        w_uk, w_uv = self.absorbed_weights(q_nope.dtype)
+        q_lat = jnp.einsum("tnd,nda->tna", q_nope, w_uk, preferred_element_type=jnp.float32,
                            precision=lax.Precision.HIGHEST)
         q_abs = jnp.concatenate([q_lat, q_pe.astype(jnp.float32)], -1)
         o_lat = attention.sparse_attention(q_abs, kv.arena, sel[0], ctx.batch, ctx.layout, ctx.group, mla_layer,
                                            kv_lora_rank=A, scale=cfg.softmax_scale, parallel=ctx.parallel,
                                            slots_TK=sel[1])
-        o = jnp.einsum("tna,nav->tnv", o_lat, self.w_uv[...].astype(jnp.float32),
+        o = jnp.einsum("tna,nav->tnv", o_lat, w_uv.astype(jnp.float32),
                        preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
-        out = mm(o.reshape(T, -1).astype(h_TD.dtype), self.o_proj.weight[...])
+        out = self.o_proj(o.reshape(T, -1).astype(h_TD.dtype))
         return out, kv, sel

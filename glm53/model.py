@@ -27,6 +27,7 @@ from glm53.hot_cache import HostAccess, PagedKV
 from glm53.kv_layout import KVCacheLayout
 from glm53.layers import Linear, RMSNorm, mm, rope_cos_sin
 from glm53.mla import LayerContext
+from glm53.quant import WeightQuant
 from sharding.mesh import TOKENS, ParallelLayout, constrain
 
 
@@ -41,34 +42,39 @@ class Embedding(nnx.Module):
 class MTPLayer(nnx.Module):
     """Multi-token-prediction layer `model.layers.{num_hidden_layers}` (predicts token i+2)."""
 
-    def __init__(self, cfg: GlmConfig, *, dtype):
+    def __init__(self, cfg: GlmConfig, *, dtype, quant: WeightQuant | None = None):
         D = cfg.hidden_size
         self.enorm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
         self.hnorm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
         self.eh_proj = Linear(2 * D, D, dtype=dtype)
-        self.block = DecoderLayer(cfg, has_indexer=True, moe=True, dtype=dtype)
+        self.block = DecoderLayer(cfg, has_indexer=True, moe=True, dtype=dtype, quant=quant)
         self.shared_head_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
 
 
 class GlmForCausalLM(nnx.Module):
     """The backbone, head and MTP layer. Parameters start at zeros/ones; load real weights with
-    `glm53.loader.load_weights` (or build with `glm53.api.load`)."""
+    `glm53.loader.load_weights` (or build with `glm53.api.load`).
 
-    def __init__(self, cfg: GlmConfig, *, dtype=jnp.float32):
+    `dtype`: activations and unquantised weights. `quant`: a `glm53.quant.WeightQuant` keeps every
+    linear of attention and FFN in block-scaled FP8 (weights float8_e4m3fn + fp32
+    `weight_scale_inv`); embeddings, head, norms, router and `eh_proj` stay in `dtype`."""
+
+    def __init__(self, cfg: GlmConfig, *, dtype=jnp.float32, quant: WeightQuant | None = None):
         self.cfg = cfg
+        self.quant = quant
         plan = cfg.layer_plan
         self.plan = plan
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nnx.List([
             DecoderLayer(cfg, has_indexer=cfg.indexer_types[i] == "full", moe=cfg.mlp_layer_types[i] == "sparse",
-                         dtype=dtype)
+                         dtype=dtype, quant=quant)
             for i in plan.head
         ])
-        self.stack = (DecoderGroup(cfg, plan.group_size, dtype=dtype, stack=(plan.num_stacked_groups,))
+        self.stack = (DecoderGroup(cfg, plan.group_size, dtype=dtype, stack=(plan.num_stacked_groups,), quant=quant)
                       if plan.num_stacked_groups else None)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
-        self.mtp = MTPLayer(cfg, dtype=dtype) if cfg.num_mtp_layers > 0 else None
+        self.mtp = MTPLayer(cfg, dtype=dtype, quant=quant) if cfg.num_mtp_layers > 0 else None
 
     @property
     def dtype(self):

@@ -16,6 +16,8 @@ from jax import lax
 
 from glm53.config import GlmConfig
 from glm53.layers import Linear
+from glm53.quant import WeightQuant, scale_shape
+from kernels.fp8_matmul import fp8_grouped_matmul
 from sharding import collectives as col
 from sharding.mesh import EXPERT_COLS, EXPERTS, TOKENS
 
@@ -23,10 +25,10 @@ from sharding.mesh import EXPERT_COLS, EXPERTS, TOKENS
 class DenseMLP(nnx.Module):
     """SwiGLU: `down(silu(gate(x)) * up(x))`."""
 
-    def __init__(self, d: int, inter: int, *, dtype, stack=()):
-        self.gate_proj = Linear(d, inter, dtype=dtype, stack=stack)
-        self.up_proj = Linear(d, inter, dtype=dtype, stack=stack)
-        self.down_proj = Linear(inter, d, dtype=dtype, stack=stack)
+    def __init__(self, d: int, inter: int, *, dtype, stack=(), block: tuple[int, int] | None = None):
+        self.gate_proj = Linear(d, inter, dtype=dtype, stack=stack, block=block)
+        self.up_proj = Linear(d, inter, dtype=dtype, stack=stack, block=block)
+        self.down_proj = Linear(inter, d, dtype=dtype, stack=stack, block=block)
 
     def __call__(self, x, parallel=None):
         """`parallel` is unused: TP column/row splits come from the parameter shardings."""
@@ -62,9 +64,11 @@ class Router(nnx.Module):
         return w * cfg.routed_scaling_factor, ids.astype(jnp.int32)
 
 
-def routed_experts(x_TD, weights_TK, ids_TK, gate_EDI, up_EDI, down_EID, first_expert=0):
+def routed_experts(x_TD, weights_TK, ids_TK, gate_EDI, up_EDI, down_EID, first_expert=0, scales=None, block=None):
     """Grouped-matmul SwiGLU over the experts `first_expert .. first_expert + E_local − 1` held in
     `gate/up [E_local, D, I]`, `down [E_local, I, D]`; assignments to other experts contribute 0.
+    FP8 weights: `scales` = their `(gate, up, down)` `weight_scale_inv` grids and `block` the
+    `(bk, bn)` block (`kernels.fp8_matmul.fp8_grouped_matmul`).
 
     → fp32 `[T, D]`: Σ over this shard's assignments of weight · expert(x). With every expert
     local (`first_expert = 0`, E_local = E) it is the whole routed-expert output.
@@ -79,12 +83,15 @@ def routed_experts(x_TD, weights_TK, ids_TK, gate_EDI, up_EDI, down_EID, first_e
     xs = x_TD[tok]
     sizes = jnp.bincount(key, length=E_local + 1)[:E_local].astype(jnp.int32)
 
-    def gmm(a, w):
+    def gmm(a, w, s):
+        if block is not None:
+            return fp8_grouped_matmul(a, w, s, sizes, block=block)
         return lax.ragged_dot(a, w.astype(a.dtype), sizes, preferred_element_type=jnp.float32,
                               precision=lax.Precision.HIGHEST)
 
-    h = jax.nn.silu(gmm(xs, gate_EDI)) * gmm(xs, up_EDI)
-    y = gmm(h.astype(x_TD.dtype), down_EID)
+    gs, us, ds = scales if scales is not None else (None, None, None)
+    h = jax.nn.silu(gmm(xs, gate_EDI, gs)) * gmm(xs, up_EDI, us)
+    y = gmm(h.astype(x_TD.dtype), down_EID, ds)
     keep = mine[order][:, None]
     y = jnp.where(keep, y * weights_TK.reshape(-1)[order][:, None], 0.0)
     return jnp.zeros((T, y.shape[-1]), jnp.float32).at[tok].add(y)
@@ -101,16 +108,25 @@ class Experts(nnx.Module):
     token axes, summed over the others.
     """
 
-    def __init__(self, cfg: GlmConfig, *, dtype, stack=()):
+    def __init__(self, cfg: GlmConfig, *, dtype, stack=(), block: tuple[int, int] | None = None):
         E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_proj = nnx.Param(jnp.zeros((*stack, E, D, I), dtype))
-        self.up_proj = nnx.Param(jnp.zeros((*stack, E, D, I), dtype))
-        self.down_proj = nnx.Param(jnp.zeros((*stack, E, I, D), dtype))
+        self.block = block
+        wdt = jnp.float8_e4m3fn if block is not None else dtype
+        self.gate_proj = nnx.Param(jnp.zeros((*stack, E, D, I), wdt))
+        self.up_proj = nnx.Param(jnp.zeros((*stack, E, D, I), wdt))
+        self.down_proj = nnx.Param(jnp.zeros((*stack, E, I, D), wdt))
+        if block is not None:  # FP8 kept: one weight_scale_inv grid per projection (glm53/quant.py)
+            self.gate_proj_scale_inv = nnx.Param(jnp.ones(scale_shape((*stack, E, D, I), block), jnp.float32))
+            self.up_proj_scale_inv = nnx.Param(jnp.ones(scale_shape((*stack, E, D, I), block), jnp.float32))
+            self.down_proj_scale_inv = nnx.Param(jnp.ones(scale_shape((*stack, E, I, D), block), jnp.float32))
 
     def __call__(self, x_TD, weights_TK, ids_TK, parallel=None):
         args = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        block = self.block
+        scales = ((self.gate_proj_scale_inv[...], self.up_proj_scale_inv[...], self.down_proj_scale_inv[...])
+                  if block is not None else None)
         if parallel is None or parallel.is_single_device:
-            return routed_experts(x_TD, weights_TK, ids_TK, *args).astype(x_TD.dtype)
+            return routed_experts(x_TD, weights_TK, ids_TK, *args, scales=scales, block=block).astype(x_TD.dtype)
         par = parallel
         tok_axes = par.axes(TOKENS)
         ep_axes, col_axes = par.axes(EXPERTS), par.axes(EXPERT_COLS)
@@ -119,25 +135,27 @@ class Experts(nnx.Module):
         sum_axes = tuple(a for a in model_axes if a not in gather_axes)
         E_local = self.gate_proj.shape[0] // par.size(EXPERTS)
 
-        def body(x, w, ids, gate, up, down):
+        def body(x, w, ids, gate, up, down, sc):
             x, w, ids = (col.all_gather_tiled(a, gather_axes) for a in (x, w, ids))
             first = jax.lax.axis_index(ep_axes) * E_local if ep_axes else 0
-            y = col.psum(routed_experts(x, w, ids, gate, up, down, first), sum_axes)
+            y = col.psum(routed_experts(x, w, ids, gate, up, down, first, scales=sc, block=block), sum_axes)
             return col.reduce_scatter_tiled(y, gather_axes)
 
         t2 = par.spec(TOKENS, None)
+        w_specs = (par.spec(EXPERTS, None, EXPERT_COLS), par.spec(EXPERTS, None, EXPERT_COLS),
+                   par.spec(EXPERTS, EXPERT_COLS, None))  # a scale grid splits like its weight
         f = jax.shard_map(body, mesh=par.mesh, check_vma=False, out_specs=t2,
-                          in_specs=(t2, t2, t2, par.spec(EXPERTS, None, EXPERT_COLS),
-                                    par.spec(EXPERTS, None, EXPERT_COLS), par.spec(EXPERTS, EXPERT_COLS, None)))
-        return f(x_TD, weights_TK, ids_TK, *args).astype(x_TD.dtype)
+                          in_specs=(t2, t2, t2, *w_specs, w_specs if scales is not None else None))
+        return f(x_TD, weights_TK, ids_TK, *args, scales).astype(x_TD.dtype)
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: GlmConfig, *, dtype, stack=()):
+    def __init__(self, cfg: GlmConfig, *, dtype, stack=(), quant: WeightQuant | None = None):
+        blk = quant.linear_block if quant is not None else None
         self.gate = Router(cfg, stack=stack)
-        self.experts = Experts(cfg, dtype=dtype, stack=stack)
+        self.experts = Experts(cfg, dtype=dtype, stack=stack, block=blk)
         self.shared_experts = DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                       dtype=dtype, stack=stack)
+                                       dtype=dtype, stack=stack, block=blk)
 
     def __call__(self, x_TD, parallel=None):
         w, ids = self.gate(x_TD)

@@ -110,13 +110,19 @@ def save(model: GlmForCausalLM, path: str | os.PathLike, *, source_dir: str | os
         files are copied alongside (missing ones are skipped).
       overwrite: replace an existing directory; otherwise an existing `path` raises.
       compress: zstd-compress the chunks (orbax's own default). Off by default: restores run
-        ≈1.8× faster without it (1.1 GiB bf16 on CPU, scripts/bench_checkpoint_load.py) and
+        ≈1.8× faster without it (1.1 GiB bf16 on CPU, scripts/bench_checkpoint_load.py as of 93c5f03) and
         random-like bf16 weights shrink only ≈20%.
       progress: show a progress bar over the writing stages.
 
-    Returns the absolute path. Raises FileExistsError when `path` exists and not `overwrite`.
+    Returns the absolute path. Raises FileExistsError when `path` exists and not `overwrite`,
+    ValueError for a model with FP8 weights kept (orbax checkpoints store dequantised weights:
+    load with `quantization="none"`, as scripts/convert_checkpoint.py does).
     """
     import orbax.checkpoint as ocp
+
+    if model.quant is not None:
+        raise ValueError("orbax checkpoints store dequantised weights: load the FP8 checkpoint with "
+                         "quantization='none' before saving (scripts/convert_checkpoint.py does)")
 
     out = os.path.abspath(os.fspath(path))
     if os.path.exists(out):

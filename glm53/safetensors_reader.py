@@ -107,6 +107,11 @@ class SafetensorsCheckpoint:
     def dtype(self, key: str) -> str:
         return self.infos[key].dtype
 
+    def release(self) -> None:
+        """Drop the memory maps (re-opened on the next `get`): once no array read from them is
+        alive, the pages they touched leave the process's resident set."""
+        self._mmaps.clear()
+
     def get(self, key: str) -> np.ndarray:
         """The tensor as a (read-only, memory-mapped) numpy array."""
         try:
@@ -118,3 +123,21 @@ class SafetensorsCheckpoint:
             mm = self._mmaps[info.file] = np.memmap(info.file, dtype=np.uint8, mode="r")
         dt = np.dtype(_DTYPES[info.dtype])
         return mm[info.begin:info.end].view(dt).reshape(info.shape)
+
+
+class InMemoryCheckpoint(SafetensorsCheckpoint):
+    """HF tensors held in a dict `key -> numpy array`, read through the checkpoint interface (the
+    loader fills a model from generated weights without writing files)."""
+
+    def __init__(self, tensors: dict[str, np.ndarray], directory: str = "<in-memory checkpoint>"):
+        names = {np.dtype(v): k for k, v in _DTYPES.items()}
+        self.directory = directory
+        self.tensors = tensors
+        self.infos = {k: TensorInfo("", names[np.dtype(v.dtype)], tuple(v.shape), 0, 0) for k, v in tensors.items()}
+        self._mmaps = {}
+
+    def get(self, key: str) -> np.ndarray:
+        try:
+            return self.tensors[key]
+        except KeyError:
+            raise CheckpointError(f"{key}: missing from checkpoint {self.directory}") from None

@@ -179,6 +179,8 @@ def train_forward(model, input_ids_BT: jax.Array, *, sparse: bool, mtp: bool = T
     layer's selection); otherwise dense causal attention (the warm-up). `mtp`: also run the MTP
     layer (needs one). The maths and sources are in the module docstring.
     """
+    if model.quant is not None:
+        raise ValueError("train_forward needs a model with unquantised weights (load with quantization='none')")
     cfg = model.cfg
     B, T = input_ids_BT.shape
     cos, sin = rope_cos_sin(jnp.arange(T, dtype=jnp.int32), cfg.qk_rope_head_dim, cfg.rope_theta)

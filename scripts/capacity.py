@@ -1,8 +1,10 @@
 """Capacity calculator: device-resident vs Hybrid HiSparse concurrency across sequence lengths.
 
 Prints, for GLM-5.3 (or any `glm_moe_dsa` config), the per-token KV bytes, the reference
-per-request figures, the sparse-MLA roofline, and one table per deployment (the source documents'
-8×H200 deployments by default) across sequence lengths 8K … 1M; with `--out DIR` it also writes
+per-request figures, the sparse-MLA roofline, the weight bytes per GPU of the FP8 model under TP8
+and under DP8 + EP8 (from the model's real parameter tree and the partition rules,
+`glm53.weight_bytes`, with the KV room each leaves), and one table per deployment (the source
+documents' 8×H200 deployments by default) across sequence lengths 8K … 1M; with `--out DIR` it also writes
 `DIR/capacity.png`: concurrency vs sequence length, device-resident vs HiSparse at several
 hot-buffer sizes (host pool assumed not to be the bottleneck, as in the reference calculator's
 plot). The model behind the numbers is `glm53.capacity` (DESIGN §9).
@@ -82,6 +84,42 @@ def header(cfg: GlmConfig, name: str, kv_dtype: str) -> list[str]:
     lines.append(f"  prefill FLOPs: indexer overtakes sparse MLA at ≈{x8 / 1e3:.1f}K tokens under TP8, "
                  f"≈{x64 / 1e3:.1f}K under PCP8 (plain FLOP count; the source quotes ≈32K / ≈256K)")
     return lines
+
+
+def weights_table(cfg: GlmConfig, layouts: dict[str, cap.Deployment]) -> list[str]:
+    """Weight bytes per GPU of each layout from the model's parameter tree (`cap.weight_bytes_per_gpu`,
+    glm53.weight_bytes), split by kind (FP8 codes, their fp32 block scales, unquantised weights) and
+    by part of the model, and the KV room each leaves (`cap.kv_room_per_gpu`). Sizes in GiB."""
+    first = next(iter(layouts.values()))
+    fmt = ("FP8 weights kept FP8 on the device (128×128 blocks; embeddings, head, norms, eh_proj in bf16, "
+           "router and indexer weights_proj in fp32)" if first.checkpoint_dtype == "fp8" else "bf16 weights")
+    out = [f"Weights per GPU from the model's parameter tree (glm53.weight_bytes, sharding/rules.py): {fmt}, "
+           f"MTP layer {'counted' if first.with_mtp else 'not counted'}; "
+           f"{first.num_gpus}×{first.accelerator.name}, util {first.gpu_memory_utilization:g}, "
+           f"runtime reserve {first.runtime_reserve_bytes / cap.GiB:.1f} GiB (GiB per GPU unless marked)"]
+    cols = ["layout", "weights", "fp8", "scales MiB", "unquant", "|", "experts", "attention", "mlp", "emb+head",
+            "other", "|", "HBM×util", "KV room"]
+    widths = [10, 8, 7, 10, 7, 1, 7, 9, 5, 8, 5, 1, 8, 7]
+    out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cols, widths))))
+    g = lambda b: f"{b / cap.GiB:.2f}"  # noqa: E731
+    for name, dep in layouts.items():
+        try:
+            total = cap.weight_bytes_per_gpu(cfg, dep.replace(weight_bytes_per_gpu=None))
+            kind = cap.weight_bytes_breakdown_per_gpu(cfg, dep, by="kind")
+            part = cap.weight_bytes_breakdown_per_gpu(cfg, dep, by="part")
+        except ValueError as e:  # a layout this model's shapes or FP8 blocks cannot take
+            out.append(f"{name:<12}  not shardable: {e}")
+            continue
+        room = cap.kv_room_per_gpu(cfg, dep.replace(weight_bytes_per_gpu=None))
+        row = [name, g(total), g(kind["fp8"]), f"{kind['fp8_scales'] / cap.MiB:.1f}", g(kind["unquantised"]), "|",
+               g(part["routed_experts"]), g(part["attention"]), g(part["mlp"]), g(part["embed_head"]),
+               g(part["other"]), "|", g(dep.accelerator.hbm_bytes * dep.gpu_memory_utilization), g(room)]
+        out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    out.append("fp8: float8_e4m3fn codes; scales MiB: their fp32 weight_scale_inv grids; unquant: weights kept in "
+               "bf16/fp32; experts: routed experts; attention: MLA + indexer; mlp: dense MLP, shared experts, router. "
+               "KV room = HBM × util − weights − runtime reserve. DP8 + EP8 splits the experts 8 ways like TP8 "
+               "but replicates attention, dense/shared MLP and embeddings on every GPU.")
+    return out
 
 
 def table(cfg: GlmConfig, dep: cap.Deployment, lengths: list[int], window: int) -> list[str]:
@@ -189,7 +227,11 @@ def layouts_table(cfg: GlmConfig, seq_len: int) -> list[str]:
            f"{'layout':<24}{'KV room/GPU':>12}{'resident':>9}{'first/GPU':>11}{'steady/GPU':>11}{'hot/GPU':>9}"
            f"{'dev-bound':>10}{'host pool':>11}{'host-bound':>11}{'HiSparse':>9}{'pool for dev-bound':>20}"]
     for name, d in cap.hisparse_layouts(seq_len).items():
-        p = cap.capacity(cfg, d, seq_len)
+        try:
+            p = cap.capacity(cfg, d, seq_len)
+        except ValueError as e:  # the model's shapes or FP8 blocks do not fit this layout
+            out.append(f"{name:<24}not shardable: {e}")
+            continue
         gib = lambda b: f"{b / cap.GiB:.2f}G"  # noqa: E731
         out.append(f"{name:<24}{gib(p.kv_room_per_gpu):>12}{p.device_resident:>9}{gib(p.first_bytes):>11}"
                    f"{gib(p.steady_bytes):>11}{gib(p.hot_bytes):>9}{p.hisparse_device_bound:>10}"
@@ -221,26 +263,28 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = load_config(args.model)
     names = args.deployment or list(refs)
-    deps = []
-    for name in names:
-        d = refs[name]
-        changes = {}
-        if args.kv_cache_dtype:
-            changes["kv_cache_dtype"] = args.kv_cache_dtype
-        if args.gpu_memory_utilization is not None:
-            changes["gpu_memory_utilization"] = args.gpu_memory_utilization
-        if args.runtime_reserve_gib is not None:
-            changes["runtime_reserve_bytes"] = int(args.runtime_reserve_gib * cap.GiB)
-        if args.host_pool_gib is not None:
-            changes["host_pool_bytes"] = int(args.host_pool_gib * cap.GiB)
-        deps.append(d.replace(**changes))
+    changes = {}
+    if args.kv_cache_dtype:
+        changes["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.gpu_memory_utilization is not None:
+        changes["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.runtime_reserve_gib is not None:
+        changes["runtime_reserve_bytes"] = int(args.runtime_reserve_gib * cap.GiB)
+    if args.host_pool_gib is not None:
+        changes["host_pool_bytes"] = int(args.host_pool_gib * cap.GiB)
+    deps = [refs[name].replace(**changes) for name in names]
     lengths = sorted({parse_tokens(x) for x in args.lengths.split(",")} if args.lengths else set(DEFAULT_LENGTHS))
     kv_dtype = args.kv_cache_dtype or "fp8"
 
     out = header(cfg, args.model, kv_dtype)
+    out += [""] + weights_table(cfg, {"TP8": refs["tp8-hisparse"].replace(**changes),
+                                      "DP8 + EP8": refs["dp8-decode"].replace(**changes)})
     for d in deps:
         rows = sorted(set(lengths) | ({d.max_model_len} if d.max_model_len < lengths[-1] else set()))
-        out += [""] + table(cfg, d, rows, args.admission_window)
+        try:
+            out += [""] + table(cfg, d, rows, args.admission_window)
+        except ValueError as e:  # the model's shapes or FP8 blocks do not fit this layout
+            out += ["", f"== {d.name}: {d.describe()}", f"   not shardable: {e}"]
     out += [""] + layouts_table(cfg, args.layouts_length)
     print("\n".join(out))
     if args.out:

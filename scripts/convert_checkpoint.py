@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     progress = not args.no_progress
     t0 = time.perf_counter()
     try:
-        model = load_model(args.src, dtype=getattr(jnp, args.dtype), with_mtp=not args.no_mtp, progress=progress)
+        model = load_model(args.src, dtype=getattr(jnp, args.dtype), with_mtp=not args.no_mtp, progress=progress,
+                           quantization="none")  # orbax checkpoints store dequantised weights
     except (FileNotFoundError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -33,9 +33,10 @@ from flax import nnx  # noqa: E402
 
 from glm53.config import TINY_HF_CONFIG, GlmConfig  # noqa: E402
 from glm53.kv_layout import build_kv_layout  # noqa: E402
-from glm53.loader import _param_table, parameter_sources  # noqa: E402
+from glm53.loader import load_weights  # noqa: E402
 from glm53.model import GlmForCausalLM  # noqa: E402
 from glm53.parallel_batch import empty_parallel_arena, replica_batch, shard_batch, stack_replicas  # noqa: E402
+from glm53.safetensors_reader import InMemoryCheckpoint  # noqa: E402
 from glm53.tiny_checkpoint import tiny_weights  # noqa: E402
 from sharding.mesh import ParallelConfig, ParallelLayout  # noqa: E402
 from sharding.rules import shard_params  # noqa: E402
@@ -56,11 +57,7 @@ CONTEXT = 384
 def build_model():
     cfg = GlmConfig.from_hf_config({**TINY_HF_CONFIG, "num_attention_heads": 8, "num_hidden_layers": 10,
                                     "first_k_dense_replace": 1})
-    w = tiny_weights(cfg, seed=1)
-    model = GlmForCausalLM(cfg)
-    src = parameter_sources(cfg)
-    for path, p in _param_table(model).items():
-        p.set_value(jnp.asarray(np.asarray(src[path](w.__getitem__), np.float32)))
+    model = load_weights(GlmForCausalLM(cfg), InMemoryCheckpoint(tiny_weights(cfg, seed=1)), progress=False)
     return cfg, model
 
 

@@ -41,7 +41,17 @@ def make_arg_parser() -> argparse.ArgumentParser:
         default=None,
         help="Model name the API accepts and lists (default: the --model value).",
     )
-    m.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
+    m.add_argument(
+        "--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+        help="Activations and the unquantised weights (embeddings, head, norms): auto = bfloat16 on a GPU, float32 "
+             "on the CPU. FP8 weights stay FP8 whatever this says.",
+    )
+    m.add_argument(
+        "--quantization", "-q", choices=["fp8"], default=None,
+        help="Weight quantisation. Default: the checkpoint's (an FP8 block-scaled checkpoint is served with its FP8 "
+             "weights on the device). fp8: also quantise a bf16/fp32 checkpoint's linears at load to 128x128-block "
+             "FP8 (online, as vLLM does).",
+    )
     m.add_argument("--seed", type=int, default=0, help="Engine sampling seed.")
     m.add_argument(
         "--max-model-len", type=int, default=None, help="Prompt + output tokens at most."

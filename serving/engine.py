@@ -23,6 +23,7 @@ from glm53.capacity import engine_capacity_summary
 from glm53.kv_layout import build_kv_layout
 from glm53.loader import load_model
 from glm53.tokenizer import tokenizer_vocab_size
+from glm53.weight_bytes import device_weight_bytes
 from serving.block_pool import BlockPool
 from serving.faults import EngineDeadError
 from serving.hisparse import build_hisparse, hisparse_config
@@ -68,6 +69,7 @@ class EngineArgs:
     log_stats_interval_s: float = 5.0
     parallel: ParallelConfig | None = None  # TP / PCP / DCP / EP sizes (None: one device)
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "bfloat16" or "fp8"
+    quantization: str | None = None  # --quantization: None (the checkpoint's), "fp8" (online for bf16 checkpoints)
     cuda_graph_sizes: list[int] | None = None  # decode-sized step buckets (None: 1, 2, 4, … max_num_seqs)
     attention_config: dict | None = None  # --attention-config (hisparse_config: Hybrid HiSparse)
     kv_transfer_config: dict | None = None  # --kv-transfer-config (the OffloadingConnector)
@@ -215,7 +217,13 @@ class LLMEngine:
         device = jax.devices()[0]
         dtype = _model_dtype(args.dtype, device)
         t0 = time.perf_counter()
-        model = load_model(path, dtype=dtype, progress=args.compile_progress)
+        par = args.parallel
+        parallel = ParallelLayout.create(par) if par is not None and par.num_devices > 1 else None
+        spec = SpeculativeConfig.from_dict(args.speculative_config)
+        # Each device reads its own shards of the weights; a --quantization that cannot apply raises
+        # glm53.quant.QuantizationError (a ValueError naming the flag).
+        model = load_model(path, dtype=dtype, progress=args.compile_progress, shardings=parallel,
+                           quantization=args.quantization)
         cfg = model.cfg
         if args.max_model_len is None:
             args.max_model_len = min(cfg.max_position_embeddings, 4096)
@@ -225,16 +233,17 @@ class LLMEngine:
         if args.max_num_batched_tokens < 1 or args.max_num_seqs < 1:
             raise ValueError("--max-num-batched-tokens and --max-num-seqs must be >= 1")
         cache_dtype = jnp.dtype(dtype).name if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
-        spec = SpeculativeConfig.from_dict(args.speculative_config)
         if spec is not None and cfg.num_mtp_layers == 0:
             raise ValueError(f"--speculative-config method \"mtp\" needs a checkpoint with an MTP layer; {path} has "
-                             "none (num_nextn_predict_layers = 0)")
+                             "none (num_nextn_predict_layers = 0, or no model.layers.N.* MTP tensors)")
         layout = build_kv_layout(cfg, cache_dtype, with_mtp=spec is not None)
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(jax.tree.map(lambda v: v, model)) if hasattr(x, "nbytes"))
+        weight_bytes = device_weight_bytes(cfg, dtype=dtype, quant=model.quant, parallel=par)
         nblocks = num_kv_blocks(layout.page_bytes, args, device, weight_bytes)
-        logger.info("model %s loaded in %.1fs (%s, %.1f MiB of weights); KV arena %d pages x %.2f MiB "
-                    "(%s tokens/page per group)", path, time.perf_counter() - t0, jnp.dtype(dtype).name,
-                    weight_bytes / 2**20, nblocks, layout.page_bytes / 2**20,
+        weights = "FP8 weights {}x{} blocks{}".format(*model.quant.block, " (quantised at load)" if model.quant.online
+                                                      else "") if model.quant is not None else jnp.dtype(dtype).name
+        logger.info("model %s loaded in %.1fs (%s, activations %s, %.1f MiB of weights per device); KV arena %d "
+                    "pages x %.2f MiB (%s tokens/page per group)", path, time.perf_counter() - t0, weights,
+                    jnp.dtype(dtype).name, weight_bytes / 2**20, nblocks, layout.page_bytes / 2**20,
                     {g.name: g.tokens_per_page for g in layout.groups})
         eos = tuple(eos_token_ids) if eos_token_ids is not None else read_eos(cfg, path)
         if args.parallel is not None and args.parallel.data_parallel_size > 1:

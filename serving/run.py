@@ -46,7 +46,7 @@ def build_server(argv: list[str] | None = None):
     except ModelNotFoundError as e:
         raise SystemExit(f"error: {e}") from e
     eargs = EngineArgs(
-        model=model, dtype=args.dtype, max_model_len=args.max_model_len,
+        model=model, dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs or 32, max_num_batched_tokens=args.max_num_batched_tokens or 512,
         gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks_override=args.num_gpu_blocks_override,
         seed=args.seed, enable_prefix_caching=args.enable_prefix_caching, max_logprobs=args.max_logprobs,

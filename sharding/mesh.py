@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 AXES = ("dp", "pcp", "tp")
 
@@ -127,21 +127,37 @@ def make_mesh(config: ParallelConfig, devices=None) -> Mesh:
     return Mesh(arr, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
+def make_abstract_mesh(config: ParallelConfig) -> AbstractMesh:
+    """A device-free mesh with the axes and sizes `make_mesh` would give (`jax.sharding.AbstractMesh`):
+    enough for roles, `PartitionSpec`s, `NamedSharding.shard_shape` and memory planning of a layout
+    larger than the machine (an 8-device layout on one CPU); not for placing arrays."""
+    sizes = config.axis_sizes
+    return AbstractMesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     """A mesh plus the role → axes table. Hashable (a static argument of jitted steps).
 
-    Build with `ParallelLayout.create(config)` or `ParallelLayout(config, make_mesh(config))`.
+    Build with `ParallelLayout.create(config)` or `ParallelLayout(config, make_mesh(config))`;
+    `ParallelLayout.abstract(config)` gives the same roles, sizes and specs without devices.
     """
 
     config: ParallelConfig
-    mesh: Mesh = field(compare=True)
+    mesh: Mesh | AbstractMesh = field(compare=True)
 
     @classmethod
     def create(cls, config: ParallelConfig | None = None, devices=None, **sizes) -> "ParallelLayout":
         """`ParallelLayout.create(ParallelConfig(...))` or `ParallelLayout.create(tensor_parallel_size=2)`."""
         config = config or ParallelConfig(**sizes)
         return cls(config, make_mesh(config, devices))
+
+    @classmethod
+    def abstract(cls, config: ParallelConfig | None = None, **sizes) -> "ParallelLayout":
+        """The layout over `make_abstract_mesh(config)`: `size`, `spec`, `sharding(...).shard_shape`
+        work on any machine (no devices needed); `constrain` and `device_put` need a real mesh."""
+        config = config or ParallelConfig(**sizes)
+        return cls(config, make_abstract_mesh(config))
 
     # ------------------------------------------------------------------ roles
     @property

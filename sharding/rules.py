@@ -74,8 +74,13 @@ def _path_str(path) -> str:
 
 def param_roles(path: str, ndim: int) -> tuple:
     """Roles of every dimension of the parameter at dotted `path` with `ndim` dimensions (leading
-    stacked axes get None). Raises KeyError for a path no rule matches, ValueError when a rule's
-    rank exceeds the parameter's."""
+    stacked axes get None). An FP8 `weight_scale_inv` grid (`….weight_scale_inv`,
+    `….w_uk_scale_inv`, `mlp.experts.gate_proj_scale_inv`) is split like its weight: one scale
+    per block, and glm53.quant.check_fp8_parallel_layout makes every shard hold whole blocks.
+    Raises KeyError for a path no rule matches, ValueError when a rule's rank exceeds the
+    parameter's."""
+    if path.endswith("_scale_inv"):
+        path = path[: -len("_scale_inv")]
     for pattern, roles in PARAM_RULES:
         if re.search(pattern, path):
             if len(roles) > ndim:

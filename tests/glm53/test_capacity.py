@@ -210,6 +210,10 @@ def test_reference_deployments_weights_and_kv_room():
     assert cap.capacity(GLM53, prefill.replace(dcp=1), 1_048_576).device_resident == 0
     tp8 = refs["tp8-hisparse"]
     assert cap.weight_bytes_per_gpu(GLM53, tp8) < cap.weight_bytes_per_gpu(GLM53, prefill)  # attention TP-split
+    # Per device from the model's parameter tree (tests/glm53/test_weight_bytes.py): FP8 kept on the
+    # device, TP8 ≈ total / 8 + the replicated embeddings, latent projections, indexer and norms.
+    assert 89 * GIB < cap.weight_bytes_per_gpu(GLM53, tp8) < 94 * GIB
+    assert cap.weight_bytes_per_gpu(GLM53, refs["dp8-decode"]) == cap.weight_bytes_per_gpu(GLM53, prefill)
     p = cap.capacity(GLM53, tp8, tp8.max_model_len)
     assert p.hisparse > p.device_resident >= 1
 
@@ -229,6 +233,14 @@ def test_cli_prints_reference_figures_and_writes_png(tmp_path, capsys):
     assert "26.0 FLOPs/B" in out and "191.3 FLOPs/B" in out and "= 206 FLOPs/B" in out
     for name in cap.reference_deployments():
         assert f"== {name}:" in out
+    # Weight bytes per GPU of the FP8 model under TP8 and DP8 + EP8, from the parameter tree.
+    assert "Weights per GPU from the model's parameter tree" in out
+    refs = cap.reference_deployments()
+    for label, dep in (("TP8", refs["tp8-hisparse"]), ("DP8 + EP8", refs["dp8-decode"])):
+        row = next(line for line in out.splitlines() if line.startswith(label + "  "))
+        cells = row[len(label):].split()
+        assert cells[0] == f"{cap.weight_bytes_per_gpu(GLM53, dep) / GIB:.2f}"
+        assert cells[-1] == f"{cap.kv_room_per_gpu(GLM53, dep) / GIB:.2f}"
     png = tmp_path / "capacity.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

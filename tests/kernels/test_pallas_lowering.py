@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 from jax._src.pallas.triton import pallas_call_registration as triton_registration
 
+from kernels.fp8_matmul.pallas_triton import fp8_grouped_matmul_pallas_triton, fp8_matmul_pallas_triton
 from kernels.hot_resolve.pallas_triton import hot_resolve_pallas_triton
 from kernels.indexer_topk.pallas_triton import indexer_topk_pallas_triton
 from kernels.paged import CacheComponent, GroupLayout
@@ -84,3 +85,40 @@ def test_hot_resolve_lowers_for_cuda_at_production_shapes(verified, T):
     text = _export_cuda(f, S((T, K), i32), S((T,), i32), S((B, P), i32), S((B, P), i32), S((B, H), i32),
                         S((B,), i32), S((B,), i32), S((S_rows, M), i32), S((S_rows, M), i32), S((), i32))
     assert text.count(TRITON_CALL) == 4 and verified == [True] * 4
+
+
+F8 = jnp.float8_e4m3fn
+
+
+def _fp8_weight_untouched(text):
+    """The fp8 weight reaches the Triton call as it is: no XLA op (convert, pad, copy) touches it."""
+    return [line for line in text.splitlines()
+            if "f8E4M3FN" in line and "stablehlo." in line and "custom_call" not in line] == []
+
+
+# GLM-5.3 (block 128 × 128): q_b_proj TP8 [2048, 2048], kv_a_proj [6144, 576] (a partial N block),
+# o_proj TP8 [2048, 6144]; decode M = 1, 128 (split K at small M) and prefill M = 4096.
+@pytest.mark.parametrize("M", [1, 128, 4096])
+@pytest.mark.parametrize("K,N", [(2048, 2048), (6144, 576), (2048, 6144)])
+def test_fp8_matmul_lowers_for_cuda_at_production_shapes(verified, M, K, N):
+    f = functools.partial(fp8_matmul_pallas_triton, block=(128, 128))
+    text = _export_cuda(f, S((M, K), jnp.bfloat16), S((K, N), F8), S((K // 128, -(-N // 128)), jnp.float32))
+    assert text.count(TRITON_CALL) == 1 and verified == [True]
+    assert _fp8_weight_untouched(text)
+
+
+def test_fp8_matmul_lowers_with_fp32_activations(verified):
+    f = functools.partial(fp8_matmul_pallas_triton, block=(128, 128), out_dtype=jnp.bfloat16)
+    text = _export_cuda(f, S((16, 6144), jnp.float32), S((6144, 576), F8), S((48, 5), jnp.float32))
+    assert text.count(TRITON_CALL) == 1 and verified == [True]
+
+
+# MoE experts, 256 experts / EP8 = 32 per rank, 128 tokens × 8 experts = 1024 rows: the gate/up
+# projection [32, 6144, 2048] and the down projection [32, 2048, 6144].
+@pytest.mark.parametrize("K,N", [(6144, 2048), (2048, 6144)])
+def test_fp8_grouped_matmul_lowers_for_cuda_at_production_shapes(verified, K, N):
+    f = functools.partial(fp8_grouped_matmul_pallas_triton, block=(128, 128))
+    text = _export_cuda(f, S((1024, K), jnp.bfloat16), S((32, K, N), F8), S((32, K // 128, N // 128), jnp.float32),
+                        S((32,), jnp.int32))
+    assert text.count(TRITON_CALL) == 1 and verified == [True]
+    assert _fp8_weight_untouched(text)

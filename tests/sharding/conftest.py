@@ -20,9 +20,10 @@ from flax import nnx
 
 from glm53.config import TINY_HF_CONFIG, GlmConfig
 from glm53.kv_layout import build_kv_layout
-from glm53.loader import _param_table, parameter_sources
+from glm53.loader import load_weights
 from glm53.model import GlmForCausalLM
 from glm53.parallel_batch import empty_parallel_arena, replica_batch, shard_batch, stack_replicas
+from glm53.safetensors_reader import InMemoryCheckpoint
 from glm53.tiny_checkpoint import tiny_weights
 from sharding.rules import shard_params
 
@@ -45,10 +46,7 @@ def model_setup():
     cfg = sharding_test_config()
     assert cfg.layer_plan.num_stacked_groups == 2 and "shared" in cfg.indexer_types
     weights = tiny_weights(cfg, seed=1)
-    model = GlmForCausalLM(cfg)
-    src = parameter_sources(cfg)
-    for path, p in _param_table(model).items():
-        p.set_value(jnp.asarray(np.asarray(src[path](weights.__getitem__), np.float32)))
+    model = load_weights(GlmForCausalLM(cfg), InMemoryCheckpoint(weights), progress=False)
     layout = build_kv_layout(cfg, "float32")
     graphdef, state = nnx.split(model)
     rng = np.random.default_rng(7)
