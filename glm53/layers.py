@@ -29,8 +29,9 @@ class Linear(nnx.Module):
     `[*stack, ceil(in/bk), ceil(out/bn)]` (glm53/quant.py), multiplied by `kernels.fp8_matmul`."""
 
     def __init__(self, d_in: int, d_out: int, *, dtype, stack: tuple[int, ...] = (),
-                 block: tuple[int, int] | None = None):
+                 block: tuple[int, int] | None = None, rule: str | None = None):
         self.block = block
+        self.rule = rule  # a path its partition rule matches (sharding/rules.py), e.g. "self_attn.o_proj.weight"
         if block is None:
             self.weight = nnx.Param(jnp.zeros((*stack, d_in, d_out), dtype))
             self.weight_scale_inv = None
@@ -38,16 +39,50 @@ class Linear(nnx.Module):
             self.weight = nnx.Param(jnp.zeros((*stack, d_in, d_out), jnp.float8_e4m3fn))
             self.weight_scale_inv = nnx.Param(jnp.ones(scale_shape((*stack, d_in, d_out), block), jnp.float32))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, parallel=None) -> jax.Array:
+        """`x [..., in]` → `[..., out]` in x's dtype (fp32 accumulation).
+
+        `parallel` (a `sharding.mesh.ParallelLayout`; None on one device): an FP8 weight is then
+        multiplied shard by shard inside `shard_map` (the kernel is a custom call XLA cannot
+        partition): each device runs the kernel on its own weight shard, a split input dimension
+        is summed over its devices in fp32. Unquantised weights are partitioned by XLA."""
         if self.block is None:
             return mm(x, self.weight[...])
-        return fp8_matmul(x, self.weight[...], self.weight_scale_inv[...], block=self.block)
+        w, s = self.weight[...], self.weight_scale_inv[...]
+        if parallel is None or parallel.is_single_device:
+            return fp8_matmul(x, w, s, block=self.block)
+        if self.rule is None:
+            raise ValueError("an FP8 Linear under a parallel layout needs its partition rule path (rule=)")
+        return _sharded_fp8_linear(x, w, s, self.block, parallel, self.rule)
 
     def dense_weight(self, dtype=jnp.float32) -> jax.Array:
         """The real weight `[*stack, in, out]` (dequantised when FP8)."""
         if self.block is None:
             return self.weight[...].astype(dtype)
         return dequantize_fp8_blocks(self.weight[...], self.weight_scale_inv[...], self.block, dtype=dtype)
+
+
+def _sharded_fp8_linear(x, w, s, block, parallel, rule: str):
+    """`fp8_matmul` per device over the weight shards given by the partition rule of `rule`:
+    tokens stay split as the model keeps them (TOKENS), the weight's output dimension splits the
+    output, a split input dimension is psum-ed in fp32."""
+    from sharding.mesh import TOKENS
+    from sharding.rules import param_roles
+
+    in_role, out_role = param_roles(rule, 2)
+    sum_axes = parallel.axes(in_role)
+    lead = x.shape[:-1]
+
+    def body(x2, w, s):
+        y = fp8_matmul(x2, w, s, block=block, out_dtype=jnp.float32)
+        if sum_axes:
+            y = lax.psum(y, sum_axes)
+        return y.astype(x2.dtype)
+
+    wspec = parallel.spec(in_role, out_role)
+    f = jax.shard_map(body, mesh=parallel.mesh, check_vma=False, out_specs=parallel.spec(TOKENS, out_role),
+                      in_specs=(parallel.spec(TOKENS, in_role), wspec, wspec))
+    return f(x.reshape(-1, x.shape[-1]), w, s).reshape(*lead, w.shape[-1])
 
 
 class RMSNorm(nnx.Module):

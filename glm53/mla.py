@@ -53,18 +53,19 @@ class Indexer(nnx.Module):
         I, Dk = cfg.index_n_heads, cfg.index_head_dim
         self.n_heads, self.head_dim, self.rope_dim = I, Dk, cfg.qk_rope_head_dim
         blk = quant.linear_block if quant is not None else None
-        self.wq_b = Linear(cfg.q_lora_rank, I * Dk, dtype=dtype, stack=stack, block=blk)
-        self.wk = Linear(cfg.hidden_size, Dk, dtype=dtype, stack=stack, block=blk)
+        self.wq_b = Linear(cfg.q_lora_rank, I * Dk, dtype=dtype, stack=stack, block=blk,
+                           rule="self_attn.indexer.wq_b.weight")
+        self.wk = Linear(cfg.hidden_size, Dk, dtype=dtype, stack=stack, block=blk, rule="self_attn.indexer.wk.weight")
         self.k_norm = LayerNorm(Dk, 1e-6, dtype=dtype, stack=stack)
         self.weights_proj = Linear(cfg.hidden_size, I, dtype=jnp.float32, stack=stack)
 
-    def project(self, h_TD, c_q_TQ, cos, sin):
+    def project(self, h_TD, c_q_TQ, cos, sin, parallel=None):
         """→ (qI `[T, I, Dk]`, w `[T, I]` fp32, kI `[T, Dk]`), RoPE on the first rope_dim dims."""
         T = h_TD.shape[0]
         R = self.rope_dim
-        q = self.wq_b(c_q_TQ).reshape(T, self.n_heads, self.head_dim)
+        q = self.wq_b(c_q_TQ, parallel).reshape(T, self.n_heads, self.head_dim)
         q = jnp.concatenate([apply_rope_interleaved(q[..., :R], cos, sin), q[..., R:]], axis=-1)
-        k = self.k_norm(self.wk(h_TD))
+        k = self.k_norm(self.wk(h_TD, parallel))
         k = jnp.concatenate([apply_rope_interleaved(k[..., :R], cos, sin), k[..., R:]], axis=-1)
         w = self.weights_proj(h_TD.astype(jnp.float32)) * (self.n_heads ** -0.5)
         return q, w, k
@@ -81,10 +82,13 @@ class MLAttention(nnx.Module):
         self.cfg = cfg
         N, A, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         blk = quant.linear_block if quant is not None else None
-        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype=dtype, stack=stack, block=blk)
+        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype=dtype, stack=stack, block=blk,
+                               rule="self_attn.q_a_proj.weight")
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype, stack=stack)
-        self.q_b_proj = Linear(cfg.q_lora_rank, N * cfg.qk_head_dim, dtype=dtype, stack=stack, block=blk)
-        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, A + R, dtype=dtype, stack=stack, block=blk)
+        self.q_b_proj = Linear(cfg.q_lora_rank, N * cfg.qk_head_dim, dtype=dtype, stack=stack, block=blk,
+                               rule="self_attn.q_b_proj.weight")
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, A + R, dtype=dtype, stack=stack, block=blk,
+                                         rule="self_attn.kv_a_proj_with_mqa.weight")
         self.kv_a_layernorm = RMSNorm(A, cfg.rms_norm_eps, dtype=dtype, stack=stack)
         uk_shape, uv_shape = (*stack, N, cfg.qk_nope_head_dim, A), (*stack, N, A, cfg.v_head_dim)
         self.uk_block = quant.w_uk_block(cfg) if quant is not None else None
@@ -96,7 +100,8 @@ class MLAttention(nnx.Module):
                                if quant is not None else None)
         self.w_uv_scale_inv = (nnx.Param(jnp.ones(scale_shape(uv_shape, self.uv_block), jnp.float32))
                                if quant is not None else None)
-        self.o_proj = Linear(N * cfg.v_head_dim, cfg.hidden_size, dtype=dtype, stack=stack, block=blk)
+        self.o_proj = Linear(N * cfg.v_head_dim, cfg.hidden_size, dtype=dtype, stack=stack, block=blk,
+                             rule="self_attn.o_proj.weight")
         self.indexer = Indexer(cfg, dtype=dtype, stack=stack, quant=quant) if has_indexer else None
 
     def absorbed_weights(self, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
@@ -117,16 +122,17 @@ class MLAttention(nnx.Module):
         cfg = self.cfg
         T = h_TD.shape[0]
         N, A, dn = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
-        c_q = self.q_a_layernorm(self.q_a_proj(h_TD))
-        q = self.q_b_proj(c_q).reshape(T, N, cfg.qk_head_dim)
+        par = ctx.parallel
+        c_q = self.q_a_layernorm(self.q_a_proj(h_TD, par))
+        q = self.q_b_proj(c_q, par).reshape(T, N, cfg.qk_head_dim)
         q_nope, q_pe = q[..., :dn], apply_rope_interleaved(q[..., dn:], ctx.cos, ctx.sin)
-        kv_lat = self.kv_a_proj_with_mqa(h_TD)
+        kv_lat = self.kv_a_proj_with_mqa(h_TD, par)
         c_kv = self.kv_a_layernorm(kv_lat[:, :A])
         k_pe = apply_rope_interleaved(kv_lat[:, A:], ctx.cos, ctx.sin)
         arena = attention.write_kv(kv.arena, jnp.concatenate([c_kv, k_pe], -1), ctx.batch, ctx.layout,
                                    ctx.group, "mla", mla_layer, parallel=ctx.parallel)
         if self.indexer is not None and not (ctx.reuse_topk and prev_sel is not None):
-            qI, w, kI = self.indexer.project(h_TD, c_q, ctx.cos, ctx.sin)
+            qI, w, kI = self.indexer.project(h_TD, c_q, ctx.cos, ctx.sin, par)
             arena = attention.write_kv(arena, kI, ctx.batch, ctx.layout, ctx.index_group, "indexer",
                                        index_layer, parallel=ctx.parallel)
             topk = attention.select_topk(qI, w, arena, ctx.batch, ctx.layout, ctx.index_group, index_layer,
@@ -150,5 +156,5 @@ class MLAttention(nnx.Module):
                                            slots_TK=sel[1])
         o = jnp.einsum("tna,nav->tnv", o_lat, w_uv.astype(jnp.float32),
                        preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
-        out = self.o_proj(o.reshape(T, -1).astype(h_TD.dtype))
+        out = self.o_proj(o.reshape(T, -1).astype(h_TD.dtype), par)
         return out, kv, sel

@@ -26,13 +26,14 @@ class DenseMLP(nnx.Module):
     """SwiGLU: `down(silu(gate(x)) * up(x))`."""
 
     def __init__(self, d: int, inter: int, *, dtype, stack=(), block: tuple[int, int] | None = None):
-        self.gate_proj = Linear(d, inter, dtype=dtype, stack=stack, block=block)
-        self.up_proj = Linear(d, inter, dtype=dtype, stack=stack, block=block)
-        self.down_proj = Linear(inter, d, dtype=dtype, stack=stack, block=block)
+        self.gate_proj = Linear(d, inter, dtype=dtype, stack=stack, block=block, rule="mlp.gate_proj.weight")
+        self.up_proj = Linear(d, inter, dtype=dtype, stack=stack, block=block, rule="mlp.up_proj.weight")
+        self.down_proj = Linear(inter, d, dtype=dtype, stack=stack, block=block, rule="mlp.down_proj.weight")
 
     def __call__(self, x, parallel=None):
-        """`parallel` is unused: TP column/row splits come from the parameter shardings."""
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        """TP column/row splits come from the parameter shardings; `parallel` routes FP8 weights
+        through the per-shard kernel (`Linear.__call__`)."""
+        return self.down_proj(jax.nn.silu(self.gate_proj(x, parallel)) * self.up_proj(x, parallel), parallel)
 
 
 class Router(nnx.Module):
@@ -159,4 +160,4 @@ class MoE(nnx.Module):
 
     def __call__(self, x_TD, parallel=None):
         w, ids = self.gate(x_TD)
-        return self.experts(x_TD, w, ids, parallel) + self.shared_experts(x_TD)
+        return self.experts(x_TD, w, ids, parallel) + self.shared_experts(x_TD, parallel)

@@ -52,10 +52,17 @@ def fp8_setups(model_setup):
     ("tp2", ParallelConfig(tensor_parallel_size=2)),
     ("dp2_ep2", ParallelConfig(data_parallel_size=2, enable_expert_parallel=True)),
 ])
-def test_fp8_kept_under_a_layout_equals_dequantised_on_one_device(name, par, fp8_setups):
+def test_fp8_kept_under_a_layout_equals_dequantised_on_one_device(name, par, fp8_setups, monkeypatch):
+    """Every FP8 projection runs shard by shard (`glm53.layers._sharded_fp8_linear`, the kernel
+    inside shard_map); the routed experts through their own shard_map."""
+    import glm53.layers
+
+    rules, inner = [], glm53.layers._sharded_fp8_linear
+    monkeypatch.setattr(glm53.layers, "_sharded_fp8_linear", lambda *a: rules.append(a[-1]) or inner(*a))
     kept, deq = fp8_setups
     layout = ParallelLayout.create(par)
     logits, _, _ = run_layout(kept, layout)
+    assert {"self_attn.q_b_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight"} <= set(rules)
     for r in range(layout.dp):
         cfg, lay, g, st, prompts = deq
         ref, _, _ = run_layout((cfg, lay, g, st, [prompts[r]]), None)
