@@ -380,35 +380,21 @@ def _place(src: Source, shape: tuple[int, ...], dtype, sharding: jax.sharding.Sh
     return buf
 
 
-def _target_shardings(params: dict[str, nnx.Param], shardings) -> dict[str, jax.sharding.Sharding]:
-    """Parameter path → sharding: one device (None), a `ParallelLayout` (sharding/rules.py), or an
-    orbax `ShardingSpec` (glm53/orbax_checkpoint.py)."""
+def _target_shardings(model: GlmForCausalLM, shardings) -> dict[str, jax.sharding.Sharding]:
+    """Parameter path → sharding for the (abstract) `model`: one device (None), a
+    `ParallelLayout` (sharding/rules.py), or an orbax `ShardingSpec` (glm53/orbax_checkpoint.py)."""
     from glm53 import orbax_checkpoint
     from sharding.mesh import ParallelLayout
     from sharding.rules import param_roles
 
+    params = _param_table(model)
     if shardings is None:
         one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         return {path: one for path in params}
     if isinstance(shardings, ParallelLayout):
         return {path: shardings.sharding(*param_roles(path, len(p.shape))) for path, p in params.items()}
-    target = {path: jax.ShapeDtypeStruct(p.shape, p.dtype) for path, p in params.items()}
-    nested: dict = {}
-    for path, leaf in target.items():
-        node = nested
-        *head, last = path.split(".")
-        for part in head:
-            node = node.setdefault(int(part) if part.isdigit() else part, {})
-        node[int(last) if last.isdigit() else last] = leaf
-    resolved = orbax_checkpoint.resolve_shardings(shardings, nested)
-
-    def find(path):
-        node = resolved
-        for part in path.split("."):
-            node = node[int(part) if part.isdigit() else part]
-        return node
-
-    return {path: find(path) for path in params}
+    tree = orbax_checkpoint.param_tree(model)  # nested pure dict with ShapeDtypeStruct leaves
+    return orbax_checkpoint.flatten_tree(orbax_checkpoint.resolve_shardings(shardings, tree))
 
 
 def load_model(path: str, *, dtype=jnp.float32, with_mtp: bool = True, progress: bool = True,
@@ -448,8 +434,8 @@ def load_model(path: str, *, dtype=jnp.float32, with_mtp: bool = True, progress:
     if isinstance(shardings, ParallelLayout):
         check_fp8_parallel_layout(cfg, quant, shardings.size)
     model = nnx.eval_shape(lambda: GlmForCausalLM(cfg, dtype=dtype, quant=quant))
+    targets = _target_shardings(model, shardings)
     params, sources, reader = _model_sources(model, ckpt)
-    targets = _target_shardings(params, shardings)
     total = sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in params.values())
     with tqdm(total=total, desc="loading weights", disable=not progress, unit="B", unit_scale=True,
               unit_divisor=1024) as bar:

@@ -79,12 +79,13 @@ def abstract_params(cfg: GlmConfig, dtype=jnp.float32) -> dict:
     return param_tree(abstract_model(cfg, dtype))
 
 
-def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+def flatten_tree(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    """A nested parameter dict → `{"layers.0.self_attn.w_uk": leaf, ...}` (the loader's paths)."""
     out: dict[str, Any] = {}
     for k, v in tree.items():
         name = f"{prefix}{k}"
         if isinstance(v, Mapping):
-            out.update(_flatten(v, name + "."))
+            out.update(flatten_tree(v, name + "."))
         else:
             out[name] = v
     return out
@@ -212,7 +213,7 @@ def stored_shapes(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], s
     manifest = read_manifest(path)
     meta = ocp.PyTreeCheckpointer().metadata(os.path.join(os.fspath(path), manifest.get("params_dir", PARAMS_DIR)))
     tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta.tree
-    return {k: (tuple(v.shape), jnp.dtype(v.dtype).name) for k, v in _flatten(tree).items()}
+    return {k: (tuple(v.shape), jnp.dtype(v.dtype).name) for k, v in flatten_tree(tree).items()}
 
 
 def check_against_config(path: str | os.PathLike, cfg: GlmConfig, *, with_mtp: bool = True) -> None:
@@ -220,7 +221,7 @@ def check_against_config(path: str | os.PathLike, cfg: GlmConfig, *, with_mtp: b
     checkpoint lacks or stores with another shape (and, when `with_mtp` is false, ignoring the
     stored MTP layer); unexpected stored parameters are listed too."""
     stored = stored_shapes(path)
-    expected = {k: tuple(v.shape) for k, v in _flatten(abstract_params(cfg)).items()}
+    expected = {k: tuple(v.shape) for k, v in flatten_tree(abstract_params(cfg)).items()}
     problems = []
     for k, shape in expected.items():
         if k not in stored:
