@@ -148,6 +148,10 @@ class MLAttention(nnx.Module):
             sel = prev_sel
         # Absorb W_UK into the queries (fp32 accumulation): q_abs = [W_UK^T q_nope | q_pe].
         w_uk, w_uv = self.absorbed_weights(q_nope.dtype)
+        if q_nope.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+            # XLA:CPU has no bf16 × bf16 → f32 batched dot (DotThunk); bf16 products are exact in
+            # fp32, so upcasting the operands computes the same values.
+            q_nope, w_uk = q_nope.astype(jnp.float32), w_uk.astype(jnp.float32)
         q_lat = jnp.einsum("tnd,nda->tna", q_nope, w_uk, preferred_element_type=jnp.float32,
                            precision=lax.Precision.HIGHEST)
         q_abs = jnp.concatenate([q_lat, q_pe.astype(jnp.float32)], -1)
