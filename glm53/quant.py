@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from glm53.config import GlmConfig
 from kernels.fp8_matmul.reference import scale_shape  # noqa: F401  (re-exported for the model)
 
-FP8_DTYPE = "float8_e4m3fn"
 QUANTIZATION_METHODS = ("fp8",)
 
 

@@ -47,7 +47,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
              "on the CPU. FP8 weights stay FP8 whatever this says.",
     )
     m.add_argument(
-        "--quantization", "-q", choices=["fp8"], default=None,
+        "--quantization", "-q", choices=["fp8"], default=None,  # glm53.quant.QUANTIZATION_METHODS (no jax import here)
         help="Weight quantisation. Default: the checkpoint's (an FP8 block-scaled checkpoint is served with its FP8 "
              "weights on the device). fp8: also quantise a bf16/fp32 checkpoint's linears at load to 128x128-block "
              "FP8 (online, as vLLM does).",
