@@ -143,7 +143,7 @@ def check_fp8_parallel_layout(cfg: GlmConfig, quant: WeightQuant | None, sizes) 
     ]
     for what, width, n, b in checks:
         if n > 1 and (width % n or (width // n) % b):
+            ep = " (or --enable-expert-parallel, which splits whole experts)" if what.startswith("routed") else ""
             raise QuantizationError(
                 f"FP8 weights: the {what} ({width}) split {n} ways gives {width / n:g} per device, not a multiple of "
-                f"the {b}-wide scale block; choose a --tensor-parallel-size whose shards hold whole blocks "
-                "(or --enable-expert-parallel for the routed experts)")
+                f"the {b}-wide scale block; choose a --tensor-parallel-size whose shards hold whole blocks{ep}")
