@@ -5,6 +5,12 @@ Compiled programs (the engine's step buckets, `api.forward_step`, ...) are writt
 by later processes, so a notebook's second `LLM(...)` or a server restart skips most of the
 compile time. `GLM53_COMPILATION_CACHE=off` disables it. A directory already configured by the
 caller (`jax.config.jax_compilation_cache_dir`) is left alone.
+
+The cache is bounded (`GLM53_COMPILATION_CACHE_GIB`, default 10 GiB, least recently used entries
+evicted), which also makes JAX take an inter-process file lock around every read and write. Without
+it JAX writes entries in place, and a process reading an entry another process is still writing
+(a server and a notebook, DP workers, a test and the server it started) can load a truncated
+executable and crash in XLA's deserialiser.
 """
 
 from __future__ import annotations
@@ -31,4 +37,6 @@ def enable_compilation_cache() -> str | None:
     path = compilation_cache_dir()
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    gib = float(os.environ.get("GLM53_COMPILATION_CACHE_GIB", "10"))
+    jax.config.update("jax_compilation_cache_max_size", int(gib * 2**30))  # > 0: LRU + file lock (above)
     return path

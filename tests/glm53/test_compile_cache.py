@@ -12,12 +12,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_llm_and_api_load_use_the_persistent_compilation_cache(tmp_path):
     """A fresh process: `glm53.api.load` turns the cache on under $GLM53_HOME, and a jitted step
-    lands there (so notebooks reuse compiles, as the server does)."""
+    lands there (so notebooks reuse compiles, as the server does). The cache is bounded, so JAX
+    serialises reads and writes across processes with its lock file (no torn entries)."""
     from glm53.tiny_checkpoint import default_model_dir
 
     code = (f"import jax; from glm53 import api; lm = api.load({str(default_model_dir())!r}); "
             "import numpy as np; api.forward(lm, list(range(5, 40))); "
-            "print(jax.config.jax_compilation_cache_dir)")
+            "print(jax.config.jax_compilation_cache_max_size); print(jax.config.jax_compilation_cache_dir)")
     env = {**os.environ, "GLM53_HOME": str(tmp_path), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
@@ -26,3 +27,5 @@ def test_llm_and_api_load_use_the_persistent_compilation_cache(tmp_path):
     cache = tmp_path / "jax-compilation-cache"
     assert r.stdout.strip().splitlines()[-1] == str(cache)
     assert any(cache.iterdir())  # compiled programs were written
+    assert int(r.stdout.strip().splitlines()[-2]) == 10 * 2**30
+    assert (cache / ".lockfile").exists()
