@@ -13,8 +13,8 @@ import os
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-import jax  # noqa: E402
+from glm53.compile_cache import enable_compilation_cache  # noqa: E402
 
-_cache = os.path.join(os.environ.get("GLM53_HOME", os.path.expanduser("~/.cache/glm53")), "jax-compilation-cache")
-jax.config.update("jax_compilation_cache_dir", _cache)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+# The server's own settings (bounded, so reads and writes are locked against the servers and
+# workers the tests start, which share the cache).
+enable_compilation_cache()
