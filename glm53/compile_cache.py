@@ -28,7 +28,8 @@ def compilation_cache_dir() -> str:
 
 def enable_compilation_cache() -> str | None:
     """Turn the persistent cache on (idempotent). → the directory in use, or None when disabled by
-    `GLM53_COMPILATION_CACHE=off`. Programs taking under 1 s to compile are not stored."""
+    `GLM53_COMPILATION_CACHE=off`. Programs taking under 1 s to compile are not stored. Raises
+    ValueError for a `GLM53_COMPILATION_CACHE_GIB` that is not a positive number."""
     if os.environ.get("GLM53_COMPILATION_CACHE", "") == "off":
         return None
     current = jax.config.jax_compilation_cache_dir
@@ -37,6 +38,13 @@ def enable_compilation_cache() -> str | None:
     path = compilation_cache_dir()
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    gib = float(os.environ.get("GLM53_COMPILATION_CACHE_GIB", "10"))
+    raw = os.environ.get("GLM53_COMPILATION_CACHE_GIB", "10")
+    try:
+        gib = float(raw)
+    except ValueError:
+        raise ValueError(f"GLM53_COMPILATION_CACHE_GIB={raw!r} is not a number of GiB") from None
+    if gib <= 0:
+        raise ValueError(f"GLM53_COMPILATION_CACHE_GIB={raw!r} must be > 0 (GLM53_COMPILATION_CACHE=off disables "
+                         "the cache)")
     jax.config.update("jax_compilation_cache_max_size", int(gib * 2**30))  # > 0: LRU + file lock (above)
     return path
