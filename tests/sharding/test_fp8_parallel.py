@@ -162,3 +162,22 @@ def test_served_fp8_streams_under_tp2_equal_the_dequantised_single_device_engine
     got, _ = serve(ParallelConfig(tensor_parallel_size=2), None)
     assert all(len(v) == 6 for v in got.values())
     compare_streams(ref, got, ref_lps, {})
+
+
+def test_an_orbax_checkpoint_loads_onto_a_parallel_layout(tmp_path):
+    """`load_model(orbax_dir, shardings=ParallelLayout)` (what the engine passes) reads each
+    parameter onto its partition-rule sharding: the same values and shardings as the HF checkpoint
+    streamed onto that layout."""
+    from glm53.tiny_checkpoint import default_model_dir
+    from scripts.convert_checkpoint import main as convert
+
+    src, dst = str(default_model_dir()), str(tmp_path / "orbax")
+    assert convert([src, dst, "--dtype", "float32", "--no-progress"]) == 0
+    layout = ParallelLayout.create(ParallelConfig(tensor_parallel_size=2, data_parallel_size=2,
+                                                  enable_expert_parallel=True))
+    got, want = _params(load_model(dst, shardings=layout, progress=False)), _params(
+        load_model(src, shardings=layout, progress=False))
+    assert got.keys() == want.keys()
+    for k, v in got.items():
+        assert v.sharding.is_equivalent_to(want[k].sharding, v.ndim), k
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(want[k]), err_msg=k)
