@@ -104,15 +104,17 @@ class TensorReader:
     `plain(key)`: the real values (an FP8 tensor dequantised to float32, others as stored);
     `codes(key)` / `scale(key)`: a quantised linear's float8_e4m3fn codes `[out, in]` and fp32
     `weight_scale_inv` — the checkpoint's own when it stores that tensor as FP8, else quantised
-    here to `quant.block` (online quantisation; the last tensor is cached so its codes and scale
-    are computed once).
+    here to `quant.block` (online quantisation). The loader reads a parameter's codes before its
+    scales (sorted paths), so each tensor is quantised once: the last codes are kept, and every
+    scale computed (a few hundred MiB for GLM-5.3 in all) until the load ends.
     """
 
     def __init__(self, ckpt: SafetensorsCheckpoint, ckpt_block: tuple[int, int] | None, quant: WeightQuant | None):
         self.ckpt = ckpt
         self.ckpt_block = ckpt_block or (128, 128)
         self.quant = quant
-        self._online: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._last_codes: tuple[str, np.ndarray] | None = None
+        self._scales: dict[str, np.ndarray] = {}
         self.num_quantized_online = 0
 
     def _stored_fp8(self, key: str) -> bool:
@@ -124,18 +126,23 @@ class TensorReader:
             return dequantize_fp8_block(w, self.ckpt.get(_scale_key(key)), self.ckpt_block)
         return w
 
-    def _quantized(self, key: str) -> tuple[np.ndarray, np.ndarray]:
-        if key not in self._online:
-            self._online.clear()
-            self._online[key] = quantize_fp8_blocks_np(np.asarray(self.plain(key), np.float32), self.quant.block)
-            self.num_quantized_online += 1
-        return self._online[key]
+    def _quantize(self, key: str) -> np.ndarray:
+        if self._last_codes is None or self._last_codes[0] != key:
+            codes, scale = quantize_fp8_blocks_np(np.asarray(self.plain(key), np.float32), self.quant.block)
+            if key not in self._scales:
+                self.num_quantized_online += 1
+            self._last_codes, self._scales[key] = (key, codes), scale
+        return self._last_codes[1]
 
     def codes(self, key: str) -> np.ndarray:
-        return self.ckpt.get(key) if self._stored_fp8(key) else self._quantized(key)[0]
+        return self.ckpt.get(key) if self._stored_fp8(key) else self._quantize(key)
 
     def scale(self, key: str) -> np.ndarray:
-        return self.ckpt.get(_scale_key(key)) if self._stored_fp8(key) else self._quantized(key)[1]
+        if self._stored_fp8(key):
+            return self.ckpt.get(_scale_key(key))
+        if key not in self._scales:
+            self._quantize(key)
+        return self._scales[key]
 
 
 def _layer_sources(cfg: GlmConfig, p: str, r: TensorReader, has_indexer: bool, moe: bool,

@@ -38,6 +38,16 @@ from glm53.config import GlmConfig
 from kernels.fp8_matmul.reference import scale_shape  # noqa: F401  (re-exported for the model)
 
 QUANTIZATION_METHODS = ("fp8",)
+# Modules whose `.weight` is a block-scaled FP8 linear in GLM-5.x FP8 checkpoints (DESIGN §3.7).
+QUANTIZED_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "wq_b", "wk", "gate_proj",
+                     "up_proj", "down_proj")
+
+
+def is_quantized_linear(key: str, ndim: int) -> bool:
+    """Whether the HF tensor `key` (with `ndim` dims) is one GLM-5.x FP8 checkpoints store as
+    e4m3 + `weight_scale_inv`: attention projections, the indexer's wq_b/wk, dense MLP, shared and
+    routed experts — not the router (`mlp.gate`), `eh_proj`, `weights_proj`, embeddings, head."""
+    return key.endswith(".weight") and ndim == 2 and key.split(".")[-2] in QUANTIZED_LINEARS
 
 
 class QuantizationError(ValueError):
