@@ -391,17 +391,22 @@ def _target_shardings(model: GlmForCausalLM, shardings) -> dict[str, jax.shardin
     """Parameter path → sharding for the (abstract) `model`: one device (None), a
     `ParallelLayout` (sharding/rules.py), or an orbax `ShardingSpec` (glm53/orbax_checkpoint.py)."""
     from glm53 import orbax_checkpoint
-    from sharding.mesh import ParallelLayout
-    from sharding.rules import param_roles
 
-    params = _param_table(model)
-    if shardings is None:
-        one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        return {path: one for path in params}
-    if isinstance(shardings, ParallelLayout):
-        return {path: shardings.sharding(*param_roles(path, len(p.shape))) for path, p in params.items()}
     tree = orbax_checkpoint.param_tree(model)  # nested pure dict with ShapeDtypeStruct leaves
-    return orbax_checkpoint.flatten_tree(orbax_checkpoint.resolve_shardings(shardings, tree))
+    return orbax_checkpoint.flatten_tree(orbax_checkpoint.resolve_shardings(_as_spec(shardings), tree))
+
+
+def _as_spec(shardings):
+    """A `ParallelLayout` as the orbax `ShardingSpec` of its partition rules
+    (`sharding.rules.param_shardings`, which also refuses a dimension its shard count does not
+    divide); any other spec as given."""
+    from sharding.mesh import ParallelLayout
+    from sharding.rules import param_shardings
+
+    if isinstance(shardings, ParallelLayout):
+        layout = shardings
+        return lambda target: param_shardings(target, layout)
+    return shardings
 
 
 def load_model(path: str, *, dtype=jnp.float32, with_mtp: bool = True, progress: bool = True,
@@ -428,9 +433,7 @@ def load_model(path: str, *, dtype=jnp.float32, with_mtp: bool = True, progress:
         if quantization == "fp8":
             raise QuantizationError(f"--quantization fp8: {path} is an orbax checkpoint, which stores dequantised "
                                     "weights; serve the HF FP8 checkpoint instead")
-        if isinstance(shardings, ParallelLayout):
-            shardings = _orbax_layout_spec(shardings)
-        return orbax_checkpoint.restore(path, dtype=dtype, shardings=shardings, with_mtp=with_mtp,
+        return orbax_checkpoint.restore(path, dtype=dtype, shardings=_as_spec(shardings), with_mtp=with_mtp,
                                         progress=progress)
     if not os.path.exists(os.path.join(path, "config.json")):
         raise CheckpointError(f"{path} is not a checkpoint directory: it has no config.json "
@@ -456,14 +459,3 @@ def load_model(path: str, *, dtype=jnp.float32, with_mtp: bool = True, progress:
                     "x".join(map(str, quant.block)))
     return model
 
-
-def _orbax_layout_spec(layout):
-    """An orbax `ShardingSpec` placing every parameter by `layout`'s partition rules."""
-    from sharding.rules import param_roles
-
-    def spec(target):
-        def one(path, leaf):
-            name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-            return layout.sharding(*param_roles(name, len(leaf.shape)))
-        return jax.tree_util.tree_map_with_path(one, target)
-    return spec

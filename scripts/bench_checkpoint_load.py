@@ -86,21 +86,6 @@ def write_synthetic(path: str) -> float:
     return total / 2**30
 
 
-def _spec(layout):
-    """An orbax-style ShardingSpec (abstract pytree → NamedShardings) from the partition rules;
-    both loaders accept it."""
-    import jax
-
-    from sharding.rules import param_roles
-
-    def spec(target):
-        def one(path, leaf):
-            name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-            return layout.sharding(*param_roles(name, len(leaf.shape)))
-        return jax.tree_util.tree_map_with_path(one, target)
-    return spec
-
-
 def _rss_gib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
@@ -117,9 +102,12 @@ def _measure(path: str, devices: int, quantization: str | None) -> None:
     shardings = None
     if devices > 1:
         from sharding.mesh import ParallelConfig, ParallelLayout
+        from sharding.rules import param_shardings
 
-        shardings = _spec(ParallelLayout.create(ParallelConfig(tensor_parallel_size=devices // 2, data_parallel_size=2,
-                                                               enable_expert_parallel=True)))
+        layout = ParallelLayout.create(ParallelConfig(tensor_parallel_size=devices // 2, data_parallel_size=2,
+                                                      enable_expert_parallel=True))
+        # An orbax-style ShardingSpec (abstract pytree → NamedShardings): both loaders accept it.
+        shardings = lambda target: param_shardings(target, layout)  # noqa: E731
     jax.devices()  # backend start-up is not part of the load
     before = _rss_gib()
     t0 = time.perf_counter()
