@@ -12,6 +12,7 @@ pages for the sequence, a jitted step that donates the arena.
 from __future__ import annotations
 
 import functools
+import gc
 import math
 from dataclasses import dataclass
 
@@ -62,6 +63,24 @@ def load(path: str | None = None, *, dtype=jnp.float32, cache_dtype: str | None 
     except FileNotFoundError:
         tok = None
     return LoadedModel(model, layout, tok, path)
+
+
+def release_compiled() -> None:
+    """Unload the compiled programs nothing uses any more: this module's (`forward_step`,
+    `generate_batch`, kept per model and shape) and every function's in JAX's in-memory caches.
+    Programs still referenced (a live `LLM` or engine) stay loaded; a later call recompiles, or
+    reads the persistent compilation cache.
+
+    Why: on XLA:CPU every loaded executable maps its code, read-only data and data into the
+    process (an engine's step buckets take ≈ 1,200 memory maps, `/proc/self/maps`), and Linux
+    bounds a process's maps (`vm.max_map_count`, 65,530 by default). A process that keeps
+    compiling different models and shapes (a notebook, a test suite) runs out, and the next load
+    crashes inside XLA's loader with a segmentation fault. Call this between such models.
+    """
+    _compiled.cache_clear()
+    _compiled_generate.cache_clear()
+    jax.clear_caches()
+    gc.collect()
 
 
 @functools.lru_cache(maxsize=8)

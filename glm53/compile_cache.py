@@ -7,10 +7,10 @@ compile time. `GLM53_COMPILATION_CACHE=off` disables it. A directory already con
 caller (`jax.config.jax_compilation_cache_dir`) is left alone.
 
 The cache is bounded (`GLM53_COMPILATION_CACHE_GIB`, default 10 GiB, least recently used entries
-evicted), which also makes JAX take an inter-process file lock around every read and write. Without
-it JAX writes entries in place, and a process reading an entry another process is still writing
-(a server and a notebook, DP workers, a test and the server it started) can load a truncated
-executable and crash in XLA's deserialiser.
+evicted), which also makes JAX take an inter-process file lock around every read and write, so
+processes sharing the directory (a server and a notebook, DP workers, a test and the server it
+started) take turns: unbounded, JAX writes entries in place, and a reader can find one half
+written (it then warns and compiles again).
 """
 
 from __future__ import annotations

@@ -29,3 +29,33 @@ def test_llm_and_api_load_use_the_persistent_compilation_cache(tmp_path):
     assert any(cache.iterdir())  # compiled programs were written
     assert int(r.stdout.strip().splitlines()[-2]) == 10 * 2**30
     assert (cache / ".lockfile").exists()
+
+
+def _num_memory_maps() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def test_release_compiled_unmaps_the_programs_nothing_uses():
+    """`api.release_compiled` unloads `api.forward`'s compiled step: the process's memory maps
+    (what Linux bounds with vm.max_map_count) drop back to about what they were before it was compiled,
+    and a later call compiles again to the same logits."""
+    import numpy as np
+    import pytest
+
+    from glm53 import api
+    from glm53.tiny_checkpoint import default_model_dir
+
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("needs Linux's /proc/self/maps")
+    lm = api.load(str(default_model_dir()))
+    api.release_compiled()
+    before = _num_memory_maps()
+    first = api.forward(lm, list(range(5, 40)))
+    loaded = _num_memory_maps()
+    assert loaded > before + 100, (before, loaded)  # the step's code, constants and data are mapped
+    api.release_compiled()
+    released = _num_memory_maps()
+    # (a few maps stay: allocator arenas, buffers of the returned logits)
+    assert released - before < (loaded - before) / 10, (before, loaded, released)
+    np.testing.assert_allclose(api.forward(lm, list(range(5, 40))), first, rtol=1e-5, atol=1e-5)
