@@ -83,11 +83,13 @@ def build_api(args, async_engine, tokenizer, metrics=None):
     from serving.api import build_app
     from serving.api.chat_output import ChatParsing
 
+    async def prometheus_metrics(request) -> Response:
+        """Prometheus text format, vLLM metric names (serving/metrics.py)."""
+        # (through app.state, as build_app's routes: a closure would keep the engine alive)
+        return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
     def add_metrics(app) -> None:
-        @app.get("/metrics", include_in_schema=False)
-        async def prometheus_metrics() -> Response:
-            """Prometheus text format, vLLM metric names (serving/metrics.py)."""
-            return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        app.add_route("/metrics", prometheus_metrics, methods=["GET"], include_in_schema=False)  # a plain Starlette route
 
     parsing = ChatParsing(reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                           enable_auto_tool_choice=args.enable_auto_tool_choice)

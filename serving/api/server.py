@@ -550,6 +550,13 @@ def build_app(
     app.state.engine = engine
     app.state.tokenizer = tokenizer
     app.state.served_model_name = served_model_name
+    # The routes reach both through `request.app.state`, never through their closures: FastAPI
+    # keeps route callables in process-wide caches, and a closure over the engine would keep a
+    # shut-down engine (its weights and KV arena) alive after its app is gone.
+    del engine, tokenizer
+
+    def _served(request: Request) -> tuple[EngineClient, Any]:
+        return request.app.state.engine, request.app.state.tokenizer
 
     # ------------------------------------------------------------------ exception handlers
     @app.exception_handler(APIError)
@@ -723,8 +730,9 @@ def build_app(
 
     # ------------------------------------------------------------------ routes
     @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         """200 while the engine is healthy, else 503."""
+        engine, _ = _served(request)
         try:
             ok = bool(engine.is_healthy())
         except Exception:  # noqa: BLE001
@@ -732,7 +740,8 @@ def build_app(
             ok = False
         return Response(status_code=200 if ok else 503)
 
-    def _model_card() -> ModelCard:
+    def _model_card(request: Request) -> ModelCard:
+        engine, _ = _served(request)
         return ModelCard(
             id=served_model_name,
             root=getattr(engine, "model_name", None),
@@ -740,19 +749,20 @@ def build_app(
         )
 
     @v1.get("/models")
-    async def list_models() -> JSONResponse:
+    async def list_models(request: Request) -> JSONResponse:
         """The served model."""
-        return JSONResponse(ModelList(data=[_model_card()]).model_dump())
+        return JSONResponse(ModelList(data=[_model_card(request)]).model_dump())
 
     @v1.get("/models/{model:path}")
-    async def retrieve_model(model: str) -> JSONResponse:
+    async def retrieve_model(model: str, request: Request) -> JSONResponse:
         """The served model by name; 404 for any other name."""
         _check_model(model)
-        return JSONResponse(_model_card().model_dump())
+        return JSONResponse(_model_card(request).model_dump())
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         """OpenAI chat completions, streaming (SSE) or not, with `n` choices."""
+        engine, tokenizer = _served(request)
         body: ChatCompletionRequest = await _parse_body(request, ChatCompletionRequest, max_body_bytes)
         _check_model(body.model)
         _reject_unsupported(body)
@@ -869,6 +879,7 @@ def build_app(
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
         """OpenAI (legacy) completions with a string or token-id prompt, streaming or not."""
+        engine, tokenizer = _served(request)
         body: CompletionRequest = await _parse_body(request, CompletionRequest, max_body_bytes)
         _check_model(body.model)
         _reject_unsupported(body)

@@ -3,8 +3,10 @@
 seeds, errors, client disconnects — and the block-pool audit at the end."""
 
 import concurrent.futures as cf
+import gc
 import json
 import time
+import weakref
 
 import httpx
 import openai
@@ -342,3 +344,24 @@ def test_a_failed_engine_step_answers_500_and_the_server_keeps_serving(server, c
     assert greedy_completion(client, prompt, 6)[0] == before
     assert engine.engine.audit() == []
     assert not engine.engine.has_unfinished_requests()
+
+
+def test_a_shut_down_server_leaves_nothing_holding_its_engine():
+    """After a server has answered and been shut down, nothing keeps its engine (weights and KV
+    arena) alive. FastAPI keeps route callables in process-wide caches, so a route that closed
+    over the engine pinned it, with its device memory, for the rest of the process (every server
+    a notebook or the test suite started)."""
+
+    def serve_once():
+        app, _, engine = build_server(ARGV)
+        with live_server(app) as base:
+            r = httpx.post(base + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}, timeout=120)
+            assert r.status_code == 200, r.text
+            for path in ("/health", "/v1/models", "/v1/models/glm-5.3-tiny", "/metrics"):
+                assert httpx.get(base + path, timeout=30).status_code == 200, path
+        engine.shutdown()
+        return [weakref.ref(engine), weakref.ref(engine.engine)]
+
+    refs = serve_once()
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
