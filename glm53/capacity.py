@@ -234,9 +234,6 @@ H200 = Accelerator("H200", hbm_bytes=143_771 * MiB, bf16_flops=989e12, hbm_bandw
 
 # ----------------------------------------------------------------------------- weights
 
-# Linear layers an FP8 checkpoint quantises (DESIGN §3.7); everything else keeps its bf16/fp32 dtype.
-_FP8_LINEARS = frozenset({"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "wq_b", "wk",
-                          "gate_proj", "up_proj", "down_proj"})
 # Tensors split over TP (column/row-parallel in vLLM's DeepSeek/GLM modules, vocab-parallel
 # embedding and head). Routed experts split over EP; everything else (q_a/kv_a projections, the
 # indexer, norms, the router, eh_proj) is replicated.
@@ -274,6 +271,7 @@ def checkpoint_weight_bytes(cfg: GlmConfig, checkpoint_dtype: str = "fp8", inclu
     their dtype. bf16: the checkpoint as listed (router fp32). GLM-5.3 fp8: ≈ 704 GiB in all.
     """
     from glm53.checkpoint_keys import expected_checkpoint_shapes
+    from glm53.quant import is_quantized_linear
 
     if checkpoint_dtype not in CHECKPOINT_DTYPES:
         raise ValueError(f"checkpoint dtype {checkpoint_dtype!r} not one of {CHECKPOINT_DTYPES}")
@@ -282,7 +280,7 @@ def checkpoint_weight_bytes(cfg: GlmConfig, checkpoint_dtype: str = "fp8", inclu
         parts = name.split(".")
         module = parts[-2]
         n = math.prod(shape)
-        if checkpoint_dtype == "fp8" and len(shape) == 2 and module in _FP8_LINEARS:
+        if checkpoint_dtype == "fp8" and is_quantized_linear(name, len(shape)):
             b = FP8_WEIGHT_BLOCK
             nbytes = n + 4 * math.ceil(shape[0] / b) * math.ceil(shape[1] / b)
         else:

@@ -37,8 +37,6 @@ OLD_REV = "93c5f03"  # the last commit whose loader dequantised FP8 checkpoints
 SCALED = dict(vocab_size=32768, hidden_size=2048, intermediate_size=4096, moe_intermediate_size=1024,
               num_attention_heads=16, q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
               v_head_dim=128, n_routed_experts=24, index_n_heads=16, index_head_dim=128)
-QUANTISED = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
-             "down_proj", "wq_b", "wk")
 
 
 def write_synthetic(path: str) -> float:
@@ -49,6 +47,7 @@ def write_synthetic(path: str) -> float:
 
     from glm53.checkpoint_keys import expected_checkpoint_shapes
     from glm53.config import TINY_HF_CONFIG, GlmConfig
+    from glm53.quant import is_quantized_linear
 
     raw = dict(TINY_HF_CONFIG, **SCALED)
     raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -67,7 +66,7 @@ def write_synthetic(path: str) -> float:
     for fname, entries in files.items():
         tensors = {}
         for key, (shape, dtype) in entries.items():
-            if key.endswith(".weight") and len(shape) == 2 and key.split(".")[-2] in QUANTISED:
+            if is_quantized_linear(key, len(shape)):
                 codes = rng.integers(0, 256, size=shape, dtype=np.uint8)
                 codes[(codes & 0x7F) == 0x7F] = 0  # e4m3fn NaN codes
                 tensors[key] = codes.view(ml_dtypes.float8_e4m3fn)

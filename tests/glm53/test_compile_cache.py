@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -36,18 +38,16 @@ def _num_memory_maps() -> int:
         return sum(1 for _ in f)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc/self/maps")
 def test_release_compiled_unmaps_the_programs_nothing_uses():
     """`api.release_compiled` unloads `api.forward`'s compiled step: the process's memory maps
     (what Linux bounds with vm.max_map_count) drop back to about what they were before it was compiled,
     and a later call compiles again to the same logits."""
     import numpy as np
-    import pytest
 
     from glm53 import api
     from glm53.tiny_checkpoint import default_model_dir
 
-    if not os.path.exists("/proc/self/maps"):
-        pytest.skip("needs Linux's /proc/self/maps")
     lm = api.load(str(default_model_dir()))
     api.release_compiled()
     before = _num_memory_maps()

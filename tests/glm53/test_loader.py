@@ -12,6 +12,7 @@ import safetensors.numpy as stn
 from glm53 import api
 from glm53.loader import dequantize_fp8_block
 from glm53.safetensors_reader import CheckpointError, SafetensorsCheckpoint
+from tests.helpers.fp8_checkpoint import is_quantised
 
 DENSE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf", "dense")
 
@@ -32,10 +33,6 @@ def _write(dirpath, tensors, config_changes=None):
     return dirpath
 
 
-QUANTISED = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
-             "down_proj", "wq_b", "wk")
-
-
 def test_fp8_block_scaled_checkpoint_loads_as_its_dequantised_values(tmp_path):
     """Quantise the fixture to e4m3 with 128x128 block scales; the model built from it must equal
     the model built from an fp32 checkpoint holding fp8 x scale computed here with numpy."""
@@ -43,8 +40,7 @@ def test_fp8_block_scaled_checkpoint_loads_as_its_dequantised_values(tmp_path):
     fp8, deq = {}, {}
     rng = np.random.default_rng(0)
     for k, w in src.items():
-        name = k.split(".")[-2] if k.endswith(".weight") else ""
-        if name in QUANTISED and w.ndim == 2 and "indexer.weights_proj" not in k:
+        if is_quantised(k, w):
             w32 = w.astype(np.float32)
             out, inn = w32.shape
             sb = np.zeros((-(-out // 128), -(-inn // 128)), np.float32)
