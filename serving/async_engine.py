@@ -40,6 +40,9 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._stop = False
         self.on_dead: list = []  # callbacks(exc) run on the engine thread when the engine dies
+        pd = getattr(engine, "pd", None)
+        if pd is not None:  # P/D: a side-channel job or a finished pull wakes the loop
+            pd.set_wake(self._wake)
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -97,6 +100,16 @@ class AsyncEngine:
         self._thread.join(timeout=30)
 
     # ------------------------------------------------------------------ engine thread
+    def _has_jobs(self) -> bool:
+        return getattr(self.engine, "has_pending_work", _noop)()
+
+    def _only_waiting_for_kv(self) -> bool:
+        return getattr(self.engine, "is_waiting_for_remote_kv", _noop)()
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
     def _deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:
         if isinstance(out, RequestOutput) and out.error is not None:
             out = EngineStepError(out.error)  # the request's step failed (serving/faults.py)
@@ -130,14 +143,20 @@ class AsyncEngine:
         try:
             while True:
                 with self._cv:
-                    while not self._stop and not self._inbox and not self.engine.has_unfinished_requests():
+                    while (not self._stop and not self._inbox and not self.engine.has_unfinished_requests()
+                           and not self._has_jobs()):
                         self._cv.wait()
                     if self._stop:
                         return
                 self._drain_inbox()
-                if self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
+                if self.engine.has_unfinished_requests() or self._has_jobs():
+                    outs = self.engine.step()
+                    for out in outs:
                         self._deliver(out, out.request_id)
+                    if not outs and self._only_waiting_for_kv():
+                        with self._cv:  # nothing runs: wait for the pull (or news) instead of spinning
+                            if not self._inbox:
+                                self._cv.wait(0.002)
         except BaseException as e:  # device state lost (EngineDeadError) or a bug outside the step
             logger.exception("engine loop died")
             self._dead = e
@@ -150,6 +169,10 @@ class AsyncEngine:
                     cb(e)
                 except Exception:  # noqa: BLE001
                     logger.exception("on_dead callback failed")
+
+
+def _noop() -> bool:
+    return False
 
 
 def _settle(fut: asyncio.Future, err: BaseException | None) -> None:

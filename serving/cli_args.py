@@ -287,14 +287,19 @@ def _check_kv_transfer_config(args: argparse.Namespace) -> None:
     """`--kv-transfer-config`: the OffloadingConnector (`serving/offload/config.py`), parsed here
     so a bad key fails at start-up naming it. It keys the host store by the prefix cache's hashes,
     so it needs --enable-prefix-caching; it runs on one device for now."""
+    from serving.kv_transfer_config import KVTransferConfigError
     from serving.offload import OffloadConfigError, offload_config
+    from serving.pd import pd_config
 
     if args.kv_transfer_config is None:
         return
     try:
-        offload_config(args.kv_transfer_config)
-    except OffloadConfigError as e:
+        off = offload_config(args.kv_transfer_config)
+        pd_config(args.kv_transfer_config)
+    except (OffloadConfigError, KVTransferConfigError) as e:
         raise ArgumentError(str(e)) from None
+    if off is None:
+        return
     if not args.enable_prefix_caching:
         raise ArgumentError("--kv-transfer-config OffloadingConnector needs --enable-prefix-caching (the host store "
                             "is keyed by the prefix cache's block hashes)")

@@ -133,6 +133,7 @@ class DataParallelEngine(LLMEngine):
                                   cuda_graph_sizes=args.cuda_graph_sizes,
                                   sampling_vocab_size=tokenizer_vocab_size(model_path),
                                   hisparse=self.hisparse.device if self.hisparse is not None else None)
+        self.pd = self._build_pd(model.cfg, num_blocks, [(r.index, r.scheduler, r.kv, r.pool) for r in self.replicas])
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_steps = 0
         self.host_overhead_s = 0.0
@@ -161,13 +162,26 @@ class DataParallelEngine(LLMEngine):
         """Validate (as `LLMEngine.add_request`) and queue on the least-loaded replica.
         Raises ValueError for bad params, a prompt that cannot be served or a duplicate id."""
         self._validate(prompt_token_ids, params)
-        if self.replica_of(request_id) is not None:
+        if self.has_request(request_id):
             raise ValueError(f"duplicate request id {request_id!r}")
-        self.assign().scheduler.add_request(Request(request_id, list(map(int, prompt_token_ids)), params))
+        req = self._pd_request(request_id, prompt_token_ids, params, self.replicas[0].scheduler)
+        if req is not None:
+            self._queue(req)
+
+    def has_request(self, request_id: str) -> bool:
+        if self.pd is not None and self.pd.consumer is not None and request_id in self.pd.consumer.pending:
+            return True
+        return self.replica_of(request_id) is not None
+
+    def _queue(self, req: Request) -> None:
+        self.assign().scheduler.add_request(req)
 
     def abort(self, request_id: str, finished_reason: str = "abort") -> RequestOutput | None:
         """Abort a waiting or running request on its replica (as `LLMEngine.abort`); the other
         replicas are untouched."""
+        pulled = self._pd_abort(request_id, finished_reason)
+        if pulled is not None:
+            return pulled
         rep = self.replica_of(request_id)
         if rep is None:
             if finished_reason not in ("abort", "stop"):
@@ -183,23 +197,25 @@ class DataParallelEngine(LLMEngine):
         return out
 
     def has_unfinished_requests(self) -> bool:
-        return any(r.scheduler.has_unfinished_requests() for r in self.replicas)
+        return any(r.scheduler.has_unfinished_requests() for r in self.replicas) or self.is_waiting_for_remote_kv()
 
     def step(self) -> list[RequestOutput]:
         """Schedule every replica, run one jitted step for all, apply each replica's tokens.
         Returns the merged outputs (replica 0's first)."""
         t0 = time.perf_counter()
+        pd_outs = self._pd_tick()
         preempted_before = sum(r.scheduler.num_preemptions_total for r in self.replicas)
         scheds = [r.scheduler.schedule() for r in self.replicas]
         if all(s.is_empty for s in scheds):
             self._flush_if_idle()
-            return []
+            return pd_outs
         try:
+            self._pd_writes()
             sampled = self.runner.execute_replicas(scheds, [r.kv for r in self.replicas])
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
             return self._fail_step([(r.scheduler, s) for r, s in zip(self.replicas, scheds)], e)
         lps = self.runner.last_logprobs
-        outs: list[RequestOutput] = []
+        outs: list[RequestOutput] = list(pd_outs)
         per_replica = []
         for rep, sched, toks in zip(self.replicas, scheds, sampled):
             o = rep.scheduler.update_from_output(sched, toks) if not sched.is_empty else []
@@ -237,6 +253,8 @@ class DataParallelEngine(LLMEngine):
         """Invariant violations of every replica (prefixed "replica r: ") and request ids live on
         more than one replica (empty when sound)."""
         problems = [f"replica {r.index}: {p}" for r in self.replicas for p in r.scheduler.audit()]
+        if self.pd is not None and self.pd.producer is not None:
+            problems += self.pd.producer.audit()
         seen: dict[str, int] = {}
         for r in self.replicas:
             for rid in r.scheduler.requests:

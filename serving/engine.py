@@ -28,6 +28,7 @@ from serving.block_pool import BlockPool
 from serving.faults import EngineDeadError
 from serving.hisparse import build_hisparse, hisparse_config
 from serving.offload import build_offload, offload_config
+from serving.pd import SchedulerConnector, build_pd, parse_kv_transfer_params, pd_config
 from serving.kv_cache import KVCacheGroupSpec, KVCacheManager
 from serving.metrics import EngineGauges, FinishedRequestStats, LoggingStatLogger, StepRecord
 from serving.prefix_cache import PrefixCache
@@ -72,7 +73,7 @@ class EngineArgs:
     quantization: str | None = None  # --quantization: None (the checkpoint's), "fp8" (online for bf16 checkpoints)
     cuda_graph_sizes: list[int] | None = None  # decode-sized step buckets (None: 1, 2, 4, … max_num_seqs)
     attention_config: dict | None = None  # --attention-config (hisparse_config: Hybrid HiSparse)
-    kv_transfer_config: dict | None = None  # --kv-transfer-config (the OffloadingConnector)
+    kv_transfer_config: dict | None = None  # --kv-transfer-config (OffloadingConnector, JaxTransferConnector)
     speculative_config: dict | None = None  # --speculative-config (MTP speculative decoding)
 
 
@@ -161,6 +162,7 @@ class LLMEngine:
                                   sampling_vocab_size=tokenizer_vocab_size(model_path),
                                   hisparse=self.hisparse.device if self.hisparse is not None else None,
                                   offload=self.offload, num_speculative_tokens=k)
+        self.pd = self._build_pd(model.cfg, num_blocks, [(0, self.scheduler, self.kv, self.pool)])
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_steps = 0
         self.host_overhead_s = 0.0
@@ -191,6 +193,22 @@ class LLMEngine:
         off = build_offload(config, layout, groups)
         logger.info("%s", off.summary())
         return off
+
+    def _build_pd(self, cfg, num_blocks: int, replicas):
+        """The P/D connector of `--kv-transfer-config` (None without one), hooked into each
+        replica's scheduler: `replicas` are (index, scheduler, kv manager, pool). Raises ValueError
+        (naming the flag) for a combination this build does not serve."""
+        config = pd_config(self.args.kv_transfer_config)
+        if config is None:
+            return None
+        if self.hisparse is not None and config.is_producer:
+            raise ValueError("--kv-transfer-config kv_role kv_producer / kv_both with Hybrid HiSparse: a prefill engine "
+                             "hands over device-resident pages only; run HiSparse on the decode engine (kv_consumer)")
+        pd = build_pd(config, self.layout, cfg, self.parallel, num_blocks, self.runner.read_pages)
+        for index, scheduler, kv, pool in replicas:
+            scheduler.kv_connector = SchedulerConnector(pd, index, kv, pool)
+        logger.info("%s", pd.summary())
+        return pd
 
     def _on_block_reuse(self, block: int, tag) -> None:
         """The pool's reuse callback: route the tag to its owner (prefix cache, released pages)."""
@@ -283,7 +301,91 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises ValueError for bad params or a prompt that cannot be served."""
         self._validate(prompt_token_ids, params)
-        self.scheduler.add_request(Request(request_id, list(map(int, prompt_token_ids)), params))
+        req = self._pd_request(request_id, prompt_token_ids, params, self.scheduler)
+        if req is not None:
+            self.scheduler.add_request(req)
+
+    def _pd_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, scheduler):
+        """The `Request` to queue, or None when P/D parked it to pull its KV first
+        (`params.kv_transfer_params`, `serving/pd/params.py`). Raises ValueError (the HTTP 400s)
+        for params that are malformed, that this engine's role cannot serve, or that do not match
+        the prompt or the KV layout."""
+        req = Request(request_id, list(map(int, prompt_token_ids)), params)
+        do_remote_decode, remote = parse_kv_transfer_params(params.kv_transfer_params)
+        if not (do_remote_decode or remote):
+            return req
+        role = self.pd.config.kv_role if self.pd is not None else None
+        if do_remote_decode:
+            if self.pd is None or self.pd.producer is None:
+                raise ValueError(f"kv_transfer_params.do_remote_decode needs a prefill engine (--kv-transfer-config "
+                                 f"kv_role kv_producer or kv_both); this engine's role is {role}")
+            req.do_remote_decode = True
+            return req
+        if self.pd is None or self.pd.consumer is None:
+            raise ValueError(f"kv_transfer_params.do_remote_prefill needs a decode engine (--kv-transfer-config "
+                             f"kv_role kv_consumer or kv_both); this engine's role is {role}")
+        if self.has_request(request_id):
+            raise ValueError(f"duplicate request id {request_id!r}")
+        scheduler.check_request(req)
+        self.pd.consumer.add(req, remote)
+        return None
+
+    def has_request(self, request_id: str) -> bool:
+        """True while `request_id` is live (waiting for its KV, waiting or running)."""
+        if self.pd is not None and self.pd.consumer is not None and request_id in self.pd.consumer.pending:
+            return True
+        return self.scheduler.get_request(request_id) is not None
+
+    def _queue(self, req: Request) -> None:
+        """Queue a request whose pulled KV arrived (or that will be prefilled here after all)."""
+        self.scheduler.add_request(req)
+
+    def _pd_tick(self) -> list[RequestOutput]:
+        """Before a step: answer the prefill side's queued side-channel jobs, and queue the
+        requests whose KV arrived; a failed pull follows kv_load_failure_policy. Returns the
+        outputs of requests that failed here."""
+        if self.pd is None:
+            return []
+        outs: list[RequestOutput] = []
+        if self.pd.producer is not None:
+            self.pd.producer.run_jobs()
+        if self.pd.consumer is not None and self.pd.consumer.pending:
+            ready, failed = self.pd.consumer.poll()
+            for req in ready:
+                self._queue(req)
+            for req, why in failed:
+                if self.pd.config.kv_load_failure_policy == "recompute" or why == "nothing to pull":
+                    if why != "nothing to pull":
+                        logger.warning("request %s: %s; prefilling it here (kv_load_failure_policy recompute)",
+                                       req.request_id, why)
+                    self._queue(req)
+                    continue
+                from serving.request import RequestStatus
+
+                logger.warning("request %s: %s (kv_load_failure_policy fail)", req.request_id, why)
+                req.status = RequestStatus.FINISHED_ERROR
+                out = Scheduler._output(req, [])
+                out.error = f"KV transfer from the prefill engine failed: {why}"
+                outs.append(out)
+                rec = StepRecord(is_step=False)
+                rec.finished.append(self._finished_stats(req, time.monotonic()))
+                self._emit(rec)
+        return outs
+
+    def _pd_writes(self) -> None:
+        """Land the pulled KV admitted in this step: its page writes run before the step."""
+        if self.pd is not None and self.pd.consumer is not None:
+            writes = self.pd.consumer.take_writes()
+            if writes is not None:
+                self.runner.write_pages(*writes)
+
+    def has_pending_work(self) -> bool:
+        """Side-channel jobs queued for the engine thread (the driver must step even when idle)."""
+        return self.pd is not None and self.pd.producer is not None and self.pd.producer.has_jobs()
+
+    def is_waiting_for_remote_kv(self) -> bool:
+        """Requests wait for their KV while nothing else runs: the driver may sleep briefly."""
+        return (self.pd is not None and self.pd.consumer is not None and bool(self.pd.consumer.pending))
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The engine-level checks of `add_request` (ValueError with the reason)."""
@@ -310,6 +412,9 @@ class LLMEngine:
         the id is unknown or finished. finished_reason "stop" (a stop string matched in the
         front end) counts it under `vllm:request_success_total{finished_reason="stop"}`.
         Raises ValueError for a reason other than "abort" or "stop"."""
+        pulled = self._pd_abort(request_id, finished_reason)
+        if pulled is not None:
+            return pulled
         req = self.scheduler.get_request(request_id)
         out = self.scheduler.abort(request_id, finished_reason)
         if out is not None and req is not None:
@@ -318,6 +423,23 @@ class LLMEngine:
             self._emit(rec)
         self._flush_if_idle()
         return out
+
+    def _pd_abort(self, request_id: str, finished_reason: str) -> RequestOutput | None:
+        """Abort a request still waiting for its KV (the pull is dropped, the prefill side told)."""
+        if self.pd is None or self.pd.consumer is None:
+            return None
+        req = self.pd.consumer.abort(request_id)
+        if req is None:
+            return None
+        from serving.scheduler import _ABORT_STATUS
+
+        if finished_reason not in _ABORT_STATUS:
+            raise ValueError(f"finished_reason must be one of {sorted(_ABORT_STATUS)}, got {finished_reason!r}")
+        req.status = _ABORT_STATUS[finished_reason]
+        rec = StepRecord(is_step=False)
+        rec.finished.append(self._finished_stats(req, time.monotonic()))
+        self._emit(rec)
+        return Scheduler._output(req, [])
 
     def _flush_if_idle(self) -> None:
         """Nothing left to run: complete HiSparse's queued write-through copies and the
@@ -339,18 +461,20 @@ class LLMEngine:
             self.offload.store.unpin()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.is_waiting_for_remote_kv()
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one jitted step, apply its tokens. Returns the new request outputs
         (with `new_logprobs` for requests that asked for logprobs)."""
         t0 = time.perf_counter()
+        pd_outs = self._pd_tick()
         preempted_before = self.scheduler.num_preemptions_total
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self._flush_if_idle()
-            return []
+            return pd_outs
         try:
+            self._pd_writes()
             sampled = self.runner.execute(sched, self.kv)
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
             return self._fail_step([(self.scheduler, sched)], e)
@@ -384,7 +508,7 @@ class LLMEngine:
             rec.spec_decoding = spec_step
             self._timing(sched, outs, rec)
             self._emit(rec)
-        return outs
+        return pd_outs + outs
 
     def _observe_drafts(self, sched) -> "SpecDecodingStats | None":
         """MTP speculation: count the step's verifications (drafts verified, accepted) into the
@@ -511,4 +635,6 @@ class LLMEngine:
         errors = self.scheduler.audit()
         if self.offload is not None:
             errors += self.offload.store.audit()
+        if self.pd is not None and self.pd.producer is not None:
+            errors += self.pd.producer.audit()
         return errors

@@ -66,6 +66,10 @@ class Request:
         token (None before the first), for the latency metrics.
     spec_token_ids: draft tokens proposed by the previous step (MTP speculative decoding) for the
         next step to verify; not part of `all_token_ids` until accepted.
+    do_remote_decode: a prefill engine keeps this request's KV for a decode engine when it
+        finishes (`serving/pd/producer.py`); `kv_transfer_params_out` is then what its response says.
+    remote_kv: on a decode engine, the KV pulled from the prefill engine (`serving.pd.consumer.
+        RemoteKV`) until admission lands it in the request's pages.
 
     A step may schedule any number of new tokens for a request (a prefill chunk, one decode
     token, or a decode token plus draft tokens for speculative verification).
@@ -86,6 +90,9 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     spec_token_ids: list[int] = field(default_factory=list)
+    do_remote_decode: bool = False
+    kv_transfer_params_out: dict | None = None
+    remote_kv: object | None = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

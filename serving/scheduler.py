@@ -196,6 +196,9 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.policy = policy if policy is not None else DeviceResidentPolicy(kv_cache_manager)
         self.drafts = drafts
+        # P/D (`serving/pd/__init__.py`, `SchedulerConnector`): told when a request finishes and when
+        # a request with pulled KV got its pages; holds pages for decode engines. None: no P/D.
+        self.kv_connector = None
         if eos_token_ids is None:
             eos_token_ids = ()
         elif isinstance(eos_token_ids, int):
@@ -253,6 +256,13 @@ class Scheduler:
         """
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.check_request(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_request(self, request: Request) -> None:
+        """The checks of `add_request` that do not depend on the live requests (raises the same
+        ValueErrors): a decode engine runs them before pulling a request's KV."""
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id!r} is not a new request")
         if request.num_prompt_tokens == 0:
@@ -269,8 +279,6 @@ class Scheduler:
                 "pages in all)"
             )
         request.sampling_params.validate()
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
 
     def get_request(self, request_id: str) -> Request | None:
         """The live (waiting or running) request with this id, or None."""
@@ -346,9 +354,12 @@ class Scheduler:
             if preempted or budget <= 0 or len(self.running) >= cfg.max_num_seqs:
                 break
             hit = None
-            if self.prefix_cache is not None:
+            remote = req.remote_kv  # P/D: KV pulled from a prefill engine (serving/pd/consumer.py)
+            if self.prefix_cache is not None and remote is None:
                 hit = self.prefix_cache.lookup(req)  # again: an admission before may have evicted pages
             num_hit = hit.num_tokens if hit is not None else 0
+            if remote is not None:
+                num_hit = remote.start + remote.num_tokens
             num_new = self.policy.admit(req, hit, self._cap(req.num_tokens - num_hit, budget),
                                         [sr.request for sr in scheduled])
             if num_new == 0:
@@ -362,6 +373,8 @@ class Scheduler:
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_hit
             req.num_computed_tokens = num_hit
+            if remote is not None:
+                self.kv_connector.update_state_after_alloc(req)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             req.state_row = heapq.heappop(self._free_rows)
@@ -451,7 +464,11 @@ class Scheduler:
         running request's tables cover its num_computed_tokens; only running requests hold
         tables (so finished and preempted requests hold nothing).
         """
-        errors = list(self.kv.audit(self.policy.external_refs()))
+        refs = dict(self.policy.external_refs())
+        if self.kv_connector is not None:
+            for b, n in self.kv_connector.external_refs().items():
+                refs[b] = refs.get(b, 0) + n
+        errors = list(self.kv.audit(refs))
         errors += self.policy.audit()
         if self.prefix_cache is not None:
             errors += self.prefix_cache.audit()
@@ -560,6 +577,8 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         """Mark finished and release everything; the caller removed it from its queue."""
         req.status = status
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(req)
         self.policy.free(req)
         self._release_row(req)
         del self.requests[req.request_id]
@@ -605,4 +624,5 @@ class Scheduler:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
             num_output_tokens=req.num_output_tokens,
+            kv_transfer_params=req.kv_transfer_params_out if req.is_finished else None,
         )

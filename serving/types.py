@@ -30,6 +30,9 @@ class SamplingParams:
     n: independent samples per prompt (front ends submit n requests; with a seed, sample i
         uses seed + i).
     skip_special_tokens: drop special tokens when detokenizing.
+    kv_transfer_params: prefill/decode disaggregation (vLLM's NixlConnector protocol,
+        `serving/pd/params.py`): `{"do_remote_decode": true}` on a prefill engine, or a prefill
+        response's params on a decode engine. None otherwise.
     """
 
     temperature: float = 1.0
@@ -42,6 +45,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     n: int = 1
     skip_special_tokens: bool = True
+    kv_transfer_params: dict | None = None
 
     def validate(self) -> None:
         """Raise ValueError with the offending field name."""
@@ -87,6 +91,8 @@ class RequestOutput:
     num_output_tokens: total generated so far.
     new_logprobs: one `TokenLogprobs` per new token when the request asked for logprobs.
     error: with finish_reason "error", the engine's message (the server turns it into a 500).
+    kv_transfer_params: on the final output of a prefill engine's `do_remote_decode` request, the
+        params its decode engine needs (`serving/pd/params.py`); None otherwise.
     """
 
     request_id: str
@@ -98,6 +104,7 @@ class RequestOutput:
     num_output_tokens: int
     new_logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
+    kv_transfer_params: dict | None = None
 
 
 class EngineClient(Protocol):

@@ -194,6 +194,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None  # P/D: a prefill engine's answer (serving/pd/params.py)
 
 
 class DeltaMessage(_Response):
@@ -289,6 +290,7 @@ class CompletionResponse(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # P/D: a prefill engine's answer (serving/pd/params.py)
 
 
 # ---------------------------------------------------------------------------------------- models

@@ -83,6 +83,7 @@ from serving.api.protocol import (
     UsageInfo,
 )
 from serving.output_processor import RequestTextState, TextDelta
+from serving.pd.params import KVTransferParamsError, parse_kv_transfer_params
 from serving.types import EngineClient, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -310,7 +311,16 @@ def _sampling_params(
     if max_logprobs is not None and logprobs is not None and logprobs > max_logprobs:
         name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
         raise _bad_request(f"{name} must be at most {max_logprobs} (--max-logprobs), got {logprobs}.", name)
+    kv_params = (body.model_extra or {}).get("kv_transfer_params")
+    if kv_params is not None:
+        try:
+            parse_kv_transfer_params(kv_params)
+        except KVTransferParamsError as e:
+            raise _bad_request(str(e), e.param) from None
+        if (body.n or 1) > 1:
+            raise _bad_request("kv_transfer_params cannot be combined with n > 1.", "n")
     params = SamplingParams(
+        kv_transfer_params=kv_params or None,
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),
         seed=body.seed,
@@ -374,6 +384,8 @@ def _template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
 def _engine_error(e: BaseException, request_id: str) -> APIError:
     if isinstance(e, APIError):
         return e
+    if isinstance(e, KVTransferParamsError):
+        return _bad_request(str(e), e.param)
     if isinstance(e, ValueError):
         return _bad_request(str(e))
     logger.exception("Engine error for request %s", request_id, exc_info=e)
@@ -413,6 +425,7 @@ class _RequestHandle:
         self.engine = engine
         self.request_id = rid
         self.finished = False
+        self.kv_transfer_params: dict | None = None  # P/D: the prefill engine's answer
         self._closed = False
         self._aborted = False
         self._iter: AsyncIterator[RequestOutput] = aiter(engine.generate(prompt_ids, params, rid))
@@ -422,6 +435,7 @@ class _RequestHandle:
         out = await anext(self._iter, None)
         if out is not None and out.finished:
             self.finished = True
+            self.kv_transfer_params = out.kv_transfer_params
         return out
 
     async def abort(self, finished_reason: str = "abort") -> None:
@@ -503,6 +517,13 @@ class _AbortOnCloseStreamingResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+def _without_null_kv_params(d: dict[str, Any]) -> dict[str, Any]:
+    """A response body without `kv_transfer_params` unless a prefill engine set it."""
+    if d.get("kv_transfer_params") is None:
+        d.pop("kv_transfer_params", None)
+    return d
 
 
 def _sse(obj: BaseModel | dict[str, Any]) -> str:
@@ -835,8 +856,9 @@ def build_app(
                     for i, (st, (message, finish_reason)) in enumerate(zip(ch.states, messages_out))
                 ],
                 usage=ch.usage(),
+                kv_transfer_params=ch.handles[0].kv_transfer_params,
             )
-            return JSONResponse(resp.model_dump(mode="json"))
+            return JSONResponse(_without_null_kv_params(resp.model_dump(mode="json")))
 
         try:
             firsts = await _first_outputs(request, ch)
@@ -929,8 +951,9 @@ def build_app(
                     for i, st in enumerate(ch.states)
                 ],
                 usage=ch.usage(),
+                kv_transfer_params=ch.handles[0].kv_transfer_params,
             )
-            return JSONResponse(resp.model_dump(mode="json"))
+            return JSONResponse(_without_null_kv_params(resp.model_dump(mode="json")))
 
         try:
             firsts = await _first_outputs(request, ch)

@@ -36,10 +36,15 @@ __all__ = ["Offload", "OffloadConfig", "OffloadConfigError", "OffloadStore", "Of
 
 
 def offload_config(kv_transfer_config: dict | None) -> OffloadConfig | None:
-    """The parsed `--kv-transfer-config`, or None when absent. Raises OffloadConfigError."""
-    if kv_transfer_config is None:
-        return None
-    return OffloadConfig.from_dict(kv_transfer_config)
+    """The OffloadingConnector's parsed `--kv-transfer-config` (alone or inside a MultiConnector), or
+    None when the flag is absent or names no OffloadingConnector. Raises OffloadConfigError."""
+    from serving.kv_transfer_config import KVTransferConfigError, split_kv_transfer_config
+
+    try:
+        offload, _ = split_kv_transfer_config(kv_transfer_config)
+    except KVTransferConfigError as e:
+        raise OffloadConfigError(str(e)) from None
+    return None if offload is None else OffloadConfig.from_dict(offload)
 
 
 @dataclass

@@ -1,0 +1,215 @@
+"""The decode side of P/D: pull a remote-prefilled request's KV, then let the scheduler land it.
+
+A request whose `kv_transfer_params` say `do_remote_prefill` is checked (prompt hash, token count,
+KV row format) and parked here, not in the scheduler: a background thread asks the prefill
+engine's side channel to stage the tokens and starts the pull (`jax.experimental.transfer`,
+asynchronous). Each engine step `poll` hands the requests whose bytes arrived to the scheduler
+with their canonical rows attached (`Request.remote_kv`); admission then allocates the request's
+pages as for any request, counts the transferred tokens as computed (vLLM's
+`get_num_new_matched_tokens`: all prompt tokens but the last, which is computed again for its
+logits) and queues the page writes (`update_state_after_alloc`), which the runner applies before
+the step. A pull that fails or misses `kv_load_timeout` follows `kv_load_failure_policy`:
+"recompute" prefills the request locally, "fail" ends it with an error. An abort while the pull
+is in flight drops it and tells the prefill side.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from serving.pd import side_channel
+from serving.pd.layout import layout_mismatch
+from serving.pd.params import RemotePrefill, prompt_hash
+from serving.pd.relayout import canonical_to_pages, words_per_token
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RemoteKV:
+    """Canonical rows of tokens `start` … `start + num_tokens − 1` per group, attached to a request
+    whose pull completed (`Request.remote_kv`)."""
+
+    start: int
+    num_tokens: int
+    rows: dict[str, np.ndarray]
+    nbytes: int = 0
+
+
+@dataclass
+class PendingPull:
+    request: object  # serving.request.Request
+    remote: RemotePrefill
+    num_tokens: int
+    deadline: float
+    started: float
+    arrays: list | None = None
+    reply: dict | None = None
+    error: str | None = None
+    aborted: bool = False
+    done_event: threading.Event = field(default_factory=threading.Event)
+
+
+class KVConsumer:
+    """Decode-side state (module docstring).
+
+    Args:
+      config: `serving.pd.config.PDConfig`. endpoint: the process's `TransferEndpoint`.
+      layout: the engine's `KVCacheLayout`. descriptor: its `kv_layout_descriptor`.
+      dcp / interleave: the engine's DCP size and interleave. num_blocks: pages per arena shard.
+    """
+
+    def __init__(self, config, endpoint, layout, descriptor: dict, dcp: int, interleave: int, num_blocks: int,
+                 clock=time.monotonic):
+        self.config = config
+        self.endpoint = endpoint
+        self.layout = layout
+        self.descriptor = descriptor
+        self.dcp, self.interleave, self.num_blocks = dcp, interleave, num_blocks
+        self.clock = clock
+        self.groups = [g.name for g in layout.groups]
+        self.pending: dict[str, PendingPull] = {}
+        self.writes: list[tuple[np.ndarray, np.ndarray]] = []  # (global rows, page data) for the runner
+        self.wake = None
+        # Totals since start-up (metrics).
+        self.num_transfers = 0
+        self.num_failed_transfers = 0
+        self.bytes_transferred = 0
+        self.transfer_seconds: list[float] = []
+        self.num_landed_device = 0
+
+    # ------------------------------------------------------------------ requests
+    def add(self, request, remote: RemotePrefill) -> None:
+        """Check `remote` against the request and this engine, then start the pull in the
+        background. Raises ValueError (a 400) for a prompt or layout that does not match."""
+        if remote.prompt_hash != prompt_hash(request.prompt_token_ids):
+            raise ValueError("kv_transfer_params.prompt_hash does not match this request's prompt: the KV the prefill "
+                             "engine holds is for another prompt")
+        if remote.remote_num_tokens > request.num_prompt_tokens:
+            raise ValueError(f"kv_transfer_params.remote_num_tokens {remote.remote_num_tokens} exceeds the prompt's "
+                             f"{request.num_prompt_tokens} tokens")
+        why = layout_mismatch(remote.kv_layout, self.descriptor, self.groups)
+        if why is not None:
+            raise ValueError(f"kv_transfer_params.kv_layout: {why}")
+        rid = request.request_id
+        if rid in self.pending:
+            raise ValueError(f"duplicate request id {rid!r}")
+        n = min(remote.remote_num_tokens, request.num_prompt_tokens - 1)
+        now = self.clock()
+        p = PendingPull(request, remote, n, now + self.config.kv_load_timeout, now)
+        self.pending[rid] = p
+        if n == 0:  # a one-token prompt: nothing to pull, compute it here
+            p.error = "nothing to pull"
+            return
+        threading.Thread(target=self._start_pull, args=(p,), name=f"pd-pull-{rid}", daemon=True).start()
+
+    def _start_pull(self, p: PendingPull) -> None:
+        r = p.remote
+        try:
+            reply = side_channel.request(r.remote_host, r.remote_port, {
+                "op": "stage", "request_id": r.remote_request_id, "start": 0, "num_tokens": p.num_tokens,
+                "groups": self.groups, "kv_layout": self.descriptor}, timeout_s=self.config.kv_load_timeout)
+            shapes = [tuple(s) for s in reply["shapes"]]
+            for name, shape in zip(self.groups, shapes):  # the runtime checks byte sizes only
+                want = (p.num_tokens, words_per_token(self.layout.group(name)))
+                if shape != want:
+                    raise ValueError(f"the prefill engine staged {shape} for group {name!r}, expected {want}")
+            p.reply = reply
+            if p.aborted:
+                self._release(p)
+                return
+            p.arrays = self.endpoint.pull(reply["transfer_address"], int(reply["uuid"]), shapes)
+        except Exception as e:  # noqa: BLE001 - the failure policy decides
+            p.error = f"{type(e).__name__}: {e}"
+        finally:
+            if self.wake is not None:
+                self.wake()
+
+    def _release(self, p: PendingPull) -> None:
+        """Tell the prefill side we are done with (or gave up on) the request; never raises."""
+        r = p.remote
+        msg = {"op": "release", "request_id": r.remote_request_id}
+        if p.reply is not None:
+            msg["uuid"] = p.reply["uuid"]
+
+        def send():
+            try:
+                side_channel.request(r.remote_host, r.remote_port, msg, timeout_s=10)
+            except Exception as e:  # noqa: BLE001
+                logger.info("release of %s on the prefill engine failed: %s", r.remote_request_id, e)
+
+        threading.Thread(target=send, daemon=True).start()
+
+    def poll(self) -> tuple[list, list]:
+        """(requests whose KV arrived, with `remote_kv` set; (request, reason) pairs whose pull
+        failed or timed out). Both leave `pending`."""
+        ready, failed = [], []
+        now = self.clock()
+        for rid, p in list(self.pending.items()):
+            if p.arrays is not None:
+                try:
+                    if not all(a.is_ready() for a in p.arrays):
+                        if now > p.deadline:
+                            failed.append((p, f"the pull did not complete within {self.config.kv_load_timeout:.0f} s "
+                                              "(kv_load_timeout)"))
+                        continue
+                    rows = {name: np.asarray(a) for name, a in zip(self.groups, p.arrays)}
+                except Exception as e:  # noqa: BLE001
+                    failed.append((p, f"the pull failed: {type(e).__name__}: {e}"))
+                    continue
+                nbytes = sum(r.nbytes for r in rows.values())
+                p.request.remote_kv = RemoteKV(0, p.num_tokens, rows, nbytes)
+                self.num_transfers += 1
+                self.bytes_transferred += nbytes
+                self.transfer_seconds.append(now - p.started)
+                del self.pending[rid]
+                self._release(p)
+                ready.append(p.request)
+            elif p.error is not None or now > p.deadline:
+                failed.append((p, p.error or f"no KV within {self.config.kv_load_timeout:.0f} s (kv_load_timeout)"))
+        for p, _ in failed:
+            self.pending.pop(p.request.request_id, None)
+            if p.error != "nothing to pull":
+                self.num_failed_transfers += 1
+            self._release(p)
+        return ready, [(p.request, why) for p, why in failed]
+
+    def abort(self, request_id: str):
+        """Drop a request still waiting for its KV; returns it (None when not pending)."""
+        p = self.pending.pop(request_id, None)
+        if p is None:
+            return None
+        p.aborted = True
+        self._release(p)
+        return p.request
+
+    # ------------------------------------------------------------------ scheduler hooks
+    def update_state_after_alloc(self, req, kv, replica: int = 0) -> None:
+        """The scheduler allocated `req`'s pages: queue the writes of its transferred rows."""
+        land: RemoteKV = req.remote_kv
+        for g in self.layout.groups:
+            span = g.tokens_per_page * self.dcp
+            first = land.start // span
+            n_pages = math.ceil((land.start + land.num_tokens) / span) - first
+            blocks = np.asarray(kv.block_table(req.request_id, g.name)[first:first + n_pages], np.int64)
+            shards = canonical_to_pages(land.rows[g.name][:land.num_tokens], land.start, g, self.layout.page_words,
+                                        first, n_pages, self.dcp, self.interleave)
+            for rank, pages in enumerate(shards):
+                self.writes.append((((replica * self.dcp + rank) * self.num_blocks + blocks).astype(np.int32), pages))
+        self.num_landed_device += 1
+        req.remote_kv = None  # the rows now live in the write queue
+
+    def take_writes(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The queued page writes as (global rows int32[n], data uint32[n, page_words]); clears."""
+        if not self.writes:
+            return None
+        rows = np.concatenate([r for r, _ in self.writes])
+        data = np.concatenate([d for _, d in self.writes])
+        self.writes = []
+        return rows, data

@@ -1,0 +1,167 @@
+"""P/D disaggregation between two engines in one process (the connector's engine path, without
+HTTP): a prefill engine computes each prompt's KV and keeps it, a decode engine pulls it over
+`jax.experimental.transfer` and the side channel, lands it in its own pages and generates.
+Greedy streams must equal the colocated engine's under the equality rule of glm53/equality.py,
+the decode engine must compute only the last prompt token, and both sides must audit clean."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from glm53.equality import compare_streams
+from serving.engine import EngineArgs, LLMEngine
+from serving.types import SamplingParams
+
+PROMPTS = {"a": [(7 * i) % 300 + 4 for i in range(70)], "b": [(13 * i) % 400 + 4 for i in range(150)],
+           "c": list(range(5, 25))}
+MAX_TOKENS = 6
+
+
+def connector(role: str, **extra) -> dict:
+    return {"kv_connector": "JaxTransferConnector", "kv_role": role, "kv_connector_extra_config": extra}
+
+
+def build(kv_transfer_config=None, **kw) -> LLMEngine:
+    args = dict(dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+                num_gpu_blocks_override=48, compile_progress=False, cuda_graph_sizes=[], disable_log_stats=True,
+                kv_transfer_config=kv_transfer_config)
+    return LLMEngine.from_args(EngineArgs(**{**args, **kw}))
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, ignore_eos=True, **kw)
+
+
+def drain(*engines, streams=None, outs=None):
+    """Step every engine until none has work; collect streams and final outputs of the last one."""
+    streams = {} if streams is None else streams
+    outs = {} if outs is None else outs
+    while any(e.has_unfinished_requests() for e in engines):
+        for e in engines:
+            for out in e.step():
+                streams.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finished:
+                    outs[out.request_id] = out
+    return streams, outs
+
+
+def prefill_all(prefill: LLMEngine, prompts: dict) -> dict[str, dict]:
+    """Run every prompt as a P/D prefill request; → request id → the response's kv_transfer_params."""
+    for rid, p in prompts.items():
+        prefill.add_request(rid, p, greedy(max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+    _, outs = drain(prefill)
+    assert not prefill.audit()
+    return {rid: outs[rid].kv_transfer_params for rid in prompts}
+
+
+def decode_all(prefill: LLMEngine, decode: LLMEngine, prompts: dict, params: dict, max_tokens=MAX_TOKENS):
+    for rid, p in prompts.items():
+        decode.add_request(rid, p, greedy(max_tokens=max_tokens, logprobs=2, kv_transfer_params=params[rid]))
+    streams, outs = {}, {}
+    while decode.has_unfinished_requests():
+        prefill.step()  # answers the side channel's stage requests
+        for out in decode.step():
+            streams.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                outs[out.request_id] = out
+        assert not decode.audit()
+    return streams, outs
+
+
+@pytest.fixture(scope="module")
+def reference():
+    eng = build()
+    for rid, p in PROMPTS.items():
+        eng.add_request(rid, p, greedy(max_tokens=MAX_TOKENS, logprobs=2))
+    streams, lps = {}, {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            streams.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.new_logprobs:
+                lps.setdefault(out.request_id, []).extend(out.new_logprobs)
+    return streams, lps
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return build(connector("kv_producer")), build(connector("kv_consumer"))
+
+
+def test_pd_streams_equal_colocated_and_decode_computes_only_the_last_prompt_token(pair, reference):
+    prefill, decode = pair
+    params = prefill_all(prefill, PROMPTS)
+    for rid, p in PROMPTS.items():
+        kp = params[rid]
+        assert kp["do_remote_prefill"] is True and kp["remote_num_tokens"] == len(p)
+        assert kp["remote_port"] == prefill.pd.producer.side_channel.port
+    assert len(prefill.pd.producer.held) == len(PROMPTS)
+    assert prefill.audit() == []
+    computed = []
+    orig = decode.runner.execute
+
+    def spy(sched, kv):
+        computed.extend((sr.request_id, sr.num_new_tokens) for sr in sched.scheduled)
+        return orig(sched, kv)
+
+    decode.runner.execute = spy
+    try:
+        streams, outs = decode_all(prefill, decode, PROMPTS, params)
+    finally:
+        decode.runner.execute = orig
+    ref, ref_lp = reference
+    compare_streams(ref, streams, ref_lp, PROMPTS)
+    for rid, p in PROMPTS.items():
+        assert outs[rid].num_cached_tokens == len(p) - 1
+        first = next(n for r, n in computed if r == rid)
+        assert first == 1, f"{rid}: the decode engine computed {first} tokens in its first step, not 1"
+    c = decode.pd.consumer
+    assert c.num_transfers == len(PROMPTS) and c.num_failed_transfers == 0
+    # The prefill side released everything once staged; both pools are back to empty.
+    prefill.step()
+    assert prefill.pd.producer.held == {} and prefill.audit() == []
+    assert prefill.pool.num_free == prefill.pool.num_usable_blocks
+    assert decode.pool.num_free == decode.pool.num_usable_blocks
+
+
+def test_landed_pages_equal_an_independent_relayout_of_the_prefill_pages(pair):
+    """Byte-exact: the decode engine's pages of a landed request hold the prefill engine's rows."""
+    prefill, decode = pair
+    rid, prompt = "b", PROMPTS["b"]
+    params = prefill_all(prefill, {rid: prompt})
+    held = prefill.pd.producer.held[rid]
+    p_arena = np.asarray(prefill.runner.kv_arena)
+    decode.add_request(rid, prompt, greedy(max_tokens=2, kv_transfer_params=params[rid]))
+    tables = {}
+    orig = decode.runner.execute
+
+    def grab(sched, kv):  # the decode tables right after admission (before the request finishes)
+        if kv.has_request(rid) and not tables:
+            tables.update({g.name: kv.block_table(rid, g.name) for g in decode.layout.groups})
+            tables["arena"] = np.asarray(decode.runner.kv_arena)
+        return orig(sched, kv)
+
+    decode.runner.execute = grab
+    try:
+        while decode.has_unfinished_requests():
+            prefill.step()
+            decode.step()
+    finally:
+        decode.runner.execute = orig
+    d_arena = tables["arena"]
+    n = len(prompt) - 1
+    for g in decode.layout.groups:
+        tpp = g.tokens_per_page
+        for t in range(n):  # token by token, word offsets straight from kernels/paged/layout.py
+            base = 0
+            for c in g.components:
+                for layer in range(c.num_layers):
+                    seg_off = 0
+                    for sw in c.segments:
+                        off = base + layer * tpp * c.row_words + tpp * seg_off + (t % tpp) * sw
+                        src = p_arena[held.blocks[g.name][t // tpp], off:off + sw]
+                        dst = d_arena[tables[g.name][t // tpp], off:off + sw]
+                        assert np.array_equal(src, dst), (g.name, t, c.name, layer)
+                        seg_off += sw
+                base += c.num_layers * tpp * c.row_words
+    assert not decode.audit() and not prefill.audit()
