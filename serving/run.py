@@ -68,6 +68,10 @@ def build_server(argv: list[str] | None = None):
     else:
         name = os.path.basename(os.path.normpath(args.model))
     metrics = PrometheusStatLogger(name, engine.gauges)
+    if getattr(engine, "pd", None) is not None:
+        from serving.pd.metrics import PDCollector
+
+        metrics.registry.register(PDCollector(engine.pd, name))
     engine.stat_loggers.append(metrics)
     async_engine = AsyncEngine(engine, name)
     app = build_api(args, async_engine, tokenizer, metrics)

@@ -293,6 +293,14 @@ class CompletionResponse(_Response):
     kv_transfer_params: dict[str, Any] | None = None  # P/D: a prefill engine's answer (serving/pd/params.py)
 
 
+class TokenizeRequest(_Request):
+    """Body of `POST /tokenize` (vLLM's): a prompt string or chat messages."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+
+
 # ---------------------------------------------------------------------------------------- models
 
 

@@ -80,6 +80,7 @@ from serving.api.protocol import (
     ModelCard,
     ModelList,
     PromptTokensDetails,
+    TokenizeRequest,
     UsageInfo,
 )
 from serving.output_processor import RequestTextState, TextDelta
@@ -133,7 +134,7 @@ class _ClientDisconnected(Exception):
     pass
 
 
-_warned_extra_fields: set[str] = set()
+_warned_extra_fields: set[str] = {"kv_transfer_params"}  # P/D: read from model_extra
 
 
 # ------------------------------------------------------------------------------- request parsing
@@ -750,6 +751,30 @@ def build_app(
         )
 
     # ------------------------------------------------------------------ routes
+    @app.get("/get_load")
+    async def get_load(request: Request) -> JSONResponse:
+        """`{"load": N}`: requests queued or running (vllm-router's power_of_two policy polls it)."""
+        engine, _ = _served(request)
+        return JSONResponse({"load": int(engine.num_unfinished_requests())})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        """vLLM's `/tokenize`: `{"prompt": str}` or `{"messages": [...]}` → `{"count", "max_model_len",
+        "tokens", "token_strs"}` (vllm-router's cache_aware policy uses the token ids)."""
+        engine, tokenizer = _served(request)
+        body = await _parse_body(request, TokenizeRequest, max_body_bytes)
+        if body.messages is not None:
+            chat = ChatCompletionRequest.model_validate({"messages": body.messages})
+            text = await anyio.to_thread.run_sync(
+                lambda: tokenizer.apply_chat_template(_template_messages(chat), add_generation_prompt=True))
+            ids = await _encode(tokenizer, text, "messages")
+        elif isinstance(body.prompt, str):
+            ids = await _encode(tokenizer, body.prompt, "prompt")
+        else:
+            raise _bad_request("Give a prompt string or messages.", "prompt")
+        return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                             "token_strs": None})
+
     @app.get("/health")
     async def health(request: Request) -> Response:
         """200 while the engine is healthy, else 503."""

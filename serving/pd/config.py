@@ -7,8 +7,8 @@ same; the transport is always JAX's `jax.experimental.transfer`).
 Top-level keys: `kv_connector` ("JaxTransferConnector", or vLLM's "NixlConnector" as an alias),
 `kv_role` ("kv_producer": a prefill engine that hands KV out; "kv_consumer": a decode engine that
 pulls it; "kv_both": either, per request), `engine_id` (default: a random id),
-`kv_load_failure_policy` ("recompute", the default: a request whose pull failed is prefilled
-locally; "fail": it ends with an error), `kv_buffer_device` ("cpu" or "cuda": accepted, the
+`kv_load_failure_policy` ("fail", vLLM's default: a request whose pull failed ends with an
+error, a 500; "recompute": it is prefilled locally instead), `kv_buffer_device` ("cpu" or "cuda": accepted, the
 staging is always a device array on the first device), `kv_connector_extra_config`.
 
 Extra-config keys: `side_channel_host` (default 127.0.0.1: the address the side channel and the
@@ -55,7 +55,7 @@ class PDConfig:
     kv_role: str
     connector: str = "JaxTransferConnector"
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
-    kv_load_failure_policy: str = "recompute"
+    kv_load_failure_policy: str = "fail"
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0
     abort_request_timeout: float = 480.0
@@ -87,7 +87,7 @@ class PDConfig:
         if unknown:
             raise PDConfigError(f"{FLAG} kv_connector_extra_config: unknown key(s) {unknown} (known: "
                                 f"{', '.join(EXTRA_KEYS)})")
-        policy = d.get("kv_load_failure_policy", extra.get("kv_load_failure_policy", "recompute"))
+        policy = d.get("kv_load_failure_policy", extra.get("kv_load_failure_policy", "fail"))
         if policy not in FAILURE_POLICIES:
             raise PDConfigError(f"{FLAG} kv_load_failure_policy {policy!r} is not supported (supported: "
                                 f"{', '.join(FAILURE_POLICIES)})")

@@ -78,10 +78,14 @@ class KVConsumer:
         self.writes: list[tuple[np.ndarray, np.ndarray]] = []  # (global rows, page data) for the runner
         self.wake = None
         # Totals since start-up (metrics).
+        from serving.pd.metrics import BYTE_BUCKETS, TIME_BUCKETS, Histogram
+
         self.num_transfers = 0
         self.num_failed_transfers = 0
         self.bytes_transferred = 0
-        self.transfer_seconds: list[float] = []
+        self.num_remote_tokens = 0
+        self.xfer_time = Histogram(TIME_BUCKETS)
+        self.xfer_bytes = Histogram(BYTE_BUCKETS)
         self.num_landed_device = 0
 
     # ------------------------------------------------------------------ requests
@@ -167,7 +171,10 @@ class KVConsumer:
                 p.request.remote_kv = RemoteKV(0, p.num_tokens, rows, nbytes)
                 self.num_transfers += 1
                 self.bytes_transferred += nbytes
-                self.transfer_seconds.append(now - p.started)
+                self.xfer_time.observe(now - p.started)
+                self.xfer_bytes.observe(nbytes)
+                logger.debug("request %s: %d tokens of KV (%.2f MiB) pulled from engine %s in %.1f ms", rid,
+                             p.num_tokens, nbytes / 2**20, p.remote.remote_engine_id, 1e3 * (now - p.started))
                 del self.pending[rid]
                 self._release(p)
                 ready.append(p.request)
@@ -203,6 +210,7 @@ class KVConsumer:
             for rank, pages in enumerate(shards):
                 self.writes.append((((replica * self.dcp + rank) * self.num_blocks + blocks).astype(np.int32), pages))
         self.num_landed_device += 1
+        self.num_remote_tokens += land.num_tokens
         req.remote_kv = None  # the rows now live in the write queue
 
     def take_writes(self) -> tuple[np.ndarray, np.ndarray] | None:

@@ -1,0 +1,141 @@
+"""P/D through a real vllm-router subprocess: a prefill server and a decode server (each its own
+process on 4 simulated devices), the router in `--vllm-pd-disaggregation` mode in front, the
+openai client talking to the router. Streams (completions and chat, streaming and not) must
+equal the decode server's own colocated answers; the decode server's metrics must show every
+prompt's KV but the last token pulled, none failed; malformed params are 400s naming the field."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.helpers.server_process import server_process
+
+ROUTER = shutil.which("vllm-router") or os.path.join(os.path.dirname(sys.executable), "vllm-router")
+pytestmark = pytest.mark.skipif(not os.path.exists(ROUTER), reason="vllm-router is not installed (the `pd` extra)")
+
+COMMON = ["--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--cuda-graph-sizes",
+          "--dtype", "float32", "--disable-log-stats"]
+ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+MODEL = "glm-5.3-tiny"
+
+
+def _config(role: str) -> list[str]:
+    return ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector" if role == "kv_producer"
+                                                else "JaxTransferConnector", "kv_role": role})]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def router_process(prefill_url: str, decode_url: str):
+    port, metrics_port = _free_port(), _free_port()
+    proc = subprocess.Popen([ROUTER, "--vllm-pd-disaggregation", "--prefill", prefill_url, "--decode", decode_url,
+                             "--host", "127.0.0.1", "--port", str(port), "--prefill-policy", "cache_aware",
+                             "--decode-policy", "round_robin", "--prometheus-host", "127.0.0.1",
+                             "--prometheus-port", str(metrics_port), "--log-level", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OPENAI_API_KEY": ""})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"vllm-router exited with {proc.returncode}"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "vllm-router not ready after 60 s"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def pd_servers():
+    with contextlib.ExitStack() as stack:
+        prefill = stack.enter_context(server_process(COMMON + _config("kv_producer"), env=ENV))
+        decode = stack.enter_context(server_process(COMMON + _config("kv_consumer"), env=ENV))
+        router = stack.enter_context(router_process(prefill.url, decode.url))
+        yield prefill, decode, router
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+PROMPTS = [[(7 * i) % 300 + 4 for i in range(70)], [(13 * i) % 400 + 4 for i in range(130)]]
+
+
+def test_openai_client_through_vllm_router_equals_colocated(pd_servers):
+    import openai
+
+    prefill, decode, router = pd_servers
+    via = openai.OpenAI(base_url=router + "/v1", api_key="unused")
+    direct = openai.OpenAI(base_url=decode.url + "/v1", api_key="unused")
+    before = _metric(decode.url, "vllm:kv_transfer_remote_prompt_tokens_total")
+    pulled = 0
+    for prompt in PROMPTS:
+        kw = dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        want = direct.completions.create(**kw).choices[0].text
+        assert via.completions.create(**kw).choices[0].text == want
+        assert "".join(c.choices[0].text for c in via.completions.create(**kw, stream=True) if c.choices) == want
+        pulled += 2 * (len(prompt) - 1)
+    msgs = [{"role": "user", "content": "the river is quiet. 7ing. the old bridge. 12ach. What is 7?"}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    want = direct.chat.completions.create(**kw).choices[0].message.content
+    assert via.chat.completions.create(**kw).choices[0].message.content == want
+    got = "".join(c.choices[0].delta.content or "" for c in via.chat.completions.create(**kw, stream=True)
+                  if c.choices)
+    assert got == want
+    # Every routed request's prompt but its last token came from the prefill server.
+    after = _metric(decode.url, "vllm:kv_transfer_remote_prompt_tokens_total")
+    assert after - before >= pulled + 2  # + the two chat prompts (their length depends on the template)
+    assert _metric(decode.url, "vllm:nixl_num_failed_transfers_total") == 0
+    assert _metric(prefill.url, "vllm:kv_transfer_held_requests") == 0  # all staged and released
+    assert httpx.get(prefill.url + "/health").status_code == httpx.get(decode.url + "/health").status_code == 200
+
+
+def test_malformed_kv_transfer_params_are_400s_naming_the_field(pd_servers):
+    prefill, decode, _ = pd_servers
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2}
+    cases = [({"do_remote_prefill": "yes"}, "kv_transfer_params.do_remote_prefill"),
+             ({"do_remote_prefill": True, "remote_host": "127.0.0.1"}, "kv_transfer_params.remote_port"),
+             ("nope", "kv_transfer_params")]
+    for params, field in cases:
+        r = httpx.post(decode.url + "/v1/completions", json={**body, "kv_transfer_params": params}, timeout=30)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field
+    # A prefill answer for another prompt, and one of another KV layout, are refused before anything moves.
+    kp = httpx.post(prefill.url + "/v1/completions", json={**body, "max_tokens": 1,
+                    "kv_transfer_params": {"do_remote_decode": True}}, timeout=60).json()["kv_transfer_params"]
+    r = httpx.post(decode.url + "/v1/completions", json={**body, "prompt": PROMPTS[1], "kv_transfer_params": kp})
+    assert r.status_code == 400 and "prompt_hash" in r.json()["error"]["message"]
+    bad = {**kp, "kv_layout": {**kp["kv_layout"], "groups": {"mla": [["mla", 14, 144, "bfloat16", 0]],
+                                                              "indexer": kp["kv_layout"]["groups"]["indexer"]}}}
+    r = httpx.post(decode.url + "/v1/completions", json={**body, "kv_transfer_params": bad})
+    assert r.status_code == 400 and "kv-cache-dtype" in r.json()["error"]["message"]
+    # A do_remote_decode request to the decode-only server is refused naming the role.
+    r = httpx.post(decode.url + "/v1/completions", json={**body, "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 400 and "kv_producer" in r.json()["error"]["message"]
+    # The good params still work afterwards: the prefill server kept the KV.
+    r = httpx.post(decode.url + "/v1/completions", json={**body, "kv_transfer_params": kp}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PROMPTS[0]) - 1
