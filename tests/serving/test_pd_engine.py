@@ -6,6 +6,8 @@ the decode engine must compute only the last prompt token, and both sides must a
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -165,3 +167,109 @@ def test_landed_pages_equal_an_independent_relayout_of_the_prefill_pages(pair):
                         seg_off += sw
                 base += c.num_layers * tpp * c.row_words
     assert not decode.audit() and not prefill.audit()
+
+
+# ---------------------------------------------------------------------------------------- faults
+@pytest.fixture(scope="module")
+def fault_pair():
+    """A prefill engine that holds KV for at most 0.5 s, and decode engines with each failure policy."""
+    prefill = build(connector("kv_producer", abort_request_timeout=0.5))
+    fail = build(connector("kv_consumer", kv_load_timeout=1.0))
+    recompute = build({**connector("kv_consumer", kv_load_timeout=1.0), "kv_load_failure_policy": "recompute"})
+    return prefill, fail, recompute
+
+
+def _clean(*engines):
+    for e in engines:
+        assert e.audit() == []
+        assert e.pool.num_free == e.pool.num_usable_blocks, "leaked pages"
+
+
+def test_prefill_releases_kv_nobody_pulls_within_abort_request_timeout(fault_pair):
+    """Decode died (or the router never sent the decode request): the prefill side's pages go back."""
+    prefill, fail, _ = fault_pair
+    params = prefill_all(prefill, {"a": PROMPTS["a"]})
+    assert prefill.pd.producer.held and prefill.pool.num_free < prefill.pool.num_usable_blocks
+    time.sleep(0.6)
+    prefill.step()
+    assert prefill.pd.producer.held == {} and prefill.pd.producer.num_expired == 1
+    _clean(prefill)
+    # A decode request arriving after that fails by policy ("fail": an error, nothing leaked).
+    fail.add_request("late", PROMPTS["a"], greedy(max_tokens=2, kv_transfer_params=params["a"]))
+    _, outs = drain_with(prefill, fail)
+    assert outs["late"].finish_reason == "error" and "holds no KV" in outs["late"].error
+    assert fail.pd.consumer.num_failed_transfers == 1
+    _clean(prefill, fail)
+
+
+def drain_with(prefill, decode):
+    streams, outs = {}, {}
+    while decode.has_unfinished_requests():
+        prefill.step()
+        for out in decode.step():
+            streams.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                outs[out.request_id] = out
+    return streams, outs
+
+
+def test_unreachable_prefill_fails_or_recomputes_by_policy(fault_pair, reference):
+    """Prefill died after answering: the side channel never answers. "fail" ends the request with
+    an error; "recompute" prefills it on the decode engine and the stream equals the colocated one."""
+    prefill, fail, recompute = fault_pair
+    params = prefill_all(prefill, {"b": PROMPTS["b"]})
+    dead = {**params["b"], "remote_port": _closed_port()}
+    fail.add_request("b", PROMPTS["b"], greedy(max_tokens=MAX_TOKENS, kv_transfer_params=dead))
+    recompute.add_request("b", PROMPTS["b"], greedy(max_tokens=MAX_TOKENS, kv_transfer_params=dead))
+    _, outs = drain_with(prefill, fail)
+    err = outs["b"].error
+    assert outs["b"].finish_reason == "error" and ("kv_load_timeout" in err or "no answer" in err), err
+    streams, outs = drain_with(prefill, recompute)
+    assert streams["b"] == reference[0]["b"] and outs["b"].num_cached_tokens == 0
+    assert recompute.pd.consumer.num_failed_transfers == 1
+    time.sleep(0.6)
+    prefill.step()  # the held KV expires on the prefill side
+    _clean(prefill, fail, recompute)
+
+
+def test_abort_while_the_kv_is_in_flight_leaks_nothing(fault_pair):
+    prefill, fail, _ = fault_pair
+    params = prefill_all(prefill, {"c": PROMPTS["c"]})
+    fail.add_request("c", PROMPTS["c"], greedy(max_tokens=MAX_TOKENS, kv_transfer_params=params["c"]))
+    assert fail.has_unfinished_requests()
+    out = fail.abort("c")
+    assert out.finished and out.finish_reason == "abort" and not fail.has_unfinished_requests()
+    deadline = time.monotonic() + 5  # the release reaches the prefill side, which frees the pages
+    while prefill.pd.producer.held and time.monotonic() < deadline:
+        prefill.step()
+        time.sleep(0.01)
+    assert prefill.pd.producer.held == {}
+    _clean(prefill, fail)
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_engine_refuses_roles_and_configs_it_cannot_serve():
+    from serving.kv_transfer_config import KVTransferConfigError
+    from serving.pd import pd_config
+
+    with pytest.raises(KVTransferConfigError, match="kv_role"):
+        pd_config({"kv_connector": "JaxTransferConnector", "kv_role": "kv_sender"})
+    with pytest.raises(KVTransferConfigError, match="unknown key"):
+        pd_config(connector("kv_producer", side_chanel_port=1))
+    with pytest.raises(KVTransferConfigError, match="kv_connector"):
+        pd_config({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})
+    with pytest.raises(KVTransferConfigError, match="second"):
+        pd_config({"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [
+            connector("kv_producer"), connector("kv_consumer")]}})
+    multi = pd_config({"kv_connector": "MultiConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {
+        "connectors": [{"kv_connector": "NixlConnector", "kv_role": "kv_producer"},
+                       {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"cpu_bytes_to_use": 2**20}}]}})
+    assert multi.is_producer and not multi.is_consumer and multi.connector == "NixlConnector"
