@@ -273,3 +273,57 @@ def test_engine_refuses_roles_and_configs_it_cannot_serve():
                        {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                         "kv_connector_extra_config": {"cpu_bytes_to_use": 2**20}}]}})
     assert multi.is_producer and not multi.is_consumer and multi.connector == "NixlConnector"
+
+
+# ---------------------------------------------------------------------------------------- variants
+def _colocated(prompts, **kw):
+    eng = build(**kw)
+    for rid, p in prompts.items():
+        eng.add_request(rid, p, greedy(max_tokens=MAX_TOKENS, logprobs=2))
+    streams, lps = {}, {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            streams.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.new_logprobs:
+                lps.setdefault(out.request_id, []).extend(out.new_logprobs)
+    return eng, streams, lps
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8"])  # bf16 rows: tests/serving/test_pd_relayout.py
+def test_pd_with_fp8_cache(kv_cache_dtype):
+    """The production row formats (fp8_ds_mla tiles with scales, fp8 keys with a scale segment)
+    move byte-exactly: streams equal the colocated engine with the same cache dtype."""
+    _, ref, ref_lp = _colocated(PROMPTS, kv_cache_dtype=kv_cache_dtype)
+    prefill = build(connector("kv_producer"), kv_cache_dtype=kv_cache_dtype)
+    decode = build(connector("kv_consumer"), kv_cache_dtype=kv_cache_dtype)
+    params = prefill_all(prefill, PROMPTS)
+    streams, outs = decode_all(prefill, decode, PROMPTS, params)
+    compare_streams(ref, streams, ref_lp, PROMPTS)
+    assert all(outs[r].num_cached_tokens == len(p) - 1 for r, p in PROMPTS.items())
+    # A decode engine with another cache dtype refuses the params before anything moves.
+    other = build(connector("kv_consumer"), kv_cache_dtype="float32" if kv_cache_dtype == "fp8" else "fp8")
+    more = prefill_all(prefill, {"c": PROMPTS["c"]})
+    with pytest.raises(ValueError, match="kv-cache-dtype"):
+        other.add_request("c", PROMPTS["c"], greedy(max_tokens=2, kv_transfer_params=more["c"]))
+    assert not other.has_unfinished_requests()
+
+
+def test_pd_with_mtp_speculation_on_both_sides():
+    """MTP k = 2 on both engines: the MTP layer's KV group moves too, and the decode engine's
+    drafts are verified as in the colocated run (greedy streams equal; drafts accepted)."""
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    colocated, ref, ref_lp = _colocated(PROMPTS, speculative_config=spec)
+    prefill = build(connector("kv_producer"), speculative_config=spec)
+    decode = build(connector("kv_consumer"), speculative_config=spec)
+    params = prefill_all(prefill, PROMPTS)
+    assert "mtp" in params["a"]["kv_layout"]["groups"]
+    streams, outs = decode_all(prefill, decode, PROMPTS, params)
+    compare_streams(ref, streams, ref_lp, PROMPTS)
+    # The same drafts verified and accepted as colocated (the random tiny model accepts few).
+    assert decode.spec_stats.num_draft_tokens > 0
+    assert decode.spec_stats.num_accepted_tokens == colocated.spec_stats.num_accepted_tokens
+    # Without MTP on the prefill side, a decode engine with MTP cannot get the mtp group: refused.
+    plain = build(connector("kv_producer"))
+    more = prefill_all(plain, {"c": PROMPTS["c"]})
+    with pytest.raises(ValueError, match="speculative-config"):
+        decode.add_request("c2", PROMPTS["c"], greedy(max_tokens=2, kv_transfer_params=more["c"]))
