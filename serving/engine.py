@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from glm53.capacity import engine_capacity_summary
 from glm53.kv_layout import build_kv_layout
@@ -206,7 +207,7 @@ class LLMEngine:
                              "hands over device-resident pages only; run HiSparse on the decode engine (kv_consumer)")
         pd = build_pd(config, self.layout, cfg, self.parallel, num_blocks, self.runner.read_pages)
         for index, scheduler, kv, pool in replicas:
-            scheduler.kv_connector = SchedulerConnector(pd, index, kv, pool)
+            scheduler.kv_connector = SchedulerConnector(pd, index, kv, pool, scheduler.policy)
         logger.info("%s", pd.summary())
         return pd
 
@@ -374,10 +375,33 @@ class LLMEngine:
 
     def _pd_writes(self) -> None:
         """Land the pulled KV admitted in this step: its page writes run before the step."""
-        if self.pd is not None and self.pd.consumer is not None:
-            writes = self.pd.consumer.take_writes()
-            if writes is not None:
-                self.runner.write_pages(*writes)
+        if self.pd is None or self.pd.consumer is None:
+            return
+        writes = self.pd.consumer.take_writes()
+        if writes is not None:
+            self.runner.write_pages(*writes)
+        for replica, bounce, pages in self.pd.consumer.take_host_writes():
+            self._land_in_host_pool(replica, bounce, pages)
+
+    def _land_in_host_pool(self, replica: int, bounce: list[int], pages: list) -> None:
+        """HiSparse host landing: each (host block, per-rank page data) goes through one of the
+        request's lease pages (`bounce`): the page is written on the device, then the store
+        program copies it into the host block, as a write-through copy would (it writes the host
+        pool's own row format, on every DCP rank and column part)."""
+        from serving.hisparse.host_pool import CopyJob
+
+        dcp = self.parallel.dcp if self.parallel is not None else 1
+        step = min(len(bounce), self.hisparse.device.max_stores)
+        for i in range(0, len(pages), step):
+            chunk = pages[i:i + step]
+            rows = [(replica * dcp + rank) * self.runner.num_blocks + lb
+                    for (_, shards), lb in zip(chunk, bounce) for rank in range(len(shards))]
+            data = np.stack([page for _, shards in chunk for page in shards])
+            self.runner.write_pages(np.asarray(rows, np.int32), data)
+            jobs = [CopyJob(lb, hb, None, j) for j, ((hb, _), lb) in enumerate(zip(chunk, bounce))]
+            if self.runner.parallel is not None:
+                jobs = [jobs if r == replica else [] for r in range(self.runner.dp)]
+            self.runner.run_stores(jobs)
 
     def has_pending_work(self) -> bool:
         """Side-channel jobs queued for the engine thread (the driver must step even when idle)."""

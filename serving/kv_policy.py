@@ -70,6 +70,13 @@ class DeviceResidentPolicy:
                                     hit and hit.loads)
         return num_new if ok else 0
 
+    def admit_remote(self, req: "Request", num_new: int, scheduled: Iterable["Request"]) -> tuple[int, dict]:
+        """Pages for a waiting request whose KV was pulled from a prefill engine (P/D,
+        `serving/pd/consumer.py`), about to compute its last `num_new` tokens. Returns (tokens it
+        may compute this step, 0: not admitted; MLA page index → host block for pages that land
+        in host memory instead of device pages: none here, every page lands on the device)."""
+        return self.admit(req, None, num_new, scheduled), {}
+
     def end_step(self, out: "SchedulerOutput") -> None:
         """Called with the built step (before it runs)."""
 

@@ -360,8 +360,12 @@ class Scheduler:
             num_hit = hit.num_tokens if hit is not None else 0
             if remote is not None:
                 num_hit = remote.start + remote.num_tokens
-            num_new = self.policy.admit(req, hit, self._cap(req.num_tokens - num_hit, budget),
-                                        [sr.request for sr in scheduled])
+            if remote is not None:  # P/D: device pages, or host blocks by pressure (HiSparse)
+                num_new, remote.host_pages = self.policy.admit_remote(
+                    req, self._cap(req.num_tokens - num_hit, budget), [sr.request for sr in scheduled])
+            else:
+                num_new = self.policy.admit(req, hit, self._cap(req.num_tokens - num_hit, budget),
+                                            [sr.request for sr in scheduled])
             if num_new == 0:
                 if is_cont:
                     continue  # the next continuation may fit

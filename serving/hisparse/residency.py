@@ -326,6 +326,47 @@ class HiSparsePolicy(DeviceResidentPolicy):
         self._rows[rid] = num_new
         return num_new
 
+    def admit_remote(self, req: "Request", num_new: int, scheduled: Iterable["Request"]) -> tuple[int, dict]:
+        """A request whose KV was pulled from a prefill engine (P/D). Device pages when the
+        admission rule finds room for it fully resident (releasing clean pages of running
+        requests as for any admission); else its whole MLA pages below its last computed token
+        land straight in host blocks (the request starts with them as placeholders, in "none"
+        residency, with a hot lease), and only its other groups' pages, its newest MLA pages and
+        the lease take device pages. Returns (tokens it may compute, 0: not admitted; MLA page
+        index → host block of the pages to fill in host memory)."""
+        usable = self.kv.pool.num_usable_blocks
+        full = sum(math.ceil(req.num_tokens / g.tokens_per_page) for g in self.kv.groups)
+        if full <= usable:
+            n = self.admit(req, None, num_new, scheduled)
+            if n:
+                return n, {}
+        rid = req.request_id
+        k = (req.num_tokens - num_new) // self.tpp  # whole MLA pages of the landed tokens
+        if k < 1 or self.host.blocks.num_free < k:
+            return 0, {}
+        protect = self._protected(scheduled)
+        pages = sum(math.ceil(req.num_tokens / g.tokens_per_page) - (k if g.name == self.group else 0)
+                    for g in self.kv.groups)
+        lease = self._lease_pages(rid, num_new, off=k)
+        reserve = min(self.watermark, len(self.running))
+        if pages + lease > usable or not self._make_room(pages + lease + reserve, protect):
+            return 0, {}
+        if not self.kv.allocate_slots(rid, req.num_tokens, {self.group: [NULL_BLOCK] * k}):
+            return 0, {}
+        rec = self.records[rid] = RequestResidency()
+        for i in range(k):
+            rec.host_blocks[i] = self.host.allocate()
+        rec.next_seal = k
+        rec.lease = self.kv.pool.allocate(lease)
+        self._rows[rid] = num_new
+        self.num_landed_host = getattr(self, "num_landed_host", 0) + 1
+        return num_new, dict(rec.host_blocks)
+
+    def lease_of(self, rid: str) -> list[int]:
+        """The request's hot lease (device blocks), [] without one."""
+        rec = self.records.get(rid)
+        return list(rec.lease) if rec is not None else []
+
     def after_update(self, out: "SchedulerOutput") -> None:
         for job in self.host.complete():
             rec = job.owner

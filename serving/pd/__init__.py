@@ -71,15 +71,17 @@ class SchedulerConnector:
     """What one scheduler (one data-parallel replica) calls: vLLM's scheduler-side connector hooks
     `request_finished` and `update_state_after_alloc`, plus the pages held for decode engines."""
 
-    def __init__(self, pd: PDConnector, replica: int, kv, pool):
-        self.pd, self.replica, self.kv, self.pool = pd, replica, kv, pool
+    def __init__(self, pd: PDConnector, replica: int, kv, pool, policy=None):
+        self.pd, self.replica, self.kv, self.pool, self.policy = pd, replica, kv, pool, policy
 
     def request_finished(self, req) -> None:
         if self.pd.producer is not None:
             req.kv_transfer_params_out = self.pd.producer.request_finished(req, self.kv, self.pool, self.replica)
 
     def update_state_after_alloc(self, req) -> None:
-        self.pd.consumer.update_state_after_alloc(req, self.kv, self.replica)
+        lease_of = getattr(self.policy, "lease_of", None)
+        bounce = lease_of(req.request_id) if lease_of is not None else None
+        self.pd.consumer.update_state_after_alloc(req, self.kv, self.replica, bounce)
 
     def external_refs(self) -> dict[int, int]:
         return self.pd.producer.external_refs(self.pool) if self.pd.producer is not None else {}

@@ -40,6 +40,7 @@ class RemoteKV:
     num_tokens: int
     rows: dict[str, np.ndarray]
     nbytes: int = 0
+    host_pages: dict[int, int] = field(default_factory=dict)  # MLA page → host block (HiSparse landing)
 
 
 @dataclass
@@ -76,6 +77,8 @@ class KVConsumer:
         self.groups = [g.name for g in layout.groups]
         self.pending: dict[str, PendingPull] = {}
         self.writes: list[tuple[np.ndarray, np.ndarray]] = []  # (global rows, page data) for the runner
+        # HiSparse host landing: (replica, bounce pages, [(host block, per-rank page data)]).
+        self.host_writes: list[tuple[int, list[int], list]] = []
         self.wake = None
         # Totals since start-up (metrics).
         from serving.pd.metrics import BYTE_BUCKETS, TIME_BUCKETS, Histogram
@@ -87,6 +90,7 @@ class KVConsumer:
         self.xfer_time = Histogram(TIME_BUCKETS)
         self.xfer_bytes = Histogram(BYTE_BUCKETS)
         self.num_landed_device = 0
+        self.num_landed_host = 0
 
     # ------------------------------------------------------------------ requests
     def add(self, request, remote: RemotePrefill) -> None:
@@ -197,9 +201,13 @@ class KVConsumer:
         return p.request
 
     # ------------------------------------------------------------------ scheduler hooks
-    def update_state_after_alloc(self, req, kv, replica: int = 0) -> None:
-        """The scheduler allocated `req`'s pages: queue the writes of its transferred rows."""
+    def update_state_after_alloc(self, req, kv, replica: int = 0, bounce: list[int] | None = None) -> None:
+        """The scheduler allocated `req`'s pages: queue the writes of its transferred rows, to
+        device pages, and to host blocks for the MLA pages admission landed in the HiSparse host
+        pool (`land.host_pages`; they go through `bounce`, the request's hot lease pages, which
+        the first step resolves afresh)."""
         land: RemoteKV = req.remote_kv
+        host = []
         for g in self.layout.groups:
             span = g.tokens_per_page * self.dcp
             first = land.start // span
@@ -207,9 +215,20 @@ class KVConsumer:
             blocks = np.asarray(kv.block_table(req.request_id, g.name)[first:first + n_pages], np.int64)
             shards = canonical_to_pages(land.rows[g.name][:land.num_tokens], land.start, g, self.layout.page_words,
                                         first, n_pages, self.dcp, self.interleave)
+            on_host = [i for i in range(n_pages) if g.name == "mla" and first + i in land.host_pages]
+            keep = np.asarray([i for i in range(n_pages) if i not in set(on_host)], np.int64)
             for rank, pages in enumerate(shards):
-                self.writes.append((((replica * self.dcp + rank) * self.num_blocks + blocks).astype(np.int32), pages))
-        self.num_landed_device += 1
+                rows = ((replica * self.dcp + rank) * self.num_blocks + blocks[keep]).astype(np.int32)
+                self.writes.append((rows, pages[keep]))
+            for i in on_host:
+                host.append((land.host_pages[first + i], [pages[i] for pages in shards]))
+        if host:
+            if not bounce:
+                raise RuntimeError(f"request {req.request_id!r} lands pages in the host pool without a hot lease")
+            self.host_writes.append((replica, list(bounce), host))
+            self.num_landed_host += 1
+        else:
+            self.num_landed_device += 1
         self.num_remote_tokens += land.num_tokens
         req.remote_kv = None  # the rows now live in the write queue
 
@@ -221,3 +240,8 @@ class KVConsumer:
         data = np.concatenate([d for _, d in self.writes])
         self.writes = []
         return rows, data
+
+    def take_host_writes(self) -> list[tuple[int, list[int], list]]:
+        """The queued host-pool landings (replica, bounce pages, [(host block, per-rank pages)]); clears."""
+        out, self.host_writes = self.host_writes, []
+        return out

@@ -6,7 +6,8 @@ device), `vllm:nixl_bytes_transferred` (histogram, bytes per pulled request),
 `vllm:nixl_num_failed_transfers` (counter: pulls that failed or missed kv_load_timeout). Ours:
 decode side `vllm:kv_transfer_requests_waiting` (gauge: requests waiting for their KV),
 `vllm:kv_transfer_remote_prompt_tokens` (counter: prompt tokens landed from a prefill engine
-instead of computed), `vllm:kv_transfer_landed_requests{place}` (counter; place "device");
+instead of computed), `vllm:kv_transfer_landed_requests{place}` (counter; place "device" or
+"host": the HiSparse host pool);
 prefill side `vllm:kv_transfer_held_requests` (gauge: finished requests whose pages wait for a
 decode engine), `vllm:kv_transfer_staged_requests` / `vllm:kv_transfer_staged_bytes` (counters),
 `vllm:kv_transfer_expired` (counter: holds or stagings dropped after abort_request_timeout).
@@ -76,8 +77,11 @@ class PDCollector:
                         len(c.pending))
             yield counter("vllm:kv_transfer_remote_prompt_tokens", "Prompt tokens landed from a prefill engine "
                           "instead of computed.", c.num_remote_tokens)
-            yield counter("vllm:kv_transfer_landed_requests", "Requests whose pulled KV landed, by place.",
-                          c.num_landed_device, ["place"], ["device"])
+            fam = CounterMetricFamily("vllm:kv_transfer_landed_requests", "Requests whose pulled KV landed, by place "
+                                      "(device pages, or the HiSparse host pool).", labels=["model_name", "place"])
+            fam.add_metric(m + ["device"], c.num_landed_device)
+            fam.add_metric(m + ["host"], c.num_landed_host)
+            yield fam
         if p is not None:
             yield gauge("vllm:kv_transfer_held_requests", "Finished requests whose pages wait for a decode engine.",
                         len(p.held))

@@ -35,3 +35,32 @@ def test_pcp2_dcp2_prefill_to_parallel_decode(prefill, reference, decode_paralle
     assert prefill.pd.producer.held == {} and not prefill.audit() and not decode.audit()
     if decode_parallel.data_parallel_size == 2:  # both replicas took requests
         assert decode.pd.consumer.num_transfers == len(PROMPTS)
+
+
+LONG = {"x": [(7 * i) % 300 + 4 for i in range(600)], "y": [(11 * i) % 350 + 4 for i in range(520)],
+        "z": [(13 * i) % 400 + 4 for i in range(450)], "w": [(17 * i) % 420 + 4 for i in range(380)]}
+
+
+def test_pcp2_dcp2_prefill_to_dp2_hisparse_decode_lands_in_the_host_pool():
+    """The reference decode layout, scaled: DP2 replicas with Hybrid HiSparse on a device pool far
+    too small for the prompts (9 usable pages per replica; the longest prompt needs 11). What does not fit lands straight in the
+    replica's host pool; nobody is preempted; the hot buffer really reads host rows; streams equal
+    the colocated single-device run."""
+    from tests.serving.test_pd_engine import _colocated
+
+    _, ref, ref_lp = _colocated(LONG, max_model_len=1024, num_gpu_blocks_override=96)
+    prefill = build(connector("kv_producer"), parallel=PCP2_DCP2, max_model_len=1024, num_gpu_blocks_override=96)
+    decode = build(connector("kv_consumer"), parallel=ParallelConfig(data_parallel_size=2, enable_expert_parallel=True),
+                   max_model_len=1024, num_gpu_blocks_override=10,
+                   attention_config={"hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 128}})
+    params = prefill_all(prefill, LONG)
+    streams, outs = decode_all(prefill, decode, LONG, params)
+    compare_streams(ref, streams, ref_lp, LONG)
+    c = decode.pd.consumer
+    print(f"\nlanded on the device {c.num_landed_device}, in the host pool {c.num_landed_host}; hot misses "
+          f"{decode.hisparse.device.misses}")
+    assert c.num_landed_host >= 2 and c.num_landed_device + c.num_landed_host == len(LONG)
+    assert sum(r.scheduler.num_preemptions_total for r in decode.replicas) == 0
+    assert decode.hisparse.device.misses > 0
+    assert not decode.audit() and all(r.pool.num_free == r.pool.num_usable_blocks for r in decode.replicas)
+    assert all(h.blocks.num_free == h.num_usable for h in decode.hisparse.hosts)  # no leaked host block
