@@ -15,9 +15,15 @@ The KV arena is `uint32[dp · dcp · num_blocks, page_words]`: replica r owns sh
 block. Every replica's block pool numbers pages 1 … num_blocks − 1 inside its own shards, so a
 request's pages live only in its replica's shards.
 
-Placement policy (`assign`): a new request goes to the replica with the fewest unfinished
-(waiting + running) requests; ties go to the replica using the fewest KV pages, then to the lowest
-index. A request stays on its replica until it finishes (preemption re-queues it there).
+Placement policy (`assign`), prefix-aware: a request goes to the replica whose prefix cache holds
+the longest prefix of its prompt (device pages count fully; pages only in a HiSparse host pool or
+the offload tier count half, since they must be read or loaded back), among the replicas that are
+not overloaded: at most `PREFIX_LOAD_SLACK` more unfinished (waiting + running) requests than the
+least-loaded replica. Without a hit (or without prefix caching) that is the least-loaded replica;
+ties go to the replica using the fewest KV pages, then to the lowest index. A router's
+`X-data-parallel-rank` (`SamplingParams.data_parallel_rank`) overrides the choice. A request stays
+on its replica until it finishes (preemption re-queues it there). A P/D request is placed when it
+arrives, so its pull skips the prefix that replica already holds.
 
 `--max-num-seqs` and `--max-num-batched-tokens` hold per replica (each replica's step has its own
 rows and token budget); `--num-gpu-blocks-override` counts the pages of one arena shard.
@@ -48,6 +54,10 @@ from serving.types import RequestOutput, SamplingParams
 from sharding.mesh import ParallelLayout
 
 logger = logging.getLogger(__name__)
+
+# A conversation sticks to the replica holding its prefix unless that replica has this many more
+# unfinished requests than the least-loaded one.
+PREFIX_LOAD_SLACK = 2
 
 
 @dataclass
@@ -149,10 +159,32 @@ class DataParallelEngine(LLMEngine):
         logger.info("data parallel: %d attention replicas x %d pages each (%s)", len(reps), num_blocks, par)
 
     # ------------------------------------------------------------------ requests
-    def assign(self) -> EngineReplica:
-        """The replica a new request goes to: fewest unfinished requests, then fewest pages in
-        use, then lowest index."""
-        return min(self.replicas, key=lambda r: (r.num_unfinished, r.pool.usage(), r.index))
+    def assign(self, req: Request | None = None) -> EngineReplica:
+        """The replica a new request goes to (module docstring): its `data_parallel_rank` if set,
+        else the longest weighted prefix hit among the replicas within `PREFIX_LOAD_SLACK`
+        unfinished requests of the least loaded, then fewest unfinished requests, fewest pages in
+        use, lowest index."""
+        if req is not None and req.sampling_params.data_parallel_rank is not None:
+            return self.replicas[req.sampling_params.data_parallel_rank]
+        pulling = [0] * len(self.replicas)  # P/D requests placed here, still waiting for their KV
+        if self.pd is not None and self.pd.consumer is not None:
+            for p in self.pd.consumer.pending.values():
+                if p.request.dp_rank is not None:
+                    pulling[p.request.dp_rank] += 1
+        load = {r.index: r.num_unfinished + pulling[r.index] for r in self.replicas}
+        least = min(load.values())
+        ok = [r for r in self.replicas if load[r.index] <= least + PREFIX_LOAD_SLACK]
+
+        def score(r: EngineReplica) -> float:
+            if req is None or r.prefix_cache is None:
+                return 0.0
+            hit = r.prefix_cache.lookup(req)
+            tpp = r.kv.group("mla").tokens_per_page
+            off = sum(1 for b in hit.blocks.get("mla", []) if b == 0) * tpp  # host-only MLA pages (HiSparse)
+            ext = hit.num_external_tokens  # from the offload tier
+            return hit.num_tokens - 0.5 * (off + ext)
+
+        return min(ok, key=lambda r: (-score(r), load[r.index], r.pool.usage(), r.index))
 
     def replica_of(self, request_id: str) -> EngineReplica | None:
         """The replica serving the live request `request_id`, or None."""
@@ -174,7 +206,13 @@ class DataParallelEngine(LLMEngine):
         return self.replica_of(request_id) is not None
 
     def _queue(self, req: Request) -> None:
-        self.assign().scheduler.add_request(req)
+        rank = getattr(req, "dp_rank", None)
+        (self.replicas[rank] if rank is not None else self.assign(req)).scheduler.add_request(req)
+
+    def _local_prefix_tokens(self, req: Request) -> int:
+        rep = self.assign(req)  # placed now: the pull skips what this replica holds
+        req.dp_rank = rep.index
+        return rep.prefix_cache.lookup(req).num_tokens if rep.prefix_cache is not None else 0
 
     def abort(self, request_id: str, finished_reason: str = "abort") -> RequestOutput | None:
         """Abort a waiting or running request on its replica (as `LLMEngine.abort`); the other

@@ -328,8 +328,13 @@ class LLMEngine:
         if self.has_request(request_id):
             raise ValueError(f"duplicate request id {request_id!r}")
         scheduler.check_request(req)
-        self.pd.consumer.add(req, remote)
+        self.pd.consumer.add(req, remote, self._local_prefix_tokens(req))
         return None
+
+    def _local_prefix_tokens(self, req: Request) -> int:
+        """Prompt tokens this engine's prefix cache holds for `req` (device or host tiers), which a
+        P/D pull then skips."""
+        return self.prefix_cache.lookup(req).num_tokens if self.prefix_cache is not None else 0
 
     def has_request(self, request_id: str) -> bool:
         """True while `request_id` is live (waiting for its KV, waiting or running)."""
@@ -414,6 +419,10 @@ class LLMEngine:
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The engine-level checks of `add_request` (ValueError with the reason)."""
         params.validate()
+        dp = self.args.parallel.data_parallel_size if self.args.parallel is not None else 1
+        rank = params.data_parallel_rank
+        if rank is not None and not (isinstance(rank, int) and 0 <= rank < dp):
+            raise ValueError(f"X-data-parallel-rank {rank!r} is not a data-parallel rank of this engine (0…{dp - 1})")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")

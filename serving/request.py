@@ -93,6 +93,7 @@ class Request:
     do_remote_decode: bool = False
     kv_transfer_params_out: dict | None = None
     remote_kv: object | None = None
+    dp_rank: int | None = None  # the data-parallel replica chosen for it before it was queued
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -355,14 +355,24 @@ class Scheduler:
                 break
             hit = None
             remote = req.remote_kv  # P/D: KV pulled from a prefill engine (serving/pd/consumer.py)
-            if self.prefix_cache is not None and remote is None:
+            if self.prefix_cache is not None and (remote is None or remote.start > 0):
                 hit = self.prefix_cache.lookup(req)  # again: an admission before may have evicted pages
+            if remote is not None and remote.start > 0:
+                # The pull covers the tokens past this engine's own prefix: the hit must still hold
+                # the pages it had when the pull was planned (else prefill here after all).
+                hit = self.kv_connector.local_hit(req, hit)
+                if hit is None:
+                    req.remote_kv = remote = None
+                    hit = self.prefix_cache.lookup(req)
             num_hit = hit.num_tokens if hit is not None else 0
             if remote is not None:
                 num_hit = remote.start + remote.num_tokens
-            if remote is not None:  # P/D: device pages, or host blocks by pressure (HiSparse)
+            if remote is not None and hit is None:  # P/D: device pages, or host blocks by pressure (HiSparse)
                 num_new, remote.host_pages = self.policy.admit_remote(
                     req, self._cap(req.num_tokens - num_hit, budget), [sr.request for sr in scheduled])
+            elif remote is not None:  # P/D after a local prefix hit: its pages plus device pages
+                num_new = self.policy.admit(req, hit, self._cap(req.num_tokens - num_hit, budget),
+                                            [sr.request for sr in scheduled])
             else:
                 num_new = self.policy.admit(req, hit, self._cap(req.num_tokens - num_hit, budget),
                                             [sr.request for sr in scheduled])
@@ -378,7 +388,7 @@ class Scheduler:
                 req.num_cached_tokens = num_hit
             req.num_computed_tokens = num_hit
             if remote is not None:
-                self.kv_connector.update_state_after_alloc(req)
+                self.kv_connector.update_state_after_alloc(req, hit)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             req.state_row = heapq.heappop(self._free_rows)

@@ -33,6 +33,8 @@ class SamplingParams:
     kv_transfer_params: prefill/decode disaggregation (vLLM's NixlConnector protocol,
         `serving/pd/params.py`): `{"do_remote_decode": true}` on a prefill engine, or a prefill
         response's params on a decode engine. None otherwise.
+    data_parallel_rank: the data-parallel replica to run on (vLLM's `X-data-parallel-rank`
+        header, sent by routers); None lets the engine choose.
     """
 
     temperature: float = 1.0
@@ -46,6 +48,7 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     kv_transfer_params: dict | None = None
+    data_parallel_rank: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError with the offending field name."""

@@ -340,6 +340,18 @@ def _sampling_params(
     return params
 
 
+def _data_parallel_rank(request: Request) -> int | None:
+    """vLLM's `X-data-parallel-rank` header (a router pinning the request to a data-parallel
+    replica), or None. A value that is not an integer is a 400."""
+    value = request.headers.get("x-data-parallel-rank")
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise _bad_request(f"X-data-parallel-rank must be an integer, got {value!r}.", "X-data-parallel-rank") from None
+
+
 def _choice_params(params: SamplingParams) -> list[SamplingParams]:
     """One engine request per choice: n = 1 each; with a seed, choice i samples with seed + i
     (so choices are independent samples, and reproducible)."""
@@ -853,6 +865,7 @@ def build_app(
             requested, param, len(prompt_ids), engine.max_model_len, "messages"
         )
         params = _sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None))
+        params.data_parallel_rank = _data_parallel_rank(request)
         top_n = body.top_logprobs or 0
 
         def logprobs_of(lps) -> ChatChoiceLogprobs | None:
@@ -950,6 +963,7 @@ def build_app(
             body.max_tokens, "max_tokens", len(prompt_ids), engine.max_model_len, "prompt"
         )
         params = _sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None))
+        params.data_parallel_rank = _data_parallel_rank(request)
         top_n = body.logprobs or 0
 
         rid = f"cmpl-{uuid.uuid4().hex}"

@@ -78,10 +78,17 @@ class SchedulerConnector:
         if self.pd.producer is not None:
             req.kv_transfer_params_out = self.pd.producer.request_finished(req, self.kv, self.pool, self.replica)
 
-    def update_state_after_alloc(self, req) -> None:
+    def update_state_after_alloc(self, req, hit=None) -> None:
         lease_of = getattr(self.policy, "lease_of", None)
         bounce = lease_of(req.request_id) if lease_of is not None else None
-        self.pd.consumer.update_state_after_alloc(req, self.kv, self.replica, bounce)
+        self.pd.consumer.update_state_after_alloc(req, self.kv, self.replica, bounce, hit)
+
+    def local_hit(self, req, hit):
+        """The part of this engine's prefix hit a partial pull was planned around (None when the
+        hit no longer covers it)."""
+        from serving.pd.consumer import local_hit
+
+        return local_hit(req.remote_kv, hit)
 
     def external_refs(self) -> dict[int, int]:
         return self.pd.producer.external_refs(self.pool) if self.pd.producer is not None else {}

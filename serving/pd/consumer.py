@@ -41,6 +41,41 @@ class RemoteKV:
     rows: dict[str, np.ndarray]
     nbytes: int = 0
     host_pages: dict[int, int] = field(default_factory=dict)  # MLA page → host block (HiSparse landing)
+    local_pages: dict[str, int] = field(default_factory=dict)  # pages per group from this engine's prefix cache
+
+
+def plan_local_prefix(hit_tokens: int, layout, dcp: int) -> tuple[int, dict[str, int]]:
+    """A decode engine holds the first `hit_tokens` tokens of a prompt in its prefix cache: each
+    group keeps its whole pages of them (a partly covered page is pulled again rather than copied
+    on write, since the pulled rows must land after any copy). Returns (the first token to pull:
+    the earliest of the groups' page boundaries, pages per group)."""
+    pages = {g.name: hit_tokens // (g.tokens_per_page * dcp) for g in layout.groups}
+    start = min(pages[g.name] * g.tokens_per_page * dcp for g in layout.groups)
+    return start, pages
+
+
+def local_hit(land: "RemoteKV", hit):
+    """`hit` cut to the pages `land.local_pages` planned (no copy-on-write, no load past them), or
+    None when it no longer covers them."""
+    from serving.prefix_cache import PrefixHit
+
+    if hit is None:
+        return None
+    blocks = {}
+    for g, n in land.local_pages.items():
+        if len(hit.blocks.get(g, ())) < n:
+            return None
+        blocks[g] = list(hit.blocks[g][:n])
+    mla = land.local_pages.get("mla", 0)
+    out = PrefixHit(land.start, blocks, host_blocks={i: b for i, b in hit.host_blocks.items() if i < mla})
+    for g, pages in hit.loads.items():
+        kept = {i: hb for i, hb in pages.items() if i < land.local_pages.get(g, 0)}
+        if kept:
+            out.loads[g] = kept
+            out.load_keys[g] = {i: hit.load_keys[g][i] for i in kept}
+    if hit.num_local_tokens is not None:
+        out.num_local_tokens = min(hit.num_local_tokens, land.start)
+    return out
 
 
 @dataclass
@@ -54,7 +89,8 @@ class PendingPull:
     reply: dict | None = None
     error: str | None = None
     aborted: bool = False
-    done_event: threading.Event = field(default_factory=threading.Event)
+    start: int = 0
+    local_pages: dict[str, int] = field(default_factory=dict)
 
 
 class KVConsumer:
@@ -93,9 +129,11 @@ class KVConsumer:
         self.num_landed_host = 0
 
     # ------------------------------------------------------------------ requests
-    def add(self, request, remote: RemotePrefill) -> None:
+    def add(self, request, remote: RemotePrefill, local_hit_tokens: int = 0) -> None:
         """Check `remote` against the request and this engine, then start the pull in the
-        background. Raises ValueError (a 400) for a prompt or layout that does not match."""
+        background: of the tokens past `local_hit_tokens`, the prompt prefix this engine's own
+        prefix cache holds (whole pages of each group; `plan_local_prefix`). Raises ValueError (a
+        400) for a prompt or layout that does not match."""
         if remote.prompt_hash != prompt_hash(request.prompt_token_ids):
             raise ValueError("kv_transfer_params.prompt_hash does not match this request's prompt: the KV the prefill "
                              "engine holds is for another prompt")
@@ -109,10 +147,13 @@ class KVConsumer:
         if rid in self.pending:
             raise ValueError(f"duplicate request id {rid!r}")
         n = min(remote.remote_num_tokens, request.num_prompt_tokens - 1)
+        start, pages = plan_local_prefix(min(local_hit_tokens, n), self.layout, self.dcp)
+        if start == 0:
+            pages = {}  # pull (and write) everything
         now = self.clock()
-        p = PendingPull(request, remote, n, now + self.config.kv_load_timeout, now)
+        p = PendingPull(request, remote, n, now + self.config.kv_load_timeout, now, start=start, local_pages=pages)
         self.pending[rid] = p
-        if n == 0:  # a one-token prompt: nothing to pull, compute it here
+        if n - start <= 0:  # nothing to pull (a one-token prompt): compute it here
             p.error = "nothing to pull"
             return
         threading.Thread(target=self._start_pull, args=(p,), name=f"pd-pull-{rid}", daemon=True).start()
@@ -121,11 +162,11 @@ class KVConsumer:
         r = p.remote
         try:
             reply = side_channel.request(r.remote_host, r.remote_port, {
-                "op": "stage", "request_id": r.remote_request_id, "start": 0, "num_tokens": p.num_tokens,
+                "op": "stage", "request_id": r.remote_request_id, "start": p.start, "num_tokens": p.num_tokens,
                 "groups": self.groups, "kv_layout": self.descriptor}, timeout_s=self.config.kv_load_timeout)
             shapes = [tuple(s) for s in reply["shapes"]]
             for name, shape in zip(self.groups, shapes):  # the runtime checks byte sizes only
-                want = (p.num_tokens, words_per_token(self.layout.group(name)))
+                want = (p.num_tokens - p.start, words_per_token(self.layout.group(name)))
                 if shape != want:
                     raise ValueError(f"the prefill engine staged {shape} for group {name!r}, expected {want}")
             p.reply = reply
@@ -172,13 +213,14 @@ class KVConsumer:
                     failed.append((p, f"the pull failed: {type(e).__name__}: {e}"))
                     continue
                 nbytes = sum(r.nbytes for r in rows.values())
-                p.request.remote_kv = RemoteKV(0, p.num_tokens, rows, nbytes)
+                p.request.remote_kv = RemoteKV(p.start, p.num_tokens - p.start, rows, nbytes,
+                                               local_pages={g: n for g, n in p.local_pages.items() if n})
                 self.num_transfers += 1
                 self.bytes_transferred += nbytes
                 self.xfer_time.observe(now - p.started)
                 self.xfer_bytes.observe(nbytes)
                 logger.debug("request %s: %d tokens of KV (%.2f MiB) pulled from engine %s in %.1f ms", rid,
-                             p.num_tokens, nbytes / 2**20, p.remote.remote_engine_id, 1e3 * (now - p.started))
+                             p.num_tokens - p.start, nbytes / 2**20, p.remote.remote_engine_id, 1e3 * (now - p.started))
                 del self.pending[rid]
                 self._release(p)
                 ready.append(p.request)
@@ -201,7 +243,8 @@ class KVConsumer:
         return p.request
 
     # ------------------------------------------------------------------ scheduler hooks
-    def update_state_after_alloc(self, req, kv, replica: int = 0, bounce: list[int] | None = None) -> None:
+    def update_state_after_alloc(self, req, kv, replica: int = 0, bounce: list[int] | None = None,
+                                 hit=None) -> None:
         """The scheduler allocated `req`'s pages: queue the writes of its transferred rows, to
         device pages, and to host blocks for the MLA pages admission landed in the HiSparse host
         pool (`land.host_pages`; they go through `bounce`, the request's hot lease pages, which
@@ -210,11 +253,14 @@ class KVConsumer:
         host = []
         for g in self.layout.groups:
             span = g.tokens_per_page * self.dcp
-            first = land.start // span
+            first = land.local_pages.get(g.name, 0)  # pages below come from this engine's prefix hit
             n_pages = math.ceil((land.start + land.num_tokens) / span) - first
+            if n_pages <= 0:
+                continue
             blocks = np.asarray(kv.block_table(req.request_id, g.name)[first:first + n_pages], np.int64)
-            shards = canonical_to_pages(land.rows[g.name][:land.num_tokens], land.start, g, self.layout.page_words,
-                                        first, n_pages, self.dcp, self.interleave)
+            skip = first * span - land.start
+            shards = canonical_to_pages(land.rows[g.name][skip:land.num_tokens], first * span, g,
+                                        self.layout.page_words, first, n_pages, self.dcp, self.interleave)
             on_host = [i for i in range(n_pages) if g.name == "mla" and first + i in land.host_pages]
             keep = np.asarray([i for i in range(n_pages) if i not in set(on_host)], np.int64)
             for rank, pages in enumerate(shards):

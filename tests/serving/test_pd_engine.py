@@ -327,3 +327,36 @@ def test_pd_with_mtp_speculation_on_both_sides():
     more = prefill_all(plain, {"c": PROMPTS["c"]})
     with pytest.raises(ValueError, match="speculative-config"):
         decode.add_request("c2", PROMPTS["c"], greedy(max_tokens=2, kv_transfer_params=more["c"]))
+
+
+def test_multiturn_pulls_only_what_the_decode_engine_lacks():
+    """A later turn of a conversation: the decode engine's prefix cache holds the earlier turn
+    (landed KV and its own decode tokens), so the pull starts past its whole pages and moves a
+    fraction of the bytes; the prefill engine's prefix cache serves the prefill. Streams equal the
+    colocated run of each turn's full prompt."""
+    kw = dict(max_model_len=1024, num_gpu_blocks_override=96, enable_prefix_caching=True)
+    prefill = build(connector("kv_producer"), **kw)
+    decode = build(connector("kv_consumer"), **kw)
+    colocated = build(**kw)
+    turn1 = [(7 * i) % 300 + 4 for i in range(900)]
+    params = prefill_all(prefill, {"t1": turn1})
+    streams, _ = decode_all(prefill, decode, {"t1": turn1}, params)
+    first_bytes = decode.pd.consumer.bytes_transferred
+    turn2 = turn1 + streams["t1"] + [(5 * i) % 200 + 4 for i in range(40)]
+    params = prefill_all(prefill, {"t2": turn2})
+    assert prefill.prefix_cache.hits >= 896  # the prefill engine reused turn 1's pages
+    streams2, outs = decode_all(prefill, decode, {"t2": turn2}, params)
+    second_bytes = decode.pd.consumer.bytes_transferred - first_bytes
+    colocated.add_request("t2", turn2, greedy(max_tokens=MAX_TOKENS, logprobs=2))
+    ref, ref_lp = {}, {}
+    while colocated.has_unfinished_requests():
+        for out in colocated.step():
+            ref.setdefault("t2", []).extend(out.new_token_ids)
+            if out.new_logprobs:
+                ref_lp.setdefault("t2", []).extend(out.new_logprobs)
+    compare_streams(ref, streams2, ref_lp, {"t2": turn2})
+    assert outs["t2"].num_cached_tokens == len(turn2) - 1
+    # Only the tokens past the first indexer page (768) moved: under a third of turn 2's KV.
+    print(f"\nturn 1 pulled {first_bytes} B, turn 2 {second_bytes} B")
+    assert 0 < second_bytes < 0.35 * first_bytes * len(turn2) / len(turn1)
+    _clean(prefill, decode)

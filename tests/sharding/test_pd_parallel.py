@@ -64,3 +64,42 @@ def test_pcp2_dcp2_prefill_to_dp2_hisparse_decode_lands_in_the_host_pool():
     assert decode.hisparse.device.misses > 0
     assert not decode.audit() and all(r.pool.num_free == r.pool.num_usable_blocks for r in decode.replicas)
     assert all(h.blocks.num_free == h.num_usable for h in decode.hisparse.hosts)  # no leaked host block
+
+
+def test_dp2_decode_keeps_a_conversation_on_the_replica_holding_it():
+    """Prefix-aware replica choice: each conversation's later turn goes to the replica whose prefix
+    cache holds its earlier turn (and pulls only the rest); `data_parallel_rank` (vLLM's X-data-parallel-rank) pins a request."""
+    from serving.types import SamplingParams
+
+    kw = dict(max_model_len=1024, num_gpu_blocks_override=96, enable_prefix_caching=True)
+    prefill = build(connector("kv_producer"), **kw)
+    decode = build(connector("kv_consumer"), parallel=ParallelConfig(data_parallel_size=2, enable_expert_parallel=True),
+                   **kw)
+    convs = {"u": [(7 * i) % 300 + 4 for i in range(900)], "v": [(11 * i) % 350 + 4 for i in range(900)]}
+    where = {}
+    orig = decode._queue
+
+    def spy(req):
+        orig(req)
+        where[req.request_id] = decode.replica_of(req.request_id).index
+
+    decode._queue = spy
+    streams, _ = decode_all(prefill, decode, convs, prefill_all(prefill, convs), max_tokens=4)
+    assert sorted(where.values()) == [0, 1]
+    turn2 = {f"{k}2": p + streams[k] + [(5 * i) % 200 + 4 for i in range(30)] for k, p in convs.items()}
+    before = decode.pd.consumer.bytes_transferred
+    decode_all(prefill, decode, turn2, prefill_all(prefill, turn2), max_tokens=4)
+    for k in convs:
+        assert where[f"{k}2"] == where[k], f"{k}: turn 2 went to replica {where[f'{k}2']}, turn 1 was on {where[k]}"
+    assert decode.pd.consumer.bytes_transferred - before < 0.4 * before  # only the new tokens' pages moved
+    pinned = {"p": [(3 * i) % 100 + 4 for i in range(50)]}
+    params = prefill_all(prefill, pinned)
+    decode.add_request("p", pinned["p"], SamplingParams(temperature=0.0, max_tokens=2, data_parallel_rank=1,
+                                                        kv_transfer_params=params["p"]))
+    while decode.has_unfinished_requests():
+        prefill.step()
+        decode.step()
+    assert where["p"] == 1
+    with pytest.raises(ValueError, match="X-data-parallel-rank"):
+        decode.add_request("bad", pinned["p"], SamplingParams(max_tokens=2, data_parallel_rank=2))
+    assert not decode.audit() and not prefill.audit()
