@@ -23,15 +23,22 @@ from tests.helpers.server_process import server_process
 ROUTER = shutil.which("vllm-router") or os.path.join(os.path.dirname(sys.executable), "vllm-router")
 pytestmark = pytest.mark.skipif(not os.path.exists(ROUTER), reason="vllm-router is not installed (the `pd` extra)")
 
-COMMON = ["--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--cuda-graph-sizes",
-          "--dtype", "float32", "--disable-log-stats"]
+COMMON = ["--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--cuda-graph-sizes",
+          "--dtype", "float32", "--disable-log-stats", "--enable-prefix-caching"]
+# The prefill server as in the reference: the P/D connector and the CPU KV offload (MultiConnector),
+# on a device pool small enough (24 pages) that an earlier turn's pages leave the device.
+PREFILL_CONFIG = {"kv_connector": "MultiConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {
+    "connectors": [{"kv_connector": "NixlConnector", "kv_role": "kv_producer"},
+                   {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"cpu_bytes_to_use": 256 * 2**20}}]}}
 ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
 MODEL = "glm-5.3-tiny"
 
 
 def _config(role: str) -> list[str]:
-    return ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector" if role == "kv_producer"
-                                                else "JaxTransferConnector", "kv_role": role})]
+    if role == "kv_producer":
+        return ["--num-gpu-blocks-override", "24", "--kv-transfer-config", json.dumps(PREFILL_CONFIG)]
+    return ["--kv-transfer-config", json.dumps({"kv_connector": "JaxTransferConnector", "kv_role": role})]
 
 
 def _free_port() -> int:
@@ -139,3 +146,27 @@ def test_malformed_kv_transfer_params_are_400s_naming_the_field(pd_servers):
     # The good params still work afterwards: the prefill server kept the KV.
     r = httpx.post(decode.url + "/v1/completions", json={**body, "kv_transfer_params": kp}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PROMPTS[0]) - 1
+
+
+def test_multiturn_through_the_router_reuses_the_prefill_host_tier_and_the_decode_prefix_cache(pd_servers):
+    """Turn 2 of a conversation after another long request pushed turn 1 off the prefill server's
+    device pool: the prefill server finds it in its offload tier, the decode server in its own
+    prefix cache (so the pull is small); the answer equals the decode server's colocated one."""
+    prefill, decode, router = pd_servers
+    turn1 = [(7 * i) % 300 + 4 for i in range(900)]
+    body = {"model": MODEL, "max_tokens": 6, "temperature": 0}
+    b0 = _metric(decode.url, "vllm:nixl_bytes_transferred_sum")
+    out1 = httpx.post(router + "/v1/completions", json={**body, "prompt": turn1, "return_token_ids": True},
+                      timeout=120).json()
+    turn1_bytes = _metric(decode.url, "vllm:nixl_bytes_transferred_sum") - b0
+    other = [(11 * i) % 350 + 4 for i in range(900)]
+    httpx.post(router + "/v1/completions", json={**body, "prompt": other}, timeout=120).raise_for_status()
+    ext_before = _metric(prefill.url, "vllm:external_prefix_cache_hits_total")
+    bytes_before = _metric(decode.url, "vllm:nixl_bytes_transferred_sum")
+    turn2 = turn1 + out1["choices"][0]["token_ids"] + [(5 * i) % 200 + 4 for i in range(30)]
+    got = httpx.post(router + "/v1/completions", json={**body, "prompt": turn2}, timeout=120).json()
+    moved = _metric(decode.url, "vllm:nixl_bytes_transferred_sum") - bytes_before
+    assert _metric(prefill.url, "vllm:external_prefix_cache_hits_total") > ext_before  # the offload tier served
+    assert 0 < moved < 0.4 * turn1_bytes  # past the first indexer page (768 tokens) only
+    want = httpx.post(decode.url + "/v1/completions", json={**body, "prompt": turn2}, timeout=120).json()
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
