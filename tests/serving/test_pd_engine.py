@@ -202,6 +202,22 @@ def test_prefill_releases_kv_nobody_pulls_within_abort_request_timeout(fault_pai
     _clean(prefill, fail)
 
 
+def test_staged_kv_the_decode_side_never_pulls_is_deleted_at_the_deadline(fault_pair):
+    """Decode died mid-pull (after asking to stage): the prefill side's pages went back when it
+    staged, and the staged copy is deleted after abort_request_timeout."""
+    prefill, fail, _ = fault_pair
+    prefill_all(prefill, {"a": PROMPTS["a"]})
+    reply = prefill.pd.producer.stage({"request_id": "a", "start": 0, "num_tokens": len(PROMPTS["a"]) - 1,
+                                       "groups": [g.name for g in prefill.layout.groups],
+                                       "kv_layout": prefill.pd.producer.descriptor})
+    assert reply["ok"] and prefill.pd.producer.held == {}
+    _clean(prefill)  # the staged copy owns the bytes; the pages are free
+    staged = prefill.pd.producer.staged[reply["uuid"]].arrays
+    time.sleep(0.6)
+    prefill.step()
+    assert prefill.pd.producer.staged == {} and all(a.is_deleted() for a in staged)
+
+
 def drain_with(prefill, decode):
     streams, outs = {}, {}
     while decode.has_unfinished_requests():
