@@ -98,6 +98,9 @@ class AsyncEngine:
             self._stop = True
             self._cv.notify()
         self._thread.join(timeout=30)
+        pd = getattr(self.engine, "pd", None)
+        if pd is not None:
+            pd.close()  # the P/D side channel's socket and thread
 
     # ------------------------------------------------------------------ engine thread
     def _has_jobs(self) -> bool:

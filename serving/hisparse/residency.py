@@ -135,6 +135,7 @@ class HiSparsePolicy(DeviceResidentPolicy):
         self._rows: dict[str, int] = {}  # query rows each request got in the step being built
         self.num_released = 0  # pages released so far
         self.num_revived = 0
+        self.num_landed_host = 0  # P/D requests admitted with their MLA pages in the host pool
 
     # ------------------------------------------------------------------ queries
     def _rec(self, req: "Request") -> RequestResidency:
@@ -359,7 +360,7 @@ class HiSparsePolicy(DeviceResidentPolicy):
         rec.next_seal = k
         rec.lease = self.kv.pool.allocate(lease)
         self._rows[rid] = num_new
-        self.num_landed_host = getattr(self, "num_landed_host", 0) + 1
+        self.num_landed_host += 1
         return num_new, dict(rec.host_blocks)
 
     def lease_of(self, rid: str) -> list[int]:
