@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from scripts.bench_agentic import MODEL, Server, Workload, _free_port, run_point, summarize  # noqa: E402
+from scripts.bench_agentic import Server, Workload, _free_port, run_point, summarize  # noqa: E402
 
 DECODE = ["--data-parallel-size", "2", "--enable-expert-parallel"]
 PREFILL = {"pd-pcp2xdcp2": ["--prefill-context-parallel-size", "2", "--decode-context-parallel-size", "2"],
