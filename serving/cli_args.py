@@ -304,9 +304,11 @@ def _check_kv_transfer_config(args: argparse.Namespace) -> None:
         raise ArgumentError("--kv-transfer-config OffloadingConnector needs --enable-prefix-caching (the host store "
                             "is keyed by the prefix cache's block hashes)")
     used = _parallel_flags_used(args)
-    if used:
-        raise _not_yet(f"--kv-transfer-config with {', '.join(used)} (the offloading connector runs on one device "
-                       "in this build)")
+    hisparse = isinstance(args.attention_config, dict) and "hisparse_config" in args.attention_config
+    if used and (hisparse or getattr(args, "data_parallel_size", 1) > 1):
+        raise _not_yet(f"--kv-transfer-config OffloadingConnector with {', '.join(used)}"
+                       f"{' and Hybrid HiSparse' if hisparse else ''} (under a parallel layout the offloading "
+                       "connector runs without --data-parallel-size and without HiSparse in this build)")
 
 
 def _check_attention_config(config: dict | None, args: argparse.Namespace | None = None) -> None:

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from glm53.capacity import engine_capacity_summary
 from glm53.kv_layout import build_kv_layout
@@ -29,7 +28,7 @@ from serving.block_pool import BlockPool
 from serving.faults import EngineDeadError
 from serving.hisparse import build_hisparse, hisparse_config
 from serving.offload import build_offload, offload_config
-from serving.pd import SchedulerConnector, build_pd, parse_kv_transfer_params, pd_config
+from serving.pd.engine_mixin import PDEngineMixin
 from serving.kv_cache import KVCacheGroupSpec, KVCacheManager
 from serving.metrics import EngineGauges, FinishedRequestStats, LoggingStatLogger, StepRecord
 from serving.prefix_cache import PrefixCache
@@ -117,7 +116,7 @@ def num_kv_blocks(page_bytes: int, args: EngineArgs, device, weight_bytes: int) 
     return int(n)
 
 
-class LLMEngine:
+class LLMEngine(PDEngineMixin):
     """Continuous-batching engine over one device. Use `from_args` to build one."""
 
     def __init__(self, model, layout, num_blocks: int, args: EngineArgs, eos_token_ids, model_path: str):
@@ -188,28 +187,13 @@ class LLMEngine:
             return None
         if not self.args.enable_prefix_caching:
             raise ValueError("--kv-transfer-config OffloadingConnector needs --enable-prefix-caching")
-        if self.parallel is not None:
-            raise ValueError("--kv-transfer-config runs on one device for now: drop the parallelism flags")
+        if self.parallel is not None and (with_hisparse or self.parallel.dp > 1):
+            raise ValueError("--kv-transfer-config OffloadingConnector under a parallel layout runs without "
+                             "--data-parallel-size and without Hybrid HiSparse for now")
         groups = [g.name for g in layout.groups if not (with_hisparse and g.name == "mla")]
-        off = build_offload(config, layout, groups)
+        off = build_offload(config, layout, groups, self.parallel)
         logger.info("%s", off.summary())
         return off
-
-    def _build_pd(self, cfg, num_blocks: int, replicas):
-        """The P/D connector of `--kv-transfer-config` (None without one), hooked into each
-        replica's scheduler: `replicas` are (index, scheduler, kv manager, pool). Raises ValueError
-        (naming the flag) for a combination this build does not serve."""
-        config = pd_config(self.args.kv_transfer_config)
-        if config is None:
-            return None
-        if self.hisparse is not None and config.is_producer:
-            raise ValueError("--kv-transfer-config kv_role kv_producer / kv_both with Hybrid HiSparse: a prefill engine "
-                             "hands over device-resident pages only; run HiSparse on the decode engine (kv_consumer)")
-        pd = build_pd(config, self.layout, cfg, self.parallel, num_blocks, self.runner.read_pages)
-        for index, scheduler, kv, pool in replicas:
-            scheduler.kv_connector = SchedulerConnector(pd, index, kv, pool, scheduler.policy)
-        logger.info("%s", pd.summary())
-        return pd
 
     def _on_block_reuse(self, block: int, tag) -> None:
         """The pool's reuse callback: route the tag to its owner (prefix cache, released pages)."""
@@ -306,116 +290,6 @@ class LLMEngine:
         if req is not None:
             self.scheduler.add_request(req)
 
-    def _pd_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, scheduler):
-        """The `Request` to queue, or None when P/D parked it to pull its KV first
-        (`params.kv_transfer_params`, `serving/pd/params.py`). Raises ValueError (the HTTP 400s)
-        for params that are malformed, that this engine's role cannot serve, or that do not match
-        the prompt or the KV layout."""
-        req = Request(request_id, list(map(int, prompt_token_ids)), params)
-        do_remote_decode, remote = parse_kv_transfer_params(params.kv_transfer_params)
-        if not (do_remote_decode or remote):
-            return req
-        role = self.pd.config.kv_role if self.pd is not None else None
-        if do_remote_decode:
-            if self.pd is None or self.pd.producer is None:
-                raise ValueError(f"kv_transfer_params.do_remote_decode needs a prefill engine (--kv-transfer-config "
-                                 f"kv_role kv_producer or kv_both); this engine's role is {role}")
-            req.do_remote_decode = True
-            return req
-        if self.pd is None or self.pd.consumer is None:
-            raise ValueError(f"kv_transfer_params.do_remote_prefill needs a decode engine (--kv-transfer-config "
-                             f"kv_role kv_consumer or kv_both); this engine's role is {role}")
-        if self.has_request(request_id):
-            raise ValueError(f"duplicate request id {request_id!r}")
-        scheduler.check_request(req)
-        self.pd.consumer.add(req, remote, self._local_prefix_tokens(req))
-        return None
-
-    def _local_prefix_tokens(self, req: Request) -> int:
-        """Prompt tokens this engine's prefix cache holds for `req` (device or host tiers), which a
-        P/D pull then skips."""
-        return self.prefix_cache.lookup(req).num_tokens if self.prefix_cache is not None else 0
-
-    def has_request(self, request_id: str) -> bool:
-        """True while `request_id` is live (waiting for its KV, waiting or running)."""
-        if self.pd is not None and self.pd.consumer is not None and request_id in self.pd.consumer.pending:
-            return True
-        return self.scheduler.get_request(request_id) is not None
-
-    def _queue(self, req: Request) -> None:
-        """Queue a request whose pulled KV arrived (or that will be prefilled here after all)."""
-        self.scheduler.add_request(req)
-
-    def _pd_tick(self) -> list[RequestOutput]:
-        """Before a step: answer the prefill side's queued side-channel jobs, and queue the
-        requests whose KV arrived; a failed pull follows kv_load_failure_policy. Returns the
-        outputs of requests that failed here."""
-        if self.pd is None:
-            return []
-        outs: list[RequestOutput] = []
-        if self.pd.producer is not None:
-            self.pd.producer.run_jobs()
-        if self.pd.consumer is not None and self.pd.consumer.pending:
-            ready, failed = self.pd.consumer.poll()
-            for req in ready:
-                self._queue(req)
-            for req, why in failed:
-                if self.pd.config.kv_load_failure_policy == "recompute" or why == "nothing to pull":
-                    if why != "nothing to pull":
-                        logger.warning("request %s: %s; prefilling it here (kv_load_failure_policy recompute)",
-                                       req.request_id, why)
-                    self._queue(req)
-                    continue
-                from serving.request import RequestStatus
-
-                logger.warning("request %s: %s (kv_load_failure_policy fail)", req.request_id, why)
-                req.status = RequestStatus.FINISHED_ERROR
-                out = Scheduler._output(req, [])
-                out.error = f"KV transfer from the prefill engine failed: {why}"
-                outs.append(out)
-                rec = StepRecord(is_step=False)
-                rec.finished.append(self._finished_stats(req, time.monotonic()))
-                self._emit(rec)
-        return outs
-
-    def _pd_writes(self) -> None:
-        """Land the pulled KV admitted in this step: its page writes run before the step."""
-        if self.pd is None or self.pd.consumer is None:
-            return
-        writes = self.pd.consumer.take_writes()
-        if writes is not None:
-            self.runner.write_pages(*writes)
-        for replica, bounce, pages in self.pd.consumer.take_host_writes():
-            self._land_in_host_pool(replica, bounce, pages)
-
-    def _land_in_host_pool(self, replica: int, bounce: list[int], pages: list) -> None:
-        """HiSparse host landing: each (host block, per-rank page data) goes through one of the
-        request's lease pages (`bounce`): the page is written on the device, then the store
-        program copies it into the host block, as a write-through copy would (it writes the host
-        pool's own row format, on every DCP rank and column part)."""
-        from serving.hisparse.host_pool import CopyJob
-
-        dcp = self.parallel.dcp if self.parallel is not None else 1
-        step = min(len(bounce), self.hisparse.device.max_stores)
-        for i in range(0, len(pages), step):
-            chunk = pages[i:i + step]
-            rows = [(replica * dcp + rank) * self.runner.num_blocks + lb
-                    for (_, shards), lb in zip(chunk, bounce) for rank in range(len(shards))]
-            data = np.stack([page for _, shards in chunk for page in shards])
-            self.runner.write_pages(np.asarray(rows, np.int32), data)
-            jobs = [CopyJob(lb, hb, None, j) for j, ((hb, _), lb) in enumerate(zip(chunk, bounce))]
-            if self.runner.parallel is not None:
-                jobs = [jobs if r == replica else [] for r in range(self.runner.dp)]
-            self.runner.run_stores(jobs)
-
-    def has_pending_work(self) -> bool:
-        """Side-channel jobs queued for the engine thread (the driver must step even when idle)."""
-        return self.pd is not None and self.pd.producer is not None and self.pd.producer.has_jobs()
-
-    def is_waiting_for_remote_kv(self) -> bool:
-        """Requests wait for their KV while nothing else runs: the driver may sleep briefly."""
-        return (self.pd is not None and self.pd.consumer is not None and bool(self.pd.consumer.pending))
-
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The engine-level checks of `add_request` (ValueError with the reason)."""
         params.validate()
@@ -456,23 +330,6 @@ class LLMEngine:
             self._emit(rec)
         self._flush_if_idle()
         return out
-
-    def _pd_abort(self, request_id: str, finished_reason: str) -> RequestOutput | None:
-        """Abort a request still waiting for its KV (the pull is dropped, the prefill side told)."""
-        if self.pd is None or self.pd.consumer is None:
-            return None
-        req = self.pd.consumer.abort(request_id)
-        if req is None:
-            return None
-        from serving.scheduler import _ABORT_STATUS
-
-        if finished_reason not in _ABORT_STATUS:
-            raise ValueError(f"finished_reason must be one of {sorted(_ABORT_STATUS)}, got {finished_reason!r}")
-        req.status = _ABORT_STATUS[finished_reason]
-        rec = StepRecord(is_step=False)
-        rec.finished.append(self._finished_stats(req, time.monotonic()))
-        self._emit(rec)
-        return Scheduler._output(req, [])
 
     def _flush_if_idle(self) -> None:
         """Nothing left to run: complete HiSparse's queued write-through copies and the

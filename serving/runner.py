@@ -137,8 +137,8 @@ class ModelRunner:
         self.last_accepted: dict[str, int] = {}
         self.hisparse = hisparse
         self.offload = offload  # serving.offload.Offload (its store's queue, its transfer programs)
-        if offload is not None and parallel is not None:
-            raise ValueError("the offloading connector runs on one device for now")
+        if offload is not None and parallel is not None and parallel.dp > 1:
+            raise ValueError("the offloading connector does not run with --data-parallel-size > 1 yet")
         self.parallel = parallel
         self.graphdef, self.state = nnx.split(model)
         self.max_num_seqs = max_num_seqs

@@ -296,7 +296,7 @@ def store_pages(pool, kv_arena: jax.Array, src_blocks_C: jax.Array, dst_blocks_C
 
 
 def store_arena_pages(host, kv_arena: jax.Array, src_blocks_C: jax.Array, dst_blocks_C: jax.Array, *,
-                      mechanism: str):
+                      mechanism: str, row_offset=0):
     """Host block `dst_blocks_C[i]` ← arena page `src_blocks_C[i]` (whole pages, every group's
     format), for the leading entries with `dst ≥ 1`.
 
@@ -305,6 +305,8 @@ def store_arena_pages(host, kv_arena: jax.Array, src_blocks_C: jax.Array, dst_bl
         donate it; a `HostRowStore` of N rows × page_words for "callback").
       kv_arena: `uint32[num_blocks, page_words]` (read only).
       src_blocks_C, dst_blocks_C: int32 `[C]`, −1 padded.
+      row_offset: "callback" only: added to the host rows (a KV shard's part of a shared store,
+        inside `shard_map`); a "memory_kind" shard is addressed locally.
     Returns `(host, done)`: the updated store and an int32 scalar ready once the stores ran.
     Raises ValueError for an unknown mechanism.
     """
@@ -318,7 +320,8 @@ def store_arena_pages(host, kv_arena: jax.Array, src_blocks_C: jax.Array, dst_bl
     if mechanism == "callback":
         def body(i, acc):
             page = lax.dynamic_slice_in_dim(kv_arena, src_blocks_C[i], 1, axis=0)[:, None, :]  # [1, 1, PW]
-            return acc + io_callback(host._store, jax.ShapeDtypeStruct((), jnp.int32), dst_blocks_C[i][None], page,
+            return acc + io_callback(host._store, jax.ShapeDtypeStruct((), jnp.int32),
+                                     (dst_blocks_C[i] + row_offset)[None], page,
                                      jnp.int32(1), ordered=False)
 
         return host, lax.fori_loop(0, n, body, jnp.int32(0))
@@ -326,9 +329,9 @@ def store_arena_pages(host, kv_arena: jax.Array, src_blocks_C: jax.Array, dst_bl
 
 
 def load_arena_pages(kv_arena: jax.Array, host, src_blocks_C: jax.Array, dst_blocks_C: jax.Array, *,
-                     mechanism: str) -> jax.Array:
+                     mechanism: str, row_offset=0) -> jax.Array:
     """Arena page `dst_blocks_C[i]` ← host block `src_blocks_C[i]`, for the leading entries with
-    `dst ≥ 1` (the inverse of `store_arena_pages`; donate the arena).
+    `dst ≥ 1` (the inverse of `store_arena_pages`; donate the arena; `row_offset` as there).
 
     Returns the updated arena. Raises ValueError for an unknown mechanism.
     """
@@ -344,7 +347,7 @@ def load_arena_pages(kv_arena: jax.Array, host, src_blocks_C: jax.Array, dst_blo
     if mechanism == "callback":
         def body(i, arena):
             page = io_callback(lambda r, c, a: host._gather(r, c, PW, a), jax.ShapeDtypeStruct((1, PW), jnp.uint32),
-                               src_blocks_C[i][None], jnp.int32(0), jnp.int32(0), ordered=False)
+                               (src_blocks_C[i] + row_offset)[None], jnp.int32(0), jnp.int32(0), ordered=False)
             return lax.dynamic_update_slice(arena, page, (dst_blocks_C[i], 0))
 
         return lax.fori_loop(0, n, body, kv_arena)

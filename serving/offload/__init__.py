@@ -63,7 +63,7 @@ class Offload:
                 f"groups {list(s.groups)}")
 
 
-def build_offload(config: OffloadConfig, layout, groups) -> Offload:
+def build_offload(config: OffloadConfig, layout, groups, parallel=None) -> Offload:
     """Size and check the host store for `layout`'s pages and build the connector over `groups`.
 
     Raises OffloadConfigError naming cpu_bytes_to_use when the store cannot hold one page, or
@@ -71,16 +71,21 @@ def build_offload(config: OffloadConfig, layout, groups) -> Offload:
     from kernels.host_rows import default_mechanism
     from serving.hisparse.config import available_host_memory
 
+    shards = 1
+    if parallel is not None and not parallel.is_single_device:
+        from glm53.attention import num_kv_shards
+
+        shards = num_kv_shards(parallel)  # every DCP rank stores its share of each page
     page_bytes = layout.page_bytes
-    n = config.host_blocks(page_bytes)
+    n = config.host_blocks(page_bytes * shards)
     if n < 2:
         raise OffloadConfigError(f"--kv-transfer-config kv_connector_extra_config.cpu_bytes_to_use "
                                  f"{config.cpu_bytes_to_use} holds no page of {page_bytes} bytes")
     avail = available_host_memory()
-    if avail is not None and (n - 1) * page_bytes > avail:
+    if avail is not None and (n - 1) * page_bytes * shards > avail:
         raise OffloadConfigError(f"--kv-transfer-config kv_connector_extra_config.cpu_bytes_to_use "
-                                 f"{(n - 1) * page_bytes / 2**30:.3f} GiB exceeds the {avail / 2**30:.3f} GiB of "
+                                 f"{(n - 1) * page_bytes * shards / 2**30:.3f} GiB exceeds the {avail / 2**30:.3f} GiB of "
                                  "host memory available")
-    store = OffloadStore(n, groups, page_bytes)
-    transfer = OffloadTransfer(n, page_bytes // 4, default_mechanism())
+    store = OffloadStore(n, groups, page_bytes * shards)
+    transfer = OffloadTransfer(n, page_bytes // 4, default_mechanism(), parallel=parallel)
     return Offload(config, store, transfer)

@@ -34,14 +34,23 @@ class OffloadTransfer:
       num_host_blocks: host blocks including the null block. page_words: uint32 words per page.
       mechanism: "memory_kind" or "callback". max_ops: most pages one program moves (longer
         lists are split over several calls).
+      parallel: the engine's `ParallelLayout` (None: one device). Under DCP every KV shard (DCP
+        rank) stores its share of each page: the store is `[shards · num_host_blocks, page_words]`,
+        sharded like the arena's rows (memory_kind: each shard's rows on its devices, replicated
+        over the devices holding the same KV; callback: one numpy store, shard s at rows
+        `s · num_host_blocks …`), and the programs run per shard (`shard_map`) with the same
+        block ids on every shard. Data-parallel replicas are not supported (one store per engine).
     """
 
-    def __init__(self, num_host_blocks: int, page_words: int, mechanism: str, max_ops: int = 1024):
+    def __init__(self, num_host_blocks: int, page_words: int, mechanism: str, max_ops: int = 1024, parallel=None):
         self.mechanism = mechanism
         self.max_ops = int(max_ops)
         self.page_words = int(page_words)
-        self.host = make_host_pool(mechanism, num_host_blocks, page_words)
         self._done = None
+        if parallel is not None and not parallel.is_single_device:
+            self._build_parallel(num_host_blocks, page_words, mechanism, parallel)
+            return
+        self.host = make_host_pool(mechanism, num_host_blocks, page_words)
 
         @functools.partial(jax.jit, donate_argnums=(0,) if mechanism == "memory_kind" else ())
         def store(host, arena, src, dst):
@@ -52,6 +61,60 @@ class OffloadTransfer:
             return load_arena_pages(arena, host, src, dst, mechanism=mechanism)
 
         self._store, self._load = store, load
+
+    def _build_parallel(self, nhb: int, page_words: int, mechanism: str, par) -> None:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from glm53.attention import kv_shard_axes
+        from kernels.host_rows import HostRowStore
+        from sharding.rules import cache_sharding
+
+        if par.dp > 1:
+            raise ValueError("the offloading connector does not run with --data-parallel-size > 1 yet")
+        arena_spec = cache_sharding(par).spec
+        axes = kv_shard_axes(par)
+        shards = 1
+        for a in axes:
+            shards *= par.mesh.shape[a]
+        shape = (shards * nhb, page_words)
+        if mechanism == "callback":
+            self.host = HostRowStore(*shape)
+        else:
+            sharding = NamedSharding(par.mesh, arena_spec, memory_kind="pinned_host")
+            local = sharding.shard_shape(shape)
+            self.host = jax.make_array_from_callback(shape, sharding, lambda _: np.zeros(local, np.uint32))
+        rep = PartitionSpec()
+
+        def offset():
+            return jax.lax.axis_index(axes) * nhb if axes else 0
+
+        if mechanism == "callback":
+            store_host = self.host
+
+            def store_body(arena, src, dst):
+                return store_arena_pages(store_host, arena, src, dst, mechanism=mechanism, row_offset=offset())[1]
+
+            def load_body(arena, src, dst):
+                return load_arena_pages(arena, store_host, src, dst, mechanism=mechanism, row_offset=offset())
+
+            store_sm = jax.shard_map(store_body, mesh=par.mesh, in_specs=(arena_spec, rep, rep), out_specs=rep,
+                                     check_vma=False)
+            load_sm = jax.shard_map(load_body, mesh=par.mesh, in_specs=(arena_spec, rep, rep), out_specs=arena_spec,
+                                    check_vma=False)
+            self._store = jax.jit(lambda host, arena, src, dst: (host, store_sm(arena, src, dst)))
+            self._load = jax.jit(lambda arena, host, src, dst: load_sm(arena, src, dst), donate_argnums=(0,))
+            return
+
+        def store_body(host, arena, src, dst):
+            return store_arena_pages(host, arena, src, dst, mechanism=mechanism)
+
+        def load_body(arena, host, src, dst):
+            return load_arena_pages(arena, host, src, dst, mechanism=mechanism)
+
+        self._store = jax.jit(jax.shard_map(store_body, mesh=par.mesh, in_specs=(arena_spec, arena_spec, rep, rep),
+                                            out_specs=(arena_spec, rep), check_vma=False), donate_argnums=(0,))
+        self._load = jax.jit(jax.shard_map(load_body, mesh=par.mesh, in_specs=(arena_spec, arena_spec, rep, rep),
+                                           out_specs=arena_spec, check_vma=False), donate_argnums=(0,))
 
     def _lists(self, pairs):
         for i in range(0, len(pairs), self.max_ops):

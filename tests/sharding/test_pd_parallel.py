@@ -103,3 +103,33 @@ def test_dp2_decode_keeps_a_conversation_on_the_replica_holding_it():
     with pytest.raises(ValueError, match="X-data-parallel-rank"):
         decode.add_request("bad", pinned["p"], SamplingParams(max_tokens=2, data_parallel_rank=2))
     assert not decode.audit() and not prefill.audit()
+
+
+def test_pcp2_dcp2_prefill_with_cpu_offload_serves_a_later_turn_from_host_memory():
+    """The reference prefill engine's second half: PCP2 × DCP2 with the CPU KV offload (a
+    MultiConnector with the P/D connector). Every DCP rank offloads its share of each page; a
+    later turn whose pages another request pushed off the device pool (13 pages) comes back from
+    host memory on both ranks, and the decode engine's stream equals the colocated run."""
+    from tests.serving.test_pd_engine import _colocated
+
+    multi = {"kv_connector": "MultiConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {"connectors": [
+        {"kv_connector": "JaxTransferConnector", "kv_role": "kv_producer"},
+        {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+         "kv_connector_extra_config": {"cpu_bytes_to_use": 256 * 2**20}}]}}
+    kw = dict(max_model_len=2048, enable_prefix_caching=True)
+    prefill = build(multi, parallel=PCP2_DCP2, num_gpu_blocks_override=14, **kw)
+    assert prefill.offload is not None and prefill.pd is not None
+    decode = build(connector("kv_consumer"), num_gpu_blocks_override=96, **kw)
+    turn1 = [(7 * i) % 300 + 4 for i in range(900)]
+    streams, _ = decode_all(prefill, decode, {"t1": turn1}, prefill_all(prefill, {"t1": turn1}))
+    other = [(11 * i) % 350 + 4 for i in range(1200)]  # pushes turn 1's pages off the prefill device
+    decode_all(prefill, decode, {"o": other}, prefill_all(prefill, {"o": other}))
+    turn2 = turn1 + streams["t1"] + [(5 * i) % 200 + 4 for i in range(40)]
+    ext = prefill.prefix_cache.external_hits
+    params = prefill_all(prefill, {"t2": turn2})
+    assert prefill.prefix_cache.external_hits > ext  # from the offload tier, on both DCP ranks
+    got, _ = decode_all(prefill, decode, {"t2": turn2}, params)
+    _, ref, ref_lp = _colocated({"t2": turn2}, num_gpu_blocks_override=96, **kw)
+    compare_streams(ref, got, ref_lp, {"t2": turn2})
+    prefill.step()
+    assert not prefill.audit() and not decode.audit()
