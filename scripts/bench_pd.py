@@ -17,9 +17,10 @@ sweep by c client threads over 2·c conversations. Rows:
 P/D rows go through a real `vllm-router --vllm-pd-disaggregation` (cache_aware prefill policy,
 round_robin decode). Each server process gets 4 simulated CPU devices, so all of them share the
 machine's cores: compare rows inside one run only; the figures measure the machinery on a tiny
-model, not GPUs. The prefill engines run without the CPU offload the reference gives them (the
-offloading connector runs on one device in this build), so later turns reuse only the prefill
-engine's device prefix cache.
+model, not GPUs. `--prefill-offload-gib N` gives the PCP2 × DCP2 prefill engine the CPU KV
+offload of the reference (a MultiConnector); the DP2 prefill engine cannot have it (the
+offloading connector does not run with data parallelism yet). The default, 0, runs both without
+it, so later turns reuse the prefill engines' device prefix caches only.
 
 Columns: those of bench_agentic (TTFT p50/p90, interactivity = 1 / mean TPOT, logical throughput,
 mean running requests of the decode engine, preemptions, HiSparse hot hit rate, equality with the
@@ -116,6 +117,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--decode-blocks", type=int, default=48, help="device pages per decode replica")
     ap.add_argument("--host-pool-gib", type=float, default=0.1)
     ap.add_argument("--modes", default="colocated,pd-pcp2xdcp2,pd-dp2")
+    ap.add_argument("--prefill-offload-gib", type=float, default=0.0,
+                    help="CPU KV offload of the PCP2 x DCP2 prefill engine (GiB; 0: none)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -141,10 +144,18 @@ def main(argv=None) -> list[dict]:
                 target = Server(decode_flags, args.out / "server_colocated.log")
                 stop = [target]
             else:
-                role = lambda r: ["--kv-transfer-config", json.dumps({"kv_connector": "JaxTransferConnector",  # noqa: E731
-                                                                      "kv_role": r})]
+                def role(r: str, offload_gib: float = 0.0) -> list[str]:
+                    pd = {"kv_connector": "JaxTransferConnector", "kv_role": r}
+                    if offload_gib > 0:
+                        pd = {"kv_connector": "MultiConnector", "kv_role": r, "kv_connector_extra_config": {
+                            "connectors": [pd, {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                                "kv_connector_extra_config": {
+                                                    "cpu_bytes_to_use": int(offload_gib * 2**30)}}]}}
+                    return ["--kv-transfer-config", json.dumps(pd)]
+
+                offload = args.prefill_offload_gib if mode == "pd-pcp2xdcp2" else 0.0
                 decode = Server(decode_flags + role("kv_consumer"), args.out / f"server_{mode}_decode.log")
-                prefill = Server(common + PREFILL[mode] + ["--cuda-graph-sizes"] + role("kv_producer"),
+                prefill = Server(common + PREFILL[mode] + ["--cuda-graph-sizes"] + role("kv_producer", offload),
                                  args.out / f"server_{mode}_prefill.log")
                 target = Router(prefill, decode, args.out / f"router_{mode}.log")
                 stop = [target, prefill, decode]

@@ -286,7 +286,8 @@ def _check_speculative_config(args: argparse.Namespace) -> None:
 def _check_kv_transfer_config(args: argparse.Namespace) -> None:
     """`--kv-transfer-config`: the OffloadingConnector (`serving/offload/config.py`), parsed here
     so a bad key fails at start-up naming it. It keys the host store by the prefix cache's hashes,
-    so it needs --enable-prefix-caching; it runs on one device for now."""
+    so it needs --enable-prefix-caching; under a parallel layout it runs without DP and without
+    HiSparse for now."""
     from serving.kv_transfer_config import KVTransferConfigError
     from serving.offload import OffloadConfigError, offload_config
     from serving.pd import pd_config
