@@ -376,3 +376,45 @@ def test_multiturn_pulls_only_what_the_decode_engine_lacks():
     print(f"\nturn 1 pulled {first_bytes} B, turn 2 {second_bytes} B")
     assert 0 < second_bytes < 0.35 * first_bytes * len(turn2) / len(turn1)
     _clean(prefill, decode)
+
+
+def test_host_landing_fills_the_hisparse_host_pool_byte_exactly():
+    """A HiSparse decode engine whose pool cannot hold the request lands its MLA pages straight in
+    the host pool: each landed token's host row (every layer's latent row, layer after layer)
+    holds exactly the bytes of the prefill engine's arena page rows, read by the layout formula."""
+    prompt = [(7 * i) % 300 + 4 for i in range(600)]
+    kw = dict(max_model_len=1024)
+    prefill = build(connector("kv_producer"), num_gpu_blocks_override=96, **kw)
+    decode = build(connector("kv_consumer"), num_gpu_blocks_override=10,
+                   attention_config={"hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 128}}, **kw)
+    params = prefill_all(prefill, {"x": prompt})
+    held = prefill.pd.producer.held["x"]
+    p_arena = np.asarray(prefill.runner.kv_arena)
+    decode.add_request("x", prompt, greedy(max_tokens=2, kv_transfer_params=params["x"]))
+    seen = {}
+    orig = decode.runner.execute
+
+    def grab(sched, kv):  # right after admission and the landing programs, before the first step
+        if not seen and kv.has_request("x"):
+            rec = decode.hisparse.policy.records["x"]
+            seen.update(host_blocks=dict(rec.host_blocks), pool=np.asarray(decode.runner.hisparse.pool))
+        return orig(sched, kv)
+
+    decode.runner.execute = grab
+    try:
+        while decode.has_unfinished_requests():
+            prefill.step()
+            decode.step()
+    finally:
+        decode.runner.execute = orig
+    assert decode.pd.consumer.num_landed_host == 1 and len(seen["host_blocks"]) == (len(prompt) - 1) // 64
+    g = prefill.layout.group("mla")
+    (c,) = g.components
+    for page, hb in seen["host_blocks"].items():
+        for o in (0, 17, 63):
+            want = np.concatenate([p_arena[held.blocks["mla"][page],
+                                           layer * 64 * c.row_words + o * c.row_words:
+                                           layer * 64 * c.row_words + (o + 1) * c.row_words]
+                                   for layer in range(c.num_layers)])
+            assert np.array_equal(seen["pool"][hb * 64 + o], want), (page, o)
+    _clean(prefill, decode)
