@@ -180,10 +180,11 @@ class KVConsumer:
             if self.wake is not None:
                 self.wake()
 
-    def _release(self, p: PendingPull) -> None:
-        """Tell the prefill side we are done with (or gave up on) the request; never raises."""
+    def _release(self, p: PendingPull, pulled: bool = False) -> None:
+        """Tell the prefill side we are done with (`pulled`) or gave up on the request, so it drops
+        what it still holds (pages, or staged rows nobody will pull); never raises."""
         r = p.remote
-        msg = {"op": "release", "request_id": r.remote_request_id}
+        msg = {"op": "release", "request_id": r.remote_request_id, "pulled": pulled}
         if p.reply is not None:
             msg["uuid"] = p.reply["uuid"]
 
@@ -222,7 +223,7 @@ class KVConsumer:
                 logger.debug("request %s: %d tokens of KV (%.2f MiB) pulled from engine %s in %.1f ms", rid,
                              p.num_tokens - p.start, nbytes / 2**20, p.remote.remote_engine_id, 1e3 * (now - p.started))
                 del self.pending[rid]
-                self._release(p)
+                self._release(p, pulled=True)
                 ready.append(p.request)
             elif p.error is not None or now > p.deadline:
                 failed.append((p, p.error or f"no KV within {self.config.kv_load_timeout:.0f} s (kv_load_timeout)"))

@@ -162,7 +162,7 @@ class KVProducer:
         if op == "stage":
             return self.submit(lambda: self.stage(msg))
         if op == "release":
-            return self.submit(lambda: self.release(msg.get("request_id"), msg.get("uuid")))
+            return self.submit(lambda: self.release(msg.get("request_id"), msg.get("uuid"), bool(msg.get("pulled"))))
         return {"ok": False, "error": f"unknown side-channel op {op!r}"}
 
     # ------------------------------------------------------------------ operations (engine thread)
@@ -204,13 +204,16 @@ class KVProducer:
                                    first_page=first)
         return np.ascontiguousarray(canon[start - first * span:])
 
-    def release(self, request_id: str | None, uuid=None) -> dict:
-        """The decode side is done with (or gave up on) a request: drop its pages or staging."""
+    def release(self, request_id: str | None, uuid=None, pulled: bool = False) -> dict:
+        """The decode side is done with (`pulled`: the transfer table released the staged rows) or
+        gave up on a request: drop its pages, and delete staged rows nobody will pull."""
         held = self.held.get(request_id)
         if held is not None:
             self._release_pages(held)
-        if uuid is not None:
-            self.staged.pop(int(uuid), None)  # pulled: the transfer table released it already
+        staged = self.staged.pop(int(uuid), None) if uuid is not None else None
+        if staged is not None and not pulled:
+            for a in staged.arrays:
+                a.delete()
         return {"ok": True}
 
     def _release_pages(self, held: HeldKV) -> None:
