@@ -1,9 +1,12 @@
 """Suite-wide settings: 8 simulated CPU devices and a persistent JAX compilation cache outside
-the repository (repeated runs on one machine skip recompiling the same steps).
+the repository (repeated runs on one machine skip recompiling the same steps); the order in which
+the two pytest-xdist workers take the test modules.
 
 The parallel layouts (tests/sharding) need 8 devices, and XLA reads the device count once, when
-the backend starts; the whole suite runs in one pytest process, so the flag is set here, before
-any test touches JAX. Everything else keeps running on device 0 (`jax.devices()[0]`, the default
+the backend starts. The suite runs in two pytest-xdist worker processes (`-n 2 --dist loadfile`
+in pyproject.toml's addopts: each test module stays in one worker, with its module-scoped engines
+and servers); every worker imports this file before any test touches JAX, so the flag and the
+cache are set here, in each of them. Everything else keeps running on device 0 (`jax.devices()[0]`, the default
 device), so single-device tests are unaffected. Subprocess tests that need another count set
 XLA_FLAGS in the child's environment themselves.
 """
@@ -32,4 +35,58 @@ def _release_compiled_programs():
     from glm53.api import release_compiled
 
     release_compiled()
+
+
+# The slowest test modules, slowest first (seconds of setup + call + teardown in one cold serial run
+# with `--durations=0` on the 2-core development machine, shared and busy at the time: the order
+# matters, not the numbers). Under xdist (`--dist loadfile`, `--no-loadscope-reorder`) a worker
+# takes the next module when it is nearly done with its last, so putting the long modules first
+# and the many short ones last lets both workers finish at about the same time. A module not
+# listed runs after these, in the usual order. Refresh the list when a module's time changes much
+# (`pytest -n 0 --durations=0`, summed per file).
+SLOW_MODULES = (
+    "tests/serving/test_spec_decode.py",  # 324 s
+    "tests/serving/test_hisparse_engine.py",  # 312 s
+    "tests/sharding/test_hisparse_parallel.py",  # 301 s
+    "tests/sharding/test_parallel_logits.py",  # 193 s
+    "tests/glm53/test_fp8_weights.py",  # 107 s
+    "tests/sharding/test_engine_parallel.py",  # 106 s
+    "tests/glm53/test_hf_parity.py",  # 90 s
+    "tests/serving/test_faults.py",  # 84 s
+    "tests/sharding/test_fp8_parallel.py",  # 78 s
+    "tests/serving/test_tiny_recall.py",  # 75 s
+    "tests/glm53/test_kv_cache_dtypes.py",  # 70 s
+    "tests/glm53/test_generate_batch.py",  # 66 s
+    "tests/serving/test_offload.py",  # 63 s
+    "tests/glm53/test_hot_cache.py",  # 61 s
+    "tests/scripts/test_train_tiny.py",  # 58 s
+    "tests/test_notebooks.py",  # 57 s
+    "tests/glm53/test_training.py",  # 53 s
+    "tests/sharding/test_engine_dp.py",  # 49 s
+    "tests/serving/test_hisparse_server.py",  # 38 s
+    "tests/kernels/test_pallas_fp8.py",  # 33 s
+    "tests/glm53/test_orbax_checkpoint.py",  # 32 s
+    "tests/glm53/test_capacity.py",  # 31 s
+    "tests/serving/test_fp8_engine.py",  # 30 s
+    "tests/serving/test_e2e_server.py",  # 28 s
+    "tests/sharding/test_distributed.py",  # 26 s
+    "tests/serving/test_lifecycle.py",  # 25 s
+    "tests/glm53/test_weight_bytes.py",  # 23 s
+    "tests/glm53/test_compile_cache.py",  # 22 s
+    "tests/kernels/test_hot_resolve.py",  # 22 s
+    "tests/glm53/test_equality.py",  # 17 s
+    "tests/glm53/test_hub.py",  # 17 s
+    "tests/kernels/test_fp8_matmul.py",  # 16 s
+    "tests/serving/test_fuzz_api.py",  # 16 s
+    "tests/serving/test_llm.py",  # 15 s
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """In an xdist worker, order the modules slowest first (SLOW_MODULES), keeping the order of
+    the tests inside each module. Without xdist (`-n 0`) the usual order is kept."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    rank = {path: i for i, path in enumerate(SLOW_MODULES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(SLOW_MODULES)))
 
