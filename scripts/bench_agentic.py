@@ -121,6 +121,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, base: str, timeout_s: float, log_path: Path, what: str) -> float:
+    """Wait until `base`/health answers 200; → seconds waited. Raises RuntimeError when `proc`
+    exits first or `timeout_s` passes (naming `log_path`)."""
+    t0 = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}; see {log_path}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(f"{what} not healthy after {timeout_s} s; see {log_path}")
+        time.sleep(0.5)
+
+
 class Server:
     """`python -m serving.run` in a subprocess on a free loopback port."""
 
@@ -136,20 +153,11 @@ class Server:
         self.log.write(" ".join(cmd) + "\n")
         self.log.flush()
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        t0 = time.monotonic()
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {log_path}")
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > timeout_s:
-                self.stop()
-                raise RuntimeError(f"server not healthy after {timeout_s} s; see {log_path}")
-            time.sleep(0.5)
-        self.startup_s = time.monotonic() - t0
+        try:
+            self.startup_s = wait_healthy(self.proc, self.base, timeout_s, log_path, "server")
+        except RuntimeError:
+            self.stop()
+            raise
 
     def metrics(self) -> dict[str, float]:
         """Samples of /metrics summed over labels except `state` and `transfer_type` (kept apart as

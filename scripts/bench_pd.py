@@ -43,7 +43,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -52,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from scripts.bench_agentic import Server, Workload, _free_port, run_point, summarize  # noqa: E402
+from scripts.bench_agentic import Server, Workload, _free_port, run_point, summarize, wait_healthy  # noqa: E402
 
 DECODE = ["--data-parallel-size", "2", "--enable-expert-parallel"]
 PREFILL = {"pd-pcp2xdcp2": ["--prefill-context-parallel-size", "2", "--decode-context-parallel-size", "2"],
@@ -77,18 +76,11 @@ class Router:
              "--port", str(self.port), "--prefill-policy", "cache_aware", "--decode-policy", "round_robin",
              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()), "--request-timeout-secs",
              "3600"], stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "OPENAI_API_KEY": ""})
-        t0 = time.monotonic()
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm-router exited with {self.proc.returncode}; see {log_path}")
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > 60:
-                raise RuntimeError(f"vllm-router not ready after 60 s; see {log_path}")
-            time.sleep(0.2)
+        try:
+            wait_healthy(self.proc, self.base, 60, log_path, "vllm-router")
+        except RuntimeError:
+            self.stop()
+            raise
 
     def metrics(self) -> dict[str, float]:
         """The decode server's metrics (running requests, preemptions, HiSparse and P/D counters),

@@ -200,14 +200,12 @@ class DataParallelEngine(LLMEngine):
         if req is not None:
             self._queue(req)
 
-    def has_request(self, request_id: str) -> bool:
-        if self.pd is not None and self.pd.consumer is not None and request_id in self.pd.consumer.pending:
-            return True
+    def _is_scheduled(self, request_id: str) -> bool:
         return self.replica_of(request_id) is not None
 
     def _queue(self, req: Request) -> None:
-        rank = getattr(req, "dp_rank", None)
-        (self.replicas[rank] if rank is not None else self.assign(req)).scheduler.add_request(req)
+        rep = self.replicas[req.dp_rank] if req.dp_rank is not None else self.assign(req)
+        rep.scheduler.add_request(req)
 
     def _local_prefix_tokens(self, req: Request) -> int:
         rep = self.assign(req)  # placed now: the pull skips what this replica holds

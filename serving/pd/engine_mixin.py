@@ -78,8 +78,11 @@ class PDEngineMixin:
 
     def has_request(self, request_id: str) -> bool:
         """True while `request_id` is live (waiting for its KV, waiting or running)."""
-        if self.pd is not None and self.pd.consumer is not None and request_id in self.pd.consumer.pending:
-            return True
+        pulling = self.pd is not None and self.pd.consumer is not None and request_id in self.pd.consumer.pending
+        return pulling or self._is_scheduled(request_id)
+
+    def _is_scheduled(self, request_id: str) -> bool:
+        """The request is waiting or running in a scheduler (a data-parallel engine: any replica's)."""
         return self.scheduler.get_request(request_id) is not None
 
     def _queue(self, req: Request) -> None:

@@ -60,21 +60,28 @@ def prefill_all(prefill: LLMEngine, prompts: dict) -> dict[str, dict]:
 def decode_all(prefill: LLMEngine, decode: LLMEngine, prompts: dict, params: dict, max_tokens=MAX_TOKENS):
     for rid, p in prompts.items():
         decode.add_request(rid, p, greedy(max_tokens=max_tokens, logprobs=2, kv_transfer_params=params[rid]))
+    return drain_with(prefill, decode, audit=True)
+
+
+def drain_with(prefill: LLMEngine, decode: LLMEngine, audit: bool = False):
+    """Step the decode engine until it has no work, and the prefill engine beside it (it answers
+    the side channel's stage requests); → (streams, final outputs) of the decode engine."""
     streams, outs = {}, {}
     while decode.has_unfinished_requests():
-        prefill.step()  # answers the side channel's stage requests
+        prefill.step()
         for out in decode.step():
             streams.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finished:
                 outs[out.request_id] = out
-        assert not decode.audit()
+        if audit:
+            assert not decode.audit()
     return streams, outs
 
 
-@pytest.fixture(scope="module")
-def reference():
-    eng = build()
-    for rid, p in PROMPTS.items():
+def _colocated(prompts, **kw):
+    """One engine without P/D: (engine, greedy streams, their logprobs) of `prompts`."""
+    eng = build(**kw)
+    for rid, p in prompts.items():
         eng.add_request(rid, p, greedy(max_tokens=MAX_TOKENS, logprobs=2))
     streams, lps = {}, {}
     while eng.has_unfinished_requests():
@@ -82,6 +89,12 @@ def reference():
             streams.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.new_logprobs:
                 lps.setdefault(out.request_id, []).extend(out.new_logprobs)
+    return eng, streams, lps
+
+
+@pytest.fixture(scope="module")
+def reference():
+    _, streams, lps = _colocated(PROMPTS)
     return streams, lps
 
 
@@ -218,17 +231,6 @@ def test_staged_kv_the_decode_side_never_pulls_is_deleted_at_the_deadline(fault_
     assert prefill.pd.producer.staged == {} and all(a.is_deleted() for a in staged)
 
 
-def drain_with(prefill, decode):
-    streams, outs = {}, {}
-    while decode.has_unfinished_requests():
-        prefill.step()
-        for out in decode.step():
-            streams.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finished:
-                outs[out.request_id] = out
-    return streams, outs
-
-
 def test_unreachable_prefill_fails_or_recomputes_by_policy(fault_pair, reference):
     """Prefill died after answering: the side channel never answers. "fail" ends the request with
     an error; "recompute" prefills it on the decode engine and the stream equals the colocated one."""
@@ -294,19 +296,6 @@ def test_engine_refuses_roles_and_configs_it_cannot_serve():
 
 
 # ---------------------------------------------------------------------------------------- variants
-def _colocated(prompts, **kw):
-    eng = build(**kw)
-    for rid, p in prompts.items():
-        eng.add_request(rid, p, greedy(max_tokens=MAX_TOKENS, logprobs=2))
-    streams, lps = {}, {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            streams.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.new_logprobs:
-                lps.setdefault(out.request_id, []).extend(out.new_logprobs)
-    return eng, streams, lps
-
-
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8"])  # bf16 rows: tests/serving/test_pd_relayout.py
 def test_pd_with_fp8_cache(kv_cache_dtype):
     """The production row formats (fp8_ds_mla tiles with scales, fp8 keys with a scale segment)
@@ -355,7 +344,6 @@ def test_multiturn_pulls_only_what_the_decode_engine_lacks():
     kw = dict(max_model_len=1024, num_gpu_blocks_override=96, enable_prefix_caching=True)
     prefill = build(connector("kv_producer"), **kw)
     decode = build(connector("kv_consumer"), **kw)
-    colocated = build(**kw)
     turn1 = [(7 * i) % 300 + 4 for i in range(900)]
     params = prefill_all(prefill, {"t1": turn1})
     streams, _ = decode_all(prefill, decode, {"t1": turn1}, params)
@@ -365,13 +353,7 @@ def test_multiturn_pulls_only_what_the_decode_engine_lacks():
     assert prefill.prefix_cache.hits >= 896  # the prefill engine reused turn 1's pages
     streams2, outs = decode_all(prefill, decode, {"t2": turn2}, params)
     second_bytes = decode.pd.consumer.bytes_transferred - first_bytes
-    colocated.add_request("t2", turn2, greedy(max_tokens=MAX_TOKENS, logprobs=2))
-    ref, ref_lp = {}, {}
-    while colocated.has_unfinished_requests():
-        for out in colocated.step():
-            ref.setdefault("t2", []).extend(out.new_token_ids)
-            if out.new_logprobs:
-                ref_lp.setdefault("t2", []).extend(out.new_logprobs)
+    _, ref, ref_lp = _colocated({"t2": turn2}, **kw)
     compare_streams(ref, streams2, ref_lp, {"t2": turn2})
     assert outs["t2"].num_cached_tokens == len(turn2) - 1
     # Only the tokens past the first indexer page (768) moved: under a third of turn 2's KV.
