@@ -28,8 +28,8 @@ enable_compilation_cache()
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_programs():
     """After each test module (its own fixtures are torn down first), unload the programs it
-    compiled. The whole suite runs in one process, and every XLA:CPU executable keeps memory maps
-    in it: without this the suite passes 40,000 maps, near Linux's `vm.max_map_count` (65,530),
+    compiled. Each test process (one, or one per xdist worker) runs many modules, and every XLA:CPU
+    executable keeps memory maps in it: without this a single process passes 40,000 maps, near Linux's `vm.max_map_count` (65,530),
     where the next executable load segfaults (glm53.api.release_compiled)."""
     yield
     from glm53.api import release_compiled
@@ -48,11 +48,14 @@ SLOW_MODULES = (
     "tests/serving/test_spec_decode.py",  # 324 s
     "tests/serving/test_hisparse_engine.py",  # 312 s
     "tests/sharding/test_hisparse_parallel.py",  # 301 s
+    "tests/sharding/test_pd_parallel.py",  # 491 s in a 2-worker cold run (the times above: serial)
+    "tests/serving/test_pd_engine.py",  # 388 s in a 2-worker cold run
     "tests/sharding/test_parallel_logits.py",  # 193 s
     "tests/glm53/test_fp8_weights.py",  # 107 s
     "tests/sharding/test_engine_parallel.py",  # 106 s
     "tests/glm53/test_hf_parity.py",  # 90 s
     "tests/serving/test_faults.py",  # 84 s
+    "tests/serving/test_pd_router.py",  # 85 s in a 2-worker cold run
     "tests/sharding/test_fp8_parallel.py",  # 78 s
     "tests/serving/test_tiny_recall.py",  # 75 s
     "tests/glm53/test_kv_cache_dtypes.py",  # 70 s
