@@ -126,9 +126,21 @@ def generate(lm: LoadedModel, prompt_ids, max_new_tokens: int = 16, *, eos_token
 
     Tokens are the argmax over the tokenizer's ids (a checkpoint's padded vocabulary rows are never
     chosen, as in the engine). Returns the generated ids only, not the prompt (and, if
-    `return_logits`, the raw logits `[n, vocab]` each token was chosen from)."""
+    `return_logits`, the raw logits `[n, vocab]` each token was chosen from).
+
+    Raises ValueError for a batch of prompts (a list of lists, or a 2-D array: use
+    `generate_batch`) or an empty prompt."""
     from glm53.tokenizer import tokenizer_vocab_size
 
+    try:
+        nested = any(np.ndim(t) != 0 for t in prompt_ids)
+    except TypeError:  # not a sequence at all
+        nested = True
+    if nested:
+        raise ValueError("generate takes ONE prompt (a 1-D sequence of token ids); for a batch of prompts use "
+                         "glm53.api.generate_batch(lm, [prompt, ...], ...)")
+    if len(prompt_ids) == 0:
+        raise ValueError("generate needs a non-empty prompt")
     reachable = min(lm.config.vocab_size, tokenizer_vocab_size(lm.path) or lm.config.vocab_size)
     prompt = list(map(int, prompt_ids))
     total = len(prompt) + max_new_tokens

@@ -10,6 +10,7 @@ hot-buffer sizes (host pool assumed not to be the bottleneck, as in the referenc
 plot). The model behind the numbers is `glm53.capacity` (DESIGN §9).
 
     python scripts/capacity.py                         # table for the reference deployments
+    python scripts/capacity.py > docs/results/capacity.txt   # the committed output (a test checks it)
     python scripts/capacity.py --out /tmp/capacity     # + /tmp/capacity/capacity.png
     python scripts/capacity.py --deployment tp8-hisparse --host-pool-gib 256 --hot-multipliers 2,5
 

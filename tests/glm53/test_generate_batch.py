@@ -51,3 +51,11 @@ def test_bad_arguments(lm):
         api.generate_batch(lm, [[1, 2], []], 4)
     with pytest.raises(ValueError):
         api.generate_batch(lm, [[1, 2]], 0)
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:1], 7])
+def test_generate_refuses_a_batch_naming_generate_batch(lm, prompts):
+    """`api.generate` is for one prompt: a batch (ragged or not) or a bare int is a ValueError that
+    points at `generate_batch`, not a TypeError from deep inside."""
+    with pytest.raises(ValueError, match="generate_batch"):
+        api.generate(lm, prompts, 2)
