@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from typing import Any
 
 from serving.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+
+logger = logging.getLogger(__name__)
 
 JSON_FLAGS = ("attention_config", "kv_transfer_config", "speculative_config")
 
@@ -315,7 +318,7 @@ def _check_kv_transfer_config(args: argparse.Namespace) -> None:
 def _check_attention_config(config: dict | None, args: argparse.Namespace | None = None) -> None:
     """`--attention-config`: `sparse_mla_force_mqa: true` is what this build always does (prompts
     no longer than index_topk stay on the sparse MLA op; there is no dense-MHA prefill path), so it
-    is accepted; `false` and unknown keys are refused naming the key. `hisparse_config` (Hybrid
+    is accepted with a start-up warning naming the key; `false` and unknown keys are refused naming the key. `hisparse_config` (Hybrid
     HiSparse, `serving/hisparse/config.py`) is parsed here so a bad key fails at start-up; it runs
     on every parallel layout (docs/hisparse.md)."""
     from serving.hisparse import HiSparseConfigError, hisparse_config
@@ -325,6 +328,8 @@ def _check_attention_config(config: dict | None, args: argparse.Namespace | None
             if value is not True:
                 raise _not_yet(f"--attention-config sparse_mla_force_mqa={json.dumps(value)} "
                                "(only true: short prompts always take the sparse MLA path)")
+            logger.warning("--attention-config sparse_mla_force_mqa=true changes nothing here: this build "
+                           "always runs short prompts through the sparse MLA op (there is no dense-MHA path)")
         elif key == "hisparse_config":
             try:
                 hisparse_config(config)

@@ -5,17 +5,21 @@
 
 Top-level keys: `kv_connector` (only "OffloadingConnector"), `kv_role` ("kv_both", the default),
 `kv_connector_extra_config` (an object). Extra-config keys: `cpu_bytes_to_use` (required, > 0:
-the host store's size in bytes, rounded down to whole pages), `spec_name` (accepted and recorded:
-"CPUOffloadingSpec" and the reference's "TieringOffloadingSpec" both mean this one host tier),
+the host store's size in bytes, rounded down to whole pages), `spec_name` ("CPUOffloadingSpec";
+the reference's "TieringOffloadingSpec" is accepted with a start-up warning naming the key, and
+means this one host tier),
 `block_size` (accepted when it equals the engine's page of 64 tokens). Anything else is refused
 with a message naming the key.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 TOP_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config")
 EXTRA_KEYS = ("cpu_bytes_to_use", "spec_name", "block_size")
@@ -67,6 +71,9 @@ class OffloadConfig:
         if spec not in SPECS:
             raise OffloadConfigError(f"{flag} kv_connector_extra_config.spec_name {spec!r} is not supported "
                                      f"(supported: {', '.join(SPECS)})")
+        if spec != "CPUOffloadingSpec":
+            logger.warning("%s kv_connector_extra_config.spec_name %r runs as CPUOffloadingSpec: this engine "
+                           "has the one host tier", flag, spec)
         bs = extra.get("block_size")
         if bs is not None and bs != page_tokens:
             raise OffloadConfigError(f"{flag} kv_connector_extra_config.block_size {bs!r}: this engine offloads "

@@ -670,13 +670,15 @@ def test_default_body_limit_admits_a_full_context_prompt():
 # ------------------------------------------------------------------------------------ CLI flags
 
 
-def test_cli_defaults_and_json_flags():
+def test_cli_defaults_and_json_flags(caplog):
     from serving.cli_args import make_arg_parser, validate_args
 
     args = make_arg_parser().parse_args(
         ["--attention-config", '{"sparse_mla_force_mqa": true}', "--port", "9000"]
     )
-    validate_args(args)
+    with caplog.at_level("WARNING", logger="serving.cli_args"):
+        validate_args(args)
+    assert "sparse_mla_force_mqa=true changes nothing" in caplog.text  # accepted, but not silently
     assert (args.host, args.port, args.model, args.gpu_memory_utilization) == (
         "127.0.0.1",
         9000,

@@ -158,12 +158,14 @@ def test_bad_kv_transfer_config_fails_at_start_up_naming_the_key(flag, match):
         validate_args(args)
 
 
-def test_the_reference_flag_is_accepted_and_needs_prefix_caching():
+def test_the_reference_flag_is_accepted_and_needs_prefix_caching(caplog):
     ref = ('{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":'
            '{"spec_name":"TieringOffloadingSpec","cpu_bytes_to_use":137438953472}}')
     args = make_arg_parser().parse_args(["--kv-transfer-config", ref, "--enable-prefix-caching"])
     validate_args(args)
-    assert OffloadConfig.from_dict(args.kv_transfer_config).cpu_bytes_to_use == 128 * GiB
+    with caplog.at_level("WARNING", logger="serving.offload.config"):
+        assert OffloadConfig.from_dict(args.kv_transfer_config).cpu_bytes_to_use == 128 * GiB
+    assert "spec_name 'TieringOffloadingSpec' runs as CPUOffloadingSpec" in caplog.text  # not silently
     with pytest.raises(ArgumentError, match="--enable-prefix-caching"):
         validate_args(make_arg_parser().parse_args(["--kv-transfer-config", ref]))
     with pytest.raises(OffloadConfigError, match="exceeds"):
