@@ -168,7 +168,8 @@ def build_engine(args, model_dir: str, batches: list[int]):
     """The engine, sized so that every batch prefills in one step. → (engine, setup facts)."""
     import jax
 
-    from serving.engine import EngineArgs, LLMEngine
+    from serving.engine import EngineArgs
+    from serving.engine_factory import build_engine
     from glm53.compile_cache import enable_compilation_cache
 
     enable_compilation_cache()
@@ -177,7 +178,7 @@ def build_engine(args, model_dir: str, batches: list[int]):
                        max_num_batched_tokens=max_batched, num_gpu_blocks_override=args.num_gpu_blocks_override,
                        compile_progress=False)
     t0 = time.perf_counter()
-    engine = LLMEngine.from_args(eargs)
+    engine = build_engine(eargs)
     setup = {"load_and_compile_s": time.perf_counter() - t0, "buckets": list(engine.runner.buckets),
              "max_num_seqs": max(batches), "max_num_batched_tokens": max_batched,
              "max_model_len": args.max_model_len, "num_kv_blocks": engine.runner.kv_arena.shape[0],

@@ -32,7 +32,8 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from serving.engine import EngineArgs, LLMEngine  # noqa: E402
+from serving.engine import EngineArgs  # noqa: E402
+from serving.engine_factory import build_engine  # noqa: E402
 from serving.types import SamplingParams  # noqa: E402
 from sharding.mesh import ParallelConfig  # noqa: E402
 
@@ -51,7 +52,7 @@ def run_layout(name: str, prompts: list[list[int]], max_tokens: int) -> dict:
     par = LAYOUTS[name]
     dp = par.data_parallel_size if par is not None else 1
     per_replica = -(-len(prompts) // dp)
-    engine = LLMEngine.from_args(EngineArgs(
+    engine = build_engine(EngineArgs(
         dtype="float32", max_model_len=len(prompts[0]) + max_tokens + 1, max_num_seqs=per_replica,
         max_num_batched_tokens=max(64, per_replica), num_gpu_blocks_override=4 * per_replica + 2,  # per shard
         compile_progress=False, disable_log_stats=True, parallel=par))

@@ -28,7 +28,8 @@ if str(REPO) not in sys.path:
 
 
 def main(argv=None) -> dict:
-    from serving.engine import EngineArgs, LLMEngine
+    from serving.engine import EngineArgs
+    from serving.engine_factory import build_engine
     from serving.types import SamplingParams
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -39,7 +40,7 @@ def main(argv=None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
 
     def engine(attention_config=None):
-        return LLMEngine.from_args(EngineArgs(
+        return build_engine(EngineArgs(
             max_model_len=2761, max_num_seqs=10, max_num_batched_tokens=1024, num_gpu_blocks_override=95,
             compile_progress=False, disable_log_stats=True, enable_prefix_caching=True,
             attention_config=attention_config))

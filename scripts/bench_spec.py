@@ -91,7 +91,8 @@ def measure(engine, reqs, max_tokens, repeats, oracle=None):
 
 
 def main(argv=None) -> list[dict]:
-    from serving.engine import EngineArgs, LLMEngine
+    from serving.engine import EngineArgs
+    from serving.engine_factory import build_engine
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -109,7 +110,7 @@ def main(argv=None) -> list[dict]:
     engines = {}
     for k in ks:  # all engines first, so every workload runs on each of them interleaved
         spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
-        engines[k] = LLMEngine.from_args(EngineArgs(
+        engines[k] = build_engine(EngineArgs(
             model=args.model, max_model_len=PROMPT_LEN + max_tokens + 8, max_num_seqs=max(batches),
             max_num_batched_tokens=max(256, max(batches) * (k + 1)), cuda_graph_sizes=[b * (k + 1) for b in batches],
             compile_progress=False, disable_log_stats=True, speculative_config=spec))

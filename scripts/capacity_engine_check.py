@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from glm53.capacity import predict_device_resident_requests  # noqa: E402
-from serving.engine import EngineArgs, LLMEngine  # noqa: E402
+from serving.engine import EngineArgs  # noqa: E402
+from serving.engine_factory import build_engine  # noqa: E402
 from serving.types import SamplingParams  # noqa: E402
 from sharding.mesh import ParallelConfig  # noqa: E402
 
@@ -48,7 +49,7 @@ def measure(name: str, par, args) -> dict:
                        num_gpu_blocks_override=args.num_blocks, kv_cache_dtype="bfloat16", compile_progress=False,
                        disable_log_stats=True, parallel=par,
                        attention_config={"hisparse_config": {"host_pool_gib": args.host_pool_gib}})
-    engine = LLMEngine.from_args(eargs)
+    engine = build_engine(eargs)
     hs = engine.hisparse
     dp = par.data_parallel_size if par is not None else 1
     plan = hs.plan(args.num_blocks, args.max_model_len, args.max_num_batched_tokens)

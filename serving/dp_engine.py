@@ -89,7 +89,7 @@ class EngineReplica:
 
 class DataParallelEngine(LLMEngine):
     """`LLMEngine` over `dp` attention replicas (see the module docstring). Built by
-    `LLMEngine.from_args` when `args.parallel.data_parallel_size > 1`; same public interface
+    `serving.engine_factory.build_engine` when `args.parallel.data_parallel_size > 1`; same public interface
     (`add_request`, `abort`, `step`, `has_unfinished_requests`, `audit`, `gauges`).
 
     Attributes: `replicas` (list of `EngineReplica`), `runner` (one `ModelRunner` for the mesh),
@@ -97,6 +97,8 @@ class DataParallelEngine(LLMEngine):
 
     Raises ValueError when the parallel config has data_parallel_size < 2.
     """
+
+    data_parallel = True
 
     def __init__(self, model, layout, num_blocks: int, args: EngineArgs, eos_token_ids, model_path: str):
         par = args.parallel

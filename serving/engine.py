@@ -1,6 +1,6 @@
 """The synchronous engine core: scheduler + block pool + model runner, one `step()` at a time.
 
-    engine = LLMEngine.from_args(EngineArgs(model="/path/to/ckpt"))
+    engine = build_engine(EngineArgs(model="/path/to/ckpt"))   # serving.engine_factory
     engine.add_request("r1", prompt_ids, SamplingParams(temperature=0, max_tokens=8))
     while engine.has_unfinished_requests():
         for out in engine.step(): ...
@@ -117,7 +117,10 @@ def num_kv_blocks(page_bytes: int, args: EngineArgs, device, weight_bytes: int) 
 
 
 class LLMEngine(PDEngineMixin):
-    """Continuous-batching engine over one device. Use `from_args` to build one."""
+    """Continuous-batching engine over one device (and its parallel layouts other than DP). Build
+    one with `serving.engine_factory.build_engine(args)`."""
+
+    data_parallel = False  # True for DataParallelEngine (from_args checks the layout against it)
 
     def __init__(self, model, layout, num_blocks: int, args: EngineArgs, eos_token_ids, model_path: str):
         self.args = args
@@ -210,8 +213,13 @@ class LLMEngine(PDEngineMixin):
     @classmethod
     def from_args(cls, args: EngineArgs, eos_token_ids=None) -> "LLMEngine":
         """Load the checkpoint, size the KV arena, build the engine and compile its step buckets.
-        With `--data-parallel-size` > 1 the engine is a `serving.dp_engine.DataParallelEngine`
-        (the KV page count is per replica)."""
+        `serving.engine_factory.build_engine` picks the class (with `--data-parallel-size` > 1 a
+        `serving.dp_engine.DataParallelEngine`, whose KV page count is per replica); called on
+        `LLMEngine` itself with a data-parallel layout this raises ValueError naming it."""
+        dp = args.parallel.data_parallel_size if args.parallel is not None else 1
+        if dp > 1 and not cls.data_parallel:
+            raise ValueError(f"{cls.__name__}.from_args with --data-parallel-size {dp}: build the engine with "
+                             "serving.engine_factory.build_engine (a DataParallelEngine)")
         from glm53.hub import resolve_model
         from glm53.tiny_checkpoint import default_model_dir
         from glm53.tokenizer import eos_token_ids as read_eos
@@ -249,12 +257,8 @@ class LLMEngine(PDEngineMixin):
                     jnp.dtype(dtype).name, weight_bytes / 2**20, nblocks, layout.page_bytes / 2**20,
                     {g.name: g.tokens_per_page for g in layout.groups})
         eos = tuple(eos_token_ids) if eos_token_ids is not None else read_eos(cfg, path)
-        if args.parallel is not None and args.parallel.data_parallel_size > 1:
-            if spec is not None:
-                raise ValueError("--speculative-config with --data-parallel-size > 1 is not supported yet")
-            from serving.dp_engine import DataParallelEngine  # N attention replicas, one step
-
-            cls = DataParallelEngine
+        if args.parallel is not None and args.parallel.data_parallel_size > 1 and spec is not None:
+            raise ValueError("--speculative-config with --data-parallel-size > 1 is not supported yet")
         engine = cls(model, layout, nblocks, args, eos, path)
         par = args.parallel
         line = engine_capacity_summary(layout, nblocks, args.max_model_len, args.max_num_seqs,
@@ -430,7 +434,7 @@ class LLMEngine(PDEngineMixin):
             # The step's write-through copies and connector transfers ran in their own programs
             # before it (or were not taken yet): complete them.
             if self.hisparse is not None:
-                from serving.scheduler import SchedulerOutput
+                from serving.scheduler_output import SchedulerOutput
 
                 for policy in self.hisparse.policies:
                     policy.after_update(SchedulerOutput())
@@ -458,7 +462,7 @@ class LLMEngine(PDEngineMixin):
         """The engine went idle with write-through copies queued (pages sealed by the last step,
         which finished requests leave to the host tier): run them now, in a store-only program,
         so their host copies complete and are published."""
-        from serving.scheduler import SchedulerOutput
+        from serving.scheduler_output import SchedulerOutput
 
         hs = self.hisparse
         while any(h.queue for h in hs.hosts):

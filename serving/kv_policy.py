@@ -24,7 +24,7 @@ from serving.kv_cache import KVCacheManager
 if TYPE_CHECKING:
     from serving.prefix_cache import PrefixHit
     from serving.request import Request
-    from serving.scheduler import SchedulerOutput
+    from serving.scheduler_output import SchedulerOutput
 
 
 class DeviceResidentPolicy:

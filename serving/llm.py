@@ -22,7 +22,8 @@ from typing import Any, Mapping, Sequence
 
 from tqdm import tqdm
 
-from serving.engine import EngineArgs, LLMEngine
+from serving.engine import EngineArgs
+from serving.engine_factory import build_engine
 from serving.output_processor import RequestTextState
 from serving.types import SamplingParams, TokenLogprobs
 
@@ -75,7 +76,7 @@ class LLM:
         settings starts in seconds.
 
     Raises:
-      TypeError: an unknown engine argument. ValueError: as `LLMEngine.from_args`.
+      TypeError: an unknown engine argument. ValueError: as `serving.engine_factory.build_engine`.
     """
 
     def __init__(self, model: str | None = None, tokenizer: Any = None, **engine_args: Any):
@@ -88,7 +89,7 @@ class LLM:
         enable_compilation_cache()
         engine_args.setdefault("compile_progress", True)
         engine_args.setdefault("disable_log_stats", True)
-        self.engine = LLMEngine.from_args(EngineArgs(model=model, **engine_args))
+        self.engine = build_engine(EngineArgs(model=model, **engine_args))
         if tokenizer is None:
             from glm53.tokenizer import GlmTokenizer
 

@@ -24,7 +24,8 @@ def build_server(argv: list[str] | None = None):
     from glm53.tokenizer import GlmTokenizer
     from serving.async_engine import AsyncEngine
     from serving.cli_args import make_arg_parser, validate_args
-    from serving.engine import EngineArgs, LLMEngine
+    from serving.engine import EngineArgs
+    from serving.engine_factory import build_engine
     from serving.metrics import PrometheusStatLogger
     from serving.runner import cuda_graph_sizes
 
@@ -55,7 +56,7 @@ def build_server(argv: list[str] | None = None):
         attention_config=args.attention_config, kv_transfer_config=args.kv_transfer_config,
         speculative_config=args.speculative_config)
     try:
-        engine = LLMEngine.from_args(eargs)
+        engine = build_engine(eargs)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from e
     tokenizer = GlmTokenizer.from_pretrained(engine.model_path)

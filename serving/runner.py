@@ -40,7 +40,7 @@ from serving.faults import FaultInjection, InjectedFault
 from serving.sampling import mask_unreachable, sample_with_logprobs
 from sharding.mesh import ParallelLayout
 from sharding.rules import arena_shards, shard_params
-from serving.scheduler import SchedulerOutput
+from serving.scheduler_output import SchedulerOutput
 from serving.spec_decode.inputs import build_spec_batch, empty_spec_batch
 from serving.spec_decode.step import spec_decode_forward
 from serving.types import TokenLogprobs

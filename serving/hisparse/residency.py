@@ -72,7 +72,7 @@ from serving.kv_policy import DeviceResidentPolicy
 if TYPE_CHECKING:
     from serving.prefix_cache import PrefixCache, PrefixHit
     from serving.request import Request
-    from serving.scheduler import SchedulerOutput
+    from serving.scheduler_output import SchedulerOutput
 
 RESIDENCY_STATES = ("full", "mixed", "none")
 

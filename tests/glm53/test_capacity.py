@@ -310,7 +310,8 @@ class _Capture(logging.Handler):
 
 @pytest.fixture(scope="module")
 def engine_and_log():
-    from serving.engine import EngineArgs, LLMEngine
+    from serving.engine import EngineArgs
+    from serving.engine_factory import build_engine
 
     h = _Capture()
     lg = logging.getLogger("serving.engine")
@@ -318,7 +319,7 @@ def engine_and_log():
     lg.setLevel(logging.INFO)
     lg.addHandler(h)
     try:
-        engine = LLMEngine.from_args(EngineArgs(model=None, max_num_seqs=16, max_num_batched_tokens=64,
+        engine = build_engine(EngineArgs(model=None, max_num_seqs=16, max_num_batched_tokens=64,
                                                 cuda_graph_sizes=[], max_model_len=384, num_gpu_blocks_override=26,
                                                 compile_progress=False))
     finally:

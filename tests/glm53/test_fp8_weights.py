@@ -227,7 +227,8 @@ def _no_mtp_checkpoint(dst: str) -> str:
 
 
 def test_a_checkpoint_without_mtp_loads_serves_and_refuses_mtp(tmp_path, caplog):
-    from serving.engine import EngineArgs, LLMEngine
+    from serving.engine import EngineArgs
+    from serving.engine_factory import build_engine
     from serving.llm import LLM
     from serving.types import SamplingParams
 
@@ -244,7 +245,7 @@ def test_a_checkpoint_without_mtp_loads_serves_and_refuses_mtp(tmp_path, caplog)
     want = LLM(str(default_model_dir()), **engine).generate([[5, 6, 7, 8, 9]], params)[0].outputs[0].token_ids
     assert got == want and len(got) == 6
     with pytest.raises(ValueError, match="--speculative-config.*MTP layer"):
-        LLMEngine.from_args(EngineArgs(model=path, speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+        build_engine(EngineArgs(model=path, speculative_config={"method": "mtp", "num_speculative_tokens": 1},
                                        **engine))
 
 

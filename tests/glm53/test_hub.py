@@ -25,11 +25,12 @@ def hub_cache(tmp_path, monkeypatch):
 
 
 def test_hub_id_resolves_to_the_cached_snapshot_and_serves(hub_cache):
-    from serving.engine import EngineArgs, LLMEngine
+    from serving.engine import EngineArgs
+    from serving.engine_factory import build_engine
     from serving.types import SamplingParams
 
     assert resolve_model("zai-org/GLM-5.3-tiny") == str(hub_cache)
-    e = LLMEngine.from_args(EngineArgs(model="zai-org/GLM-5.3-tiny", max_model_len=64, max_num_seqs=2,
+    e = build_engine(EngineArgs(model="zai-org/GLM-5.3-tiny", max_model_len=64, max_num_seqs=2,
                                        max_num_batched_tokens=32, cuda_graph_sizes=[], compile_progress=False,
                                        disable_log_stats=True))
     assert e.model_path == str(hub_cache)

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from glm53 import api
-from serving.engine import EngineArgs, LLMEngine
+from serving.engine import EngineArgs
+from serving.engine_factory import build_engine
 from serving.types import SamplingParams
 
 N_TOK = 4  # greedy tokens checked per request
@@ -35,7 +36,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 def engine():
     # Budget 16 and decode bucket 4: two compiled steps; prompts prefill in 16-token chunks and the
     # decodes of up to 4 requests run in the 4-token bucket.
-    eng = LLMEngine.from_args(EngineArgs(
+    eng = build_engine(EngineArgs(
         dtype="float32", kv_cache_dtype="fp8", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16,
         cuda_graph_sizes=[4], enable_prefix_caching=True, compile_progress=False, disable_log_stats=True))
     assert eng.runner.buckets == (4, 16)

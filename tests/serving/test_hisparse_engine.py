@@ -15,7 +15,8 @@ import pytest
 
 from glm53 import api
 from kernels.host_rows import page_to_rows
-from serving.engine import EngineArgs, LLMEngine
+from serving.engine import EngineArgs
+from serving.engine_factory import build_engine
 from serving.types import SamplingParams
 from tests.helpers.conversations import run_conversations, user_tokens
 from glm53.equality import compare_streams
@@ -34,7 +35,7 @@ def engine(num_blocks, kv_cache_dtype, attention_config=None, max_model_len=2048
     args = EngineArgs(max_model_len=max_model_len, max_num_seqs=4, max_num_batched_tokens=64, cuda_graph_sizes=[],
                       num_gpu_blocks_override=num_blocks, kv_cache_dtype=kv_cache_dtype, compile_progress=False,
                       disable_log_stats=True, enable_prefix_caching=True, attention_config=attention_config, **kw)
-    return LLMEngine.from_args(args)
+    return build_engine(args)
 
 
 def mean_running(run):

@@ -13,6 +13,7 @@ import pytest
 
 from glm53.equality import compare_streams
 from serving.engine import EngineArgs, LLMEngine
+from serving.engine_factory import build_engine
 from serving.types import SamplingParams
 
 PROMPTS = {"a": [(7 * i) % 300 + 4 for i in range(70)], "b": [(13 * i) % 400 + 4 for i in range(150)],
@@ -28,7 +29,7 @@ def build(kv_transfer_config=None, **kw) -> LLMEngine:
     args = dict(dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
                 num_gpu_blocks_override=48, compile_progress=False, cuda_graph_sizes=[], disable_log_stats=True,
                 kv_transfer_config=kv_transfer_config)
-    return LLMEngine.from_args(EngineArgs(**{**args, **kw}))
+    return build_engine(EngineArgs(**{**args, **kw}))
 
 
 def greedy(**kw) -> SamplingParams:

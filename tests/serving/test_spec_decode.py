@@ -31,6 +31,7 @@ from glm53.equality import compare_streams
 from glm53.kv_layout import build_kv_layout
 from glm53.mtp import mtp_forward
 from serving.engine import EngineArgs, LLMEngine
+from serving.engine_factory import build_engine
 from serving.spec_decode import DraftController, SpeculativeConfig, SpeculativeConfigError
 from serving.spec_decode.rejection import verify_drafts
 from serving.types import SamplingParams
@@ -66,7 +67,7 @@ def make_engine(k: int | None, kv_cache_dtype: str = "bfloat16", **kw) -> LLMEng
     args = EngineArgs(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, cuda_graph_sizes=[],
                       compile_progress=False, disable_log_stats=True, enable_prefix_caching=True,
                       kv_cache_dtype=kv_cache_dtype, speculative_config=spec, **kw)
-    return LLMEngine.from_args(args)
+    return build_engine(args)
 
 
 def serve(engine: LLMEngine, prompts=PROMPTS, logprobs=None, check=None, max_tokens=None):
@@ -517,7 +518,7 @@ def test_checkpoint_without_mtp_layer_is_refused_naming_the_flag(tmp_path):
     args = EngineArgs(model=str(d), max_model_len=128, compile_progress=False, disable_log_stats=True,
                       speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     with pytest.raises(ValueError, match="--speculative-config.*MTP layer"):
-        LLMEngine.from_args(args)
+        build_engine(args)
 
 
 def test_offloading_connector_with_mtp_brings_back_every_group():

@@ -23,6 +23,7 @@ import pytest
 from glm53 import api
 from serving.dp_engine import DataParallelEngine
 from serving.engine import EngineArgs, LLMEngine
+from serving.engine_factory import build_engine
 from serving.types import SamplingParams
 from sharding.mesh import ParallelConfig
 
@@ -45,7 +46,7 @@ def build(parallel: ParallelConfig | None, num_blocks: int, **kw) -> LLMEngine:
     args = dict(dtype="float32", max_model_len=192, max_num_seqs=4, max_num_batched_tokens=16,
                 num_gpu_blocks_override=num_blocks, compile_progress=False, parallel=parallel,
                 cuda_graph_sizes=[])
-    return LLMEngine.from_args(EngineArgs(**{**args, **kw}))
+    return build_engine(EngineArgs(**{**args, **kw}))
 
 
 def drain(engine: LLMEngine, streams: dict[str, list[int]], logprobs: dict | None = None) -> dict[str, list[int]]:

@@ -16,6 +16,7 @@ import pytest
 
 from glm53 import api
 from serving.engine import EngineArgs, LLMEngine
+from serving.engine_factory import build_engine
 from serving.types import SamplingParams
 from sharding.mesh import ParallelConfig
 
@@ -29,7 +30,7 @@ def build(parallel: ParallelConfig | None, speculative_config=None) -> LLMEngine
     args = EngineArgs(dtype="float32", max_model_len=192, max_num_seqs=4, max_num_batched_tokens=64,
                       num_gpu_blocks_override=24, compile_progress=False, parallel=parallel,
                       cuda_graph_sizes=[], speculative_config=speculative_config)
-    return LLMEngine.from_args(args)
+    return build_engine(args)
 
 
 def run(engine: LLMEngine, audit_each_step: bool = True) -> dict:

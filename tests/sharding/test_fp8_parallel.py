@@ -118,12 +118,13 @@ def test_the_engine_refuses_a_tensor_parallel_size_that_cuts_scale_blocks(tmp_pa
     """`serving.run`'s start-up path: the tiny checkpoint in FP8 (128-blocks) under TP2 — its
     q_b_proj's 192 columns would split into 96 — fails before anything compiles, naming the flag."""
     from glm53.tiny_checkpoint import default_model_dir
-    from serving.engine import EngineArgs, LLMEngine
+    from serving.engine import EngineArgs
+    from serving.engine_factory import build_engine
     from tests.helpers.fp8_checkpoint import write_fp8_checkpoint
 
     path = write_fp8_checkpoint(str(default_model_dir()), str(tmp_path / "fp8"))
     with pytest.raises(ValueError, match="q_b_proj.*--tensor-parallel-size"):
-        LLMEngine.from_args(EngineArgs(model=path, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32,
+        build_engine(EngineArgs(model=path, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32,
                                        parallel=ParallelConfig(tensor_parallel_size=2)))
 
 
@@ -134,7 +135,8 @@ def test_served_fp8_streams_under_tp2_equal_the_dequantised_single_device_engine
     top-2 near-tie of the reference's logits)."""
     from glm53.equality import compare_streams
     from glm53.tiny_checkpoint import default_model_dir
-    from serving.engine import EngineArgs, LLMEngine
+    from serving.engine import EngineArgs
+    from serving.engine_factory import build_engine
     from serving.types import SamplingParams
     from tests.helpers.fp8_checkpoint import write_fp8_checkpoint
 
@@ -142,7 +144,7 @@ def test_served_fp8_streams_under_tp2_equal_the_dequantised_single_device_engine
     prompts = {"a": list(range(5, 25)), "b": [(7 * i) % 300 + 4 for i in range(70)]}
 
     def serve(parallel, quantization):
-        engine = LLMEngine.from_args(EngineArgs(
+        engine = build_engine(EngineArgs(
             model=path, dtype="float32", max_model_len=192, max_num_seqs=4, max_num_batched_tokens=64,
             num_gpu_blocks_override=24, compile_progress=False, parallel=parallel, cuda_graph_sizes=[],
             quantization=quantization))

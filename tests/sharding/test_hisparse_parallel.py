@@ -29,6 +29,7 @@ from glm53.attention import num_host_parts
 from glm53.equality import compare_streams
 from kernels.host_rows import page_to_rows, split_words
 from serving.engine import EngineArgs, LLMEngine
+from serving.engine_factory import build_engine
 from sharding.mesh import ParallelConfig
 from tests.helpers.conversations import run_conversations
 from tests.helpers.host_memory import host_memory_reads
@@ -59,7 +60,7 @@ def build(num_blocks: int, parallel: ParallelConfig | None = None, attention_con
                       cuda_graph_sizes=[], num_gpu_blocks_override=num_blocks, compile_progress=False,
                       disable_log_stats=True, enable_prefix_caching=True, attention_config=attention_config,
                       parallel=parallel, **kw)
-    return LLMEngine.from_args(args)
+    return build_engine(args)
 
 
 _REFERENCES: dict = {}
