@@ -3,7 +3,7 @@
 Requests accept unknown fields (clients send many optional ones); the server logs their names and
 otherwise ignores them. Fields whose non-default values this build cannot honour are declared here
 so that the server can reject them with a 400 instead of silently ignoring them (see
-`serving.api.server._reject_unsupported`). vLLM extensions (`ignore_eos`, `stop_token_ids`,
+`serving.api.validation.reject_unsupported`). vLLM extensions (`ignore_eos`, `stop_token_ids`,
 `skip_special_tokens`, `chat_template_kwargs`, `top_k`, `min_p`, `repetition_penalty`) keep vLLM's
 names.
 """

@@ -657,7 +657,7 @@ def test_oversized_body_413_and_still_serving(tiny_tokenizer):
 
 
 def test_default_body_limit_admits_a_full_context_prompt():
-    from serving.api.server import default_max_body_bytes
+    from serving.api.validation import default_max_body_bytes
 
     for max_model_len in (256, 4096, 202_752):
         # Worst case of a legitimate prompt: every token a non-BMP character sent as a JSON

@@ -1,0 +1,178 @@
+"""The plumbing between one HTTP request and its engine requests: a handle per engine request
+that is always aborted unless it finished, the `n` choices of one HTTP request, racing the
+client's disconnect, a streaming response that always closes its iterator, and the SSE
+encoding of chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from serving.api.errors import engine_error
+from serving.api.protocol import (
+    PromptTokensDetails,
+    UsageInfo,
+)
+from serving.api.validation import params_per_choice
+from serving.output_processor import RequestTextState
+from serving.types import EngineClient, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its request finished (`race_disconnect`)."""
+
+
+async def listen_for_disconnect(request: Request) -> None:
+    """Return once the client has gone (the body must have been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def race_disconnect(request: Request, awaitable: Any) -> Any:
+    """Await `awaitable`, raising `ClientDisconnected` (and cancelling it) if the client goes."""
+    task = asyncio.ensure_future(awaitable)
+    listener = asyncio.ensure_future(listen_for_disconnect(request))
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientDisconnected()
+    finally:
+        for t in (task, listener):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, listener, return_exceptions=True)
+
+
+class RequestHandle:
+    """An engine request: its output iterator and a guaranteed abort unless it finished."""
+
+    def __init__(
+        self, engine: EngineClient, prompt_ids: list[int], params: SamplingParams, rid: str
+    ) -> None:
+        self.engine = engine
+        self.request_id = rid
+        self.finished = False
+        self.kv_transfer_params: dict | None = None  # P/D: the prefill engine's answer
+        self._closed = False
+        self._aborted = False
+        self._iter: AsyncIterator[RequestOutput] = aiter(engine.generate(prompt_ids, params, rid))
+
+    async def next(self) -> RequestOutput | None:
+        """The next engine output, or None when the engine's stream has ended."""
+        out = await anext(self._iter, None)
+        if out is not None and out.finished:
+            self.finished = True
+            self.kv_transfer_params = out.kv_transfer_params
+        return out
+
+    async def abort(self, finished_reason: str = "abort") -> None:
+        """Abort the engine request unless it finished or was aborted already; finished_reason
+        "stop" when a stop string ended it. Call it before anything that closes or cancels the
+        output iterator (closing the iterator aborts the request with reason "abort")."""
+        if self.finished or self._aborted:
+            return
+        self._aborted = True
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.engine.abort(self.request_id, finished_reason)
+            except Exception:  # noqa: BLE001 - cleanup must not mask the real outcome
+                logger.exception("Aborting request %s failed", self.request_id)
+
+    async def close(self, finished_reason: str = "abort") -> None:
+        """Abort the request unless it finished (see `abort`), then close the engine iterator.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            await self.abort(finished_reason)
+            aclose = getattr(self._iter, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception:  # noqa: BLE001 - cleanup must not mask the real outcome
+                    logger.exception("Closing the output stream of %s failed", self.request_id)
+
+
+class Choices:
+    """The `n` engine requests (choices) of one API request and their accumulated outputs.
+
+    Choice i has request id `rid` when n == 1, else `f"{rid}-{i}"`."""
+
+    def __init__(self, engine: EngineClient, tokenizer: Any, prompt_ids: list[int],
+                 params: SamplingParams, rid: str) -> None:
+        self.request_id = rid
+        self.prompt_len = len(prompt_ids)
+        per_choice = params_per_choice(params)
+        self.states = [RequestTextState(tokenizer, p, len(prompt_ids)) for p in per_choice]
+        self.handles: list[RequestHandle] = []
+        try:
+            for i, p in enumerate(per_choice):
+                self.handles.append(
+                    RequestHandle(engine, prompt_ids, p, rid if len(per_choice) == 1 else f"{rid}-{i}"))
+        except Exception as e:  # noqa: BLE001 - a synchronous rejection by the engine
+            raise engine_error(e, rid) from None
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    async def close(self) -> None:
+        """Close every choice's engine stream (aborting unfinished ones)."""
+        for h in self.handles:
+            await h.close()
+
+    def usage(self) -> UsageInfo:
+        """Prompt counted once, completion tokens summed over choices, cached tokens of choice 0."""
+        first = self.states[0]
+        prompt = first.num_prompt_tokens if first.num_prompt_tokens is not None else self.prompt_len
+        completion = sum(st.num_output_tokens for st in self.states)
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=first.num_cached_tokens),
+        )
+
+
+class AbortOnCloseStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body iterator, even when the client vanished
+    while the iterator was suspended at a `yield` (so the iterator's cleanup runs at once)."""
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+def without_null_kv_params(d: dict[str, Any]) -> dict[str, Any]:
+    """A response body without `kv_transfer_params` unless a prefill engine set it."""
+    if d.get("kv_transfer_params") is None:
+        d.pop("kv_transfer_params", None)
+    return d
+
+
+def sse_event(obj: BaseModel | dict[str, Any]) -> str:
+    data = obj if isinstance(obj, dict) else obj.model_dump(mode="json")
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def chunk_dict(chunk: BaseModel) -> dict[str, Any]:
+    d = chunk.model_dump(mode="json")
+    if d.get("usage") is None:
+        d.pop("usage", None)
+    return d

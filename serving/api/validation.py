@@ -1,0 +1,275 @@
+"""Request parsing and validation for the HTTP routes: the bounded body read, the pydantic
+models' errors as 400s, the features this build refuses (400 naming the field), `max_tokens`
+against `max_model_len`, the `SamplingParams` of each choice, the chat messages handed to the
+template, and the `X-data-parallel-rank` header. Every refusal is an `APIError` (errors.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from typing import Any
+
+import anyio
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from serving.api.errors import APIError, bad_request, validation_error
+from serving.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from serving.pd.params import KVTransferParamsError, parse_kv_transfer_params
+from serving.types import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+_warned_extra_fields: set[str] = {"kv_transfer_params"}  # P/D: read from model_extra
+
+
+# ------------------------------------------------------------------------------- request parsing
+
+
+def default_max_body_bytes(max_model_len: int) -> int:
+    """The largest request body the server reads: 256 bytes per token of context, at least
+    16 MiB (a prompt of `max_model_len` tokens is far smaller, even as JSON `\\uXXXX` escapes or
+    a token-id list; a client that sends more is refused before the body fills the memory)."""
+    return max(16 << 20, 256 * max_model_len)
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, or 413 as soon as it is known to exceed `max_bytes` (from its
+    Content-Length, else while it streams in)."""
+    too_large = APIError(413, f"The request body exceeds the limit of {max_bytes} bytes.")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > max_bytes:
+        raise too_large
+    parts, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > max_bytes:
+            raise too_large
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def parse_body(request: Request, model_cls: type[BaseModel], max_bytes: int) -> Any:
+    """Read the JSON body (413 beyond `max_bytes`) and validate it into `model_cls`; 400 on any
+    other failure."""
+    raw = await read_body(request, max_bytes)
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"Invalid JSON body: {e}") from None
+    except RecursionError:
+        raise bad_request("Invalid JSON body: nested too deeply.") from None
+    if not isinstance(obj, dict):
+        raise bad_request("The request body must be a JSON object.")
+    try:
+        body = model_cls.model_validate(obj)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    new_extra = set(body.model_extra or ()) - _warned_extra_fields
+    if new_extra:
+        _warned_extra_fields.update(new_extra)
+        logger.warning("Ignoring unsupported request fields: %s", sorted(new_extra))
+    return body
+
+
+def check_unicode(text: str, param: str) -> None:
+    """400 naming `param` when `text` is not valid Unicode (a lone UTF-16 surrogate, which JSON
+    `\\ud800` escapes can carry)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"The text is not valid Unicode: {e.reason} at index {e.start}.", param) from None
+
+
+async def encode_text(tokenizer: Any, text: str, param: str) -> list[int]:
+    """Tokenise request text in a worker thread (a prompt of many megabytes takes seconds to
+    tokenise, and the event loop must keep serving the other requests meanwhile); text that is not
+    valid Unicode (a lone UTF-16 surrogate) is a 400."""
+    check_unicode(text, param)
+    return list(await anyio.to_thread.run_sync(tokenizer.encode, text))
+
+
+def _is_set(value: Any, default: Any) -> bool:
+    return value is not None and value != default
+
+
+MAX_N = 128  # most choices one request may ask for
+
+# Arguments of `apply_chat_template` that `chat_template_kwargs` must not carry: the server's own,
+# and `chat_template`, which would let a client render a template of its choosing.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "chat_template"})
+
+
+def reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """Refuse parameters whose non-default values this build cannot honour (never drop them),
+    and check `n`, `stop`, `logprobs` and `stream_options`."""
+    if body.n is not None and not 1 <= body.n <= MAX_N:
+        raise bad_request(f"n must be in [1, {MAX_N}], got {body.n}.", "n")
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if any(not s for s in stops):
+        raise bad_request("stop strings must be non-empty.", "stop")
+    for s in stops:
+        check_unicode(s, "stop")
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options can only be set when stream=true.", "stream_options")
+    checks: list[tuple[str, bool]] = [
+        ("presence_penalty", _is_set(body.presence_penalty, 0.0)),
+        ("frequency_penalty", _is_set(body.frequency_penalty, 0.0)),
+        ("logit_bias", bool(body.logit_bias)),
+        ("top_k", body.top_k not in (None, 0, -1)),
+        ("min_p", _is_set(body.min_p, 0.0)),
+        ("repetition_penalty", _is_set(body.repetition_penalty, 1.0)),
+    ]
+    if isinstance(body, ChatCompletionRequest):
+        fmt = (body.response_format or {}).get("type", "text")
+        if body.top_logprobs is not None:
+            if body.top_logprobs < 0:
+                raise bad_request(f"top_logprobs must be >= 0, got {body.top_logprobs}.", "top_logprobs")
+            if body.top_logprobs > 0 and not body.logprobs:
+                raise bad_request("top_logprobs requires logprobs=true.", "top_logprobs")
+        checks += [("response_format", fmt != "text")]
+    else:
+        if body.logprobs is not None and body.logprobs < 0:
+            raise bad_request(f"logprobs must be >= 0, got {body.logprobs}.", "logprobs")
+        checks += [
+            ("echo", bool(body.echo)),
+            ("best_of", body.best_of not in (None, 1)),
+            ("suffix", bool(body.suffix)),
+        ]
+    for name, bad in checks:
+        if bad:
+            raise bad_request(f"{name} is not supported yet in this build.", name)
+
+
+def resolve_max_tokens(
+    requested: int | None, param: str, prompt_len: int, max_model_len: int, prompt_param: str
+) -> int:
+    """Check the prompt and completion lengths against `max_model_len`; 400 naming the lengths.
+
+    Returns the number of tokens to generate: `requested`, or all the room left when None."""
+    if requested is not None and requested < 1:
+        raise bad_request(f"{param} must be at least 1, got {requested}.", param)
+    if prompt_len >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {prompt_len} tokens, which leaves no room for a completion. Please "
+            "reduce the length of the prompt.",
+            prompt_param,
+        )
+    if requested is None:
+        return max_model_len - prompt_len
+    if prompt_len + requested > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
+            f"in the completion). Please reduce the length of the prompt or of {param}.",
+            param,
+        )
+    return requested
+
+
+def build_sampling_params(
+    body: ChatCompletionRequest | CompletionRequest, max_tokens: int, max_logprobs: int | None = None
+) -> SamplingParams:
+    """The engine's `SamplingParams` of a request body (choice 0; see `params_per_choice`).
+
+    max_logprobs: the engine's `--max-logprobs` when it exposes one; more alternatives than that
+    is a 400 naming the request's own field (`top_logprobs` for chat, `logprobs` for completions).
+    """
+    if body.temperature is not None and not 0 <= body.temperature < math.inf:  # NaN fails too
+        raise bad_request(f"temperature must be a finite number >= 0, got {body.temperature}.", "temperature")
+    if body.top_p is not None and not 0.0 < body.top_p <= 1.0:
+        raise bad_request(f"top_p must be in (0, 1], got {body.top_p}.", "top_p")
+    if isinstance(body, ChatCompletionRequest):
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        logprobs = body.logprobs
+    if max_logprobs is not None and logprobs is not None and logprobs > max_logprobs:
+        name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+        raise bad_request(f"{name} must be at most {max_logprobs} (--max-logprobs), got {logprobs}.", name)
+    kv_params = (body.model_extra or {}).get("kv_transfer_params")
+    if kv_params is not None:
+        try:
+            parse_kv_transfer_params(kv_params)
+        except KVTransferParamsError as e:
+            raise bad_request(str(e), e.param) from None
+        if (body.n or 1) > 1:
+            raise bad_request("kv_transfer_params cannot be combined with n > 1.", "n")
+    params = SamplingParams(
+        kv_transfer_params=kv_params or None,
+        temperature=1.0 if body.temperature is None else float(body.temperature),
+        top_p=1.0 if body.top_p is None else float(body.top_p),
+        seed=body.seed,
+        max_tokens=max_tokens,
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        n=body.n or 1,
+        skip_special_tokens=body.skip_special_tokens,
+    )
+    try:
+        params.validate()
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+    return params
+
+
+def header_data_parallel_rank(request: Request) -> int | None:
+    """vLLM's `X-data-parallel-rank` header (a router pinning the request to a data-parallel
+    replica), or None. A value that is not an integer is a 400."""
+    value = request.headers.get("x-data-parallel-rank")
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise bad_request(f"X-data-parallel-rank must be an integer, got {value!r}.", "X-data-parallel-rank") from None
+
+
+def params_per_choice(params: SamplingParams) -> list[SamplingParams]:
+    """One engine request per choice: n = 1 each; with a seed, choice i samples with seed + i
+    (so choices are independent samples, and reproducible)."""
+    return [
+        dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i,
+                            stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
+        for i in range(params.n)
+    ]
+
+
+def flatten_content(content: str | list[dict[str, Any]] | None, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(
+                f"messages[{index}].content[{j}]: only text content parts "
+                '({"type": "text", "text": ...}) are supported.',
+                "messages",
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as plain dicts for the chat template (content flattened to text; other keys such
+    as `tool_calls`, `tool_call_id`, `reasoning_content` unchanged)."""
+    out = []
+    for i, msg in enumerate(body.messages):
+        d: dict[str, Any] = dict(msg.model_extra or {})
+        d["role"] = "system" if msg.role == "developer" else msg.role
+        d["content"] = flatten_content(msg.content, i)
+        out.append(d)
+    return out
+
+
+# ------------------------------------------------------------------------------ engine plumbing
