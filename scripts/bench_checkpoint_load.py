@@ -16,8 +16,11 @@ parameter being ready (`block_until_ready`), activations bfloat16. Peak RSS is t
 `ru_maxrss` (it includes the memory-mapped checkpoint pages the process touched and, on the CPU
 backend, the "device" arrays themselves, which live in host memory); `rss_before` is the RSS after
 JAX start-up and `device_gib` the bytes of every addressable shard after loading, so
-`peak − before − device` is the host staging the loader needed. The files were just written, so
-both loaders read a warm page cache: the numbers compare the loaders, not the disks. With
+`peak − before − device` is the host staging the loader needed. The checkpoint is written into
+`--out` unless one is already there, which is reused (`results.json`'s `checkpoint_reused` and the
+printed summary say which); either way both loaders read it in turn after the write or an earlier
+run, so they read a page cache as warm as the machine's memory allows: the numbers compare the
+loaders, not the disks. With
 `--devices N` (simulated CPU devices) both also load onto TP N/2 × DP 2 with the experts over all
 N devices (EP N), the partition rules of sharding/rules.py.
 """
@@ -164,14 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = os.path.join(out, "fp8")
     sys.path.insert(0, ROOT)
     t0 = time.perf_counter()
-    if os.path.exists(os.path.join(ckpt, "model.safetensors.index.json")):
+    reused = os.path.exists(os.path.join(ckpt, "model.safetensors.index.json"))
+    if reused:
         with open(os.path.join(ckpt, "model.safetensors.index.json")) as f:
             gib = json.load(f)["metadata"]["total_size"] / 2**30
     else:
         gib = write_synthetic(ckpt)
     t_write = time.perf_counter() - t0
     old = _old_source(args.old_rev, os.path.join(out, "old"))
-    results = {"checkpoint_gib": gib, "write_s": t_write, "old_rev": args.old_rev, "cpus": os.cpu_count(),
+    results = {"checkpoint_gib": gib, "checkpoint_reused": reused, "write_s": None if reused else t_write, "old_rev": args.old_rev, "cpus": os.cpu_count(),
                "load_average_at_start": os.getloadavg(), "runs": {}}
     for dev in [1] + ([args.devices] if args.devices > 1 else []):
         for name, code, q in (("old (dequantise, one device, then move)", old, None),
@@ -180,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             r = _run_child(code, ckpt, dev, q)
             results["runs"][f"{name} / {dev} dev"] = r
             print(f"  {name} / {dev} dev: {r}", flush=True)
-    print(f"\ncheckpoint {gib:.2f} GiB FP8 (written in {t_write:.0f}s); {os.cpu_count()} CPUs, "
+    made = f"reused from {ckpt}" if reused else f"written in {t_write:.0f}s"
+    print(f"\ncheckpoint {gib:.2f} GiB FP8 ({made}); {os.cpu_count()} CPUs, "
           f"load average at start {results['load_average_at_start']}")
     print(f"{'loader / devices':<52} {'load s':>7} {'GB/s':>6} {'peak RSS GiB':>13} {'RSS before':>11} "
           f"{'device GiB':>11} {'staging GiB':>12}")
