@@ -38,11 +38,15 @@ takes the next conversation and runs its turns one after the other), while a scr
   `vllm:external_prefix_cache_hits` / Δ `..._queries`: prompt tokens that came back from the
   connector's host store), `offload_to_host_bytes` / `offload_to_device_bytes` (Δ
   `vllm:kv_offload_total_bytes` by transfer type);
-* `greedy_identical`: every stream of the mode equals the ample run's (same conversation and
+* `equal_under_rule`: every stream of the mode equals the ample run's (same conversation and
   turn) under DESIGN §10's equality rule (`glm53.equality`: divergences only at a top-2 logit
   gap < 1e-4 or an indexer top-k boundary gap < 1e-3, counted in `divergences`, each listed in
   `divergence_details` with its gaps). Once a turn diverged (explained), the conversation's later
   prompts differ from the reference's: those turns are not compared (`turns_after_a_divergence`).
+  `greedy_identical` is the strict claim: equal under the rule with no divergence at all and no
+  turn left uncompared. `equality` says which in words ("strict: every turn identical", "under
+  the rule: N accepted divergence(s), M turn(s) not compared", or what failed). Results files
+  written before these fields existed used `greedy_identical` for `equal_under_rule`.
 
 Writes `OUT/summary.json` (a list of rows with the keys above plus `mode`, `concurrency`),
 `OUT/summary.csv`, `OUT/agentic.png` (interactivity vs logical throughput; running requests vs
@@ -397,7 +401,16 @@ def summarize(mode, conc, results, samples, before, after, wall, pred, ref, lm=N
             {"conversation": d.key[0], "turn": d.key[1], "token": d.index, "top2_logit_gap": round(d.logit_gap, 6),
              "indexer_gap": None if d.index_gap is None else round(d.index_gap, 6), "accepted_by": d.accepted_by}
             for d in divs]
-        row["greedy_identical"] = not [x for x in divs if x.accepted_by is None] and row["errors"] == 0
+        unexplained = [x for x in divs if x.accepted_by is None]
+        # What was compared, exactly: strict equality of every turn, or equality under the rule
+        # with N accepted divergences and M turns left uncompared (their prompts differ).
+        row["equal_under_rule"] = not unexplained and row["errors"] == 0
+        row["greedy_identical"] = row["equal_under_rule"] and not divs and not row["turns_after_a_divergence"]
+        row["equality"] = (
+            f"{len(unexplained)} unexplained divergence(s), {row['errors']} error(s)" if not row["equal_under_rule"]
+            else "strict: every turn identical" if row["greedy_identical"]
+            else f"under the rule: {len(divs)} accepted divergence(s), "
+                 f"{row['turns_after_a_divergence']} turn(s) not compared")
     return row
 
 
@@ -538,8 +551,11 @@ def main(argv=None) -> list[dict]:
                 row = dict(runs[len(runs) // 2], repeats=len(runs))
                 if mode != "ample":
                     row["greedy_identical"] = all(r["greedy_identical"] for r in runs)
+                    row["equal_under_rule"] = all(r["equal_under_rule"] for r in runs)
+                    row["equality"] = "; ".join(r["equality"] for r in runs)  # one per repeat
                 if mode == "ample":
-                    row["greedy_identical"] = row["errors"] == 0
+                    row["greedy_identical"] = row["equal_under_rule"] = row["errors"] == 0
+                    row["equality"] = "the reference"
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 (out / "summary.json").write_text(json.dumps(rows, indent=1))
@@ -552,7 +568,7 @@ def main(argv=None) -> list[dict]:
     plot(rows, out / "agentic.png")
     cols = ("mode", "concurrency", "mean_running", "predicted_running", "logical_throughput_tok_s", "interactivity",
             "agentx_tok_s_per_user", "ttft_p50_s", "ttft_p90_s", "preemptions", "hot_hit_rate", "h2d_bytes",
-            "greedy_identical")
+            "equality")
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(str(r.get(c)) for c in cols))

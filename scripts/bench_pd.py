@@ -59,7 +59,7 @@ PREFILL = {"pd-pcp2xdcp2": ["--prefill-context-parallel-size", "2", "--decode-co
 COLUMNS = ["mode", "concurrency", "requests", "errors", "ttft_p50_s", "ttft_p90_s", "interactivity",
            "logical_throughput_tok_s", "mean_running", "preemptions", "hot_hit_rate", "kv_bytes_per_request",
            "xfer_ms_per_request", "remote_prompt_tokens", "landed_host", "failed_transfers", "greedy_identical",
-           "divergences", "turns_after_a_divergence"]
+           "equal_under_rule", "equality", "divergences", "turns_after_a_divergence"]
 
 
 class Router:

@@ -59,10 +59,12 @@ def test_summary_metrics():
     assert (row["ttft_p50_s"], row["preemptions"], row["h2d_bytes"]) == (0.3, 2, 4096)
     assert row["hot_hit_rate"] == pytest.approx(30 / 40)
     assert row["greedy_identical"] and row["divergences"] == 0
+    assert row["equal_under_rule"] and row["equality"] == "strict: every turn identical"
     # A divergence where the reference's top-2 gap is large is not explained: not identical.
     bad = [_turn(0, 0, [5, 6, 1, 1], 0.0, 0.2), got[1]]
     row = ba.summarize("preemption", 2, bad, [1], before, after, 2.0, 2, ref)
-    assert row["divergences"] == 1 and not row["greedy_identical"]
+    assert row["divergences"] == 1 and not row["greedy_identical"] and not row["equal_under_rule"]
+    assert row["equality"].startswith("1 unexplained divergence(s)")
 
 
 def test_summary_connector_metrics():
@@ -90,5 +92,7 @@ def test_turns_after_an_explained_divergence_are_not_compared():
     got[1].prompt = [1, 2, 3, 5, 8, 8, 9]
     row = ba.summarize("hisparse", 1, got, [1], {}, {}, 1.0, 1, ref)
     assert row["divergences"] == 1 and row["turns_after_a_divergence"] == 1
-    assert row["greedy_identical"]
+    # equal under the rule, but not strictly identical, and the row says so
+    assert row["equal_under_rule"] and not row["greedy_identical"]
+    assert row["equality"] == "under the rule: 1 accepted divergence(s), 1 turn(s) not compared"
     assert row["divergence_details"][0]["accepted_by"] == "logit"
