@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec
 from glm53.batch import ForwardBatch
 from glm53.hot_cache import HostAccess, HotState, PagedKV
 from glm53.kv_layout import KVCacheLayout
-from kernels.host_rows import (copy_host_rows, join_column_parts, read_host_rows, scatter_host_rows,
+from kernels.host_rows import (copy_host_rows, join_column_parts, read_host_rows, rows_moved, scatter_host_rows,
                                 split_words, store_pages)
 from kernels.hot_resolve import hot_resolve
 from kernels.indexer_topk import indexer_topk
@@ -444,7 +444,8 @@ def _resolve_parallel(topk_TK, kv: PagedKV, batch: ForwardBatch, g: GroupLayout,
                                      host.mechanism)
         row_SGM = jax.lax.dynamic_update_index_in_dim(row_SGM, row_S, ig, axis=1)
         rank_SGM = jax.lax.dynamic_update_index_in_dim(rank_SGM, rank_S, ig, axis=1)
-        stats = jax.lax.psum(jnp.concatenate([stats, stats[1:2] * num_layers]), shard_axes)
+        moved = rows_moved(miss_rows, "callback" if callback else host.mechanism)  # per shard, padding included
+        stats = jax.lax.psum(jnp.concatenate([stats, moved[None] * num_layers]), shard_axes)
         return slots, arena, row_SGM, rank_SGM, stats
 
     st_spec = hot_state_spec(par)
@@ -476,8 +477,10 @@ def resolve_hot(topk_TK: jax.Array, kv: PagedKV, batch: ForwardBatch, layout: KV
     (`positions_to_slots`, exactly the non-HiSparse read) and no host row is read.
 
     Returns `(slots [T, K] int32, kv)` with the arena and hot state updated and this group's
-    `[hits, misses, dropped, misses · num_layers]` added to `kv.hot.stats_4` (summed over the KV
-    shards). Under a parallel layout (`_resolve_parallel`) the slots are per KV shard,
+    `[hits, misses, dropped, layer rows moved]` added to `kv.hot.stats_4` (summed over the KV
+    shards; layer rows moved = `kernels.host_rows.rows_moved` · num_layers: the missed rows for the
+    memory-kind copies, whole callback chunks with their padding for the callback path). Under a
+    parallel layout (`_resolve_parallel`) the slots are per KV shard,
     `[shards · T_replica, K]` (`hot_slot_spec`), and `sparse_attention` takes them as they are.
     """
     g = layout.group(group)
@@ -496,7 +499,7 @@ def resolve_hot(topk_TK: jax.Array, kv: PagedKV, batch: ForwardBatch, layout: KV
                            mechanism=host.mechanism, after=host.after)
     hot = HotState(jax.lax.dynamic_update_index_in_dim(hot.host_row_SGM, row_S, index_group, axis=1),
                    jax.lax.dynamic_update_index_in_dim(hot.rank_SGM, rank_S, index_group, axis=1),
-                   hot.stats_4 + jnp.concatenate([stats, stats[1:2] * num_layers]))
+                   hot.stats_4 + jnp.concatenate([stats, rows_moved(miss_rows, host.mechanism)[None] * num_layers]))
     return slots, PagedKV(arena, hot)
 
 

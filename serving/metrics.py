@@ -169,7 +169,9 @@ class PrometheusStatLogger:
             self.hot_misses = counter("vllm:hisparse_cache_misses",
                                       "HiSparse hot-buffer lookups copied from the host pool.")
             self.hot_bytes = counter("vllm:hisparse_host_to_device_bytes",
-                                     "Bytes copied from the HiSparse host pool into hot buffers.")
+                                     "Bytes moved from the HiSparse host pool to the device for hot-buffer rows "
+                                     "(what crosses the host boundary: the host-callback path moves whole "
+                                     "chunks, padding included).")
             states = Gauge("vllm:hisparse_requests", "Running requests per HiSparse residency state "
                            "(full: all pages on the device; mixed: some only in the host pool; none: "
                            "no page before the tail on the device).", labels + ["state"], registry=r)

@@ -4,9 +4,9 @@ KV offloading connector whole-page stores and loads (`store_arena_pages`, `load_
 
 from kernels.host_rows.api import default_mechanism
 from kernels.host_rows.ops import (MECHANISMS, HostRowStore, column_part, copy_host_rows, join_column_parts,
-                                   load_arena_pages, page_to_rows, read_host_rows, scatter_host_rows, split_words,
-                                   store_arena_pages, store_pages)
+                                   load_arena_pages, page_to_rows, read_host_rows, rows_moved, scatter_host_rows,
+                                   split_words, store_arena_pages, store_pages)
 
 __all__ = ["MECHANISMS", "HostRowStore", "column_part", "copy_host_rows", "default_mechanism", "join_column_parts",
-           "load_arena_pages", "page_to_rows", "read_host_rows", "scatter_host_rows", "split_words",
+           "load_arena_pages", "page_to_rows", "read_host_rows", "rows_moved", "scatter_host_rows", "split_words",
            "store_arena_pages", "store_pages"]

@@ -60,6 +60,7 @@ class HostRowStore:
 
     def __init__(self, num_rows: int, row_words: int):
         self.rows = np.zeros((int(num_rows), int(row_words)), np.uint32)
+        self.words_gathered = 0  # uint32 words handed to the device by `_gather`, padding included
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -71,6 +72,7 @@ class HostRowStore:
         c0 = int(col_start)
         out = np.take(self.rows[:, c0:c0 + num_cols], np.where(ok, rows, 0), axis=0)
         out[~ok] = 0
+        self.words_gathered += out.size
         return out
 
     def _store(self, row_start, block, count):
@@ -81,6 +83,18 @@ class HostRowStore:
             if 0 <= r0[i] and r0[i] + tpp <= self.rows.shape[0]:
                 self.rows[int(r0[i]):int(r0[i]) + tpp] = block[i]
         return np.int32(n)
+
+
+def rows_moved(host_rows_X: jax.Array, mechanism: str) -> jax.Array:
+    """Rows `copy_host_rows` moves from the host for this miss list (int32 scalar, traced): the
+    valid entries for "memory_kind" (one host slice each); for "callback", whole chunks of
+    `min(CALLBACK_CHUNK, X)` rows, the −1 padding of the last chunk included (what crosses the
+    host/device boundary). Multiply by the row's bytes for the bytes moved."""
+    n = jnp.sum(host_rows_X >= 0).astype(jnp.int32)
+    if mechanism != "callback":
+        return n
+    C = min(CALLBACK_CHUNK, host_rows_X.shape[0])
+    return (n + C - 1) // C * C
 
 
 def _one_segment(layout: GroupLayout, component: str):

@@ -121,7 +121,7 @@ class HiSparseDeviceState:
                                       HotState(st, st, NamedSharding(parallel.mesh, PartitionSpec())))
         self.layer_row_bytes = 4 * comp.row_words  # one layer's row of one token
         self.hits = self.misses = self.dropped = 0  # lookups since start-up
-        self.h2d_bytes = 0  # host → device bytes of hot-row copies since start-up
+        self.h2d_bytes = 0  # host → device bytes moved for hot rows since start-up (callback: chunk padding included)
         self.last_stats = (0, 0, 0, 0)  # the last step's hits, misses, dropped, host → device bytes
 
     @property
@@ -170,7 +170,9 @@ class HiSparseDeviceState:
         return hot, policy.take_stores(self.max_stores)
 
     def record(self, stats) -> None:
-        """Accumulate one step's `[hits, misses, dropped, layer rows copied]`."""
+        """Accumulate one step's `[hits, misses, dropped, layer rows moved]` (`glm53.attention.resolve_hot`:
+        the callback path's rows include the padding of its last chunk, so `h2d_bytes` counts the
+        bytes that cross from the host, not misses × row bytes)."""
         h, m, d, rows = (int(x) for x in stats)
         nbytes = rows * self.layer_row_bytes
         self.last_stats = (h, m, d, nbytes)
