@@ -1,9 +1,9 @@
-"""Capacity planner and roofline model for GLM-5.x serving (DESIGN §3.4, §4.2, §6.1, §9).
+"""Capacity planner and roofline model for GLM-5.x serving (docs/design.md §3.4, §4.2, §6.1, §9).
 
 How many requests of a given length fit at once, in bytes for a deployment description and in
 the engine's own units (arena pages of each KV cache group), plus the sparse-MLA roofline.
 
-Per-token KV bytes (source; DESIGN §4.2):
+Per-token KV bytes (source; docs/design.md §4.2):
 
 * MLA latent row per layer: `fp8_ds_mla` = A + 4·A/128 + 2·R (656 B for A = 512, R = 64: 512 e4m3
   values, 4 fp32 tile scales, 64 bf16 rope values); bf16 = 2·(A+R) (1152 B); fp32 = 4·(A+R).
@@ -14,7 +14,7 @@ Per-token KV bytes (source; DESIGN §4.2):
 GLM-5.3 with FP8 KV: 78·656 + 21·132 + 788 = 54,728 B per token; a 1,048,576-token request holds
 54,728 MiB ≈ 53.4 GiB, and ≈ 6.7 GiB per device when DCP8 shards it over 8 devices (source).
 
-Concurrency (DESIGN §9; the source documents give the inputs of the reference calculator, the
+Concurrency (docs/design.md §9; the source documents give the inputs of the reference calculator, the
 formulas are reconstructed). With KV room `R` bytes per device and a request of `L` tokens:
 
 * device-resident: ⌊R / (L · B)⌋, B = all per-token bytes (54,728);
@@ -66,7 +66,7 @@ FP8_WEIGHT_BLOCK = 128
 INDEX_BYTES = 4
 # Bytes of one activation value (bf16 query / output) in the roofline.
 ACTIVATION_BYTES = 2
-# Pages of a request that HiSparse never releases (DESIGN §6.1: the two newest).
+# Pages of a request that HiSparse never releases (docs/design.md §6.1: the two newest).
 TAIL_PAGES = 2
 
 
@@ -87,7 +87,7 @@ def normalize_kv_dtype(kv_dtype: str) -> str:
 def mla_row_bytes(cfg: GlmConfig, kv_dtype: str = "fp8") -> int:
     """Bytes of one cached MLA latent row `[c_kv | k_pe]` (one token, one layer).
 
-    fp8 (`fp8_ds_mla`, DESIGN §4.2): A e4m3 values + one fp32 scale per 128-value tile + R bf16
+    fp8 (`fp8_ds_mla`, docs/design.md §4.2): A e4m3 values + one fp32 scale per 128-value tile + R bf16
     rope values = A + 4·A/128 + 2·R (656 for GLM-5.3). bf16: 2·(A+R) = 1152. fp32: 4·(A+R).
 
     Raises:
@@ -105,7 +105,7 @@ def mla_row_bytes(cfg: GlmConfig, kv_dtype: str = "fp8") -> int:
 def indexer_row_bytes(cfg: GlmConfig, kv_dtype: str = "fp8") -> int:
     """Bytes of one cached indexer key (one token, one full layer).
 
-    fp8 (DESIGN §4.2): Dk e4m3 values + one fp32 scale = Dk + 4 (132 for GLM-5.3).
+    fp8 (docs/design.md §4.2): Dk e4m3 values + one fp32 scale = Dk + 4 (132 for GLM-5.3).
     bf16: 2·Dk = 256. fp32: 4·Dk.
     """
     d = normalize_kv_dtype(kv_dtype)
@@ -182,7 +182,7 @@ class KVBytesPerToken:
 
 
 def kv_bytes_per_token(cfg: GlmConfig, kv_dtype: str = "fp8", with_mtp: bool = True) -> KVBytesPerToken:
-    """Per-token KV bytes of every group of `cfg` stored as `kv_dtype` (DESIGN §3.4, §4.2).
+    """Per-token KV bytes of every group of `cfg` stored as `kv_dtype` (docs/design.md §3.4, §4.2).
 
     with_mtp: count the MTP layers' own KV (the reference figure 54,728 does; an engine allocates
     it only when it runs MTP speculation).
@@ -266,7 +266,7 @@ def checkpoint_weight_bytes(cfg: GlmConfig, checkpoint_dtype: str = "fp8", inclu
     disk. What a device holds comes from the model's parameter tree instead (`weight_bytes_per_gpu`,
     glm53.weight_bytes): the model replicates the embeddings that `per_device` counts as TP-split.
 
-    fp8 (DESIGN §3.7): every quantised linear is 1 B per weight plus one fp32 scale per 128×128
+    fp8 (docs/design.md §3.7): every quantised linear is 1 B per weight plus one fp32 scale per 128×128
     block; embeddings, head, norms, router (fp32), eh_proj and indexer weights_proj/k_norm keep
     their dtype. bf16: the checkpoint as listed (router fp32). GLM-5.3 fp8: ≈ 704 GiB in all.
     """
@@ -316,7 +316,7 @@ class Deployment:
     index_topk: top-k rows per query (None: the config's, 2048).
     num_speculative_tokens: MTP draft tokens (> 0 also counts the MTP layer's KV).
     hot_buffer_multiplier: hot lease = multiplier · index_topk rows per request; None: the
-        engine default num_speculative_tokens + 2 (DESIGN §6.1). The reference calculator uses 2
+        engine default num_speculative_tokens + 2 (docs/design.md §6.1). The reference calculator uses 2
         whatever the speculation (source).
     host_pool_bytes: HiSparse host pool per DP replica (rounded up to whole host blocks).
     indexer_offload_bytes: the separate host pool (OffloadingConnector) per DP replica that parks
@@ -495,7 +495,7 @@ class CapacityPoint:
     hot_bytes / tail_bytes / steady_bytes: a HiSparse request's hot lease, tail pages and
     steady-state footprint (indexer + hot + tail) per device. first_bytes: the admitted request's
     fully resident footprint (+ its hot lease).
-    hisparse_device_bound / hisparse_host_bound / hisparse: DESIGN §9 (host-bound and min are 0
+    hisparse_device_bound / hisparse_host_bound / hisparse: docs/design.md §9 (host-bound and min are 0
     when there is no host pool). hybrid: max(device_resident, hisparse) — Hybrid HiSparse only
     offloads under pressure, so it never admits fewer than device-resident serving.
     min_host_pool_bytes: per replica, the smallest pool with host-bound ≥ device-bound.
@@ -522,7 +522,7 @@ class CapacityPoint:
 
 
 def hisparse_device_bound(room: int, first_bytes: int, steady_bytes: int) -> int:
-    """Requests HiSparse holds on a device of `room` KV bytes (DESIGN §9): the admitted request
+    """Requests HiSparse holds on a device of `room` KV bytes (docs/design.md §9): the admitted request
     fully resident (`first_bytes`) plus ⌊(room − first) / steady⌋ others at their steady-state
     footprint (`steady_bytes`); 0 when the admitted request alone does not fit."""
     if room < first_bytes:
@@ -533,7 +533,7 @@ def hisparse_device_bound(room: int, first_bytes: int, steady_bytes: int) -> int
 def capacity(cfg: GlmConfig, dep: Deployment, seq_len: int) -> CapacityPoint:
     """Device-resident and Hybrid HiSparse concurrency of `dep` at `seq_len` tokens per request.
 
-    Formulas: module docstring (DESIGN §9). Per device, with Lr = ⌈L/dcp⌉:
+    Formulas: module docstring (docs/design.md §9). Per device, with Lr = ⌈L/dcp⌉:
     device-resident ⌊R / (Lr·B)⌋; first = Wr·B + (Lr − Wr)·B_idx + hot (W = the prefill window:
     `prefill_window_tokens` when given; by the engine's rule all of L when Lr·B + hot fits R, else
     2 · max_num_batched_tokens, with hot then the prefill buffer of `prefill_hot_rows` rows);
@@ -674,7 +674,7 @@ class Roofline:
 
 
 def sparse_mla_roofline(cfg: GlmConfig, heads: int, kv_dtype: str = "fp8", topk: int | None = None) -> Roofline:
-    """The sparse-MLA roofline of one query token (source, DESIGN §9): rows of `mla_row_bytes` +
+    """The sparse-MLA roofline of one query token (source, docs/design.md §9): rows of `mla_row_bytes` +
     a 4-byte index; per head a bf16 query (A+R) and output (A); QK over A+R and PV over A
     at 2 FLOPs per multiply-add."""
     a, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -691,7 +691,7 @@ def indexer_crossover_tokens(cfg: GlmConfig, heads_per_device: int) -> float:
     """Prompt length S (tokens) at which a device's indexer prefill FLOPs overtake its sparse-MLA
     FLOPs, prefilling from scratch.
 
-    Counting rule (DESIGN §9 asks for one): the indexer scores every causal query-key pair at
+    Counting rule (docs/design.md §9 asks for one): the indexer scores every causal query-key pair at
     2 · I · Dk FLOPs (I heads of Dk dims; causal halving: S²/2 pairs per S queries), sparse MLA
     costs `flops_per_row_head` (2,176) per selected row per head for K rows per query (K ≪ S;
     the first K queries, which see fewer rows, are ignored). A device computes both for the same
@@ -720,7 +720,7 @@ def predict_device_resident_requests(layout, num_blocks: int, max_model_len: int
     """How many equal requests of `max_model_len` tokens fit in the engine's arena at once.
 
     Every request holds ⌈L / tpp_g⌉ pages in each group g of `layout` (pages of all groups come
-    from one pool; DESIGN §6.1.1); block 0 is the null block, so `num_blocks − 1` pages are
+    from one pool; docs/design.md §6.1.1); block 0 is the null block, so `num_blocks − 1` pages are
     usable: ⌊(num_blocks − 1) / Σ_g ⌈L / tpp_g⌉⌋. (A request that reaches L tokens has written
     KV for L − 1 positions; the two counts differ only when L ≡ 1 mod some tpp_g.)
     """
@@ -756,7 +756,7 @@ def predict_hisparse_requests(layout, num_blocks: int, max_model_len: int, hot_r
                               tail_pages: int = TAIL_PAGES, reserve_pages: int = 0, reserve_per_request: int = 0,
                               window_tokens: int | None = None, prefill_hot_rows: int | None = None,
                               hot_tokens_per_page: int | None = None) -> HiSparsePagePlan:
-    """DESIGN §9's HiSparse device-bound and host-bound counts in pages of `layout`.
+    """docs/design.md §9's HiSparse device-bound and host-bound counts in pages of `layout`.
 
     The `offloaded` groups (the sparse-MLA group) keep only `tail_pages` pages per request on
     the device, plus a hot lease of ⌈hot_rows / tpp⌉ pages of the first offloaded group (hot

@@ -1,6 +1,6 @@
 """The tensor names, shapes and dtypes of an HF `glm_moe_dsa` (GLM-5.x) bf16 checkpoint.
 
-One source of truth for the checkpoint layout (DESIGN §3.7): the tiny checkpoint writer
+One source of truth for the checkpoint layout (docs/design.md §3.7): the tiny checkpoint writer
 generates exactly these tensors and the loader uses the same table to report missing,
 unexpected or mis-shaped tensors. Linear weights are `[out, in]`. Everything is bfloat16 except
 the MoE router (`mlp.gate.weight` and `mlp.gate.e_score_correction_bias`), which is float32.

@@ -1,6 +1,6 @@
 """Decoder layers and the stacked IndexShare group.
 
-Pre-norm residual block: `x += Attn(RMSNorm(x))`, then `x += FFN(RMSNorm(x))` (DESIGN §3.2).
+Pre-norm residual block: `x += Attn(RMSNorm(x))`, then `x += FFN(RMSNorm(x))` (docs/design.md §3.2).
 A `DecoderGroup` is one full MoE layer followed by `group_size - 1` shared MoE layers; its
 parameters carry a leading stacked axis and `scan_groups` runs `lax.scan` over it so the jitted
 step has few arguments and compiles once per group shape (GLM-5.3: 18 groups of 4).

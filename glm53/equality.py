@@ -1,4 +1,4 @@
-"""DESIGN §10's equality rule for greedy token streams of two runs that should compute the same
+"""docs/design.md §10's equality rule for greedy token streams of two runs that should compute the same
 thing (a HiSparse or preemption run vs an ample-pool run, a parallel layout vs one device).
 
 Streams must be identical, except that a stream may diverge at a near-tie: at the first differing

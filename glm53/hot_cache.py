@@ -1,4 +1,4 @@
-"""What the model sees of Hybrid HiSparse (DESIGN §6.1, §6.1.1): per-step hot inputs, the
+"""What the model sees of Hybrid HiSparse (docs/design.md §6.1, §6.1.1): per-step hot inputs, the
 per-request hot state carried through the forward pass, and access to the host pool.
 
 Under HiSparse some of a request's MLA pages are no longer on the device (their block-table entry

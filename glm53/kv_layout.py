@@ -1,4 +1,4 @@
-"""The model's KV cache groups laid out in one paged arena (DESIGN §4, §6.1.1).
+"""The model's KV cache groups laid out in one paged arena (docs/design.md §4, §6.1.1).
 
 Groups (each draws pages from the same arena; a block id names the page in every layer):
 
@@ -23,8 +23,8 @@ MLA_TOKENS_PER_PAGE = 64
 
 # Cache dtype name → (row dtype of the MLA latent rows, row dtype of the indexer keys)
 # (byte layouts in kernels/paged/layout.py and kernels/paged/fp8.py). "fp8" is the production
-# format of DESIGN §4.2: fp8_ds_mla latent rows (656 B/token/layer at full size) and e4m3 indexer
-# keys with one fp32 scale per token (132 B), Hadamard-rotated (DESIGN §3.3) unless disabled.
+# format of docs/design.md §4.2: fp8_ds_mla latent rows (656 B/token/layer at full size) and e4m3 indexer
+# keys with one fp32 scale per token (132 B), Hadamard-rotated (docs/design.md §3.3) unless disabled.
 CACHE_ROW_DTYPES = {
     "float32": ("float32", "float32"),
     "bfloat16": ("bfloat16", "bfloat16"),

@@ -1,7 +1,7 @@
 """Small building blocks: linear projections, norms, interleaved RoPE.
 
 Every module accepts `stack=(G,)` to create its parameters with leading stacked axes (the
-IndexShare groups scanned over, DESIGN §3.4); the forward code never sees the stacked axis.
+IndexShare groups scanned over, docs/design.md §3.4); the forward code never sees the stacked axis.
 Linear weights are stored `[in, out]` (the HF checkpoint's `[out, in]` transposed at load).
 """
 

@@ -126,7 +126,7 @@ class GlmForCausalLM(nnx.Module):
         """MTP step: `batch.input_ids_T[i]` is token i+1 paired with backbone hidden `hidden_TD[i]`
         (final-normed) at position `batch.positions_T[i]` = i; uses the `mtp` KV group.
         → (logits fp32 `[len(logits_indices), vocab]` predicting token i+2, kv_arena).
-        `zero_embed_pos0`: zero the embedding at position 0 (vLLM's form, DESIGN §3.6); see
+        `zero_embed_pos0`: zero the embedding at position 0 (vLLM's form, docs/design.md §3.6); see
         `glm53.mtp.mtp_forward`. Raises ValueError when the model has no MTP layer."""
         from glm53.mtp import mtp_forward
 

@@ -1,10 +1,10 @@
 """The MTP layer as a drafter: one forward of the layer, and the k-step draft recurrence.
 
-Sources for each choice (DESIGN §3.6):
+Sources for each choice (docs/design.md §3.6):
 * Input fusion `u = eh_proj([enorm(embed(t_{i+1})) | hnorm(h_i)])`, embedding half first: the
   GLM-5.x / DeepSeek-V3 checkpoint (`eh_proj` is `[D, 2D]`), vLLM `deepseek_mtp.py`, SGLang
-  `deepseek_nextn.py`. The embedding is zeroed at position 0 as vLLM's MTP forward does (DESIGN
-  §3.6); `zero_embed_pos0=False` gives the plain HF-block form our goldens use.
+  `deepseek_nextn.py`. The embedding is zeroed at position 0 as vLLM's MTP forward does
+  (docs/design.md §3.6); `zero_embed_pos0=False` gives the plain HF-block form our goldens use.
 * Step 0's `h_i` is the backbone's final-normed hidden state (the `lm_head` input), the trained
   contract (vLLM's proposer, SGLang's `spec_info.hidden_states`).
 * Steps ≥ 1 carry the MTP output AFTER `shared_head.norm` (post-norm), as SGLang's NextN layer

@@ -1,7 +1,7 @@
 """FP8 weights kept on the device: which parameters are block-scaled, their block sizes, and the
 checks a parallel layout must pass.
 
-Format (DeepSeek-V3 / GLM-5.x FP8 checkpoints, DESIGN §3.7): a quantised linear's HF weight
+Format (DeepSeek-V3 / GLM-5.x FP8 checkpoints, docs/design.md §3.7): a quantised linear's HF weight
 `[out, in]` is float8_e4m3fn with an fp32 `weight_scale_inv [ceil(out/b0), ceil(in/b1)]`
 (`weight_block_size [b0, b1]`, GLM-5.3 [128, 128]); the real weight is the code × its block's
 scale. The model stores linear weights `[in, out]` (glm53/layers.py), so a kept weight is the
@@ -38,7 +38,7 @@ from glm53.config import GlmConfig
 from kernels.fp8_matmul.reference import scale_shape  # noqa: F401  (re-exported for the model)
 
 QUANTIZATION_METHODS = ("fp8",)
-# Modules whose `.weight` is a block-scaled FP8 linear in GLM-5.x FP8 checkpoints (DESIGN §3.7).
+# Modules whose `.weight` is a block-scaled FP8 linear in GLM-5.x FP8 checkpoints (docs/design.md §3.7).
 QUANTIZED_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "wq_b", "wk", "gate_proj",
                      "up_proj", "down_proj")
 

@@ -17,7 +17,7 @@ checked as the engine checks it: a dimension its shard count does not divide rai
 (`check_fp8_parallel_layout`).
 
 All results are bytes (int). GLM-5.3 FP8 (block 128×128, bf16 elsewhere, MTP layer included):
-≈ 704 GiB in all (the checkpoint's size, DESIGN §3.7).
+≈ 704 GiB in all (the checkpoint's size, docs/design.md §3.7).
 """
 
 from __future__ import annotations

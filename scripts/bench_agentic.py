@@ -1,4 +1,4 @@
-"""Agentic multi-turn benchmark: Hybrid HiSparse vs preemption vs an ample pool (DESIGN §9).
+"""Agentic multi-turn benchmark: Hybrid HiSparse vs preemption vs an ample pool (docs/design.md §9).
 
 The reference workload (the source documents' OpenHands sweep) scaled down by `--scale`: 13-turn
 conversations whose first turn, later turns and outputs keep the 74,160 : 753 : 220 proportions
@@ -39,7 +39,7 @@ takes the next conversation and runs its turns one after the other), while a scr
   connector's host store), `offload_to_host_bytes` / `offload_to_device_bytes` (Δ
   `vllm:kv_offload_total_bytes` by transfer type);
 * `equal_under_rule`: every stream of the mode equals the ample run's (same conversation and
-  turn) under DESIGN §10's equality rule (`glm53.equality`: divergences only at a top-2 logit
+  turn) under docs/design.md §10's equality rule (`glm53.equality`: divergences only at a top-2 logit
   gap < 1e-4 or an indexer top-k boundary gap < 1e-3, counted in `divergences`, each listed in
   `divergence_details` with its gaps). Once a turn diverged (explained), the conversation's later
   prompts differ from the reference's: those turns are not compared (`turns_after_a_divergence`).

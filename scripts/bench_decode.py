@@ -28,7 +28,7 @@ share of the step time.
 A sanity line per batch compares the greedy tokens. The reference is one extra, untimed HF run
 with the indexer's top-k tie order pinned to ours (higher score, then lower position;
 `scripts/hf_tie_rule.py`): every row must equal ours in all tokens, or differ first at a token
-where HF's top-2 logit gap is below 1e-4 (DESIGN §10's near-tie rule); `parity.ok` in the JSON.
+where HF's top-2 logit gap is below 1e-4 (docs/design.md §10's near-tie rule); `parity.ok` in the JSON.
 HF as shipped is compared too (`greedy_match`), for information only: its `torch.topk` keeps an
 arbitrary subset of exactly tied index scores (exact zeros of the ReLU-weighted sum, common with
 random weights), which differs between a full forward and a cached decode step, so on the tiny
@@ -71,7 +71,7 @@ import sys
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NEAR_TIE_EPS = 1e-4  # fp32 top-2 logit gap below which a greedy divergence is acceptable (DESIGN §10)
+NEAR_TIE_EPS = 1e-4  # fp32 top-2 logit gap below which a greedy divergence is acceptable (docs/design.md §10)
 
 
 # ----------------------------------------------------------------------------------- workload
@@ -358,7 +358,7 @@ def first_divergence(ours: list[list[int]], hf: list[list[int]]) -> list[int | N
 
 def divergences(ours: list[list[int]], ref: list[list[int]], ref_top2_gap: list[list[float]],
                 eps: float = NEAR_TIE_EPS) -> list[dict | None]:
-    """DESIGN §10's equality rule, per row: None when the greedy streams are identical, else the first
+    """docs/design.md §10's equality rule, per row: None when the greedy streams are identical, else the first
     differing token's index, the reference's top-1 minus top-2 logit gap there and whether that is a
     near-tie (gap < eps), the only acceptable kind of divergence."""
     out = []

@@ -19,7 +19,7 @@ scores-only diagnostic. A second, shorter pass repeats the main decode points on
 the device-to-device copy bandwidth and checks each kernel against the reference on the device.
 On CPU it runs the references at small shapes (the numbers only show the script works).
 
-Everything it prints is computed here: the roofline of DESIGN §9 comes from `glm53.capacity`
+Everything it prints is computed here: the roofline of docs/design.md §9 comes from `glm53.capacity`
 (row bytes from the cache format, FLOPs from the widths), the H200 ridge from the datasheet peak
 and bandwidth below, achieved rates from the bytes and FLOPs each call must move and do over its
 median wall time. Cases run in priority order and stop at `--budget-s` (those left are listed as
@@ -73,14 +73,14 @@ warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated
 H200_BF16_FLOPS = 989e12
 H200_FP8_FLOPS = 1979e12
 H200_HBM_BYTES_S = 4.8e12
-TPP = 64  # tokens per page (DESIGN §4.1)
+TPP = 64  # tokens per page (docs/design.md §4.1)
 MLA_FP8, KEY_FP8 = "fp8_ds_mla", "fp8_per_token_hadamard"  # what --kv-cache-dtype fp8 stores
 
 
 # ----------------------------------------------------------------------------- roofline from code
 
 def roofline_summary(cfg) -> dict:
-    """DESIGN §9's roofline facts computed from the model config and the cache formats."""
+    """docs/design.md §9's roofline facts computed from the model config and the cache formats."""
     out = {"ridge_flops_per_byte": H200_BF16_FLOPS / H200_HBM_BYTES_S,
            "peak_bf16_flops": H200_BF16_FLOPS, "hbm_bytes_s": H200_HBM_BYTES_S}
     for heads in (8, 64):

@@ -7,7 +7,7 @@ and under DP8 + EP8 (from the model's real parameter tree and the partition rule
 documents' 8×H200 deployments by default) across sequence lengths 8K … 1M; with `--out DIR` it also writes
 `DIR/capacity.png`: concurrency vs sequence length, device-resident vs HiSparse at several
 hot-buffer sizes (host pool assumed not to be the bottleneck, as in the reference calculator's
-plot). The model behind the numbers is `glm53.capacity` (DESIGN §9).
+plot). The model behind the numbers is `glm53.capacity` (docs/design.md §9).
 
     python scripts/capacity.py                         # table for the reference deployments
     python scripts/capacity.py > docs/results/capacity.txt   # the committed output (a test checks it)
@@ -213,7 +213,7 @@ def plot(cfg: GlmConfig, deps: list[cap.Deployment], multipliers: list[int], win
                      f"({cap.normalize_kv_dtype(dep.kv_cache_dtype)}); host pool not limiting", fontsize=11)
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=9, loc="lower left", framealpha=0.9)
-    fig.suptitle("GLM-5.3 concurrency: device-resident vs Hybrid HiSparse (glm53.capacity, DESIGN §9); "
+    fig.suptitle("GLM-5.3 concurrency: device-resident vs Hybrid HiSparse (glm53.capacity, docs/design.md §9); "
                  "a line ends where not even one request fits", fontsize=13)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

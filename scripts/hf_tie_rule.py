@@ -8,7 +8,7 @@ values, and on CPU the subset of tied keys it keeps depends on the call (the sam
 different subsets in a `[B, S, T]` full forward and in a `[B, 1, T]` cached decode step). Exact
 ties are common with random weights: a key scores exactly 0 whenever every head's dot product is
 negative (probability 2^-heads per key, 1/16 with 4 heads), and when no selected key scores below
-0 the top-k boundary falls among those zeros. Our tie rule (DESIGN §3.3) is a total order: higher
+0 the top-k boundary falls among those zeros. Our tie rule (docs/design.md §3.3) is a total order: higher
 score, then lower position. On the tiny checkpoint (4 indexer heads, index_topk 64) HF's
 `generate` and HF's own full forward (no cache) then disagree with each other once the context
 passes index_topk, and both disagree with us; with this patch all three agree token for token

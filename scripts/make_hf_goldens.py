@@ -819,9 +819,9 @@ For i in 0..S-2: `e_i = enorm(embed_tokens(input_ids[:, i+1]))`,
 is the backbone's final-normed hidden state. The MTP decoder layer (its own MLA KV and its own
 indexer, MoE FFN) runs over u at positions 0..S-2 with causal attention, then
 `shared_head.norm`, then the backbone `lm_head`: `mtp_logits[:, i]` predicts token i+2. No
-position is zeroed: row i always pairs h_i with token i+1 (this is DESIGN's "embedding zeroed at
-position 0" layout shifted by one, with its empty first row dropped). The MTP rope positions
-start at 0.
+position is zeroed: row i always pairs h_i with token i+1 (this is the "embedding zeroed at
+position 0" layout of docs/design.md §3.6 shifted by one, with its empty first row dropped). The
+MTP rope positions start at 0.
 
 ## Tie handling
 

@@ -1,4 +1,4 @@
-"""Analytic model of GLM-5.3's context parallelism (DESIGN §7, §9): DCP communication per layer
+"""Analytic model of GLM-5.3's context parallelism (docs/design.md §7, §9): DCP communication per layer
 (ag_rs vs a2a), DCP KV memory per device, and where the indexer's prefill FLOPs overtake sparse
 MLA's under TP8 and PCP8. Everything is computed from the config (default: the `glm-5.3` preset).
 

@@ -1,6 +1,6 @@
 """Probe: the HiSparse host→device hot-row copy and the write-through page store, per mechanism.
 
-What it measures (`kernels/host_rows/ops.py`, DESIGN §4.3, §6.1.1), on whatever backend is there:
+What it measures (`kernels/host_rows/ops.py`, docs/design.md §4.3, §6.1.1), on whatever backend is there:
 
 * **copy** — one decode step's worth of hot-row copies (`copy_host_rows`), at production row
   sizes: a host pool of token-major rows of 79 sparse-MLA layers (78 backbone + the MTP layer) ×
@@ -358,7 +358,7 @@ class Setup:
             return self.store.rows[r0:r1].copy()
         if jax.default_backend() == "cpu":
             return np.asarray(jax.device_get(pool[r0:r1]))
-        # Off the CPU an eager slice would be compute on a host operand (DESIGN §4.3): fetch the
+        # Off the CPU an eager slice would be compute on a host operand (docs/design.md §4.3): fetch the
         # whole array (a plain host-to-host copy) and slice it here.
         return np.asarray(jax.device_get(pool))[r0:r1]
 

@@ -1,5 +1,5 @@
 """Write the FP8 block-scaled copy of a bf16/fp32 HF checkpoint — the format GLM-5.3's own FP8
-checkpoint has (DESIGN §3.7), which `serving.run --model DST` then serves with its FP8 weights on
+checkpoint has (docs/design.md §3.7), which `serving.run --model DST` then serves with its FP8 weights on
 the device (docs/fp8_weights.md).
 
     PYTHONPATH=. python scripts/quantize_checkpoint.py SRC DST [--block 128 128] [--overwrite]

@@ -1,6 +1,6 @@
 """The device block pool: one arena of equal-size pages shared by every KV cache group.
 
-A block id names a page of the device arena (DESIGN §6.1.1). Every KV cache group (MLA latent,
+A block id names a page of the device arena (docs/design.md §6.1.1). Every KV cache group (MLA latent,
 indexer keys, MTP) and every HiSparse hot lease draws pages from this single pool, so capacity
 moves between groups as requests come and go. The pool is pure bookkeeping: it never touches
 device memory.

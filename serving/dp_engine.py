@@ -1,6 +1,6 @@
 """Data-parallel serving: `--data-parallel-size N` attention replicas behind one engine.
 
-The reference decode engine's layout (DESIGN §7): N attention replicas (each its own requests,
+The reference decode engine's layout (docs/design.md §7): N attention replicas (each its own requests,
 scheduler, block pool, KV block tables and prefix cache; attention runs on the replica's own
 devices over its own KV) with the routed experts split over every device (`--enable-expert-
 parallel`), optionally TP inside each replica (`dp × pcp × tp` devices in all).

@@ -183,7 +183,7 @@ class LLMEngine(PDEngineMixin):
 
     def _build_offload(self, layout, with_hisparse: bool):
         """The OffloadingConnector of `--kv-transfer-config` (None without the flag): it manages
-        every KV cache group, or with Hybrid HiSparse the groups HiSparse does not (DESIGN §6.1).
+        every KV cache group, or with Hybrid HiSparse the groups HiSparse does not (docs/design.md §6.1).
         Raises ValueError (naming the flag) without prefix caching or under a parallel layout."""
         config = offload_config(self.args.kv_transfer_config)
         if config is None:

@@ -1,6 +1,6 @@
 """Engine step faults: what the engine does when a step raises, and the test hook that makes one.
 
-A step can fail in two ways (DESIGN §7, vLLM's `EngineDeadError` semantics):
+A step can fail in two ways (docs/design.md §7, vLLM's `EngineDeadError` semantics):
 
 * **recoverable**: the exception left the device state (KV arena, HiSparse hot state and host
   pool) intact — e.g. a bug while building the batch on the host. The requests of that step

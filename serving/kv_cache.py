@@ -2,7 +2,7 @@
 
 Every group (MLA latent, indexer keys, MTP, ...) draws pages from the same pool: pages are the
 same size in bytes, and each group picks its own `tokens_per_page` so that its per-token record
-fits a page (DESIGN §4.1, §6.1.1). Freeing pages of one group therefore makes room for any other
+fits a page (docs/design.md §4.1, §6.1.1). Freeing pages of one group therefore makes room for any other
 group. A request holds one block table per group: entry `i` covers the request's logical
 positions `[i * tpp, (i + 1) * tpp)` and the slot of position `p` is
 `table[p // tpp] * tpp + p % tpp` in that group's view of the arena.

@@ -1,7 +1,7 @@
 """How the scheduler gets device pages for its requests: the residency policy over the one pool.
 
 The scheduler (`serving/scheduler.py`) decides *which* requests run and how many tokens each gets;
-a `KVPolicy` decides how their KV is held. `DeviceResidentPolicy`, the baseline of DESIGN §6, keeps
+a `KVPolicy` decides how their KV is held. `DeviceResidentPolicy`, the baseline of docs/design.md §6, keeps
 every page of a running request on the device: admission allocates pages for all of a request's
 known tokens at once, a running request allocates as it grows, and when the pool runs out the
 scheduler preempts (recompute). Hybrid HiSparse (`serving/hisparse/`) is another policy over the
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 
 class DeviceResidentPolicy:
-    """Every page of a running request stays on the device (DESIGN §6 baseline).
+    """Every page of a running request stays on the device (docs/design.md §6 baseline).
 
     Args:
       kv: the block tables over the shared pool.
@@ -63,7 +63,7 @@ class DeviceResidentPolicy:
 
     def admit(self, req: "Request", hit: "PrefixHit | None", num_new: int, scheduled: Iterable["Request"]) -> int:
         """Pages for a waiting request about to compute `num_new` tokens from `hit.num_tokens`
-        (0 without a hit). The baseline allocates all of its known tokens at once (DESIGN §6.1:
+        (0 without a hit). The baseline allocates all of its known tokens at once (docs/design.md §6.1:
         room for the request fully resident), so a long prompt prefilled in chunks never runs out
         half-way. Returns the tokens it may compute this step (0: not admitted, nothing changed)."""
         ok = self.kv.allocate_slots(req.request_id, req.num_tokens, hit and hit.blocks, hit and hit.copy_from,

@@ -3,7 +3,7 @@
 The engine builds one `StepRecord` per step (and one per abort) and hands it to every stat
 logger it has (`LLMEngine.stat_loggers`). Two loggers exist:
 
-* `PrometheusStatLogger`: the metrics of DESIGN §6.2 under vLLM's names, labelled with
+* `PrometheusStatLogger`: the metrics of docs/design.md §6.2 under vLLM's names, labelled with
   `model_name`, in its own `CollectorRegistry` (so many apps can live in one process, as in the
   tests); serve them with `render()` (Prometheus text format). Gauges are read live from the
   engine at scrape time.

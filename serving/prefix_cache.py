@@ -39,7 +39,7 @@ A page carries one pool tag. A policy that releases a published page with a tag 
 (HiSparse `KVCacheManager.release_page`) replaces the `CachedPageTag`; `audit` reports such a
 page, so such a policy first unpublishes it (`unpublish_block`).
 
-Host tier (Hybrid HiSparse, DESIGN §6.1). With a `host_pool` (the HiSparse host pool's block
+Host tier (Hybrid HiSparse, docs/design.md §6.1). With a `host_pool` (the HiSparse host pool's block
 pool), pages of the `host_group` (the MLA latent group; its pages must be one hash unit long) are
 also published in host memory: `publish_host` files a host block under the unit's key once its
 copy is complete, tags it in the host pool, and the host pool's reuse callback

@@ -1,6 +1,6 @@
 """Continuous-batching scheduler with chunked prefill and preemption by recompute.
 
-The baseline policy of DESIGN §6 (after vLLM v1). Each `schedule()` call builds one step:
+The baseline policy of docs/design.md §6 (after vLLM v1). Each `schedule()` call builds one step:
 
 1. RUNNING requests in the order they started. Each gets the rest of its known tokens
    (`num_tokens - num_computed_tokens`: 1 for a decode, the remaining prompt for a request still
@@ -12,7 +12,7 @@ The baseline policy of DESIGN §6 (after vLLM v1). Each `schedule()` call builds
    than `max_num_seqs` run and budget remains. Admission is against the whole request, not its
    first chunk: pages for all of its known tokens (the prompt, plus the tokens generated before a
    preemption) are allocated at once, so a long prompt admitted in chunks never runs out of
-   pages half-way and preempts itself (DESIGN §6.1: room for the request fully resident).
+   pages half-way and preempts itself (docs/design.md §6.1: room for the request fully resident).
    Admission stops at the first request whose pages do not fit. A policy may set an
    `admission_lookahead` L (HiSparse does): then, among the first L + 1 waiting requests, those
    whose prefix-cache hit covers at least half of their tokens (the next turn of a conversation:

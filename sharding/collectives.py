@@ -6,7 +6,7 @@ an empty tuple means "no communication"), so callers translate roles to axes onc
 
 Maths sources: the log-sum-exp merge of partial softmax attention is the standard split-softmax
 identity (FlashAttention's online softmax, FlashDecoding's split-KV merge); the top-k merge
-relies on the indexer's total-order tie rule (DESIGN §3.3: higher score first, then lower position).
+relies on the indexer's total-order tie rule (docs/design.md §3.3: higher score first, then lower position).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Index maths of context parallelism: DCP token ownership and PCP load-balanced chunking.
 
-DCP (DESIGN §7): with N ranks and interleave size I, request-local position p lives on rank
+DCP (docs/design.md §7): with N ranks and interleave size I, request-local position p lives on rank
 `(p // I) % N`. The engine's block tables name pages of `g · N` tokens (`g` = the group's
 tokens_per_page on one device, e.g. 64 for MLA): block b holds, on every rank, the `g` rows of
 that rank's share of the page's `g · N` positions, in position order. So for p:
@@ -12,7 +12,7 @@ and the engine slot `block · g·N + o` becomes the rank-local slot `block · g 
 see their shard as an ordinary paged cache of `g`-token pages indexed by local positions, which
 are increasing in p, so the kernels run unchanged on a shard.
 
-PCP (DESIGN §7; arXiv 2411.01783 load-balanced sharding): a replica's T step tokens are cut into
+PCP (docs/design.md §7; arXiv 2411.01783 load-balanced sharding): a replica's T step tokens are cut into
 2N equal chunks and rank g takes chunks g and 2N−1−g, balancing causal work.
 
 All functions work on numpy or jax arrays (integer maths only).

@@ -1,6 +1,6 @@
 """Device meshes for GLM-5.3 serving and the logical roles that model code uses instead of axes.
 
-Physical mesh axes (DESIGN §7): `dp` (attention replicas with their own requests and caches),
+Physical mesh axes (docs/design.md §7): `dp` (attention replicas with their own requests and caches),
 `pcp` (prefill context parallel: a prompt's tokens split across devices) and `tp` (tensor
 parallel: attention heads and MLP columns). Expert parallelism and decode context parallelism add
 no devices: EP spreads the routed experts over every device of the mesh (vLLM: EP size = DP × PCP

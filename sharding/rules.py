@@ -6,7 +6,7 @@ the parameter's OWN trailing dimensions; leading stacked-group axes (the scanned
 groups, `stack.*`) are never sharded. Every parameter must match exactly one rule (first match
 wins); an unmatched path raises, so a new parameter has to be classified here.
 
-Linear weights are stored `[in, out]` (glm53/layers.py). The layout follows DESIGN §7:
+Linear weights are stored `[in, out]` (glm53/layers.py). The layout follows docs/design.md §7:
 * TP splits attention heads (q_b_proj columns, W_UK/W_UV heads, o_proj rows) and MLP columns
   (gate/up columns, down rows); the latent projections (q_a, kv_a) and the lightning indexer stay
   replicated, so the MLA latent cache is identical on every TP rank (and the indexer's work is

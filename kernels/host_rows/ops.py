@@ -1,4 +1,4 @@
-"""Moving KV rows between the paged device arena and a host-memory row pool (HiSparse, DESIGN §4.3).
+"""Moving KV rows between the paged device arena and a host-memory row pool (HiSparse, docs/design.md §4.3).
 
 Host pool layout. The pool holds whole pages of one single-component group (the MLA latent group:
 every sparse-MLA layer of a token), *token-major*: host row r is one token's rows of all L layers

@@ -2,7 +2,7 @@
 
 The indexer picks, for every query token, K request-local positions. Under Hybrid HiSparse some
 of a request's MLA pages are no longer on the device: their rows live in a host pool and are
-read through a small per-request *hot buffer* of device rows (DESIGN §6.1). This op maps every
+read through a small per-request *hot buffer* of device rows (docs/design.md §6.1). This op maps every
 selected position to the arena slot sparse MLA must read, and plans the host → hot row copies.
 
 For query token t of batch row b = req_idx[t] and selected position p = topk[t, k] (page

@@ -1,6 +1,6 @@
 """Lightning-indexer scores and top-k selection over the paged indexer-key cache — pure JAX.
 
-Maths (DeepSeek-V3.2 DSA as used by GLM-5.x; DESIGN §3.3), all in fp32:
+Maths (DeepSeek-V3.2 DSA as used by GLM-5.x; docs/design.md §3.3), all in fp32:
 
     I[t, s] = Σ_j w[t, j] · ReLU(qI[t, j, :] · kI[s, :]) · Dk^-0.5,   for s ≤ pos[t], else −inf
     TopK_t  = the min(K, pos[t] + 1) highest I[t, ·]

@@ -43,7 +43,7 @@ Formats (words are uint32; A = latent width, R = rope width, Dk = key width):
   parts are stored as separate segments (all keys of the page's tokens, then all their scales;
   see `kernels/paged/layout.py`). Dk must be a multiple of 4.
 
-Optional Hadamard rotation (DESIGN §3.3): keys are rotated by the normalised Sylvester Hadamard
+Optional Hadamard rotation (docs/design.md §3.3): keys are rotated by the normalised Sylvester Hadamard
 matrix `H = H_n / sqrt(n)` (n = Dk, a power of two) before quantising, and queries are rotated
 by the same H before scoring. H is symmetric and orthogonal (H·H = I), so
 `(q·H)·(k·H) = q·k` exactly in real arithmetic; only the fp8 rounding errors of the keys change

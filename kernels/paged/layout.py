@@ -1,7 +1,7 @@
 """Byte layout of the paged KV arena shared by every KV cache group.
 
 The device holds ONE arena `kv_arena: uint32[num_blocks, page_words]` of equal-size pages
-(DESIGN §6.1.1). Each KV cache group (MLA latent, indexer keys, MTP, later HiSparse hot leases)
+(docs/design.md §6.1.1). Each KV cache group (MLA latent, indexer keys, MTP, later HiSparse hot leases)
 draws pages from the same arena and chooses its own `tokens_per_page` so that its page fits:
 capacity given up by one group is usable by another. A block id names the same page in every
 layer of its group.
@@ -33,7 +33,7 @@ before segment s+1 of any token. Word offset of (component c, layer l, token o, 
 
 A one-segment row reduces to the formula above. `fp8_per_token*` keys have two segments (Dk/4
 code words, 1 scale word): per page and layer all the tokens' keys first, then all their scales
-(DESIGN §4.2): keys sit Dk bytes apart (16-byte aligned at Dk = 128 when the page is) and the
+(docs/design.md §4.2): keys sit Dk bytes apart (16-byte aligned at Dk = 128 when the page is) and the
 scales are contiguous, ready for vector loads.
 `fp8_ds_mla` rows are one 656-byte segment (41 × 16 B), like the format it follows.
 Gathers return, and scatters take, the logical row (segments concatenated in order).

@@ -1,6 +1,6 @@
 """Sparse MLA in the absorbed (MQA) form over the paged latent cache — pure-JAX reference.
 
-Maths (DeepSeek-V3.2 DSA, GLM-5.x; DESIGN §3.2): for query token t and head n,
+Maths (DeepSeek-V3.2 DSA, GLM-5.x; docs/design.md §3.2): for query token t and head n,
 
     score[t,n,k] = q_abs[t,n,:] · kv[slot[t,k], :] * scale        (A+R wide, fp32)
     p            = softmax_k(score) over valid k                   (valid: slot not −1 / null)

@@ -1,4 +1,4 @@
-"""Hybrid HiSparse (DESIGN §6.1): a residency policy over the one device pool, a host pool of
+"""Hybrid HiSparse (docs/design.md §6.1): a residency policy over the one device pool, a host pool of
 sealed MLA pages, hot-buffer leases and the resolver inside the jitted step.
 
     python -m serving.run --attention-config '{"hisparse_config": {"host_pool_gib": 64}}'

@@ -16,7 +16,7 @@ Keys (the reference deployment's names where it has them):
   is a `pinned_host` `jax.Array`, in-program slices) or "callback" (a numpy pool behind host
   callbacks).
 * `watermark`: fraction of the device pool kept free under pressure (default 0.1): when fewer
-  pages are free, running requests release clean pages (DESIGN §6.1).
+  pages are free, running requests release clean pages (docs/design.md §6.1).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ requests' prefixes stay reusable (the host tier of `serving/prefix_cache.py`).
 Copies (`CopyJob`, device page → host block) are queued when a page is sealed (all its positions
 computed), run at the start of the next step inside the jitted program, before anything in that
 step writes the arena (`take_stores`), and are complete once that step has finished
-(`complete`): only then is the page *clean* (DESIGN §6.1: a page is clean only once its copy is
+(`complete`): only then is the page *clean* (docs/design.md §6.1: a page is clean only once its copy is
 complete). Host destinations are computed from what the steps actually computed
 (`num_computed_tokens` after the step), so rolled-back tokens are never taken as durable.
 """

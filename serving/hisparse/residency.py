@@ -1,4 +1,4 @@
-"""Hybrid HiSparse residency policy over the one device pool (DESIGN §6.1).
+"""Hybrid HiSparse residency policy over the one device pool (docs/design.md §6.1).
 
 Pages of the MLA group (`mla`: the sparse-MLA latent rows of every layer) move through
 

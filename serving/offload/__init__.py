@@ -1,4 +1,4 @@
-"""The CPU KV offloading connector (vLLM's OffloadingConnector idea, DESIGN §6.1 baseline (b)).
+"""The CPU KV offloading connector (vLLM's OffloadingConnector idea, docs/design.md §6.1 baseline (b)).
 
     python -m serving.run --enable-prefix-caching --kv-transfer-config \\
         '{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{"cpu_bytes_to_use":N}}'

@@ -1,7 +1,7 @@
 """Typing a tool-call argument from the tool's JSON schema.
 
 GLM writes every argument value as text between `<arg_value>` tags: string values verbatim, other
-values as JSON (the chat template's instruction, DESIGN §3.8). To rebuild the call's JSON object:
+values as JSON (the chat template's instruction, docs/design.md §3.8). To rebuild the call's JSON object:
 
 * a parameter whose schema admits only strings keeps the raw text, unchanged (so `"007"` or
   `"true"` stay strings);

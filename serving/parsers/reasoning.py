@@ -1,6 +1,6 @@
 """The `glm45` reasoning parser: GLM-4.5+ / GLM-5.x `<think>REASONING</think>CONTENT` output.
 
-What the model writes depends on how the chat template opened the assistant turn (DESIGN §3.8):
+What the model writes depends on how the chat template opened the assistant turn (docs/design.md §3.8):
 
 * The GLM-5.3 generation prompt ends with `<|assistant|><think>`, so the output starts inside the
   reasoning and the first `</think>` ends it: `REASONING</think>CONTENT`.

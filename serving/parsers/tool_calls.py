@@ -1,6 +1,6 @@
 """The `glm47` tool-call parser: GLM-4.7 / GLM-5.x `<tool_call>` blocks in the content.
 
-Format (DESIGN §3.8, and the instruction our chat template gives the model):
+Format (docs/design.md §3.8, and the instruction our chat template gives the model):
 
     <tool_call>NAME<arg_key>K1</arg_key><arg_value>V1</arg_value><arg_key>K2</arg_key>...</tool_call>
 

@@ -1,4 +1,4 @@
-"""MTP speculative decoding (DESIGN §3.6, §6): the checkpoint's MTP layer drafts k tokens per
+"""MTP speculative decoding (docs/design.md §3.6, §6): the checkpoint's MTP layer drafts k tokens per
 request inside the jitted step, the next step verifies them as k + 1 decode rows, and rejected
 drafts' KV is rolled back by not counting it (their slots are written again).
 

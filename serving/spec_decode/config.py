@@ -3,7 +3,7 @@
     python -m serving.run --speculative-config '{"method": "mtp", "num_speculative_tokens": 3}'
 
 Keys:
-* `method`: "mtp" (the checkpoint's multi-token-prediction layer drafts; DESIGN §3.6). vLLM's
+* `method`: "mtp" (the checkpoint's multi-token-prediction layer drafts; docs/design.md §3.6). vLLM's
   aliases for the same drafter ("deepseek_mtp", "glm4_moe_mtp") are accepted.
 * `num_speculative_tokens`: k, drafted tokens per request per step, 1…5 (GLM-5.2+ recipes use up
   to 5). The target verifies k + 1 rows per decoding request in one step.

@@ -1,4 +1,4 @@
-"""Capacity planner and roofline model (glm53.capacity): the reference figures of DESIGN §3.4 and
+"""Capacity planner and roofline model (glm53.capacity): the reference figures of docs/design.md §3.4 and
 §9 recomputed from the config, the concurrency formulas on hand-made budgets, the engine-unit
 predictions against the arena layout, and a real engine filled with equal-length requests whose
 number running at once must match the prediction."""
@@ -29,7 +29,7 @@ def test_per_token_kv_bytes_reference_54728():
     assert kv.mtp == 656 + 132 == 788
     assert kv.total == 78 * 656 + 21 * 132 + 788 == 54_728
     assert kv.formula() == "78·656 + 21·132 + 788 = 54,728 B"
-    # HiSparse split (DESIGN §9): host 79 · 656, device indexer 22 · 132.
+    # HiSparse split (docs/design.md §9): host 79 · 656, device indexer 22 · 132.
     assert kv.sparse_mla == 79 * 656 == 51_824 and kv.device_indexer == 22 * 132 == 2_904
     assert kv.sparse_mla + kv.device_indexer == kv.total
     assert cap.kv_bytes_per_token(GLM53, "fp8", with_mtp=False).total == 54_728 - 788
@@ -72,7 +72,7 @@ def test_roofline_26_and_191_flops_per_byte_and_h200_ridge_206():
 def test_indexer_crossover_counting_rule():
     tp8 = cap.indexer_crossover_tokens(GLM53, heads_per_device=8)
     pcp8 = cap.indexer_crossover_tokens(GLM53, heads_per_device=64)
-    assert tp8 == 2048 * 2176 * 8 / (32 * 128) == 8704  # ≈8.7K (DESIGN §9)
+    assert tp8 == 2048 * 2176 * 8 / (32 * 128) == 8704  # ≈8.7K (docs/design.md §9)
     assert pcp8 == 69_632 and pcp8 / tp8 == 8  # ≈70K; the 8× ratio of the source
 
 

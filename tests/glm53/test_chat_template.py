@@ -1,4 +1,4 @@
-"""The GLM-5.3-format chat template (glm53/chat_template.jinja) against DESIGN §3.8's rules."""
+"""The GLM-5.3-format chat template (glm53/chat_template.jinja) against docs/design.md §3.8's rules."""
 
 import json
 

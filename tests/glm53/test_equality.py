@@ -1,4 +1,4 @@
-"""DESIGN §10's equality rule (glm53/equality.py): identical streams pass, a divergence is accepted
+"""docs/design.md §10's equality rule (glm53/equality.py): identical streams pass, a divergence is accepted
 only at a small top-2 logit gap or a small indexer top-k boundary gap, and the indexer diagnostic
 reports no boundary while every key is selected."""
 

@@ -251,7 +251,7 @@ def test_a_checkpoint_without_mtp_loads_serves_and_refuses_mtp(tmp_path, caplog)
 
 def test_served_greedy_streams_equal_with_fp8_kept_and_dequantised(tmp_path):
     """The engine on the FP8 copy of the tiny checkpoint, weights kept vs dequantised at load:
-    the same greedy streams (DESIGN §10's rule: a divergence must sit at a top-2 near-tie)."""
+    the same greedy streams (docs/design.md §10's rule: a divergence must sit at a top-2 near-tie)."""
     from glm53.equality import compare_streams
     from serving.llm import LLM
     from serving.types import SamplingParams

@@ -86,7 +86,7 @@ def test_mtp_logits_match_hf(fixture):
 
 
 def test_prefill_then_decode_equals_full_forward(fixture):
-    """Equality rule (DESIGN §10): identical greedy tokens, or a divergence only at a near-tie;
+    """Equality rule (docs/design.md §10): identical greedy tokens, or a divergence only at a near-tie;
     here we also require the logits themselves to agree within the parity tolerance."""
     name, lm, gold = fixture
     ids = list(gold["input_ids"][0])

@@ -35,7 +35,7 @@ from kernels.indexer_topk.reference import indexer_topk_reference
 from kernels.paged import positions_to_slots, read_cache
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf", "dense")
-NEAR_TIE = 1e-4  # DESIGN §10 equality rule: a divergence is allowed only where the top-2 gap is below this
+NEAR_TIE = 1e-4  # docs/design.md §10 equality rule: a divergence is allowed only where the top-2 gap is below this
 
 
 def test_fp8_layout_bytes_match_the_design():
@@ -180,7 +180,7 @@ def decode(step, layout, pages, arena, first_pos, tokens_in, n_greedy):
 
 
 def assert_equal_streams(ref_toks, ref_logits, toks):
-    """DESIGN §10: identical, or the first divergence is at a near-tie of the reference."""
+    """docs/design.md §10: identical, or the first divergence is at a near-tie of the reference."""
     for i, (a, b) in enumerate(zip(ref_toks, toks)):
         if a != b:
             top2 = np.sort(ref_logits[i])[-2:]
@@ -242,7 +242,7 @@ def check_indexer_at_8k(lm, pages, arena, prompt):
 def test_8k_prefill_then_decode_equals_the_full_forward(tiny, sparse_step):
     """An 8K-token prompt (indexer: 128 query chunks, keys in two 4096-key chunks of 512-key blocks,
     top-k 64 of up to 8K). Run A prefills the first LONG−3 tokens and decodes the last three (and
-    then three greedy tokens); run B prefills all LONG tokens in one step. DESIGN §10: incremental
+    then three greedy tokens); run B prefills all LONG tokens in one step. docs/design.md §10: incremental
     decode equals the full forward; the logits of the same positions agree, greedy streams equal.
     Independently, layer 0's selection at 8K is checked against dense numpy scores."""
     lm, pages, nblocks = tiny

@@ -2,7 +2,7 @@
 real models: the live arrays of a model built with the same dtype and quantisation on one device,
 and the addressable shards of that model placed with `sharding.rules.shard_params` on 8 simulated
 CPU devices (tests/conftest.py sets the device count); plus GLM-5.3 FP8 figures checked against
-bounds derived by hand from the config (DESIGN §3.1, §3.7)."""
+bounds derived by hand from the config (docs/design.md §3.1, §3.7)."""
 
 from __future__ import annotations
 
@@ -154,14 +154,14 @@ FP8_128 = WeightQuant(block=(128, 128))
 
 
 def _glm53_expert_bytes(num_moe_layers: int) -> int:
-    """Routed experts of GLM-5.3 FP8, by hand (DESIGN §3.1): 256 experts × gate/up/down of 6144 × 2048
+    """Routed experts of GLM-5.3 FP8, by hand (docs/design.md §3.1): 256 experts × gate/up/down of 6144 × 2048
     e4m3 codes + one fp32 scale per 128 × 128 block (48 × 16 blocks)."""
     return num_moe_layers * 256 * 3 * (6144 * 2048 + 4 * 48 * 16)
 
 
 def test_glm53_fp8_totals():
     total = device_weight_bytes(GLM53, dtype=jnp.bfloat16, quant=FP8_128)
-    assert 700 * GIB < total < 708 * GIB  # ≈ 704 GiB, the FP8 checkpoint (DESIGN §3.7)
+    assert 700 * GIB < total < 708 * GIB  # ≈ 704 GiB, the FP8 checkpoint (docs/design.md §3.7)
     # The checkpoint files (another code path: the HF key list) hold the same weights to within the
     # refined kv_b scale grids and the fp32 copy of the indexer's weights_proj (< 0.1 GiB).
     assert abs(total - cap.checkpoint_weight_bytes(GLM53, "fp8").total) < 0.1 * GIB

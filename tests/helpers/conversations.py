@@ -1,5 +1,5 @@
 """Multi-turn conversations driven straight through an `LLMEngine` (the agentic workload's shape,
-DESIGN §9, at test sizes): each conversation's turn t+1 prompt is turn t's prompt, its greedy
+docs/design.md §9, at test sizes): each conversation's turn t+1 prompt is turn t's prompt, its greedy
 output and `new_tokens` fresh user tokens; conversations run concurrently, each turn submitted when
 the previous one finished. Deterministic content, `ignore_eos`."""
 

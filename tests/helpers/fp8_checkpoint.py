@@ -1,7 +1,7 @@
 """FP8 block-scaled copies of test checkpoints, quantised here with numpy (independent of
 `kernels.fp8_matmul`): the DeepSeek-V3 recipe, `scale_inv = amax / 448` per block, codes
 `w / scale_inv` rounded to e4m3 (ml_dtypes), for every linear the GLM-5.x FP8 checkpoints
-quantise (DESIGN §3.7): attention projections (indexer `wq_b`/`wk` included), dense MLP, shared
+quantise (docs/design.md §3.7): attention projections (indexer `wq_b`/`wk` included), dense MLP, shared
 and routed experts; embeddings, head, norms, router, `eh_proj`, `weights_proj` stay as they are."""
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def test_multi_turn_chat_and_streaming_agree(client):
 
 
 def test_concurrent_greedy_requests_match_one_by_one(client):
-    """Equality rule (DESIGN §10): the batched streams must equal the sequential ones; the API
+    """Equality rule (docs/design.md §10): the batched streams must equal the sequential ones; the API
     exposes no logits, so any divergence fails (the batched and single steps compute each row
     with the same per-row maths)."""
     prompts = [[(7 * i + j) % 400 + 10 for j in range(5 + 9 * i)] for i in range(8)]

@@ -1,6 +1,6 @@
 """Hybrid HiSparse in the real engine (tiny checkpoint, CPU): under KV pressure every request keeps
 decoding with nobody preempted, and the greedy streams equal those of a run whose device pool is
-large enough for everything (DESIGN §10's equality rule; the preemption baseline is held to the
+large enough for everything (docs/design.md §10's equality rule; the preemption baseline is held to the
 same rule) — on a multi-turn workload whose contexts are many times index_topk, with the bf16 and
 the fp8 cache; a request of about three times the device pool's token capacity is served; clean
 pages in the host pool equal their device copies byte for byte; the compiled step reads host memory

@@ -1,7 +1,7 @@
 """The glm45 reasoning and glm47 tool-call parsers, alone and through `ChatOutput`.
 
 Expected results are written out by hand (examples) or known by construction (the property
-test builds a model output from its parts with the format of DESIGN §3.8 and checks that the
+test builds a model output from its parts with the format of docs/design.md §3.8 and checks that the
 parts come back, whatever the stream's chunking)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """MTP speculative decoding (serving/spec_decode, glm53/mtp.py) on the shipped tiny checkpoint.
 
-* Greedy streams with and without MTP agree under the equality rule (DESIGN §10) for k = 1 and 3,
+* Greedy streams with and without MTP agree under the equality rule (docs/design.md §10) for k = 1 and 3,
   on the bf16 and fp8 caches (prompts longer than index_topk = 64, chunked prefill, prefix caching).
 * Test drafters: one proposing the known greedy continuation (every draft accepted, acceptance
   length k + 1) and one always wrong (every draft rejected): streams unchanged, counters and

@@ -1,4 +1,4 @@
-"""The engine under parallel layouts serves the single-device greedy streams (DESIGN §10 rule).
+"""The engine under parallel layouts serves the single-device greedy streams (docs/design.md §10 rule).
 
 The shipped tiny checkpoint (4 heads, 8 experts) through `LLMEngine` with continuous batching and
 chunked prefill (budget 64 tokens, so the 100-token prompt is prefilled in chunks and decode steps

@@ -131,7 +131,7 @@ def test_the_engine_refuses_a_tensor_parallel_size_that_cuts_scale_blocks(tmp_pa
 def test_served_fp8_streams_under_tp2_equal_the_dequantised_single_device_engine(tmp_path):
     """The engine (`serving.run`'s path: streaming sharded load, runner, step) on the tiny
     checkpoint in FP8 with 32×32 blocks (TP2-aligned): TP2 with FP8 kept gives the greedy streams
-    of one device with the weights dequantised (DESIGN §10's rule: a divergence must sit at a
+    of one device with the weights dequantised (docs/design.md §10's rule: a divergence must sit at a
     top-2 near-tie of the reference's logits)."""
     from glm53.equality import compare_streams
     from glm53.tiny_checkpoint import default_model_dir

@@ -7,7 +7,7 @@ HiSparse under TP2 (one host copy per replica: the pool's columns split over the
 EP (a host pool, policy and hot state per replica), TP2 × DCP2, PCP2 × DCP2 and DP2 × TP2 × DCP2
 (each DCP rank's host pool holds its token share of every page; each rank resolves the merged
 top-k for the positions it owns). Every run is checked against the single-device run on an
-ample pool without HiSparse (DESIGN §10's equality rule, `glm53.equality`), with nobody
+ample pool without HiSparse (docs/design.md §10's equality rule, `glm53.equality`), with nobody
 preempted, rows really read from the host, audits clean after every step, and — every few steps
 — every clean host block of every replica and DCP rank equal, byte for byte, to the device page
 it copies. Both host-gather mechanisms run ("callback" under TP2 × DCP2 and DP2 × TP2 × DCP2,

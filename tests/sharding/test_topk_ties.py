@@ -3,7 +3,7 @@
 Keys are multiples of one unit vector and queries/weights small integers, so every score is
 exact in fp32 and most are tied (five distinct values over 200 keys, K = 16): the boundary of
 almost every query row falls inside a run of equal scores spread round-robin over the ranks.
-Oracle: numpy sorting by (−score, position) — the total-order rule of DESIGN §3.3 — and the
+Oracle: numpy sorting by (−score, position) — the total-order rule of docs/design.md §3.3 — and the
 single-device path. Covers the DCP-over-TP merge (per-rank top-k + `global_topk_merge`) and the
 DCP-over-PCP temporary full copy and DCP over TP × PCP (both), written through the parallel
 cache-write path.
