@@ -28,8 +28,9 @@ def compilation_cache_dir() -> str:
 
 def enable_compilation_cache() -> str | None:
     """Turn the persistent cache on (idempotent). → the directory in use, or None when disabled by
-    `GLM53_COMPILATION_CACHE=off`. Programs taking under 1 s to compile are not stored. Raises
-    ValueError for a `GLM53_COMPILATION_CACHE_GIB` that is not a positive number."""
+    `GLM53_COMPILATION_CACHE=off`. Programs taking under `GLM53_COMPILATION_CACHE_MIN_SECS` (default
+    1 s) to compile are not stored. Raises ValueError for a `GLM53_COMPILATION_CACHE_GIB` that is not
+    a positive number or a `GLM53_COMPILATION_CACHE_MIN_SECS` that is not a number."""
     if os.environ.get("GLM53_COMPILATION_CACHE", "") == "off":
         return None
     current = jax.config.jax_compilation_cache_dir
@@ -37,7 +38,12 @@ def enable_compilation_cache() -> str | None:
         return current
     path = compilation_cache_dir()
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    raw_min = os.environ.get("GLM53_COMPILATION_CACHE_MIN_SECS", "1")
+    try:
+        min_secs = float(raw_min)
+    except ValueError:
+        raise ValueError(f"GLM53_COMPILATION_CACHE_MIN_SECS={raw_min!r} is not a number of seconds") from None
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
     raw = os.environ.get("GLM53_COMPILATION_CACHE_GIB", "10")
     try:
         gib = float(raw)
