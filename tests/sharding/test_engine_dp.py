@@ -207,3 +207,10 @@ def test_cli_accepts_data_parallel():
     args = make_arg_parser().parse_args(["--data-parallel-size", "8", "--enable-expert-parallel"])
     validate_args(args)
     assert args.parallel == ParallelConfig(data_parallel_size=8, enable_expert_parallel=True)
+
+
+def test_llmengine_from_args_refuses_a_data_parallel_layout_naming_the_factory():
+    """`serving.engine_factory.build_engine` is the one place that picks DataParallelEngine; the
+    base class asked to build a DP layout says so before loading anything."""
+    with pytest.raises(ValueError, match="build_engine"):
+        LLMEngine.from_args(EngineArgs(parallel=DP2_EP, compile_progress=False))
