@@ -85,6 +85,11 @@ class HostRowStore:
         return np.int32(n)
 
 
+def _callback_chunk_rows(num_entries: int) -> int:
+    """Rows per host callback of `copy_host_rows` for a miss list of `num_entries` (static)."""
+    return min(CALLBACK_CHUNK, num_entries)
+
+
 def rows_moved(host_rows_X: jax.Array, mechanism: str) -> jax.Array:
     """Rows `copy_host_rows` moves from the host for this miss list (int32 scalar, traced): the
     valid entries for "memory_kind" (one host slice each); for "callback", whole chunks of
@@ -93,7 +98,7 @@ def rows_moved(host_rows_X: jax.Array, mechanism: str) -> jax.Array:
     n = jnp.sum(host_rows_X >= 0).astype(jnp.int32)
     if mechanism != "callback":
         return n
-    C = min(CALLBACK_CHUNK, host_rows_X.shape[0])
+    C = _callback_chunk_rows(host_rows_X.shape[0])
     return (n + C - 1) // C * C
 
 
@@ -171,7 +176,7 @@ def copy_host_rows(kv_arena: jax.Array, pool, host_rows_X: jax.Array, slots_X: j
         return lax.fori_loop(0, n, body, kv_arena)
     if mechanism == "callback":
         X = host_rows_X.shape[0]
-        C = min(CALLBACK_CHUNK, X)
+        C = _callback_chunk_rows(X)
         pad = (-X) % C
         rows_p = jnp.pad(jnp.where(host_rows_X >= 0, host_rows_X + row_offset, -1), (0, pad), constant_values=-1)
         slots_p = jnp.pad(slots_X, (0, pad), constant_values=-1)
