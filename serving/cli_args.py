@@ -91,6 +91,12 @@ def make_arg_parser() -> argparse.ArgumentParser:
         "Default: powers of two up to --max-num-seqs. Sizes above --max-num-batched-tokens are dropped.",
     )
     sch.add_argument(
+        "--precompile-token-paddings", type=int, nargs="*", default=None,
+        help="Prefill-sized step buckets (token counts, sglang-jax's flag) compiled at start-up besides the "
+        "decode sizes; --max-num-batched-tokens is always one. Default: 16*4^k below the budget; none given = "
+        "the budget alone (one program fewer per size: faster start-up, more padding).",
+    )
+    sch.add_argument(
         "--kv-cache-dtype", choices=["auto", "bfloat16", "fp8"], default="auto",
         help="KV cache format: auto (the model dtype), bfloat16, or fp8 (fp8_ds_mla latent + fp8 indexer keys).",
     )
@@ -254,6 +260,8 @@ def validate_args(args: argparse.Namespace) -> None:
 
     if args.cuda_graph_sizes is not None and any(v < 1 for v in args.cuda_graph_sizes):
         raise ArgumentError(f"--cuda-graph-sizes must be >= 1, got {args.cuda_graph_sizes}")
+    if args.precompile_token_paddings is not None and any(v < 1 for v in args.precompile_token_paddings):
+        raise ArgumentError(f"--precompile-token-paddings must be >= 1, got {args.precompile_token_paddings}")
     args.parallel = parallel_config(args)
     _check_speculative_config(args)
     _check_kv_transfer_config(args)

@@ -143,6 +143,7 @@ class DataParallelEngine(LLMEngine):
                                   max_model_len=args.max_model_len, seed=args.seed,
                                   max_logprobs=args.max_logprobs, parallel=self.parallel,
                                   cuda_graph_sizes=args.cuda_graph_sizes,
+                                  precompile_token_paddings=args.precompile_token_paddings,
                                   sampling_vocab_size=tokenizer_vocab_size(model_path),
                                   hisparse=self.hisparse.device if self.hisparse is not None else None)
         self.pd = self._build_pd(model.cfg, num_blocks, [(r.index, r.scheduler, r.kv, r.pool) for r in self.replicas])

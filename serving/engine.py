@@ -72,6 +72,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "bfloat16" or "fp8"
     quantization: str | None = None  # --quantization: None (the checkpoint's), "fp8" (online for bf16 checkpoints)
     cuda_graph_sizes: list[int] | None = None  # decode-sized step buckets (None: 1, 2, 4, … max_num_seqs)
+    precompile_token_paddings: list[int] | None = None  # prefill-sized step buckets (None: 16·4^k; []: the budget alone)
     attention_config: dict | None = None  # --attention-config (hisparse_config: Hybrid HiSparse)
     kv_transfer_config: dict | None = None  # --kv-transfer-config (OffloadingConnector, JaxTransferConnector)
     speculative_config: dict | None = None  # --speculative-config (MTP speculative decoding)
@@ -162,6 +163,7 @@ class LLMEngine(PDEngineMixin):
                                   max_model_len=args.max_model_len, seed=args.seed,
                                   max_logprobs=args.max_logprobs, parallel=self.parallel,
                                   cuda_graph_sizes=args.cuda_graph_sizes,
+                                  precompile_token_paddings=args.precompile_token_paddings,
                                   sampling_vocab_size=tokenizer_vocab_size(model_path),
                                   hisparse=self.hisparse.device if self.hisparse is not None else None,
                                   offload=self.offload, num_speculative_tokens=k)

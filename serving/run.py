@@ -53,6 +53,7 @@ def build_server(argv: list[str] | None = None):
         seed=args.seed, enable_prefix_caching=args.enable_prefix_caching, max_logprobs=args.max_logprobs,
         disable_log_stats=args.disable_log_stats, parallel=args.parallel,
         kv_cache_dtype=args.kv_cache_dtype, cuda_graph_sizes=cuda_graph_sizes(args.cuda_graph_sizes),
+        precompile_token_paddings=args.precompile_token_paddings,
         attention_config=args.attention_config, kv_transfer_config=args.kv_transfer_config,
         speculative_config=args.speculative_config)
     try:

@@ -73,21 +73,32 @@ def cuda_graph_sizes(flag_values: list[int] | None) -> tuple[int, ...] | None:
     return tuple(flag_values)
 
 
-def token_buckets(max_num_batched_tokens: int, cuda_graph_sizes=(), smallest: int = 16,
-                  factor: int = 4) -> tuple[int, ...]:
-    """Sorted step sizes in tokens: `cuda_graph_sizes` (decode sizes) ∪ geometric 16·4^k prefill
-    sizes, every one ≤ `max_num_batched_tokens`, and always the budget itself as the largest, so
-    no step is padded past its token budget. Sizes above the budget are dropped.
+def token_buckets(max_num_batched_tokens: int, cuda_graph_sizes=(), precompile_token_paddings=None,
+                  smallest: int = 16, factor: int = 4) -> tuple[int, ...]:
+    """Sorted step sizes in tokens: `cuda_graph_sizes` (decode sizes) ∪ the prefill sizes, every
+    one ≤ `max_num_batched_tokens`, and always the budget itself as the largest, so no step is
+    padded past its token budget. Sizes above the budget are dropped. The prefill sizes are
+    `precompile_token_paddings` (sglang-jax's name; () for none besides the budget) or, when None,
+    the geometric 16·4^k.
+
+    Every bucket is one more compiled program (two under Hybrid HiSparse): fewer buckets start
+    faster and pad more (a step runs at its bucket's size).
 
     Raises:
       ValueError: a size < 1."""
-    bad = [s for s in cuda_graph_sizes if int(s) < 1]
-    if bad:
-        raise ValueError(f"--cuda-graph-sizes must be >= 1, got {bad}")
-    out, b = {int(s) for s in cuda_graph_sizes if int(s) < max_num_batched_tokens}, smallest
-    while b < max_num_batched_tokens:
-        out.add(b)
-        b *= factor
+    for flag, sizes in (("--cuda-graph-sizes", cuda_graph_sizes), ("--precompile-token-paddings",
+                                                                  precompile_token_paddings or ())):
+        bad = [s for s in sizes if int(s) < 1]
+        if bad:
+            raise ValueError(f"{flag} must be >= 1, got {bad}")
+    out = {int(s) for s in cuda_graph_sizes if int(s) < max_num_batched_tokens}
+    if precompile_token_paddings is not None:
+        out |= {int(s) for s in precompile_token_paddings if int(s) < max_num_batched_tokens}
+    else:
+        b = smallest
+        while b < max_num_batched_tokens:
+            out.add(b)
+            b *= factor
     out.add(max_num_batched_tokens)
     return tuple(sorted(out))
 
@@ -109,6 +120,8 @@ class ModelRunner:
       cuda_graph_sizes: decode-sized token buckets compiled besides the prefill ones (None: the
         powers of two up to max_num_seqs, `default_cuda_graph_sizes`, times k + 1 under MTP
         speculation; () for none).
+      precompile_token_paddings: the prefill-sized token buckets (None: 16·4^k; () for none
+        besides max_num_batched_tokens; `token_buckets`).
       sampling_vocab_size: ids at or past it are never sampled nor reported in logprobs (the
         tokenizer's size when the checkpoint pads its vocabulary; `serving.sampling.mask_unreachable`).
         None: every id of the model's vocabulary.
@@ -123,7 +136,7 @@ class ModelRunner:
 
     def __init__(self, model: GlmForCausalLM, layout: KVCacheLayout, num_blocks: int, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, seed: int = 0, max_logprobs: int = 20,
-                 parallel: ParallelLayout | None = None, cuda_graph_sizes=None,
+                 parallel: ParallelLayout | None = None, cuda_graph_sizes=None, precompile_token_paddings=None,
                  hisparse: HiSparseDeviceState | None = None, sampling_vocab_size: int | None = None,
                  offload=None, num_speculative_tokens: int = 0):
         self.layout = layout
@@ -148,7 +161,7 @@ class ModelRunner:
             cuda_graph_sizes = default_cuda_graph_sizes(max_num_seqs, 2 * pcp if pcp > 1 else 1)
             if self.spec_k:  # a decode step of B requests verifying k drafts each has B·(k + 1) rows
                 cuda_graph_sizes = tuple(b * (self.spec_k + 1) for b in cuda_graph_sizes)
-        self.buckets = token_buckets(max_num_batched_tokens, cuda_graph_sizes)
+        self.buckets = token_buckets(max_num_batched_tokens, cuda_graph_sizes, precompile_token_paddings)
         dcp = parallel.dcp if parallel is not None else 1  # under DCP an engine page spans tpp × dcp tokens
         self.widths = {g.name: math.ceil(max_model_len / (g.tokens_per_page * dcp)) for g in layout.groups}
         if parallel is None:

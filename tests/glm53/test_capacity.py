@@ -320,7 +320,7 @@ def engine_and_log():
     lg.addHandler(h)
     try:
         engine = build_engine(EngineArgs(model=None, max_num_seqs=16, max_num_batched_tokens=64,
-                                                cuda_graph_sizes=[], max_model_len=384, num_gpu_blocks_override=26,
+                                                cuda_graph_sizes=[], precompile_token_paddings=[], max_model_len=384, num_gpu_blocks_override=26,
                                                 compile_progress=False))
     finally:
         lg.removeHandler(h)

@@ -239,7 +239,7 @@ def test_a_checkpoint_without_mtp_loads_serves_and_refuses_mtp(tmp_path, caplog)
     lines = [r.getMessage() for r in caplog.records if "without MTP" in r.getMessage()]
     assert len(lines) == 1 and "--speculative-config" in lines[0]
     # Serving: the same greedy tokens as the full checkpoint (MTP plays no part without speculation).
-    engine = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, cuda_graph_sizes=[])
+    engine = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, cuda_graph_sizes=[], precompile_token_paddings=[])
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     got = LLM(path, **engine).generate([[5, 6, 7, 8, 9]], params)[0].outputs[0].token_ids
     want = LLM(str(default_model_dir()), **engine).generate([[5, 6, 7, 8, 9]], params)[0].outputs[0].token_ids
@@ -257,7 +257,7 @@ def test_served_greedy_streams_equal_with_fp8_kept_and_dequantised(tmp_path):
     from serving.types import SamplingParams
 
     path = write_fp8_checkpoint(str(default_model_dir()), str(tmp_path / "fp8"))
-    engine = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, cuda_graph_sizes=[])
+    engine = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, cuda_graph_sizes=[], precompile_token_paddings=[])
     rng = np.random.default_rng(3)
     prompts = [rng.integers(4, 500, n).tolist() for n in (9, 40, 70)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)

@@ -31,7 +31,7 @@ def test_hub_id_resolves_to_the_cached_snapshot_and_serves(hub_cache):
 
     assert resolve_model("zai-org/GLM-5.3-tiny") == str(hub_cache)
     e = build_engine(EngineArgs(model="zai-org/GLM-5.3-tiny", max_model_len=64, max_num_seqs=2,
-                                       max_num_batched_tokens=32, cuda_graph_sizes=[], compile_progress=False,
+                                       max_num_batched_tokens=32, cuda_graph_sizes=[], precompile_token_paddings=[], compile_progress=False,
                                        disable_log_stats=True))
     assert e.model_path == str(hub_cache)
     e.add_request("r", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))

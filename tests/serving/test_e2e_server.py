@@ -17,7 +17,7 @@ from tests.helpers.live_server import live_server
 
 # Same engine settings as test_llm (shared compiled steps through the persistent cache).
 ARGV = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "1024", "--enable-prefix-caching",
-        "--log-level", "warning", "--cuda-graph-sizes"]  # no decode buckets: keeps tests fast
+        "--log-level", "warning", "--cuda-graph-sizes", "--precompile-token-paddings"]  # one step bucket (64 tokens): keeps tests fast
 
 
 @pytest.fixture(scope="module")

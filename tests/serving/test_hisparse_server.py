@@ -14,7 +14,7 @@ from serving.run import build_server
 from tests.helpers.live_server import live_server
 
 ARGV = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "1536", "--enable-prefix-caching",
-        "--num-gpu-blocks-override", "32", "--log-level", "warning", "--cuda-graph-sizes",
+        "--num-gpu-blocks-override", "32", "--log-level", "warning", "--cuda-graph-sizes", "--precompile-token-paddings",
         "--attention-config", '{"hisparse_config": {"host_pool_gib": 0.04}}']
 MODEL = "glm-5.3-tiny"
 LAB = (("model_name", MODEL),)

@@ -16,7 +16,7 @@ from tests.helpers.server_process import server_process
 
 # The same engine settings as test_e2e_server (its compiled steps are in the shared cache).
 ARGV = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "1024", "--enable-prefix-caching",
-        "--log-level", "info", "--cuda-graph-sizes"]
+        "--log-level", "info", "--cuda-graph-sizes", "--precompile-token-paddings"]
 
 
 def stream_completion(url: str, max_tokens: int, result: dict, first: threading.Event) -> None:

@@ -19,7 +19,7 @@ from serving.metrics import LoggingStatLogger, PrometheusStatLogger, StepRecord
 from serving.types import SamplingParams
 
 ENGINE = dict(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=True,
-              cuda_graph_sizes=[])
+              cuda_graph_sizes=[], precompile_token_paddings=[])
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ def connector(role: str, **extra) -> dict:
 
 def build(kv_transfer_config=None, **kw) -> LLMEngine:
     args = dict(dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
-                num_gpu_blocks_override=48, compile_progress=False, cuda_graph_sizes=[], disable_log_stats=True,
+                num_gpu_blocks_override=48, compile_progress=False, cuda_graph_sizes=[], precompile_token_paddings=[], disable_log_stats=True,
                 kv_transfer_config=kv_transfer_config)
     return build_engine(EngineArgs(**{**args, **kw}))
 

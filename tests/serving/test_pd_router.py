@@ -23,7 +23,7 @@ from tests.helpers.server_process import server_process
 ROUTER = shutil.which("vllm-router") or os.path.join(os.path.dirname(sys.executable), "vllm-router")
 pytestmark = pytest.mark.skipif(not os.path.exists(ROUTER), reason="vllm-router is not installed (the `pd` extra)")
 
-COMMON = ["--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--cuda-graph-sizes",
+COMMON = ["--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--cuda-graph-sizes", "--precompile-token-paddings",
           "--dtype", "float32", "--disable-log-stats", "--enable-prefix-caching"]
 # The prefill server as in the reference: the P/D connector and the CPU KV offload (MultiConnector),
 # on a device pool small enough (24 pages) that an earlier turn's pages leave the device.

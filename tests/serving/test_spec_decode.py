@@ -64,7 +64,7 @@ def _release_shared_engines():
 
 def make_engine(k: int | None, kv_cache_dtype: str = "bfloat16", **kw) -> LLMEngine:
     spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
-    args = EngineArgs(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, cuda_graph_sizes=[],
+    args = EngineArgs(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, cuda_graph_sizes=[], precompile_token_paddings=[],
                       compile_progress=False, disable_log_stats=True, enable_prefix_caching=True,
                       kv_cache_dtype=kv_cache_dtype, speculative_config=spec, **kw)
     return build_engine(args)

@@ -35,3 +35,18 @@ def test_cuda_graph_sizes_flag():
     assert cuda_graph_sizes(parse(["--cuda-graph-sizes", "3", "40"]).cuda_graph_sizes) == (3, 40)
     with pytest.raises(ArgumentError, match="--cuda-graph-sizes"):
         validate_args(parse(["--cuda-graph-sizes", "0"]))
+
+
+def test_precompile_token_paddings_replace_the_prefill_sizes():
+    # The prefill ladder 16·4^k is replaced by the given sizes; () leaves the budget alone.
+    assert token_buckets(512, (), ()) == (512,)
+    assert token_buckets(512, (1, 2), ()) == (1, 2, 512)
+    assert token_buckets(512, (4,), (128, 300, 1024)) == (4, 128, 300, 512)
+    with pytest.raises(ValueError, match="precompile-token-paddings"):
+        token_buckets(64, (), (0,))
+    parse = make_arg_parser().parse_args
+    assert parse([]).precompile_token_paddings is None
+    assert parse(["--precompile-token-paddings"]).precompile_token_paddings == []
+    assert parse(["--precompile-token-paddings", "32", "128"]).precompile_token_paddings == [32, 128]
+    with pytest.raises(ArgumentError, match="--precompile-token-paddings"):
+        validate_args(parse(["--precompile-token-paddings", "0"]))

@@ -45,7 +45,7 @@ LOGPROBS = {"d": 3}  # d (replica 1 of DP2, 3 of DP4) also returns its top-3 log
 def build(parallel: ParallelConfig | None, num_blocks: int, **kw) -> LLMEngine:
     args = dict(dtype="float32", max_model_len=192, max_num_seqs=4, max_num_batched_tokens=16,
                 num_gpu_blocks_override=num_blocks, compile_progress=False, parallel=parallel,
-                cuda_graph_sizes=[])
+                cuda_graph_sizes=[], precompile_token_paddings=[])
     return build_engine(EngineArgs(**{**args, **kw}))
 
 

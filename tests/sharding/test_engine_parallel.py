@@ -29,7 +29,7 @@ EPS = 1e-4
 def build(parallel: ParallelConfig | None, speculative_config=None) -> LLMEngine:
     args = EngineArgs(dtype="float32", max_model_len=192, max_num_seqs=4, max_num_batched_tokens=64,
                       num_gpu_blocks_override=24, compile_progress=False, parallel=parallel,
-                      cuda_graph_sizes=[], speculative_config=speculative_config)
+                      cuda_graph_sizes=[], precompile_token_paddings=[], speculative_config=speculative_config)
     return build_engine(args)
 
 

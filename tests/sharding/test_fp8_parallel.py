@@ -146,7 +146,7 @@ def test_served_fp8_streams_under_tp2_equal_the_dequantised_single_device_engine
     def serve(parallel, quantization):
         engine = build_engine(EngineArgs(
             model=path, dtype="float32", max_model_len=192, max_num_seqs=4, max_num_batched_tokens=64,
-            num_gpu_blocks_override=24, compile_progress=False, parallel=parallel, cuda_graph_sizes=[],
+            num_gpu_blocks_override=24, compile_progress=False, parallel=parallel, cuda_graph_sizes=[], precompile_token_paddings=[],
             quantization=quantization))
         assert (engine.runner.state["layers"][0]["self_attn"]["q_b_proj"]["weight"].dtype
                 == (jax.numpy.float32 if quantization == "none" else jax.numpy.float8_e4m3fn))

@@ -57,7 +57,7 @@ def hisparse(mechanism: str) -> dict:
 
 def build(num_blocks: int, parallel: ParallelConfig | None = None, attention_config=None, **kw) -> LLMEngine:
     args = EngineArgs(dtype="float32", max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=MBT,
-                      cuda_graph_sizes=[], num_gpu_blocks_override=num_blocks, compile_progress=False,
+                      cuda_graph_sizes=[], precompile_token_paddings=[], num_gpu_blocks_override=num_blocks, compile_progress=False,
                       disable_log_stats=True, enable_prefix_caching=True, attention_config=attention_config,
                       parallel=parallel, **kw)
     return build_engine(args)
