@@ -44,7 +44,7 @@ bound).
 Admission needs room for the request fully resident (its prompt's pages in every group, plus a hot
 lease when its prefix starts on the host) plus a page of headroom per running request (at most
 `watermark` in all), counting the pages running requests can release: so the running set settles
-at 1 + ⌊(pool − first) / (steady + 1)⌋ requests (`glm53/capacity.py`
+at 1 + ⌊(pool − first) / (steady + 1)⌋ requests (`glm53/capacity/`
 `predict_hisparse_requests` with `reserve_per_request=1`). A waiting request whose prefix-cache
 hit covers at least half of it (the next turn of a conversation) may be admitted past a head that
 does not fit (`admission_lookahead`). A request that could not be fully resident even in an empty pool (a
