@@ -14,107 +14,32 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
 
-import jax
-import jax.numpy as jnp
-
-from glm53.capacity import engine_capacity_summary
-from glm53.kv_layout import build_kv_layout
-from glm53.loader import load_model
 from glm53.tokenizer import tokenizer_vocab_size
-from glm53.weight_bytes import device_weight_bytes
 from serving.block_pool import BlockPool
+from serving.engine_args import CPU_KV_CACHE_BYTES, EngineArgs, num_kv_blocks  # noqa: F401 (re-exported)
+from serving.engine_startup import load_engine_parts, log_engine_plan
 from serving.faults import EngineDeadError
 from serving.hisparse import build_hisparse, hisparse_config
+from serving.kv_cache import KVCacheGroupSpec, KVCacheManager
+from serving.metrics import (
+    EngineGauges,
+    FinishedRequestStats,
+    LoggingStatLogger,
+    StepRecord,
+)
 from serving.offload import build_offload, offload_config
 from serving.pd.engine_mixin import PDEngineMixin
-from serving.kv_cache import KVCacheGroupSpec, KVCacheManager
-from serving.metrics import EngineGauges, FinishedRequestStats, LoggingStatLogger, StepRecord
 from serving.prefix_cache import PrefixCache
 from serving.request import Request
 from serving.runner import ModelRunner
 from serving.scheduler import Scheduler, SchedulerConfig
 from serving.spec_decode import DraftController, SpecDecodingStats, SpeculativeConfig
 from serving.types import RequestOutput, SamplingParams
-from sharding.mesh import ParallelConfig, ParallelLayout
+from sharding.mesh import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
-# On a backend that reports no memory limit (the CPU), the KV arena gets this many bytes unless
-# --num-gpu-blocks-override says otherwise.
-CPU_KV_CACHE_BYTES = 512 * 2**20
-
-
-@dataclass
-class EngineArgs:
-    """Engine settings (vLLM flag names). `model` is a checkpoint directory, a Hugging Face hub id or
-    'tiny' (None = the tiny default; `glm53.hub.resolve_model`).
-
-    max_logprobs: most `logprobs` alternatives a request may ask for (the device step always
-        computes this many). disable_log_stats: no periodic statistics log line.
-    """
-
-    model: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    seed: int = 0
-    compile_progress: bool = True
-    enable_prefix_caching: bool = False
-    max_logprobs: int = 20
-    disable_log_stats: bool = False
-    log_stats_interval_s: float = 5.0
-    parallel: ParallelConfig | None = None  # TP / PCP / DCP / EP sizes (None: one device)
-    kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "bfloat16" or "fp8"
-    quantization: str | None = None  # --quantization: None (the checkpoint's), "fp8" (online for bf16 checkpoints)
-    cuda_graph_sizes: list[int] | None = None  # decode-sized step buckets (None: 1, 2, 4, … max_num_seqs)
-    precompile_token_paddings: list[int] | None = None  # prefill-sized step buckets (None: 16·4^k; []: the budget alone)
-    attention_config: dict | None = None  # --attention-config (hisparse_config: Hybrid HiSparse)
-    kv_transfer_config: dict | None = None  # --kv-transfer-config (OffloadingConnector, JaxTransferConnector)
-    speculative_config: dict | None = None  # --speculative-config (MTP speculative decoding)
-
-
-def _model_dtype(name: str, device) -> jnp.dtype:
-    if name == "auto":
-        return jnp.bfloat16 if device.platform in ("gpu", "cuda", "rocm", "tpu") else jnp.float32
-    return {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]
-
-
-def num_kv_blocks(page_bytes: int, args: EngineArgs, device, weight_bytes: int) -> int:
-    """Arena pages (including the null block) from `--num-gpu-blocks-override`, or from the
-    device budget: `bytes_limit * gpu_memory_utilization` minus what is already allocated on the
-    device (`bytes_in_use`, which includes the loaded weights; when the backend reports no usage,
-    `weight_bytes` is subtracted instead), divided by the page size (vLLM's meaning of
-    --gpu-memory-utilization: the share of device memory this engine may use in all). A backend
-    that reports no memory limit (the CPU) gets `CPU_KV_CACHE_BYTES` for the arena.
-
-    Raises:
-      ValueError: an override < 2, or a budget of fewer than 2 pages (the message names the flags).
-    """
-    if args.num_gpu_blocks_override is not None:
-        if args.num_gpu_blocks_override < 2:
-            raise ValueError("--num-gpu-blocks-override must be >= 2 (block 0 is the null block)")
-        logger.info("KV arena: %d pages from --num-gpu-blocks-override", args.num_gpu_blocks_override)
-        return int(args.num_gpu_blocks_override)
-    stats = device.memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    if limit:
-        in_use = stats.get("bytes_in_use") or weight_bytes
-        budget = int(limit * args.gpu_memory_utilization) - in_use
-        logger.info("KV arena budget: %.2f GiB = %.2f GiB x --gpu-memory-utilization %.2f - %.2f GiB in use",
-                    budget / 2**30, limit / 2**30, args.gpu_memory_utilization, in_use / 2**30)
-    else:
-        budget = CPU_KV_CACHE_BYTES
-        logger.info("KV arena budget: %.0f MiB (the backend reports no memory limit)", budget / 2**20)
-    n = budget // page_bytes
-    if n < 2:
-        raise ValueError(f"not enough memory for the KV cache: {budget} bytes for pages of {page_bytes} bytes; "
-                         "lower --max-model-len or raise --gpu-memory-utilization")
-    return int(n)
 
 
 class LLMEngine(PDEngineMixin):
@@ -222,68 +147,9 @@ class LLMEngine(PDEngineMixin):
         if dp > 1 and not cls.data_parallel:
             raise ValueError(f"{cls.__name__}.from_args with --data-parallel-size {dp}: build the engine with "
                              "serving.engine_factory.build_engine (a DataParallelEngine)")
-        from glm53.hub import resolve_model
-        from glm53.tiny_checkpoint import default_model_dir
-        from glm53.tokenizer import eos_token_ids as read_eos
-
-        path = resolve_model(args.model) or str(default_model_dir())
-        device = jax.devices()[0]
-        dtype = _model_dtype(args.dtype, device)
-        t0 = time.perf_counter()
-        par = args.parallel
-        parallel = ParallelLayout.create(par) if par is not None and par.num_devices > 1 else None
-        spec = SpeculativeConfig.from_dict(args.speculative_config)
-        # Each device reads its own shards of the weights; a --quantization that cannot apply raises
-        # glm53.quant.QuantizationError (a ValueError naming the flag).
-        model = load_model(path, dtype=dtype, progress=args.compile_progress, shardings=parallel,
-                           quantization=args.quantization)
-        cfg = model.cfg
-        if args.max_model_len is None:
-            args.max_model_len = min(cfg.max_position_embeddings, 4096)
-        if args.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's max_position_embeddings "
-                             f"{cfg.max_position_embeddings}")
-        if args.max_num_batched_tokens < 1 or args.max_num_seqs < 1:
-            raise ValueError("--max-num-batched-tokens and --max-num-seqs must be >= 1")
-        cache_dtype = jnp.dtype(dtype).name if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
-        if spec is not None and cfg.num_mtp_layers == 0:
-            raise ValueError(f"--speculative-config method \"mtp\" needs a checkpoint with an MTP layer; {path} has "
-                             "none (num_nextn_predict_layers = 0, or no model.layers.N.* MTP tensors)")
-        layout = build_kv_layout(cfg, cache_dtype, with_mtp=spec is not None)
-        weight_bytes = device_weight_bytes(cfg, dtype=dtype, quant=model.quant, parallel=par)
-        nblocks = num_kv_blocks(layout.page_bytes, args, device, weight_bytes)
-        weights = "FP8 weights {}x{} blocks{}".format(*model.quant.block, " (quantised at load)" if model.quant.online
-                                                      else "") if model.quant is not None else jnp.dtype(dtype).name
-        logger.info("model %s loaded in %.1fs (%s, activations %s, %.1f MiB of weights per device); KV arena %d "
-                    "pages x %.2f MiB (%s tokens/page per group)", path, time.perf_counter() - t0, weights,
-                    jnp.dtype(dtype).name, weight_bytes / 2**20, nblocks, layout.page_bytes / 2**20,
-                    {g.name: g.tokens_per_page for g in layout.groups})
-        eos = tuple(eos_token_ids) if eos_token_ids is not None else read_eos(cfg, path)
-        if args.parallel is not None and args.parallel.data_parallel_size > 1 and spec is not None:
-            raise ValueError("--speculative-config with --data-parallel-size > 1 is not supported yet")
-        engine = cls(model, layout, nblocks, args, eos, path)
-        par = args.parallel
-        line = engine_capacity_summary(layout, nblocks, args.max_model_len, args.max_num_seqs,
-                                       dcp=par.decode_context_parallel_size if par is not None else 1,
-                                       dp=par.data_parallel_size if par is not None else 1)
-        if engine.hisparse is not None:  # the line counts full residency; HiSparse's own follows
-            line = line.replace("KV capacity:", "KV capacity without HiSparse:", 1) + " (HiSparse: next line)"
-        logger.info("%s", line)
-        if engine.hisparse is not None:
-            logger.info("%s", engine.hisparse.summary(nblocks, args.max_model_len, args.max_num_seqs,
-                                                      args.max_num_batched_tokens))
-        if engine.spec_config is not None:
-            sc, mtp = engine.spec_config, layout.group("mtp")
-            mode = (f"adaptive, min acceptance {sc.adaptive_min_acceptance}" if sc.adaptive else "static") + (
-                f"; none while more than {sc.disable_by_batch_size} requests run" if sc.disable_by_batch_size else "")
-            logger.info("MTP speculative decoding: %d draft tokens per request per step (%s), %d verification rows per "
-                        "decoding request; the MTP layer's own KV group adds %d B/token (%d tokens/page)%s",
-                        sc.num_speculative_tokens, mode,
-                        sc.num_speculative_tokens + 1, mtp.bytes_per_token, mtp.tokens_per_page,
-                        "; the HiSparse hot buffer is sized for the verification rows" if engine.hisparse else "")
-        if engine.prefix_cache is not None:
-            logger.info("prefix caching on: hits in steps of %d tokens (the hash unit); pages a hit covers in "
-                        "part are copied on write", engine.prefix_cache.unit)
+        parts = load_engine_parts(args, eos_token_ids)
+        engine = cls(parts.model, parts.layout, parts.num_blocks, args, parts.eos_token_ids, parts.path)
+        log_engine_plan(engine, parts.layout, parts.num_blocks, args)
         secs = engine.runner.compile(progress=args.compile_progress)
         logger.info("compiled %d step buckets %s in %.1fs", len(engine.runner.buckets), engine.runner.buckets, secs)
         return engine

@@ -27,7 +27,7 @@ def build_server(argv: list[str] | None = None):
     from serving.engine import EngineArgs
     from serving.engine_factory import build_engine
     from serving.metrics import PrometheusStatLogger
-    from serving.runner import cuda_graph_sizes
+    from serving.step_buckets import cuda_graph_sizes
 
     from sharding.distributed import initialize as init_distributed
 

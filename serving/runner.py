@@ -1,12 +1,9 @@
 """Model runner: turns a `SchedulerOutput` into flat arrays and calls one jitted step.
 
-The step (`forward + sample`) is compiled for a fixed set of token-count buckets at start-up
-(with a progress bar); the KV arena is donated so it is updated in place. A step's token count
-is padded up to the next bucket, and the largest bucket is `max_num_batched_tokens`, so a step is
-never padded past its token budget. The buckets are the decode sizes (`--cuda-graph-sizes`,
-by default the powers of two up to `max_num_seqs`: a decode step of B requests has B tokens)
-plus geometric prefill sizes 16·4^k, all capped at the budget. Request rows are padded to `max_num_seqs + 1` (the last row
-is the all-null padding row), block tables to the width that covers `max_model_len`. The step
+The step (`forward + sample`, `serving.step_program`) is compiled for a fixed set of token-count
+buckets (`serving.step_buckets`) at start-up (with a progress bar); the KV arena is donated so it is
+updated in place. A step's token count is padded up to the next bucket. Request rows are padded to
+`max_num_seqs + 1` (the last row is the all-null padding row), block tables to the width that covers `max_model_len`. The step
 first runs the scheduler's whole-page copies (`SchedulerOutput.page_copies`, copy-on-write of
 prefix-cache pages), passed as two int32 arrays of fixed size padded with −1 (a loop over the
 valid entries only, so a step without copies pays nothing).
@@ -14,11 +11,10 @@ valid entries only, so a step without copies pays nothing).
 
 from __future__ import annotations
 
-import functools
 import logging
-import zlib
 import math
 import time
+import zlib
 from dataclasses import dataclass
 
 import jax
@@ -30,77 +26,25 @@ from tqdm import tqdm
 from glm53.batch import ForwardBatch
 from glm53.kv_layout import KVCacheLayout
 from glm53.model import GlmForCausalLM
-from glm53.parallel_batch import empty_parallel_arena, pcp_reorder, shard_batch, stack_replicas
-from glm53.hot_cache import HostAccess, HotState, PagedKV
-from glm53.attention import store_host_pages
-from kernels.paged import copy_pages
+from glm53.parallel_batch import (
+    empty_parallel_arena,
+    pcp_reorder,
+    shard_batch,
+    stack_replicas,
+)
+from serving.arena_pages import ArenaPageIO
+from serving.faults import FaultInjection, InjectedFault
 from serving.hisparse.device_state import HiSparseDeviceState
 from serving.kv_cache import KVCacheManager
-from serving.faults import FaultInjection, InjectedFault
-from serving.sampling import mask_unreachable, sample_with_logprobs
-from sharding.mesh import ParallelLayout
-from sharding.rules import arena_shards, shard_params
 from serving.scheduler_output import SchedulerOutput
 from serving.spec_decode.inputs import build_spec_batch, empty_spec_batch
-from serving.spec_decode.step import spec_decode_forward
+from serving.step_buckets import default_cuda_graph_sizes, token_buckets
+from serving.step_program import build_step_programs
 from serving.types import TokenLogprobs
+from sharding.mesh import ParallelLayout
+from sharding.rules import arena_shards, shard_params
 
 logger = logging.getLogger(__name__)
-
-
-def default_cuda_graph_sizes(max_num_seqs: int, multiple_of: int = 1) -> tuple[int, ...]:
-    """Default decode-sized buckets: 1, 2, 4, … up to `max_num_seqs`, and `max_num_seqs` itself.
-
-    A pure-decode step of B requests schedules B tokens, so these let batch B run a step of
-    (nearly) B tokens instead of the smallest prefill bucket (vLLM likewise captures its CUDA
-    graphs at small decode sizes). Sizes that are not a multiple of `multiple_of` are left out
-    (under prefill context parallelism every bucket must split into 2·pcp chunks)."""
-    out, b = [], 1
-    while b < max_num_seqs:
-        out.append(b)
-        b *= 2
-    out.append(max_num_seqs)
-    return tuple(x for x in out if x % multiple_of == 0)
-
-
-def cuda_graph_sizes(flag_values: list[int] | None) -> tuple[int, ...] | None:
-    """`--cuda-graph-sizes` values → the decode bucket list: None (flag absent) → None (the
-    default set); [] → (); one value N → 1, 2, 4, … up to N and N; several → those values."""
-    if flag_values is None:
-        return None
-    if len(flag_values) == 1:
-        return default_cuda_graph_sizes(flag_values[0])
-    return tuple(flag_values)
-
-
-def token_buckets(max_num_batched_tokens: int, cuda_graph_sizes=(), precompile_token_paddings=None,
-                  smallest: int = 16, factor: int = 4) -> tuple[int, ...]:
-    """Sorted step sizes in tokens: `cuda_graph_sizes` (decode sizes) ∪ the prefill sizes, every
-    one ≤ `max_num_batched_tokens`, and always the budget itself as the largest, so no step is
-    padded past its token budget. Sizes above the budget are dropped. The prefill sizes are
-    `precompile_token_paddings` (sglang-jax's name; () for none besides the budget) or, when None,
-    the geometric 16·4^k.
-
-    Every bucket is one more compiled program (two under Hybrid HiSparse): fewer buckets start
-    faster and pad more (a step runs at its bucket's size).
-
-    Raises:
-      ValueError: a size < 1."""
-    for flag, sizes in (("--cuda-graph-sizes", cuda_graph_sizes), ("--precompile-token-paddings",
-                                                                  precompile_token_paddings or ())):
-        bad = [s for s in sizes if int(s) < 1]
-        if bad:
-            raise ValueError(f"{flag} must be >= 1, got {bad}")
-    out = {int(s) for s in cuda_graph_sizes if int(s) < max_num_batched_tokens}
-    if precompile_token_paddings is not None:
-        out |= {int(s) for s in precompile_token_paddings if int(s) < max_num_batched_tokens}
-    else:
-        b = smallest
-        while b < max_num_batched_tokens:
-            out.add(b)
-            b *= factor
-    out.add(max_num_batched_tokens)
-    return tuple(sorted(out))
 
 
 @dataclass
@@ -111,7 +55,7 @@ class StepStats:
     device_s: float = 0.0
 
 
-class ModelRunner:
+class ModelRunner(ArenaPageIO):
     """Owns the parameters, the KV arena and the compiled steps.
 
     Args:
@@ -185,7 +129,6 @@ class ModelRunner:
         self.num_hot_steps = 0  # HiSparse steps run with the hot path (some request held a hot lease)
         self._store_jobs: dict[int, list] = {}  # HiSparse copies `prepare` took, per replica
         self.faults: FaultInjection | None = FaultInjection.from_env()  # test hook (serving/faults.py)
-        graphdef = self.graphdef
         reachable = model.cfg.vocab_size if sampling_vocab_size is None else min(sampling_vocab_size,
                                                                                  model.cfg.vocab_size)
         self.sampling_vocab_size = reachable
@@ -199,53 +142,8 @@ class ModelRunner:
         self.arena_shards = arena_shards(parallel) if parallel is not None else 1
         self.max_page_copies = max_num_seqs * len(layout.groups) * self.arena_shards
 
-        mechanism = hisparse.mechanism if hisparse is not None else None
-        narrow_rows = hisparse.narrow_rows if hisparse is not None else None
-        spec_k = self.spec_k
-
-        @functools.partial(jax.jit, donate_argnums=(2, 10))
-        def step(state, batch: ForwardBatch, kv_arena, temperature, top_p, seeds, steps, want_logprobs, copy_src,
-                 copy_dst, hs, sp=None):
-            # hs: None, or HiSparse's (hot state, host pool), donated. (Its write-through copies run
-            # before, in their own program: `run_stores`.) sp: the `SpecBatch` under MTP speculation.
-            host = None
-            if hs is not None:
-                hot, pool = hs
-                host = HostAccess(pool, mechanism, narrow_rows=narrow_rows)
-            kv_arena = copy_pages(kv_arena, copy_src, copy_dst)  # copy-on-write pages, before any write
-            model = nnx.merge(graphdef, state)
-            if sp is not None:
-                kv = kv_arena if hs is None else PagedKV(kv_arena, HotState(hot.host_row_SGM, hot.rank_SGM,
-                                                                            jnp.zeros(4, jnp.int32)))
-                out, kv = spec_decode_forward(model, batch, kv, host, temperature, top_p, seeds, steps, want_logprobs,
-                                              sp, layout=layout, parallel=parallel, num_speculative_tokens=spec_k,
-                                              reachable=reachable, num_logprobs=k)
-                if hs is None:
-                    return out, kv, None
-                return out, kv.arena, (kv.hot, host.pool)
-            if hs is None:
-                logits, _, kv_arena = model(batch, kv_arena, layout, parallel)
-                logits = mask_unreachable(logits, reachable)
-                return sample_with_logprobs(logits, temperature, top_p, seeds, steps, want_logprobs, k), kv_arena, None
-            kv = PagedKV(kv_arena, HotState(hot.host_row_SGM, hot.rank_SGM, jnp.zeros(4, jnp.int32)))
-            logits, _, kv = model(batch, kv, layout, parallel, host)
-            logits = mask_unreachable(logits, reachable)
-            out = sample_with_logprobs(logits, temperature, top_p, seeds, steps, want_logprobs, k)
-            return out, kv.arena, (kv.hot, host.pool)
-
-        self._step = step
-        if hisparse is not None:
-            # The write-through copies are a program of their own, dispatched before the step that
-            # follows the one that sealed the pages: it reads the arena (ordered after the
-            # previous step's writes and, the step donating the arena, before this step's) and
-            # updates the host pool. Inside the step, a loop reading the arena that the step
-            # then updates in place would make XLA copy the whole arena every step.
-            @functools.partial(jax.jit, donate_argnums=(0,))
-            def store_only(pool, kv_arena, store_src, store_dst):
-                return store_host_pages(pool, kv_arena, store_src, store_dst, layout, "mla", mechanism=mechanism,
-                                        parallel=parallel)
-
-            self._store_only = store_only
+        self._step, self._store_only = build_step_programs(
+            self.graphdef, layout, parallel, hisparse, self.spec_k, reachable, k)
 
     # ------------------------------------------------------------------ compile
     def _dummy(self, T: int):
@@ -316,45 +214,6 @@ class ModelRunner:
             self.kv_arena = transfer.load(self.kv_arena, loads)
         if wait:
             transfer.wait()
-
-    def _page_program(self, kind: str):
-        """The jitted page gather ("read") or donated page scatter ("write") over the arena's rows
-        (global rows `s · num_blocks + block`, s = replica · dcp + DCP rank), built on first use."""
-        progs = self.__dict__.setdefault("_page_programs", {})
-        if kind not in progs:
-            sharding = self.kv_arena.sharding
-            if kind == "read":
-                progs[kind] = jax.jit(lambda arena, rows: jnp.take(arena, rows, axis=0, mode="clip"))
-            else:
-                progs[kind] = jax.jit(lambda arena, rows, data: arena.at[rows].set(data, mode="drop"),
-                                      donate_argnums=(0,), out_shardings=sharding)
-        return progs[kind]
-
-    @staticmethod
-    def _page_bucket(n: int) -> int:
-        b = 8
-        while b < n:
-            b *= 2
-        return b
-
-    def read_pages(self, rows) -> np.ndarray:
-        """Contents of arena rows `rows` (int32[n]) as numpy `uint32[n, page_words]` (P/D staging;
-        one gather program per power-of-two row count)."""
-        rows = np.asarray(rows, np.int32)
-        padded = np.zeros(self._page_bucket(len(rows)), np.int32)
-        padded[:len(rows)] = rows
-        return np.asarray(self._page_program("read")(self.kv_arena, jnp.asarray(padded)))[:len(rows)]
-
-    def write_pages(self, rows, data) -> None:
-        """Arena rows `rows` (int32[n]) ← `data` (uint32[n, page_words]), before the next step (P/D
-        landing); the arena is donated. Padding rows point past the arena and are dropped."""
-        rows = np.asarray(rows, np.int32)
-        n = self._page_bucket(len(rows))
-        padded = np.full(n, self.kv_arena.shape[0], np.int32)
-        padded[:len(rows)] = rows
-        buf = np.zeros((n, self.kv_arena.shape[1]), np.uint32)
-        buf[:len(rows)] = data
-        self.kv_arena = self._page_program("write")(self.kv_arena, jnp.asarray(padded), jnp.asarray(buf))
 
     def _dispatch_stores(self) -> None:
         """HiSparse: run the write-through copies `prepare` took from the policies (one list per

@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 
 from serving.cli_args import ArgumentError, make_arg_parser, validate_args
-from serving.runner import cuda_graph_sizes, default_cuda_graph_sizes, token_buckets
+from serving.step_buckets import (
+    cuda_graph_sizes,
+    default_cuda_graph_sizes,
+    token_buckets,
+)
 
 
 def test_default_buckets_hold_decode_sizes():

@@ -1,0 +1,55 @@
+"""Whole-page reads and writes of the KV arena outside the step (P/D staging and landing).
+
+A mixin of `serving.runner.ModelRunner`: it uses the runner's `kv_arena` (uint32
+`[rows, page_words]`, donated by the write program).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class ArenaPageIO:
+    """`read_pages` / `write_pages` over `self.kv_arena`: one jitted gather or donated scatter per
+    power-of-two row count (at least 8)."""
+
+    def _page_program(self, kind: str):
+        """The jitted page gather ("read") or donated page scatter ("write") over the arena's rows
+        (global rows `s · num_blocks + block`, s = replica · dcp + DCP rank), built on first use."""
+        progs = self.__dict__.setdefault("_page_programs", {})
+        if kind not in progs:
+            sharding = self.kv_arena.sharding
+            if kind == "read":
+                progs[kind] = jax.jit(lambda arena, rows: jnp.take(arena, rows, axis=0, mode="clip"))
+            else:
+                progs[kind] = jax.jit(lambda arena, rows, data: arena.at[rows].set(data, mode="drop"),
+                                      donate_argnums=(0,), out_shardings=sharding)
+        return progs[kind]
+
+    @staticmethod
+    def _page_bucket(n: int) -> int:
+        b = 8
+        while b < n:
+            b *= 2
+        return b
+
+    def read_pages(self, rows) -> np.ndarray:
+        """Contents of arena rows `rows` (int32[n]) as numpy `uint32[n, page_words]` (P/D staging;
+        one gather program per power-of-two row count)."""
+        rows = np.asarray(rows, np.int32)
+        padded = np.zeros(self._page_bucket(len(rows)), np.int32)
+        padded[:len(rows)] = rows
+        return np.asarray(self._page_program("read")(self.kv_arena, jnp.asarray(padded)))[:len(rows)]
+
+    def write_pages(self, rows, data) -> None:
+        """Arena rows `rows` (int32[n]) ← `data` (uint32[n, page_words]), before the next step (P/D
+        landing); the arena is donated. Padding rows point past the arena and are dropped."""
+        rows = np.asarray(rows, np.int32)
+        n = self._page_bucket(len(rows))
+        padded = np.full(n, self.kv_arena.shape[0], np.int32)
+        padded[:len(rows)] = rows
+        buf = np.zeros((n, self.kv_arena.shape[1]), np.uint32)
+        buf[:len(rows)] = data
+        self.kv_arena = self._page_program("write")(self.kv_arena, jnp.asarray(padded), jnp.asarray(buf))

@@ -1,0 +1,89 @@
+"""Engine settings (vLLM's flag names) and the KV arena's page count they give."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+
+from sharding.mesh import ParallelConfig
+
+logger = logging.getLogger("serving.engine")  # start-up lines under the engine's name
+
+
+# On a backend that reports no memory limit (the CPU), the KV arena gets this many bytes unless
+# --num-gpu-blocks-override says otherwise.
+CPU_KV_CACHE_BYTES = 512 * 2**20
+
+
+@dataclass
+class EngineArgs:
+    """Engine settings (vLLM flag names). `model` is a checkpoint directory, a Hugging Face hub id or
+    'tiny' (None = the tiny default; `glm53.hub.resolve_model`).
+
+    max_logprobs: most `logprobs` alternatives a request may ask for (the device step always
+        computes this many). disable_log_stats: no periodic statistics log line.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    seed: int = 0
+    compile_progress: bool = True
+    enable_prefix_caching: bool = False
+    max_logprobs: int = 20
+    disable_log_stats: bool = False
+    log_stats_interval_s: float = 5.0
+    parallel: ParallelConfig | None = None  # TP / PCP / DCP / EP sizes (None: one device)
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "bfloat16" or "fp8"
+    quantization: str | None = None  # --quantization: None (the checkpoint's), "fp8" (online for bf16 checkpoints)
+    cuda_graph_sizes: list[int] | None = None  # decode-sized step buckets (None: 1, 2, 4, … max_num_seqs)
+    precompile_token_paddings: list[int] | None = None  # prefill-sized step buckets (None: 16·4^k; []: the budget alone)
+    attention_config: dict | None = None  # --attention-config (hisparse_config: Hybrid HiSparse)
+    kv_transfer_config: dict | None = None  # --kv-transfer-config (OffloadingConnector, JaxTransferConnector)
+    speculative_config: dict | None = None  # --speculative-config (MTP speculative decoding)
+
+
+def model_dtype(name: str, device) -> jnp.dtype:
+    """`--dtype` → the activation dtype: auto = bf16 on accelerators, fp32 on the CPU."""
+    if name == "auto":
+        return jnp.bfloat16 if device.platform in ("gpu", "cuda", "rocm", "tpu") else jnp.float32
+    return {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]
+
+
+def num_kv_blocks(page_bytes: int, args: EngineArgs, device, weight_bytes: int) -> int:
+    """Arena pages (including the null block) from `--num-gpu-blocks-override`, or from the
+    device budget: `bytes_limit * gpu_memory_utilization` minus what is already allocated on the
+    device (`bytes_in_use`, which includes the loaded weights; when the backend reports no usage,
+    `weight_bytes` is subtracted instead), divided by the page size (vLLM's meaning of
+    --gpu-memory-utilization: the share of device memory this engine may use in all). A backend
+    that reports no memory limit (the CPU) gets `CPU_KV_CACHE_BYTES` for the arena.
+
+    Raises:
+      ValueError: an override < 2, or a budget of fewer than 2 pages (the message names the flags).
+    """
+    if args.num_gpu_blocks_override is not None:
+        if args.num_gpu_blocks_override < 2:
+            raise ValueError("--num-gpu-blocks-override must be >= 2 (block 0 is the null block)")
+        logger.info("KV arena: %d pages from --num-gpu-blocks-override", args.num_gpu_blocks_override)
+        return int(args.num_gpu_blocks_override)
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if limit:
+        in_use = stats.get("bytes_in_use") or weight_bytes
+        budget = int(limit * args.gpu_memory_utilization) - in_use
+        logger.info("KV arena budget: %.2f GiB = %.2f GiB x --gpu-memory-utilization %.2f - %.2f GiB in use",
+                    budget / 2**30, limit / 2**30, args.gpu_memory_utilization, in_use / 2**30)
+    else:
+        budget = CPU_KV_CACHE_BYTES
+        logger.info("KV arena budget: %.0f MiB (the backend reports no memory limit)", budget / 2**20)
+    n = budget // page_bytes
+    if n < 2:
+        raise ValueError(f"not enough memory for the KV cache: {budget} bytes for pages of {page_bytes} bytes; "
+                         "lower --max-model-len or raise --gpu-memory-utilization")
+    return int(n)

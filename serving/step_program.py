@@ -1,0 +1,89 @@
+"""The engine's jitted programs over the model: the step (`forward + sample`, or the speculative
+step under MTP) and Hybrid HiSparse's write-through store program.
+
+The step's arguments (all padded to the step's token bucket and to `max_num_seqs + 1` request rows
+by `serving.runner.ModelRunner.prepare`): the model state, a `glm53.batch.ForwardBatch`, the KV arena
+(donated: updated in place), the sampling parameters per request row (temperature, top-p, seed,
+step counter, whether logprobs are wanted), the copy-on-write page lists (int32 source and
+destination rows, −1 padded; run before anything writes the arena), HiSparse's `(hot state, host
+pool)` (donated) or None, and the `SpecBatch` under MTP speculation or None. It returns the sampler's
+outputs, the arena and HiSparse's state.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glm53.attention import store_host_pages
+from glm53.batch import ForwardBatch
+from glm53.hot_cache import HostAccess, HotState, PagedKV
+from glm53.kv_layout import KVCacheLayout
+from kernels.paged import copy_pages
+from serving.hisparse.device_state import HiSparseDeviceState
+from serving.sampling import mask_unreachable, sample_with_logprobs
+from serving.spec_decode.step import spec_decode_forward
+from sharding.mesh import ParallelLayout
+
+
+def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayout | None,
+                        hisparse: HiSparseDeviceState | None, spec_k: int, reachable: int, k: int):
+    """→ (step, store_only): the jitted step, and HiSparse's jitted store program (None without
+    HiSparse).
+
+    Args:
+      graphdef: the model's `nnx` graph definition (the state is the step's first argument).
+      layout: the KV arena layout. parallel: the parallel layout or None (one device).
+      hisparse: the HiSparse device state (its host-access mechanism and narrow rows) or None.
+      spec_k: MTP draft tokens per step (0: no speculation). reachable: ids at or past it are never
+        sampled (`mask_unreachable`). k: logprobs computed per sampled row.
+    """
+    mechanism = hisparse.mechanism if hisparse is not None else None
+    narrow_rows = hisparse.narrow_rows if hisparse is not None else None
+
+    @functools.partial(jax.jit, donate_argnums=(2, 10))
+    def step(state, batch: ForwardBatch, kv_arena, temperature, top_p, seeds, steps, want_logprobs, copy_src,
+             copy_dst, hs, sp=None):
+        # hs: None, or HiSparse's (hot state, host pool), donated. (Its write-through copies run
+        # before, in their own program: `run_stores`.) sp: the `SpecBatch` under MTP speculation.
+        host = None
+        if hs is not None:
+            hot, pool = hs
+            host = HostAccess(pool, mechanism, narrow_rows=narrow_rows)
+        kv_arena = copy_pages(kv_arena, copy_src, copy_dst)  # copy-on-write pages, before any write
+        model = nnx.merge(graphdef, state)
+        if sp is not None:
+            kv = kv_arena if hs is None else PagedKV(kv_arena, HotState(hot.host_row_SGM, hot.rank_SGM,
+                                                                        jnp.zeros(4, jnp.int32)))
+            out, kv = spec_decode_forward(model, batch, kv, host, temperature, top_p, seeds, steps, want_logprobs,
+                                          sp, layout=layout, parallel=parallel, num_speculative_tokens=spec_k,
+                                          reachable=reachable, num_logprobs=k)
+            if hs is None:
+                return out, kv, None
+            return out, kv.arena, (kv.hot, host.pool)
+        if hs is None:
+            logits, _, kv_arena = model(batch, kv_arena, layout, parallel)
+            logits = mask_unreachable(logits, reachable)
+            return sample_with_logprobs(logits, temperature, top_p, seeds, steps, want_logprobs, k), kv_arena, None
+        kv = PagedKV(kv_arena, HotState(hot.host_row_SGM, hot.rank_SGM, jnp.zeros(4, jnp.int32)))
+        logits, _, kv = model(batch, kv, layout, parallel, host)
+        logits = mask_unreachable(logits, reachable)
+        out = sample_with_logprobs(logits, temperature, top_p, seeds, steps, want_logprobs, k)
+        return out, kv.arena, (kv.hot, host.pool)
+
+    store_only = None
+    if hisparse is not None:
+        # The write-through copies are a program of their own, dispatched before the step that
+        # follows the one that sealed the pages: it reads the arena (ordered after the
+        # previous step's writes and, the step donating the arena, before this step's) and
+        # updates the host pool. Inside the step, a loop reading the arena that the step
+        # then updates in place would make XLA copy the whole arena every step.
+        @functools.partial(jax.jit, donate_argnums=(0,))
+        def store_only(pool, kv_arena, store_src, store_dst):
+            return store_host_pages(pool, kv_arena, store_src, store_dst, layout, "mla", mechanism=mechanism,
+                                    parallel=parallel)
+
+    return step, store_only
