@@ -32,7 +32,7 @@ HISPARSE = {"hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 10
 
 
 def engine(num_blocks, kv_cache_dtype, attention_config=None, max_model_len=2048, **kw):
-    args = EngineArgs(max_model_len=max_model_len, max_num_seqs=4, max_num_batched_tokens=64, cuda_graph_sizes=[], precompile_token_paddings=[],
+    args = EngineArgs(max_model_len=max_model_len, max_num_seqs=4, max_num_batched_tokens=64, cuda_graph_sizes=[],
                       num_gpu_blocks_override=num_blocks, kv_cache_dtype=kv_cache_dtype, compile_progress=False,
                       disable_log_stats=True, enable_prefix_caching=True, attention_config=attention_config, **kw)
     return build_engine(args)

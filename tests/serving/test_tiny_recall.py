@@ -39,7 +39,7 @@ def server_answers(samples):
     """[(answer text, finish_reason)] of the samples through the server and the openai client
     (4 concurrent chat completions, greedy, thinking off)."""
     argv = ["--model", "tiny-recall", "--max-model-len", str(COMMON["max_model_len"]), "--max-num-seqs", "4",
-            "--max-num-batched-tokens", str(COMMON["max_num_batched_tokens"]), "--cuda-graph-sizes", "--precompile-token-paddings",
+            "--max-num-batched-tokens", str(COMMON["max_num_batched_tokens"]), "--cuda-graph-sizes",
             "--kv-cache-dtype", "bfloat16", "--log-level", "warning"]
     app, args, engine = build_server(argv)
     try:
@@ -69,7 +69,7 @@ def test_server_answers_retrieval_questions(samples, server_answers):
 
 
 def test_hisparse_with_a_tiny_pool_gives_the_same_answers(samples, server_answers):
-    llm = LLM("tiny-recall", dtype="float32", kv_cache_dtype="bfloat16", cuda_graph_sizes=[], precompile_token_paddings=[], compile_progress=False,
+    llm = LLM("tiny-recall", dtype="float32", kv_cache_dtype="bfloat16", cuda_graph_sizes=[], compile_progress=False,
               num_gpu_blocks_override=HISPARSE_PAGES, enable_prefix_caching=True, **COMMON,
               attention_config={"hisparse_config": {"host_pool_gib": 0.02, "prefill_buffer_size": 128}})
     engine: LLMEngine = llm.engine
