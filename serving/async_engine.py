@@ -101,6 +101,9 @@ class AsyncEngine:
         pd = getattr(self.engine, "pd", None)
         if pd is not None:
             pd.close()  # the P/D side channel's socket and thread
+        events = getattr(self.engine, "kv_events", None)
+        if events is not None:
+            events.close()  # the KV event publishers' sockets and threads
 
     # ------------------------------------------------------------------ engine thread
     def _has_jobs(self) -> bool:

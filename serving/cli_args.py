@@ -17,7 +17,7 @@ from serving.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
-JSON_FLAGS = ("attention_config", "kv_transfer_config", "speculative_config")
+JSON_FLAGS = ("attention_config", "kv_transfer_config", "speculative_config", "kv_events_config")
 
 
 class ArgumentError(ValueError):
@@ -131,6 +131,13 @@ def make_arg_parser() -> argparse.ArgumentParser:
         default=None,
         help='JSON, e.g. {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": '
         '{"cpu_bytes_to_use": ...}}.',
+    )
+    sch.add_argument(
+        "--kv-events-config",
+        default=None,
+        help='JSON, e.g. {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}: KV cache events for prefix-aware routers (vLLM\'s format; '
+        'docs/kv_events.md). Needs --enable-prefix-caching.',
     )
     sch.add_argument(
         "--speculative-config",
@@ -265,6 +272,7 @@ def validate_args(args: argparse.Namespace) -> None:
     args.parallel = parallel_config(args)
     _check_speculative_config(args)
     _check_kv_transfer_config(args)
+    _check_kv_events_config(args)
     _check_attention_config(args.attention_config, args)
     _check_output_parsers(args)
 
@@ -321,6 +329,19 @@ def _check_kv_transfer_config(args: argparse.Namespace) -> None:
         raise _not_yet(f"--kv-transfer-config OffloadingConnector with {', '.join(used)}"
                        f"{' and Hybrid HiSparse' if hisparse else ''} (under a parallel layout the offloading "
                        "connector runs without --data-parallel-size and without HiSparse in this build)")
+
+
+def _check_kv_events_config(args: argparse.Namespace) -> None:
+    """`--kv-events-config` (serving/kv_events/config.py), parsed here so a bad key fails at
+    start-up naming it; events report the prefix cache, so they need --enable-prefix-caching."""
+    from serving.kv_events import KVEventsConfig, KVEventsConfigError
+
+    try:
+        config = KVEventsConfig.from_dict(getattr(args, "kv_events_config", None))
+    except KVEventsConfigError as e:
+        raise ArgumentError(str(e)) from None
+    if config is not None and not args.enable_prefix_caching:
+        raise ArgumentError("--kv-events-config needs --enable-prefix-caching (the events report the prefix cache)")
 
 
 def _check_attention_config(config: dict | None, args: argparse.Namespace | None = None) -> None:

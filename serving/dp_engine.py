@@ -38,13 +38,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from glm53.tokenizer import tokenizer_vocab_size
 from serving.block_pool import BlockPool
 from serving.engine import EngineArgs, LLMEngine
 from serving.hisparse import build_hisparse, hisparse_config
 from serving.kv_cache import KVCacheGroupSpec, KVCacheManager
+from serving.kv_events import build_kv_events
 from serving.metrics import EngineGauges, LoggingStatLogger, StepRecord
 from serving.prefix_cache import PrefixCache
 from serving.request import Request
@@ -87,6 +88,28 @@ class EngineReplica:
             self.prefix_cache.on_host_block_reuse(block, tag)
 
 
+@dataclass
+class PlacementStats:
+    """Replica placements since start-up (metrics): requests per replica, how many a router
+    pinned (`X-data-parallel-rank`), and the prefix-hit tokens of the chosen replica at placement."""
+
+    num_replicas: int
+    placed: list[int] = field(default_factory=list)
+    pinned: int = 0
+    prefix_hit_tokens: int = 0
+
+    def __post_init__(self):
+        self.placed = [0] * self.num_replicas
+
+    def record(self, replica: int, hit_tokens: int | None) -> None:
+        """`hit_tokens` None: the request was pinned by the router."""
+        self.placed[replica] += 1
+        if hit_tokens is None:
+            self.pinned += 1
+        else:
+            self.prefix_hit_tokens += hit_tokens
+
+
 class DataParallelEngine(LLMEngine):
     """`LLMEngine` over `dp` attention replicas (see the module docstring). Built by
     `serving.engine_factory.build_engine` when `args.parallel.data_parallel_size > 1`; same public interface
@@ -118,6 +141,7 @@ class DataParallelEngine(LLMEngine):
         groups = [KVCacheGroupSpec(g.name, g.tokens_per_page * dcp) for g in layout.groups]
         caps = {g.name: math.ceil(args.max_model_len / s.tokens_per_page) for g, s in zip(layout.groups, groups)}
         self.replicas: list[EngineReplica] = []
+        self.placements = PlacementStats(par.data_parallel_size)
         for r in range(par.data_parallel_size):
             rep = EngineReplica(r, None, None, None, None)  # filled below (the pool's callback needs rep)
             rep.pool = BlockPool(num_blocks, on_reuse=rep.on_block_reuse)
@@ -147,6 +171,7 @@ class DataParallelEngine(LLMEngine):
                                   sampling_vocab_size=tokenizer_vocab_size(model_path),
                                   hisparse=self.hisparse.device if self.hisparse is not None else None)
         self.pd = self._build_pd(model.cfg, num_blocks, [(r.index, r.scheduler, r.kv, r.pool) for r in self.replicas])
+        self.kv_events = build_kv_events(args.kv_events_config, [r.prefix_cache for r in self.replicas])
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_steps = 0
         self.host_overhead_s = 0.0
@@ -154,7 +179,8 @@ class DataParallelEngine(LLMEngine):
         self.gauges = EngineGauges(lambda: sum(r.scheduler.num_requests_running for r in reps),
                                    lambda: sum(r.scheduler.num_requests_waiting for r in reps),
                                    lambda: sum(r.scheduler.kv_cache_usage for r in reps) / len(reps),
-                                   self.hisparse.gauges() if self.hisparse is not None else None)
+                                   self.hisparse.gauges() if self.hisparse is not None else None,
+                                   kv_events=self.kv_events, dp_placements=self.placements)
         self.stat_loggers: list = []
         if not args.disable_log_stats:
             self.stat_loggers.append(LoggingStatLogger(self.gauges, args.log_stats_interval_s))
@@ -168,7 +194,9 @@ class DataParallelEngine(LLMEngine):
         unfinished requests of the least loaded, then fewest unfinished requests, fewest pages in
         use, lowest index."""
         if req is not None and req.sampling_params.data_parallel_rank is not None:
-            return self.replicas[req.sampling_params.data_parallel_rank]
+            r = self.replicas[req.sampling_params.data_parallel_rank]
+            self.placements.record(r.index, None)
+            return r
         pulling = [0] * len(self.replicas)  # P/D requests placed here, still waiting for their KV
         if self.pd is not None and self.pd.consumer is not None:
             for p in self.pd.consumer.pending.values():
@@ -178,16 +206,22 @@ class DataParallelEngine(LLMEngine):
         least = min(load.values())
         ok = [r for r in self.replicas if load[r.index] <= least + PREFIX_LOAD_SLACK]
 
+        hit_tokens: dict[int, int] = {}
+
         def score(r: EngineReplica) -> float:
             if req is None or r.prefix_cache is None:
                 return 0.0
             hit = r.prefix_cache.lookup(req)
+            hit_tokens[r.index] = hit.num_tokens
             tpp = r.kv.group("mla").tokens_per_page
             off = sum(1 for b in hit.blocks.get("mla", []) if b == 0) * tpp  # host-only MLA pages (HiSparse)
             ext = hit.num_external_tokens  # from the offload tier
             return hit.num_tokens - 0.5 * (off + ext)
 
-        return min(ok, key=lambda r: (-score(r), load[r.index], r.pool.usage(), r.index))
+        chosen = min(ok, key=lambda r: (-score(r), load[r.index], r.pool.usage(), r.index))
+        if req is not None:
+            self.placements.record(chosen.index, hit_tokens.get(chosen.index, 0))
+        return chosen
 
     def replica_of(self, request_id: str) -> EngineReplica | None:
         """The replica serving the live request `request_id`, or None."""
@@ -232,7 +266,7 @@ class DataParallelEngine(LLMEngine):
             rec = StepRecord(is_step=False)
             rec.finished.append(self._finished_stats(req, time.monotonic()))
             self._emit(rec)
-        self._flush_if_idle()
+        self._end_step()
         return out
 
     def has_unfinished_requests(self) -> bool:
@@ -246,7 +280,7 @@ class DataParallelEngine(LLMEngine):
         preempted_before = sum(r.scheduler.num_preemptions_total for r in self.replicas)
         scheds = [r.scheduler.schedule() for r in self.replicas]
         if all(s.is_empty for s in scheds):
-            self._flush_if_idle()
+            self._end_step()
             return pd_outs
         try:
             self._pd_writes()
@@ -264,7 +298,7 @@ class DataParallelEngine(LLMEngine):
                     out.new_logprobs = lp[: len(out.new_token_ids)]
             per_replica.append(o)
             outs.extend(o)
-        self._flush_if_idle()
+        self._end_step()
         hot_stats = self.hisparse.device.last_stats if self.hisparse is not None else None
         st = self.runner.last
         host = (time.perf_counter() - t0) - st.device_s

@@ -22,6 +22,7 @@ from serving.engine_startup import load_engine_parts, log_engine_plan
 from serving.faults import EngineDeadError
 from serving.hisparse import build_hisparse, hisparse_config
 from serving.kv_cache import KVCacheGroupSpec, KVCacheManager
+from serving.kv_events import build_kv_events
 from serving.metrics import (
     EngineGauges,
     FinishedRequestStats,
@@ -93,6 +94,7 @@ class LLMEngine(PDEngineMixin):
                                   hisparse=self.hisparse.device if self.hisparse is not None else None,
                                   offload=self.offload, num_speculative_tokens=k)
         self.pd = self._build_pd(model.cfg, num_blocks, [(0, self.scheduler, self.kv, self.pool)])
+        self.kv_events = build_kv_events(args.kv_events_config, [self.prefix_cache])
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_steps = 0
         self.host_overhead_s = 0.0
@@ -101,7 +103,7 @@ class LLMEngine(PDEngineMixin):
                                    lambda: self.scheduler.kv_cache_usage,
                                    self.hisparse.gauges() if self.hisparse is not None else None,
                                    self.offload.store.usage if self.offload is not None else None,
-                                   num_speculative_tokens=k)
+                                   num_speculative_tokens=k, kv_events=self.kv_events)
         self.stat_loggers: list = []
         if not args.disable_log_stats:
             self.stat_loggers.append(LoggingStatLogger(self.gauges, args.log_stats_interval_s))
@@ -200,8 +202,15 @@ class LLMEngine(PDEngineMixin):
             rec = StepRecord(is_step=False)
             rec.finished.append(self._finished_stats(req, time.monotonic()))
             self._emit(rec)
-        self._flush_if_idle()
+        self._end_step()
         return out
+
+    def _end_step(self) -> None:
+        """After a step, an abort or a failed step: flush the host copies when idle, then publish
+        the KV events of what changed (`--kv-events-config`)."""
+        self._flush_if_idle()
+        if self.kv_events is not None:
+            self.kv_events.publish_step()
 
     def _flush_if_idle(self) -> None:
         """Nothing left to run: complete HiSparse's queued write-through copies and the
@@ -233,7 +242,7 @@ class LLMEngine(PDEngineMixin):
         preempted_before = self.scheduler.num_preemptions_total
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            self._flush_if_idle()
+            self._end_step()
             return pd_outs
         try:
             self._pd_writes()
@@ -250,7 +259,7 @@ class LLMEngine(PDEngineMixin):
         spec_step = self._observe_drafts(sched)
         self._after_offload()
         st = self.runner.last
-        self._flush_if_idle()
+        self._end_step()
         lps = self.runner.last_logprobs
         if lps:
             for out in outs:
@@ -323,7 +332,7 @@ class LLMEngine(PDEngineMixin):
         if lost:
             raise EngineDeadError(f"the device state was lost in a failed step ({msg}); the engine cannot "
                                   "continue") from error
-        self._flush_if_idle()
+        self._end_step()
         return outs
 
     def _flush_host_copies(self) -> None:

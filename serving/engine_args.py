@@ -47,6 +47,7 @@ class EngineArgs:
     attention_config: dict | None = None  # --attention-config (hisparse_config: Hybrid HiSparse)
     kv_transfer_config: dict | None = None  # --kv-transfer-config (OffloadingConnector, JaxTransferConnector)
     speculative_config: dict | None = None  # --speculative-config (MTP speculative decoding)
+    kv_events_config: dict | None = None  # --kv-events-config (KV cache events for prefix-aware routers)
 
 
 def model_dtype(name: str, device) -> jnp.dtype:

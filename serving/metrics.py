@@ -31,7 +31,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +117,59 @@ class EngineGauges:
     hisparse: object = None  # serving.hisparse.HiSparseGauges when HiSparse is on
     offload: Callable[[], float] | None = None  # the connector's host-store usage when it is on
     num_speculative_tokens: int = 0  # k of MTP speculation (0: off)
+    kv_events: object = None  # serving.kv_events.KVEvents when --kv-events-config is on
+    dp_placements: object = None  # serving.dp_engine.PlacementStats under data parallelism
+
+
+class _KVEventsCollector:
+    """The KV event publishers' totals as Prometheus counters, read at scrape time."""
+
+    def __init__(self, kv_events, model_name: str):
+        self.kv_events = kv_events
+        self.model_name = model_name
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        ev = self.kv_events
+        for name, doc, value in (
+                ("vllm:kv_events_published", "KV event batches sent on the publishers' sockets.", ev.num_published),
+                ("vllm:kv_events_dropped", "KV event batches dropped (publisher queue full).", ev.num_dropped),
+                ("vllm:kv_event_blocks_stored", "Blocks announced as stored (per medium; one block = one "
+                 "prefix-cache unit).", ev.num_blocks_stored),
+                ("vllm:kv_event_blocks_removed", "Blocks announced as removed.", ev.num_blocks_removed)):
+            fam = CounterMetricFamily(name, doc, labels=["model_name"])
+            fam.add_metric([self.model_name], value)
+            yield fam
+
+
+class _PlacementCollector:
+    """The data-parallel engine's placements (`serving.dp_engine.PlacementStats`) as counters."""
+
+    def __init__(self, stats, model_name: str):
+        self.stats = stats
+        self.model_name = model_name
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        st = self.stats
+        placed = CounterMetricFamily("vllm:dp_placements", "Requests placed per data-parallel replica.",
+                                     labels=["model_name", "data_parallel_rank"])
+        for rank, n in enumerate(st.placed):
+            placed.add_metric([self.model_name, str(rank)], n)
+        yield placed
+        pinned = CounterMetricFamily("vllm:dp_placements_pinned", "Requests a router pinned to a replica "
+                                     "(X-data-parallel-rank).", labels=["model_name"])
+        pinned.add_metric([self.model_name], st.pinned)
+        yield pinned
+        hits = CounterMetricFamily("vllm:dp_placement_prefix_hit_tokens", "Prefix-cache hit tokens of the chosen "
+                                   "replica when a request was placed (the replica choice's reason).",
+                                   labels=["model_name"])
+        hits.add_metric([self.model_name], st.prefix_hit_tokens)
+        yield hits
 
 
 class PrometheusStatLogger:
@@ -197,6 +257,10 @@ class PrometheusStatLogger:
                              for t in ("gpu_to_cpu", "cpu_to_gpu")}
             gauge("vllm:kv_offload_host_usage_perc", "Fraction of the connector's host-store blocks filed, queued or "
                   "pinned (1 = full).", gauges.offload)
+        if gauges.kv_events is not None:  # KV events (serving/kv_events)
+            r.register(_KVEventsCollector(gauges.kv_events, model_name))
+        if gauges.dp_placements is not None:  # the data-parallel engine's replica choice
+            r.register(_PlacementCollector(gauges.dp_placements, model_name))
         self.spec_k = gauges.num_speculative_tokens
         if self.spec_k:  # MTP speculation (serving/spec_decode), vLLM's names
             self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Draft verifications (one per request per "

@@ -73,6 +73,8 @@ import numpy as np
 
 from serving.block_pool import NULL_BLOCK, BlockPool
 from serving.kv_cache import KVCacheManager
+from serving.kv_events.coverage import UnitCoverage
+from serving.kv_events.tracker import KVEventTracker
 from serving.request import Request
 
 _ROOT_HASH = b"glm53-prefix-cache-v1"
@@ -171,6 +173,7 @@ class PrefixCache:
         self.host_hits = 0  # hit tokens whose host-group page came from the host tier only
         self.external_queries = 0  # tokens looked up with the offload tier on (vLLM's external_*)
         self.external_hits = 0  # hit tokens from the first page loaded from the offload tier on
+        self.coverage: UnitCoverage | None = None  # per-unit media for KV events (track_events), or None
 
     # ------------------------------------------------------------------ hashing
 
@@ -295,6 +298,8 @@ class PrefixCache:
                     pool.set_tag(block, page.tag)
                 page.keys.append(key)
                 entries[key] = block
+                if self.coverage is not None:
+                    self.coverage.extend(g.name, block, hashes, j * k, u, request.all_token_ids)
         if self.offload is not None:
             self._queue_offload_stores(request, hashes, done, units)
         request.num_published_units = units
@@ -311,7 +316,9 @@ class PrefixCache:
             for j in range(done // k, min(units // k, len(table.blocks))):
                 if (j + 1) * k <= done or table.blocks[j] == NULL_BLOCK or j in table.placeholders:
                     continue
-                off.queue_store(g.name, hashes[(j + 1) * k - 1], table.blocks[j])
+                key = hashes[(j + 1) * k - 1]
+                if off.queue_store(g.name, key, table.blocks[j]) and self.coverage is not None:
+                    self.coverage.offload_queued(g.name, key, hashes[j * k : (j + 1) * k])
 
     def adopt_loads(self, hit: PrefixHit) -> None:
         """An admitted hit's loads are planned: pin their host blocks until the step ran
@@ -372,6 +379,8 @@ class PrefixCache:
         self.host_pool.set_tag(host_block, tag)
         self._host_entries[key] = host_block
         self._host_keys[host_block] = tag
+        if self.coverage is not None:
+            self.coverage.host_filed(key)
         return True
 
     def host_key(self, host_block: int) -> bytes | None:
@@ -386,6 +395,8 @@ class PrefixCache:
             return False
         del self._host_keys[block]
         del self._host_entries[tag.block_hash]
+        if self.coverage is not None:
+            self.coverage.host_dropped(tag.block_hash)
         return True
 
     @property
@@ -418,6 +429,22 @@ class PrefixCache:
         entries = self._entries[page.tag.group]
         for key in page.keys:
             del entries[key]
+        if self.coverage is not None:
+            self.coverage.drop(block)
+
+    # ------------------------------------------------------------------ KV events
+
+    def track_events(self) -> KVEventTracker:
+        """Start tracking which media hold each unit (`serving.kv_events.coverage`) and return the
+        event tracker (block size = the hash unit). Pages published before the call are not
+        reported."""
+        if self.coverage is None:
+            host = self.host_group if self.host_pool is not None else None
+            off = self.offload.groups if self.offload is not None else ()
+            self.coverage = UnitCoverage(self.unit, [g.name for g in self.kv.groups], host, off)
+            if self.offload is not None:
+                self.offload.listener = self.coverage
+        return self.coverage.tracker
 
     # ------------------------------------------------------------------ checks
 

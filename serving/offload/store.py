@@ -67,6 +67,9 @@ class OffloadStore(CopyQueue[StoreJob]):
         self._filed: dict[int, OffloadTag] = {}
         self._queued: set[tuple[str, bytes]] = set()
         self.pinned: list[int] = []
+        # Told when a page is filed or its host block handed out again (`on_offload_filed(group,
+        # key)` / `on_offload_dropped(group, key)`): the prefix cache, with KV events on.
+        self.listener = None
         # Totals since start-up (pages; bytes = pages × page_bytes).
         self.num_stored = 0
         self.num_loaded = 0
@@ -123,6 +126,8 @@ class OffloadStore(CopyQueue[StoreJob]):
             self._entries[(job.group, job.key)] = job.host_block
             self._queued.discard((job.group, job.key))
             self.blocks.free([job.host_block])
+            if self.listener is not None:
+                self.listener.on_offload_filed(job.group, job.key)
         self.num_stored += len(done)
         return done
 
@@ -144,6 +149,8 @@ class OffloadStore(CopyQueue[StoreJob]):
         if isinstance(tag, OffloadTag) and self._filed.get(block) == tag:
             del self._filed[block]
             del self._entries[(tag.group, tag.key)]
+            if self.listener is not None:
+                self.listener.on_offload_dropped(tag.group, tag.key)
 
     # ------------------------------------------------------------------ checks
     def audit(self) -> list[str]:

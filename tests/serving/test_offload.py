@@ -7,7 +7,6 @@ the key; every pool and host-store audit is clean."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
@@ -17,7 +16,14 @@ from serving.cli_args import ArgumentError, make_arg_parser, validate_args
 from serving.offload import OffloadConfig, OffloadConfigError
 from serving.types import SamplingParams
 from tests.helpers.conversations import run_conversations
-from tests.serving.test_hisparse_engine import AMPLE, CONV, HISPARSE, SMALL, engine, mean_running
+from tests.serving.test_hisparse_engine import (
+    AMPLE,
+    CONV,
+    HISPARSE,
+    SMALL,
+    engine,
+    mean_running,
+)
 
 GiB = 2**30
 
@@ -115,6 +121,39 @@ def test_concurrent_identical_and_overlapping_prompts_match_one_by_one(small):
             assert e.audit() == []
         assert [outs[f"r{rep}-{i}"] for i in range(len(prompts))] == alone
     assert e.prefix_cache.external_hits > 0 and e.offload.store.num_loaded > 0
+    assert_clean(e)
+
+
+def test_kv_events_announce_the_offload_tier(small):
+    """KV events (serving/kv_events/) over the connector's store: after the device lost a prefix,
+    the subscriber's rebuilt view (tests/helpers/kv_event_view.py) credits it on the CPU medium
+    with exactly the engine's own hit."""
+    from serving.request import Request
+    from tests.helpers.kv_event_view import RouterView
+    from tests.serving.test_kv_events import _drain
+
+    e = small
+    tracker = e.prefix_cache.track_events()
+    view = RouterView()
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(10, 490, 900).tolist()
+    probe = prompt + [7]
+
+    def engine_hit():
+        return e.prefix_cache.lookup(Request("probe", probe, SamplingParams())).num_tokens
+
+    run_one(e, "ev-cold", prompt)
+    e.step()  # idle: the queued stores are filed
+    _drain(tracker, view)
+    assert view.block_size == e.prefix_cache.unit == 64
+    assert view.hit_tokens(probe, media=("GPU",)) == engine_hit() == 896
+    for i in range(3):
+        run_one(e, f"ev-evict{i}", rng.integers(10, 490, 900).tolist())
+    e.step()
+    _drain(tracker, view)
+    assert view.hit_tokens(probe, media=("GPU",)) < 768
+    assert view.hit_tokens(probe) == view.hit_tokens(probe, media=("CPU",)) == engine_hit() == 768
+    assert view.media() == tracker.published()
     assert_clean(e)
 
 

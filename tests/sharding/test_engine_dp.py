@@ -17,6 +17,8 @@ other replica's requests serving the single-device streams.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -26,6 +28,7 @@ from serving.engine import EngineArgs, LLMEngine
 from serving.engine_factory import build_engine
 from serving.types import SamplingParams
 from sharding.mesh import ParallelConfig
+from tests.helpers.kv_event_view import Subscriber
 
 PROMPTS = {"a": list(range(5, 25)), "b": [(7 * i) % 300 + 4 for i in range(70)],
            "c": [(13 * i) % 400 + 4 for i in range(100)], "d": [(11 * i) % 350 + 4 for i in range(40)],
@@ -173,7 +176,11 @@ def test_dp2_tp2_dcp2_prefix_hit_copies_in_its_replica_shards(single_device, ref
     single-device one; the other replica's cache is not queried."""
     cfg = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, decode_context_parallel_size=2,
                          enable_expert_parallel=True)
-    engine = build(cfg, 8, max_model_len=384, enable_prefix_caching=True)
+    port = _free_port_pair()
+    engine = build(cfg, 8, max_model_len=384, enable_prefix_caching=True,
+                   kv_events_config={"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
+    subs = [Subscriber(f"tcp://127.0.0.1:{port + r}") for r in range(2)]  # replica r: port + r
+    time.sleep(0.3)  # the subscriptions reach the publishers before the first step
     assert engine.runner.kv_arena.shape[0] == 2 * 2 * 8 and engine.prefix_cache.unit == 128
     rng = np.random.default_rng(3)
     stem, filler = rng.integers(4, 450, 200).tolist(), rng.integers(4, 450, 300).tolist()
@@ -192,13 +199,49 @@ def test_dp2_tp2_dcp2_prefix_hit_copies_in_its_replica_shards(single_device, ref
         for out in engine.step():
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert engine.runner.num_page_copies - copies == 1 and rep0.prefix_cache.hits == 128
+    # The placement counters: three requests, the warm one placed for its 128-token hit.
+    assert engine.placements.placed == [2, 1] and engine.placements.prefix_hit_tokens == 128
+    from serving.metrics import PrometheusStatLogger
+
+    text = PrometheusStatLogger("m", engine.gauges).render().decode()
+    assert 'vllm:dp_placements_total{data_parallel_rank="0",model_name="m"} 2.0' in text
+    assert 'vllm:dp_placement_prefix_hit_tokens_total{model_name="m"} 128.0' in text
+    assert 'vllm:kv_events_published_total{model_name="m"}' in text
     assert rep1.prefix_cache.queries == queries1
+    # KV events, one stream per replica: each tells the units its own prefix cache holds (block
+    # size = the 128-token hash unit), tagged with its data-parallel rank.
+    for sub in subs:
+        sub.receive()
+    assert [sub.ranks for sub in subs] == [{0}, {1}]
+    for r, (sub, p) in enumerate(zip(subs, (stem, filler))):
+        assert sub.view.block_size == 128 and sub.seqs == list(range(sub.seqs[0], sub.seqs[0] + len(sub.seqs)))
+        assert sub.view.hit_tokens(p + [1]) == len(p) // 128 * 128 > 0
+        assert sub.view.hit_tokens((filler, stem)[r] + [1]) == 0
     for rid in ("stem", "filler"):
         engine.abort(rid)
     assert engine.audit() == []
+    engine.kv_events.close()
+    for sub in subs:
+        sub.close()
     single_device.add_request("warm", warm, params())
     ref = drain(single_device, {})
     assert got["warm"] == ref["warm"]
+
+
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 free (the KV event endpoints of replicas 0 and 1)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            p = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+            return p
+    raise RuntimeError("no two adjacent free ports")
 
 
 def test_cli_accepts_data_parallel():

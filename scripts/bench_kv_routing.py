@@ -1,0 +1,181 @@
+"""Prefix-aware routing benchmark: two servers behind vllm-router under `round_robin`,
+`cache_aware` and `kv_aware` (fed by our KV events, docs/kv_events.md), and one data-parallel
+server (`--data-parallel-size 2`) placing requests by its own prefix-aware replica choice.
+
+The agentic workload of `scripts/bench_agentic.py` (multi-turn conversations in the reference's
+74,160 : 753 : 220 proportions, scaled down by `--scale`; each turn's prompt is the previous
+prompt, its output and new user tokens, as token ids through /v1/completions; greedy,
+`ignore_eos`), run at each concurrency c by c client threads over 2·c conversations. Every mode
+gets the same two replicas' worth of device pages (`--blocks` per server, or per DP replica), so
+where a later turn lands decides whether its history is a prefix hit.
+
+Columns: `prefix_hit_rate` (cached prompt tokens / prompt tokens, over all turns) and
+`later_turn_hit_rate` (over turns after the first, where a hit is possible at all), TTFT p50/p90,
+`logical_throughput_tok_s` ((prompt + output tokens) / wall), `requests`, `errors`, `wall_s`.
+Each server process runs on its own simulated CPU device(s) and all share the machine's cores:
+compare rows of one run only; the figures measure routing on a tiny model, not GPUs.
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_kv_routing.py --out /tmp/kvroute        # quick: scale 64, 4 turns, c = 4
+    PYTHONPATH=. .venv/bin/python scripts/bench_kv_routing.py --scale 32 --turns 13 --concurrency 2,8 --out DIR
+
+Writes OUT/summary.json, OUT/summary.csv, OUT/server_*.log, OUT/router_*.log and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from scripts.bench_agentic import (
+    MODEL,
+    Server,
+    Workload,
+    _free_port,
+    run_point,
+    summarize,
+    wait_healthy,
+)
+
+COLUMNS = ["mode", "concurrency", "requests", "errors", "prefix_hit_rate", "later_turn_hit_rate", "ttft_p50_s",
+           "ttft_p90_s", "logical_throughput_tok_s", "cached_tokens", "wall_s"]
+ROUTER_MODES = ("round_robin", "cache_aware", "kv_aware")
+
+
+class Router:
+    """vllm-router with `policy` in front of `servers`; `metrics()` sums the servers' metrics.
+    `event_ports` (url → port) become `--kv-event-source` flags (kv_aware)."""
+
+    def __init__(self, policy: str, servers: list[Server], log_path: Path, event_ports: dict[str, int] | None = None,
+                 block_size: int = 64):
+        exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+        self.servers = servers
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        cmd = [exe, "--host", "127.0.0.1", "--port", str(self.port), "--policy", policy, "--worker-urls",
+               *[s.base for s in servers], "--request-timeout-secs", "3600", "--log-level", "debug"]
+        for url, p in (event_ports or {}).items():
+            cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{p}"]
+        if event_ports:
+            # The router indexes events per model: the name requests carry (the served model name).
+            cmd += ["--kv-event-block-size", str(block_size), "--kv-event-model", MODEL]
+        self.log = open(log_path, "w")
+        self.log.write(" ".join(cmd) + "\n")
+        self.log.flush()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "OPENAI_API_KEY": ""})
+        try:
+            wait_healthy(self.proc, self.base, 60, log_path, "vllm-router")
+        except RuntimeError:
+            self.stop()
+            raise
+        time.sleep(1.0)  # the router's event subscribers connect
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for s in self.servers:
+            for k, v in s.metrics().items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+        self.log.close()
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scale", type=float, default=64)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--concurrency", default="4")
+    ap.add_argument("--blocks", type=int, default=64, help="device pages per server (per replica for dp2)")
+    ap.add_argument("--modes", default="round_robin,cache_aware,kv_aware,dp2")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    wl = Workload.scaled(args.scale, args.turns)
+    concs = [int(c) for c in args.concurrency.split(",")]
+    max_len = 1 << (wl.final_context + 64).bit_length()
+    from glm53.tiny_checkpoint import default_model_dir
+    from glm53.tokenizer import tokenizer_vocab_size
+
+    vocab = tokenizer_vocab_size(str(default_model_dir()))
+    common = ["--max-model-len", str(max_len), "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
+              "--enable-prefix-caching", "--disable-log-stats", "--num-gpu-blocks-override", str(args.blocks),
+              "--cuda-graph-sizes", "8"]
+    env_before = os.environ.get("XLA_FLAGS")
+    rows = []
+    try:
+        for mode in args.modes.split(","):
+            print(f"== {mode}: starting servers", flush=True)
+            if mode == "dp2":
+                os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+                target = Server(common + ["--data-parallel-size", "2", "--enable-expert-parallel"],
+                                args.out / "server_dp2.log")
+                stop = [target]
+            elif mode in ROUTER_MODES:
+                os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+                ports = [_free_port(), _free_port()] if mode == "kv_aware" else [None, None]
+                servers = []
+                try:
+                    for i, p in enumerate(ports):
+                        ev = (["--kv-events-config", json.dumps({"enable_kv_cache_events": True,
+                                                                 "endpoint": f"tcp://*:{p}"})] if p else [])
+                        servers.append(Server(common + ev, args.out / f"server_{mode}_{i}.log"))
+                    target = Router(mode, servers, args.out / f"router_{mode}.log",
+                                    {s.base: p for s, p in zip(servers, ports)} if mode == "kv_aware" else None)
+                except Exception:
+                    for s in servers:
+                        s.stop()
+                    raise
+                stop = [target, *servers]
+            else:
+                raise SystemExit(f"unknown mode {mode!r}; choose from {', '.join((*ROUTER_MODES, 'dp2'))}")
+            try:
+                for i, c in enumerate(concs):
+                    results, samples, before, after, wall = run_point(target, wl, c, vocab, False, 1.0,
+                                                                      conv_offset=1000 * i)
+                    row = summarize(mode, c, results, samples, before, after, wall, None, None)
+                    ok = [r for r in results if r.error is None and r.t_first is not None]
+                    prompt = sum(r.prompt_tokens for r in ok)
+                    later = [r for r in ok if r.turn > 0]
+                    later_prompt = sum(r.prompt_tokens for r in later)
+                    row["prefix_hit_rate"] = round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else None
+                    row["later_turn_hit_rate"] = (round(sum(r.cached_tokens for r in later) / later_prompt, 4)
+                                                  if later_prompt else None)
+                    rows.append(row)
+                    print("  " + ", ".join(f"{k}={row.get(k)}" for k in COLUMNS[1:]), flush=True)
+            finally:
+                for s in stop:
+                    s.stop()
+    finally:
+        if env_before is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = env_before
+    (args.out / "summary.json").write_text(json.dumps({"workload": wl.__dict__, "blocks": args.blocks, "rows": rows},
+                                                      indent=1))
+    with open(args.out / "summary.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    print(f"\nworkload {wl}, {args.blocks} pages per server; table in {args.out / 'summary.csv'}")
+    print(" | ".join(COLUMNS))
+    for r in rows:
+        print(" | ".join(str(r.get(k)) for k in COLUMNS))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""`--kv-events-config`: vLLM's KV cache event settings, with vLLM's keys and defaults.
+
+    --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+                         "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'
+
+Keys (vLLM's `KVEventsConfig`): `enable_kv_cache_events` (default false: nothing is tracked or
+published), `publisher` ("zmq", or "null" to track without publishing), `endpoint` (the PUB
+socket; an address with `*`, `::`, `ipc://` or `inproc://` is bound, any other is connected to),
+`replay_endpoint` (a ROUTER socket serving missed batches, or null), `buffer_steps` (batches kept
+for replay), `hwm` (the PUB socket's high-water mark), `max_queue_size` (batches waiting for the
+publisher thread; when it is full a batch is dropped and counted), `topic` (the first frame of
+every message). Under data parallelism replica r publishes on the endpoint's port + r (and the
+replay endpoint's port + r), as vLLM does.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+class KVEventsConfigError(ValueError):
+    """A bad `--kv-events-config` (the message names the key)."""
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    enable_kv_cache_events: bool = False
+    publisher: str = "zmq"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> KVEventsConfig | None:
+        """Parse the flag's JSON (a str or a dict). Returns None when events are off.
+
+        Raises KVEventsConfigError naming an unknown key or a bad value."""
+        if raw is None:
+            return None
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise KVEventsConfigError(f"--kv-events-config: not JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise KVEventsConfigError("--kv-events-config: expected a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise KVEventsConfigError(f"--kv-events-config: unknown key {unknown[0]!r} (known: {sorted(known)})")
+        cfg = cls(**raw)
+        if not isinstance(cfg.enable_kv_cache_events, bool):
+            raise KVEventsConfigError("--kv-events-config: enable_kv_cache_events must be true or false")
+        if cfg.publisher not in ("zmq", "null"):
+            raise KVEventsConfigError(f"--kv-events-config: publisher must be 'zmq' or 'null', got {cfg.publisher!r}")
+        for key in ("buffer_steps", "hwm", "max_queue_size"):
+            v = getattr(cfg, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise KVEventsConfigError(f"--kv-events-config: {key} must be a positive integer, got {v!r}")
+        for key in ("endpoint", "replay_endpoint"):
+            v = getattr(cfg, key)
+            if v is not None and (not isinstance(v, str) or not v.startswith(("tcp://", "ipc://", "inproc://"))):
+                raise KVEventsConfigError(f"--kv-events-config: {key} must be a tcp://, ipc:// or inproc:// address, "
+                                          f"got {v!r}")
+        if not isinstance(cfg.topic, str):
+            raise KVEventsConfigError("--kv-events-config: topic must be a string")
+        return cfg if cfg.enable_kv_cache_events else None
+
+
+def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
+    """vLLM's rule for replica `data_parallel_rank`: a tcp port moves up by the rank, an inproc
+    name gets `_dp<rank>`; rank 0 and None are unchanged. Raises KVEventsConfigError for an ipc
+    endpoint under data parallelism (vLLM refuses it too)."""
+    if not endpoint or data_parallel_rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{data_parallel_rank}"
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        return f"{base}:{int(port) + data_parallel_rank}"
+    raise KVEventsConfigError(f"--kv-events-config: {endpoint!r} cannot be offset per data-parallel rank")

@@ -1,0 +1,214 @@
+"""KV cache events (serving/kv_events/, `--kv-events-config`).
+
+The event stream is decoded by a subscriber written from vLLM's schema (tests/helpers/kv_event_view.py),
+which rebuilds the stored blocks per medium from their tokens and parent links the way a router
+does. After a randomized workload step by step (shared prefixes, evictions to the HiSparse host
+tier, host-tier reuse, aborts; on the model-free scheduler harness) the hit the rebuilt view gives
+every prompt equals `PrefixCache.lookup`'s, and the published media equal the cache's own per-unit
+rule. The publisher's live and replay sockets, the config's errors, and the engine and CLI wiring
+are checked on their own; the offload tier is checked in tests/serving/test_offload.py and a real
+vllm-router in tests/serving/test_kv_events_router.py.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import zmq
+
+from serving.cli_args import ArgumentError, make_arg_parser, validate_args
+from serving.kv_events import (
+    END_SEQ,
+    BlockStored,
+    EventBatch,
+    KVEventsConfig,
+    KVEventsConfigError,
+    ZmqEventPublisher,
+    encode_batch,
+    offset_endpoint_port,
+)
+from serving.request import Request
+from serving.types import SamplingParams
+from tests.helpers.kv_event_view import RouterView, decode
+from tests.serving.hisparse_harness import HiSparseEngine
+from tests.serving.test_scheduler import prompt
+
+
+def _drain(tracker, view) -> None:
+    events = tracker.take_events()
+    if events:
+        view.apply(decode(encode_batch(EventBatch(ts=time.time(), events=events))))
+
+
+def _check(e, view, tracker, prompts) -> None:
+    pc = e.prefix_cache
+    assert view.media() == tracker.published()
+    cov = pc.coverage
+    for key, media in tracker.published().items():
+        assert cov.tiers_of(key) == media
+    for i, p in enumerate(prompts):
+        want = pc.lookup(Request(f"probe{i}", list(p), SamplingParams())).num_tokens
+        assert view.hit_tokens(p) == want, (i, len(p))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rebuilt_view_gives_the_engine_hit_on_every_tier(seed):
+    rng = random.Random(seed)
+    e = HiSparseEngine(num_blocks=rng.choice([40, 60]), host_blocks=rng.choice([40, 200]), max_num_seqs=4,
+                       prefix_caching=True, max_num_batched_tokens=16)
+    tracker = e.prefix_cache.track_events()
+    assert tracker.block_size == 4
+    view = RouterView()
+    heads = [prompt(100 * seed + h, rng.randint(12, 40)) for h in range(3)]
+    prompts, aborted, n = [], set(), 0
+    for wave in range(4):
+        for _ in range(rng.randint(2, 5)):
+            p = rng.choice(heads) + prompt(1000 * seed + n, rng.randint(1, 30))
+            prompts.append(p)
+            e.add(f"r{n}", p, max_tokens=rng.randint(2, 12), ignore_eos=True)
+            n += 1
+        step = 0
+        while e.sched.has_unfinished_requests():
+            e.step()
+            step += 1
+            if rng.random() < 0.05:
+                live = list(e.sched.running) + list(e.sched.waiting)
+                victim = rng.choice(live).request_id
+                e.sched.abort(victim)
+                aborted.add(victim)
+            _drain(tracker, view)
+            if step % 5 == 0:
+                _check(e, view, tracker, prompts + heads)
+        e.flush()
+        _drain(tracker, view)
+        _check(e, view, tracker, prompts + heads + [p + [5] for p in prompts])
+    e.check_against_reference(skip=aborted)
+    media = set().union(*view.media().values()) if view.blocks else set()
+    assert "GPU" in media
+    assert e.prefix_cache.host_hits > 0 or "CPU" in media  # the host tier took part
+    assert tracker.num_removed > 0  # evictions were reported
+
+
+def test_host_tier_units_are_announced_on_the_cpu_medium():
+    e = HiSparseEngine(num_blocks=60, max_num_seqs=3, prefix_caching=True)
+    tracker = e.prefix_cache.track_events()
+    view = RouterView()
+    base = prompt(20, 80)
+    e.add("a", base, max_tokens=3, ignore_eos=True)
+    e.run()
+    _drain(tracker, view)
+    assert view.hit_tokens(base + [1], media=("GPU",)) == 80
+    e.add("filler", prompt(21, 150), max_tokens=2, ignore_eos=True)
+    e.run()
+    _drain(tracker, view)
+    # a's MLA pages went to the host pool; its indexer pages are still on the device for some units.
+    gpu, cpu = view.hit_tokens(base + [1], media=("GPU",)), view.hit_tokens(base + [1], media=("CPU",))
+    want = e.prefix_cache.lookup(Request("p", base + [1], SamplingParams())).num_tokens
+    assert cpu > gpu and view.hit_tokens(base + [1]) == want > 0
+    _check(e, view, tracker, [base, base + [1]])
+
+
+def test_consecutive_units_of_a_prompt_go_out_as_one_event():
+    e = HiSparseEngine(num_blocks=60, max_num_seqs=1, prefix_caching=True, max_num_batched_tokens=64)
+    tracker = e.prefix_cache.track_events()
+    e.add("a", prompt(7, 41), max_tokens=1, ignore_eos=True)
+    e.step()
+    events = tracker.take_events()
+    assert [type(ev) for ev in events] == [BlockStored]
+    ev = events[0]
+    assert ev.parent_block_hash is None and len(ev.block_hashes) == 10 and ev.medium == "GPU"
+    assert ev.token_ids == prompt(7, 41)[:40] and ev.block_size == 4
+    assert tracker.take_events() == []
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_publisher_sends_live_batches_and_replays_from_a_sequence_number():
+    port, rport = _free_port(), _free_port()
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}",  # "*": bound, as in vLLM
+                         replay_endpoint=f"tcp://127.0.0.1:{rport}", buffer_steps=4, topic="kv")
+    pub = ZmqEventPublisher(cfg, data_parallel_rank=0)
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    time.sleep(0.3)  # the subscription reaches the PUB socket
+    try:
+        for i in range(6):
+            ev = BlockStored(block_hashes=[bytes([i]) * 16], parent_block_hash=None, token_ids=[i] * 4, block_size=4,
+                             lora_id=None, medium="GPU", lora_name=None)
+            assert pub.publish(EventBatch(ts=float(i), events=[ev]))
+        assert pub.flush()
+        live = []
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        while len(live) < 6 and poller.poll(2000):
+            topic, seq, payload = sub.recv_multipart()
+            assert topic == b"kv"
+            live.append((int.from_bytes(seq, "big"), decode(payload)))
+        assert [s for s, _ in live] == list(range(6))
+        assert [b.ts for _, b in live] == [float(i) for i in range(6)]
+        assert all(b.data_parallel_rank == 0 for _, b in live)
+        assert pub.num_published == 6 and pub.num_dropped == 0
+
+        req = ctx.socket(zmq.DEALER)
+        req.connect(f"tcp://127.0.0.1:{rport}")
+        req.send_multipart((b"", (3).to_bytes(8, "big")))
+        got = []
+        while req.poll(2000):
+            frames = req.recv_multipart()
+            assert frames[0] == b""
+            if frames[1] == END_SEQ:
+                break
+            got.append((int.from_bytes(frames[1], "big"), decode(frames[2]).ts))
+        assert got == [(3, 3.0), (4, 4.0), (5, 5.0)]
+        req.send_multipart((b"", (0).to_bytes(8, "big")))  # only the last buffer_steps batches are kept
+        first = req.recv_multipart()
+        assert int.from_bytes(first[1], "big") == 2
+        req.close(linger=0)
+    finally:
+        sub.close(linger=0)
+        pub.close()
+
+
+def test_publisher_drops_and_counts_when_its_queue_is_full():
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint="inproc://kv-drop-test", max_queue_size=1)
+    pub = ZmqEventPublisher(cfg)
+    pub.close()
+    assert not pub.publish(EventBatch(ts=0.0, events=[]))
+    assert pub.num_dropped == 1
+
+
+def test_config_keys_and_errors():
+    assert KVEventsConfig.from_dict(None) is None
+    assert KVEventsConfig.from_dict('{"enable_kv_cache_events": false}') is None
+    cfg = KVEventsConfig.from_dict({"enable_kv_cache_events": True, "replay_endpoint": "tcp://*:5558"})
+    assert (cfg.publisher, cfg.endpoint, cfg.buffer_steps, cfg.topic) == ("zmq", "tcp://*:5557", 10_000, "")
+    for raw, match in [('{"enable_kv_cache_events": true, "endpoit": "tcp://*:1"}', "unknown key 'endpoit'"),
+                       ('{"enable_kv_cache_events": true, "publisher": "kafka"}', "publisher must be"),
+                       ('{"enable_kv_cache_events": true, "hwm": 0}', "hwm must be a positive"),
+                       ('{"enable_kv_cache_events": true, "endpoint": "localhost:5557"}', "endpoint must be"),
+                       ('{"enable_kv_cache_events": 1}', "true or false"), ("[1]", "JSON object"), ("{", "not JSON")]:
+        with pytest.raises(KVEventsConfigError, match=match):
+            KVEventsConfig.from_dict(raw)
+    assert offset_endpoint_port("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint_port("inproc://x", 1) == "inproc://x_dp1"
+    assert offset_endpoint_port(None, 3) is None
+
+
+def test_cli_checks_the_flag_at_start_up():
+    flag = '{"enable_kv_cache_events": true}'
+    with pytest.raises(ArgumentError, match="needs --enable-prefix-caching"):
+        validate_args(make_arg_parser().parse_args(["--kv-events-config", flag]))
+    with pytest.raises(ArgumentError, match="unknown key 'x'"):
+        validate_args(make_arg_parser().parse_args(["--kv-events-config", '{"x": 1}', "--enable-prefix-caching"]))
+    args = make_arg_parser().parse_args(["--kv-events-config", flag, "--enable-prefix-caching"])
+    validate_args(args)
+    assert args.kv_events_config == {"enable_kv_cache_events": True}
