@@ -215,9 +215,15 @@ class TurnResult:
         return (self.t_last - self.t_send) / max(1, len(self.output))
 
 
-def run_turn(client: httpx.Client, base: str, res: TurnResult, out_tokens: int, logprobs: bool) -> None:
+def run_turn(client: httpx.Client, base: str, res: TurnResult, out_tokens: int, logprobs: bool,
+             return_token_ids: bool = True) -> None:
+    """One streamed turn. Without `return_token_ids` (vllm-router's kv_aware policy skips its
+    prefix matching for a request that carries the key at all, even false) the output ids are
+    unknown: `res.output` holds one -1 per output token (from the usage), for counting only."""
     body = {"model": MODEL, "prompt": res.prompt, "max_tokens": out_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if return_token_ids:  # (the key alone, even false, turns vllm-router's kv_aware matching off)
+        body["return_token_ids"] = True
     if logprobs:
         body["logprobs"] = 2
     res.t_send = time.monotonic()
@@ -230,7 +236,7 @@ def run_turn(client: httpx.Client, base: str, res: TurnResult, out_tokens: int, 
                 continue
             chunk = json.loads(line[6:])
             for ch in chunk.get("choices", []):
-                ids = ch.get("token_ids") or []
+                ids = ch.get("token_ids") or ([] if return_token_ids or not ch.get("text") else [-1])
                 if ids:
                     now = time.monotonic()
                     res.t_first = res.t_first or now
@@ -243,14 +249,17 @@ def run_turn(client: httpx.Client, base: str, res: TurnResult, out_tokens: int, 
                         res.top2_gaps.append(vals[0] - vals[1] if len(vals) >= 2 else float("inf"))
             if chunk.get("usage"):
                 u = chunk["usage"]
+                if not return_token_ids:
+                    res.output = [-1] * u["completion_tokens"]
                 res.prompt_tokens = u["prompt_tokens"]
                 res.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
 def run_point(server: Server, wl: Workload, concurrency: int, vocab: int, logprobs: bool, scrape_s: float,
-              conv_offset: int) -> tuple[list[TurnResult], list[float], dict, dict, float]:
+              conv_offset: int, return_token_ids: bool = True) -> tuple[list[TurnResult], list[float], dict, dict, float]:
     """2·c conversations over c client threads. Returns (turn results, running samples, metrics
-    before, metrics after, wall seconds)."""
+    before, metrics after, wall seconds). Without `return_token_ids` a turn's prompt is the
+    previous prompt and the new user tokens (the output ids are not known)."""
     convs = list(range(conv_offset, conv_offset + 2 * concurrency))
     lock = threading.Lock()
     results: list[TurnResult] = []
@@ -275,12 +284,12 @@ def run_point(server: Server, wl: Workload, concurrency: int, vocab: int, logpro
                 prompt = user_tokens(c, 0, wl.first, vocab)
                 for t in range(wl.turns):
                     res = TurnResult(c, t, list(prompt))
-                    run_turn(client, server.base, res, wl.out, logprobs)
+                    run_turn(client, server.base, res, wl.out, logprobs, return_token_ids)
                     with lock:
                         results.append(res)
                     if res.error:
                         return
-                    prompt = prompt + res.output + user_tokens(c, t + 1, wl.later, vocab)
+                    prompt = prompt + (res.output if return_token_ids else []) + user_tokens(c, t + 1, wl.later, vocab)
 
     before = server.metrics()
     scraper = threading.Thread(target=scrape, daemon=True)

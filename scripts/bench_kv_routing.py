@@ -5,7 +5,11 @@ server (`--data-parallel-size 2`) placing requests by its own prefix-aware repli
 The agentic workload of `scripts/bench_agentic.py` (multi-turn conversations in the reference's
 74,160 : 753 : 220 proportions, scaled down by `--scale`; each turn's prompt is the previous
 prompt, its output and new user tokens, as token ids through /v1/completions; greedy,
-`ignore_eos`), run at each concurrency c by c client threads over 2·c conversations. Every mode
+`ignore_eos`), run at each concurrency c by c client threads over 2·c conversations. One
+difference: a turn's prompt is the previous prompt and the new user tokens, without the previous
+output, because vllm-router's `kv_aware` policy (0.1.17) skips its prefix matching for requests
+carrying the `return_token_ids` key, even false (measured: the same request is credited 64 tokens
+without the key, 0 with it), and without it the client does not know the output ids. Every mode
 gets the same two replicas' worth of device pages (`--blocks` per server, or per DP replica), so
 where a later turn lands decides whether its history is a prefix hit.
 
@@ -145,7 +149,7 @@ def main(argv=None) -> list[dict]:
             try:
                 for i, c in enumerate(concs):
                     results, samples, before, after, wall = run_point(target, wl, c, vocab, False, 1.0,
-                                                                      conv_offset=1000 * i)
+                                                                      conv_offset=1000 * i, return_token_ids=False)
                     row = summarize(mode, c, results, samples, before, after, wall, None, None)
                     ok = [r for r in results if r.error is None and r.t_first is not None]
                     prompt = sum(r.prompt_tokens for r in ok)
