@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import time
 
+import zmq
+
 from serving.kv_events.config import (
     KVEventsConfig,
     KVEventsConfigError,
@@ -56,9 +58,10 @@ class KVEvents:
             if config.publisher == "zmq":
                 for rank in range(len(trackers)):
                     self.publishers.append(ZmqEventPublisher(config, rank))
-        except Exception:
+        except zmq.ZMQError as e:
             self.close()
-            raise
+            raise ValueError(f"--kv-events-config: cannot open the event sockets of replica {len(self.publishers)} "
+                             f"({offset_endpoint_port(config.endpoint, len(self.publishers))}): {e}") from e
         self.block_size = trackers[0].block_size
         # A router that saw an earlier process on these endpoints forgets what it announced.
         for pub in self.publishers:
@@ -98,8 +101,8 @@ class KVEvents:
 def build_kv_events(raw_config, prefix_caches) -> KVEvents | None:
     """`--kv-events-config` (dict, JSON string or None) over the replicas' prefix caches (index =
     data-parallel rank). None when events are off. Raises KVEventsConfigError for a bad config,
-    ValueError when a replica has no prefix cache (the flag needs --enable-prefix-caching), and
-    zmq.ZMQError when an endpoint cannot be bound."""
+    ValueError when a replica has no prefix cache (the flag needs --enable-prefix-caching) or when
+    an endpoint cannot be bound (the port is taken; the message names the endpoint)."""
     config = KVEventsConfig.from_dict(raw_config)
     if config is None:
         return None

@@ -212,3 +212,16 @@ def test_cli_checks_the_flag_at_start_up():
     args = make_arg_parser().parse_args(["--kv-events-config", flag, "--enable-prefix-caching"])
     validate_args(args)
     assert args.kv_events_config == {"enable_kv_cache_events": True}
+
+
+def test_a_taken_port_is_a_clear_start_up_error():
+    from serving.kv_events import KVEvents, KVEventTracker
+
+    port = _free_port()
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}")
+    first = KVEvents(cfg, [KVEventTracker(64, lambda k: frozenset(), lambda k: False)])
+    try:
+        with pytest.raises(ValueError, match=rf"replica 0 \(tcp://\*:{port}\)"):
+            KVEvents(cfg, [KVEventTracker(64, lambda k: frozenset(), lambda k: False)])
+    finally:
+        first.close()
