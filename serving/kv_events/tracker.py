@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from serving.kv_events.wire import BlockRemoved, BlockStored
 
 
@@ -29,7 +31,8 @@ class KVEventTracker:
         self.block_size = block_size
         self._tiers_of = tiers_of
         self._known = known
-        self._meta: dict[bytes, tuple[bytes | None, tuple[int, ...]]] = {}
+        # unit -> (parent, its tokens as int32 bytes: 256 B per 64-token unit, kept while known)
+        self._meta: dict[bytes, tuple[bytes | None, bytes]] = {}
         self._dirty: dict[bytes, None] = {}
         self._state: dict[bytes, frozenset] = {}
         self.num_stored = 0  # units stored, over all media (events count units, not messages)
@@ -38,7 +41,7 @@ class KVEventTracker:
     def note_unit(self, key: bytes, parent: bytes | None, token_ids) -> None:
         """Remember a unit's parent hash (None for a prompt's first unit) and its tokens."""
         if key not in self._meta:
-            self._meta[key] = (parent, tuple(int(t) for t in token_ids))
+            self._meta[key] = (parent, np.asarray(token_ids, dtype=np.int32).tobytes())
 
     def touch(self, key: bytes) -> None:
         """An index naming `key` changed."""
@@ -66,7 +69,8 @@ class KVEventTracker:
         self._dirty.clear()
         events: list = []
         for medium, key in stored:
-            parent, tokens = self._meta[key]
+            parent, raw = self._meta[key]
+            tokens = np.frombuffer(raw, dtype=np.int32).tolist()
             last = events[-1] if events else None
             if (isinstance(last, BlockStored) and last.medium == medium and last.block_hashes[-1] == parent):
                 last.block_hashes.append(key)
