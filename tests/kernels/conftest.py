@@ -12,9 +12,13 @@ def make_layout(width, num_layers=2, tpp=8, row_dtype="float32", name="g", compo
 
 def scatter_dense(layout, num_blocks, seqs, layer, rng, component="c"):
     """Allocate shuffled pages (never block 0) for each dense sequence `[S_i, W]`, write them with
-    the cache-write op, and return (arena, block_tables [B, P], slots per sequence)."""
+    the cache-write op (one jitted program: eagerly each of its ops compiles on its own), and
+    return (arena, block_tables [B, P], slots per sequence)."""
+    import jax
     import jax.numpy as jnp
     from kernels.paged import write_cache
+
+    write_cache = jax.jit(write_cache, static_argnums=(3, 4, 5))
 
     tpp = layout.tokens_per_page
     pages = [int(np.ceil(len(s) / tpp)) for s in seqs]
