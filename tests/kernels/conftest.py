@@ -16,6 +16,7 @@ def scatter_dense(layout, num_blocks, seqs, layer, rng, component="c"):
     return (arena, block_tables [B, P], slots per sequence)."""
     import jax
     import jax.numpy as jnp
+
     from kernels.paged import write_cache
 
     write_cache = jax.jit(write_cache, static_argnums=(3, 4, 5))
