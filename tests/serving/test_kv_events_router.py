@@ -10,21 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 
 import httpx
 import pytest
 
+from tests.helpers.router_process import ROUTER, vllm_router
+from tests.helpers.router_process import free_port as _free_port
 from tests.helpers.server_process import server_process
 
-ROUTER = shutil.which("vllm-router") or os.path.join(os.path.dirname(sys.executable), "vllm-router")
-pytestmark = pytest.mark.skipif(not os.path.exists(ROUTER), reason="vllm-router is not installed (the `pd` extra)")
+pytestmark = pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed (the `pd` extra)")
 
 COMMON = ["--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--cuda-graph-sizes",
           "--precompile-token-paddings", "--dtype", "float32", "--disable-log-stats", "--enable-prefix-caching"]
@@ -32,44 +27,18 @@ ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
 MODEL = "glm-5.3-tiny"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _events_flag(port: int) -> list[str]:
     return ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                               "endpoint": f"tcp://*:{port}"})]
 
 
-@contextlib.contextmanager
 def kv_router(workers: dict[str, int]):
     """vllm-router kv_aware over `workers` (url -> event port), block size 64 (our unit)."""
-    port = _free_port()
-    cmd = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", "kv_aware", "--worker-urls", *workers,
-           "--kv-event-block-size", "64", "--kv-event-model", MODEL, "--log-level", "debug"]
+    args = ["--policy", "kv_aware", "--worker-urls", *workers, "--kv-event-block-size", "64", "--kv-event-model",
+            MODEL, "--log-level", "debug"]
     for url, p in workers.items():
-        cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{p}"]
-    log_path = os.path.join(tempfile.gettempdir(), f"vllm-router-{port}.log")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OPENAI_API_KEY": ""})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"vllm-router exited with {proc.returncode}"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "vllm-router not ready after 60 s"
-            time.sleep(0.2)
-        yield url, log_path
-    finally:
-        proc.kill()
-        proc.wait(10)
+        args += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{p}"]
+    return vllm_router(args)
 
 
 def _metric(url: str, name: str) -> float:

@@ -8,20 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
+from tests.helpers.router_process import ROUTER, free_port, vllm_router
 from tests.helpers.server_process import server_process
 
-ROUTER = shutil.which("vllm-router") or os.path.join(os.path.dirname(sys.executable), "vllm-router")
-pytestmark = pytest.mark.skipif(not os.path.exists(ROUTER), reason="vllm-router is not installed (the `pd` extra)")
+pytestmark = pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed (the `pd` extra)")
 
 COMMON = ["--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--cuda-graph-sizes", "--precompile-token-paddings",
           "--dtype", "float32", "--disable-log-stats", "--enable-prefix-caching"]
@@ -41,36 +35,13 @@ def _config(role: str) -> list[str]:
     return ["--kv-transfer-config", json.dumps({"kv_connector": "JaxTransferConnector", "kv_role": role})]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def router_process(prefill_url: str, decode_url: str):
-    port, metrics_port = _free_port(), _free_port()
-    proc = subprocess.Popen([ROUTER, "--vllm-pd-disaggregation", "--prefill", prefill_url, "--decode", decode_url,
-                             "--host", "127.0.0.1", "--port", str(port), "--prefill-policy", "cache_aware",
-                             "--decode-policy", "round_robin", "--prometheus-host", "127.0.0.1",
-                             "--prometheus-port", str(metrics_port), "--log-level", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OPENAI_API_KEY": ""})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"vllm-router exited with {proc.returncode}"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "vllm-router not ready after 60 s"
-            time.sleep(0.2)
+    args = ["--vllm-pd-disaggregation", "--prefill", prefill_url, "--decode", decode_url, "--prefill-policy",
+            "cache_aware", "--decode-policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port",
+            str(free_port()), "--log-level", "warning"]
+    with vllm_router(args) as (url, _log):
         yield url
-    finally:
-        proc.kill()
-        proc.wait(10)
 
 
 @pytest.fixture(scope="module")
