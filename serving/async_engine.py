@@ -93,11 +93,13 @@ class AsyncEngine:
             self._inbox.append(("abort", request_id, finished_reason))
             self._cv.notify()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread (waiting up to `timeout` seconds for its step) and close the
+        P/D side channel and the KV event publishers."""
         with self._cv:
             self._stop = True
             self._cv.notify()
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=timeout)
         pd = getattr(self.engine, "pd", None)
         if pd is not None:
             pd.close()  # the P/D side channel's socket and thread
@@ -164,17 +166,34 @@ class AsyncEngine:
                             if not self._inbox:
                                 self._cv.wait(0.002)
         except BaseException as e:  # device state lost (EngineDeadError) or a bug outside the step
-            logger.exception("engine loop died")
+            if self._dead is None:
+                logger.exception("engine loop died")
+            self._die(e)
+
+    def fail(self, error: BaseException) -> None:
+        """Declare the engine dead from any thread (a multi-host peer was lost, serving/multihost):
+        every open request gets an error, `is_healthy()` turns False, the `on_dead` callbacks run
+        and the engine thread stops at its next turn (a step blocked on a lost peer is left to
+        fail on its own)."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._die(error)
+
+    def _die(self, e: BaseException) -> None:
+        """Once: mark the engine dead, fail every open request, run the `on_dead` callbacks."""
+        with self._cv:
+            if self._dead is not None:
+                return
             self._dead = e
-            with self._cv:
-                entries = list(self._queues.items())
-            for rid, _ in entries:
-                self._deliver(RuntimeError(f"engine failed: {e!r}"), rid)
-            for cb in list(self.on_dead):
-                try:
-                    cb(e)
-                except Exception:  # noqa: BLE001
-                    logger.exception("on_dead callback failed")
+            entries = list(self._queues.items())
+        for rid, _ in entries:
+            self._deliver(RuntimeError(f"engine failed: {e!r}"), rid)
+        for cb in list(self.on_dead):
+            try:
+                cb(e)
+            except Exception:  # noqa: BLE001
+                logger.exception("on_dead callback failed")
 
 
 def _noop() -> bool:

@@ -167,6 +167,17 @@ def make_arg_parser() -> argparse.ArgumentParser:
                       help="Comma-separated local accelerator ids this process drives (default: all).")
     dist.add_argument("--distributed-timeout", type=int, default=300,
                       help="Seconds to wait for every process to join (default 300).")
+    dist.add_argument("--headless", action="store_true",
+                      help="Run without the HTTP server: a follower process (--process-id > 0) of a multi-process "
+                           "engine, which runs the steps process 0 sends (docs/multihost.md).")
+    dist.add_argument("--master-addr", default=None,
+                      help="Address of process 0's step channel (default: the coordinator's host).")
+    dist.add_argument("--master-port", type=int, default=None,
+                      help="Port of process 0's step channel; it also listens on the next port for heartbeats "
+                           "(default: the coordinator's port + 1).")
+    dist.add_argument("--peer-timeout", type=float, default=10.0,
+                      help="Seconds without a heartbeat after which a peer process counts as lost and the "
+                           "whole engine stops (default 10).")
 
     out = p.add_argument_group("output parsing")
     out.add_argument(
@@ -254,10 +265,7 @@ def validate_args(args: argparse.Namespace) -> None:
         args.distributed_config.validate()
     except ValueError as e:
         raise ArgumentError(str(e)) from None
-    if args.num_processes > 1:
-        # The runtime joins fine (sharding/distributed.py, tests/sharding/test_distributed.py); the
-        # engine's step loop still drives one device from one process.
-        raise _not_yet(f"--num-processes {args.num_processes} (the engine runs one process)")
+    _check_multihost(args)
     if args.port > 65535:
         raise ArgumentError(f"--port must be <= 65535, got {args.port}")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
@@ -300,6 +308,36 @@ def _check_speculative_config(args: argparse.Namespace) -> None:
     if bad:
         raise ArgumentError(f"--speculative-config runs with tensor / expert / decode context parallelism; "
                             f"drop {', '.join(bad)}")
+
+
+def _check_multihost(args: argparse.Namespace) -> None:
+    """A multi-process engine (serving/multihost): process 0 serves HTTP and schedules, the others
+    run `--headless`. Sets `args.multihost` (a `serving.multihost.MultiHostConfig`, or None for one
+    process). What does not span processes yet is refused here, naming the flag."""
+    args.multihost = None
+    if args.headless and args.num_processes < 2:
+        raise ArgumentError("--headless runs a follower of a multi-process engine: it needs --num-processes >= 2 "
+                            "and --process-id > 0")
+    if args.num_processes < 2:
+        return
+    if args.headless and args.process_id == 0:
+        raise ArgumentError("--headless is for --process-id > 0: process 0 is the leader (it serves HTTP)")
+    if not args.peer_timeout > 0:
+        raise ArgumentError(f"--peer-timeout must be > 0, got {args.peer_timeout}")
+    refused = [flag for flag, used in (
+        ("--kv-transfer-config", args.kv_transfer_config is not None),
+        ("--attention-config hisparse_config", bool((args.attention_config or {}).get("hisparse_config"))),
+    ) if used]
+    if refused:
+        raise _not_yet(f"{', '.join(refused)} with --num-processes {args.num_processes}")
+    from serving.multihost import MultiHostConfig
+
+    host, _, port = args.distributed_config.coordinator_address.rpartition(":")
+    master_port = args.master_port if args.master_port is not None else int(port) + 1
+    if not 0 < master_port < 65535:
+        raise ArgumentError(f"--master-port must be in [1, 65534] (it and the next port are used), got {master_port}")
+    args.multihost = MultiHostConfig(f"{args.master_addr or host}:{master_port}", args.num_processes,
+                                     args.process_id, args.peer_timeout, args.distributed_timeout)
 
 
 def _check_kv_transfer_config(args: argparse.Namespace) -> None:

@@ -330,8 +330,9 @@ class LLMEngine(PDEngineMixin):
                     rec.finished.append(self._finished_stats(req, now))
         self._emit(rec)
         if lost:
-            raise EngineDeadError(f"the device state was lost in a failed step ({msg}); the engine cannot "
-                                  "continue") from error
+            where = ("a step of the multi-process engine failed after its inputs went to the other processes"
+                     if self.runner.step_in_flight else "the device state was lost in a failed step")
+            raise EngineDeadError(f"{where} ({msg}); the engine cannot continue") from error
         self._end_step()
         return outs
 

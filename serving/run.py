@@ -5,7 +5,8 @@ use under `$GLM53_HOME` or `~/.cache/glm53`) on http://127.0.0.1:8000. Flags fol
 unsupported combinations fail at start-up with a message naming the flag. `--model` takes an HF
 safetensors directory or an orbax directory from scripts/convert_checkpoint.py. The multi-process
 flags (`--coordinator-address`, `--num-processes`, `--process-id`, ...; sharding/distributed.py)
-initialise `jax.distributed` before any JAX backend exists. SIGTERM / Ctrl-C drain the server
+initialise `jax.distributed` before any JAX backend exists; process 0 then serves and schedules
+and the others run `--headless` (serving/multihost, docs/multihost.md). SIGTERM / Ctrl-C drain the server
 (`--shutdown-timeout`), and a dead engine makes the process exit 1 (`serving/lifecycle.py`).
 """
 
@@ -18,35 +19,41 @@ import sys
 logger = logging.getLogger("serving.run")
 
 
-def build_server(argv: list[str] | None = None):
-    """Parse flags, load the model, compile, and return (app, args, async_engine)."""
+def _setup(args):
+    """Join `jax.distributed` (before anything creates a JAX backend), enable the compilation
+    cache, configure logging, resolve `--model` → the checkpoint path (None: the tiny one)."""
     from glm53.compile_cache import enable_compilation_cache
-    from glm53.tokenizer import GlmTokenizer
-    from serving.async_engine import AsyncEngine
-    from serving.cli_args import make_arg_parser, validate_args
-    from serving.engine import EngineArgs
-    from serving.engine_factory import build_engine
-    from serving.metrics import PrometheusStatLogger
-    from serving.step_buckets import cuda_graph_sizes
-
+    from glm53.hub import ModelNotFoundError, resolve_model
     from sharding.distributed import initialize as init_distributed
 
-    args = make_arg_parser().parse_args(argv)
-    validate_args(args)
-    try:  # before anything creates a JAX backend
+    try:
         init_distributed(args.distributed_config)
     except RuntimeError as e:
         raise SystemExit(f"error: {e}") from e
     enable_compilation_cache()
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from glm53.hub import ModelNotFoundError, resolve_model
+    if args.multihost is not None:
+        import jax
 
+        n = args.parallel.num_devices if args.parallel is not None else 1
+        if n != jax.device_count():
+            raise SystemExit(f"error: the parallel layout ({n} devices: dp x pcp x tp) must cover all "
+                             f"{jax.device_count()} devices of the {args.num_processes} processes "
+                             f"({jax.local_device_count()} here); set --tensor-parallel-size / --data-parallel-size / "
+                             "--prefill-context-parallel-size")
     try:
-        model = resolve_model(args.model)  # a directory, 'tiny' (None), or a hub id → its snapshot
+        return resolve_model(args.model)  # a directory, 'tiny' (None), or a hub id → its snapshot
     except ModelNotFoundError as e:
         raise SystemExit(f"error: {e}") from e
-    eargs = EngineArgs(
+
+
+def engine_args(args, model):
+    """Validated flags + the resolved model path → `EngineArgs`."""
+    from serving.engine import EngineArgs
+    from serving.step_buckets import cuda_graph_sizes
+
+    return EngineArgs(
         model=model, dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs or 32, max_num_batched_tokens=args.max_num_batched_tokens or 512,
         gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks_override=args.num_gpu_blocks_override,
@@ -56,9 +63,39 @@ def build_server(argv: list[str] | None = None):
         precompile_token_paddings=args.precompile_token_paddings,
         attention_config=args.attention_config, kv_transfer_config=args.kv_transfer_config,
         speculative_config=args.speculative_config, kv_events_config=args.kv_events_config)
+
+
+def build_server(argv: list[str] | None = None, args=None):
+    """Parse flags (or take validated `args`), load the model, compile, and return
+    (app, args, async_engine). In a multi-process engine this is process 0 (the leader): it
+    waits for the followers before returning (`async_engine.multihost_channel`)."""
+    from glm53.tokenizer import GlmTokenizer
+    from serving.async_engine import AsyncEngine
+    from serving.cli_args import make_arg_parser, validate_args
+    from serving.engine_factory import build_engine
+    from serving.metrics import PrometheusStatLogger
+
+    if args is None:
+        args = make_arg_parser().parse_args(argv)
+        validate_args(args)
+    model = _setup(args)
+    channel, holder = None, {}
+    if args.multihost is not None:
+        from serving.multihost.leader import open_leader_channel
+
+        try:
+            channel = open_leader_channel(args.multihost, on_lost=lambda reason: _peer_lost(holder, reason))
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from e
     try:
-        engine = build_engine(eargs)
-    except (ValueError, FileNotFoundError) as e:
+        engine = build_engine(engine_args(args, model))
+        if channel is not None:
+            from serving.multihost.leader import attach_leader
+
+            holder["sender"] = attach_leader(engine, channel, args.multihost)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        if channel is not None:
+            channel.stop(abort_reason=f"the leader failed to start: {e}")
         raise SystemExit(f"error: {e}") from e
     tokenizer = GlmTokenizer.from_pretrained(engine.model_path)
     if args.served_model_name:
@@ -76,8 +113,60 @@ def build_server(argv: list[str] | None = None):
         metrics.registry.register(PDCollector(engine.pd, name))
     engine.stat_loggers.append(metrics)
     async_engine = AsyncEngine(engine, name)
+    async_engine.multihost_channel = channel
+    if channel is not None:
+        holder["engine"] = async_engine
+        if channel.lost is not None:
+            _peer_lost(holder, channel.lost)
     app = build_api(args, async_engine, tokenizer, metrics)
     return app, args, async_engine
+
+
+def _peer_lost(holder: dict, reason: str) -> None:
+    """The leader's channel lost a follower: the engine is dead (503, open requests fail, exit 1)."""
+    from serving.faults import EngineDeadError
+
+    engine = holder.get("engine")
+    if engine is not None:
+        engine.fail(EngineDeadError(f"a process of the multi-process engine was lost: {reason}"))
+
+
+def _follower_main(args) -> int:
+    """`--headless` process of a multi-process engine → its exit status (serving/multihost)."""
+    from serving.engine_factory import build_engine
+    from serving.multihost.channel import FollowerChannel
+    from serving.multihost.follower import run_follower
+    from sharding.distributed import shutdown
+
+    model = _setup(args)
+    mh = args.multihost
+    logger.info("process %d of %d: headless follower; the leader's step channel is %s", mh.process_id,
+                mh.num_processes, mh.address)
+    channel = FollowerChannel(mh.address, mh.process_id, mh.peer_timeout_s)
+    try:
+        engine = build_engine(engine_args(args, model))
+    except Exception as e:  # noqa: BLE001
+        logger.error("process %d could not build its engine: %s: %s", mh.process_id, type(e).__name__, e)
+        channel.fatal(f"could not build its engine: {e}")
+        return 1
+    code = run_follower(engine, channel, mh)
+    channel.close()
+    if code == 0:
+        shutdown()
+    return code
+
+
+def _leave_multihost(channel, exit_code: int) -> None:
+    """The leader stops: tell the followers (STOP, or ABORT when the engine died), then leave
+    `jax.distributed` cleanly, or exit at once with `exit_code` (a lost peer would make JAX's
+    own shutdown wait for it)."""
+    from sharding.distributed import shutdown
+
+    channel.stop(abort_reason=None if exit_code == 0 else "the leader's engine died")
+    if exit_code:
+        logging.shutdown()
+        os._exit(exit_code)
+    shutdown()
 
 
 def build_api(args, async_engine, tokenizer, metrics=None):
@@ -108,13 +197,19 @@ def build_api(args, async_engine, tokenizer, metrics=None):
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    from serving.cli_args import ArgumentError
+    from serving.cli_args import ArgumentError, make_arg_parser, validate_args
 
     try:
-        app, args, engine = build_server(argv)
+        args = make_arg_parser().parse_args(argv)
+        validate_args(args)
     except ArgumentError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
+    if args.multihost is not None and not args.multihost.is_leader:
+        code = _follower_main(args)
+        logging.shutdown()
+        os._exit(code)  # JAX's exit hooks would wait for peers that may be gone
+    app, args, engine = build_server(args=args)
     from serving.lifecycle import DrainMiddleware, GracefulServer
 
     logger.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
@@ -122,10 +217,14 @@ def main(argv: list[str] | None = None) -> None:
     config = uvicorn.Config(drain, host=args.host, port=args.port, log_level=str(args.log_level).lower(),
                             timeout_graceful_shutdown=5)
     server = GracefulServer(config, engine, drain, args.shutdown_timeout)
+    channel = engine.multihost_channel
     try:
         server.run()
     finally:
-        engine.shutdown()
+        # A dead multi-process engine may have its thread blocked on a lost peer: do not wait long.
+        engine.shutdown(timeout=30 if channel is None or not server.exit_code else 2)
+    if channel is not None:
+        _leave_multihost(channel, server.exit_code)
     if server.exit_code:
         raise SystemExit(server.exit_code)
 

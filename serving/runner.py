@@ -39,6 +39,7 @@ from serving.kv_cache import KVCacheManager
 from serving.scheduler_output import SchedulerOutput
 from serving.spec_decode.inputs import build_spec_batch, empty_spec_batch
 from serving.step_buckets import default_cuda_graph_sizes, token_buckets
+from serving.step_inputs import StepInputs
 from serving.step_program import build_step_programs
 from serving.types import TokenLogprobs
 from sharding.mesh import ParallelLayout
@@ -129,6 +130,19 @@ class ModelRunner(ArenaPageIO):
         self.num_hot_steps = 0  # HiSparse steps run with the hot path (some request held a hot lease)
         self._store_jobs: dict[int, list] = {}  # HiSparse copies `prepare` took, per replica
         self.faults: FaultInjection | None = FaultInjection.from_env()  # test hook (serving/faults.py)
+        # Multi-host (serving/multihost): the leader's `step_sink(StepInputs)` sends each step's
+        # inputs to the followers before the step is dispatched; every process places host inputs
+        # as global arrays replicated over the mesh (one value, the same on every process).
+        self.step_sink = None
+        self.step_in_flight = False
+        if jax.process_count() > 1:
+            if parallel is None or parallel.mesh.size != jax.device_count():
+                raise ValueError(f"a multi-process engine needs a parallel layout over all {jax.device_count()} "
+                                 "devices of its processes (--tensor-parallel-size, --data-parallel-size, ...)")
+            replicated = jax.sharding.NamedSharding(parallel.mesh, jax.sharding.PartitionSpec())
+            self._put = lambda x: jax.device_put(np.asarray(x), replicated)
+        else:
+            self._put = jnp.asarray
         reachable = model.cfg.vocab_size if sampling_vocab_size is None else min(sampling_vocab_size,
                                                                                  model.cfg.vocab_size)
         self.sampling_vocab_size = reachable
@@ -178,8 +192,9 @@ class ModelRunner(ArenaPageIO):
             for hs_args in ([self._hisparse_args()] if self.hisparse is not None else []) + [None]:
                 if hs_args is None:
                     batch.hot = None
-                out, self.kv_arena, hs = self._step(self.state, self._place(batch), self.kv_arena, *extra, hs_args,
-                                                    self._dummy_spec)
+                spec = None if self._dummy_spec is None else jax.tree.map(self._put, self._dummy_spec)
+                out, self.kv_arena, hs = self._step(self.state, self._place(batch), self.kv_arena,
+                                                    *map(self._put, extra), hs_args, spec)
                 self._keep_hisparse(hs)
                 jax.block_until_ready(out)
             self.compile_seconds[T] = time.perf_counter() - t
@@ -322,23 +337,12 @@ class ModelRunner(ArenaPageIO):
         self._maybe_fault()
         if self.offload is not None:
             self.run_offload(sched.page_loads)
-        t1 = time.perf_counter()
-        # HiSparse without a hot lease in the step (no pressure): the plain program, which is the
-        # non-HiSparse step (no resolver, no hot state, no host pool), so the engine performs as
-        # without HiSparse until pressure arrives.
-        hs_args = self._hisparse_args() if self.hisparse is not None and bool(batch.hot.active) else None
-        if hs_args is None:
-            batch.hot = None
-        else:
-            self.num_hot_steps += 1
         sp = None
         if self.spec_k:
             sp = build_spec_batch(sched, batch.input_ids_T.shape[0], self.max_num_seqs + 1, self.spec_k,
                                   sched.num_draft_steps)
-            sp = jax.tree.map(jnp.asarray, sp)
-        out, self.kv_arena, hs = self._step(self.state, self._place(batch), self.kv_arena, *map(jnp.asarray, extra),
-                                            hs_args, sp)
-        self._keep_hisparse(hs)
+        t1 = time.perf_counter()
+        out, hs = self.run_inputs(StepInputs(batch, extra, sp))
         want_lp = bool(extra[4])
         stats = hs[0].stats_4 if hs is not None else None
         if self.spec_k:
@@ -347,6 +351,7 @@ class ModelRunner(ArenaPageIO):
         else:
             acc = drafts = None
             (toks, tok_lp, top_ids, top_lp), stats = jax.device_get((out if want_lp else out[:1] + (None,) * 3, stats))
+        self.step_in_flight = False
         if self.hisparse is not None:
             self.hisparse.record(stats if stats is not None else (0, 0, 0, 0))
         t2 = time.perf_counter()
@@ -355,6 +360,31 @@ class ModelRunner(ArenaPageIO):
         if self.spec_k:
             return self._collect_spec(sched, toks, acc, drafts, tok_lp, top_ids, top_lp)
         return self._collect(sched, toks, tok_lp, top_ids, top_lp)
+
+    def run_inputs(self, inputs: StepInputs):
+        """Dispatch the jitted step on prepared host inputs → (sampler outputs, HiSparse state or
+        None), both still on the device. The engine's `execute` / `execute_replicas` call it after
+        `prepare`; a multi-host follower calls it with the inputs the leader sent
+        (`serving.multihost`). With `step_sink` set (the multi-host leader), the inputs are sent
+        to the followers first, and `step_in_flight` stays True until the caller has read the
+        outputs back: a step that fails in between leaves the processes in unknown states."""
+        batch, extra, sp = inputs.batch, inputs.extra, inputs.spec
+        # HiSparse without a hot lease in the step (no pressure): the plain program, which is the
+        # non-HiSparse step (no resolver, no hot state, no host pool), so the engine performs as
+        # without HiSparse until pressure arrives.
+        hs_args = self._hisparse_args() if self.hisparse is not None and bool(batch.hot.active) else None
+        if hs_args is None:
+            batch.hot = None
+        else:
+            self.num_hot_steps += 1
+        if self.step_sink is not None:
+            self.step_in_flight = True
+            self.step_sink(inputs)
+        put = self._put
+        out, self.kv_arena, hs = self._step(self.state, self._place(batch), self.kv_arena, *map(put, extra),
+                                            hs_args, None if sp is None else jax.tree.map(put, sp))
+        self._keep_hisparse(hs)
+        return out, hs
 
     def _collect_spec(self, sched: SchedulerOutput, toks, acc, drafts, tok_lp, top_ids, top_lp) -> dict[str, list[int]]:
         """Speculative step outputs → accepted tokens per sampling request (row i: `toks[i, :acc[i] + 1]`),
@@ -398,9 +428,10 @@ class ModelRunner(ArenaPageIO):
         return bufs
 
     def device_state_lost(self) -> bool:
-        """True when a donated buffer was deleted (a step failed after donating it): the engine
-        cannot continue (`serving.faults.EngineDeadError`)."""
-        return any(x.is_deleted() for x in self._donated_buffers())
+        """True when a donated buffer was deleted (a step failed after donating it), or when a
+        multi-host step failed after its inputs went to the followers: the engine cannot continue
+        (`serving.faults.EngineDeadError`)."""
+        return self.step_in_flight or any(x.is_deleted() for x in self._donated_buffers())
 
     def _collect(self, sched: SchedulerOutput, toks, tok_lp, top_ids, top_lp, row0: int = 0) -> dict[str, list[int]]:
         """Sampled tokens of `sched`'s requests from rows `row0 + i` of the step outputs (and
@@ -438,7 +469,7 @@ class ModelRunner(ArenaPageIO):
         parts = [self.prepare(s, kv, T, r) for r, (s, kv) in enumerate(zip(scheds, kvs))]
         self._dispatch_stores()
         batch = stack_replicas([b for b, _ in parts], self.parallel.pcp)
-        cat = lambda k: np.concatenate([e[k] for _, e in parts])  # noqa: E731
+        cat = lambda k: np.concatenate([e[k] for _, e in parts])
         want_lp = np.bool_(any(bool(e[4]) for _, e in parts))
         copies = np.full((2, self.max_page_copies), -1, np.int32)
         valid = np.concatenate([np.stack(e[5:7])[:, np.asarray(e[6]) >= 0] for _, e in parts], axis=1)
@@ -446,16 +477,10 @@ class ModelRunner(ArenaPageIO):
         extra = (cat(0), cat(1), cat(2), cat(3), want_lp, *copies)
         self._maybe_fault()
         t1 = time.perf_counter()
-        hs_args = self._hisparse_args() if self.hisparse is not None and bool(batch.hot.active) else None
-        if hs_args is None:
-            batch.hot = None
-        else:
-            self.num_hot_steps += 1
-        out, self.kv_arena, hs = self._step(self.state, self._place(batch), self.kv_arena, *map(jnp.asarray, extra),
-                                            hs_args)
-        self._keep_hisparse(hs)
+        out, hs = self.run_inputs(StepInputs(batch, extra, None))
         stats = hs[0].stats_4 if hs is not None else None
         (toks, tok_lp, top_ids, top_lp), stats = jax.device_get((out if want_lp else out[:1] + (None,) * 3, stats))
+        self.step_in_flight = False
         if self.hisparse is not None:
             self.hisparse.record(stats if stats is not None else (0, 0, 0, 0))
         t2 = time.perf_counter()

@@ -42,6 +42,12 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
         sampled (`mask_unreachable`). k: logprobs computed per sampled row.
     """
     mechanism = hisparse.mechanism if hisparse is not None else None
+    # Multi-process (serving/multihost): the sampler's outputs are made replicated over the mesh,
+    # so that the leader reads them from its own devices (a DP-sharded output would put other
+    # replicas' rows on other processes' devices).
+    replicate = None
+    if parallel is not None and jax.process_count() > 1:
+        replicate = jax.sharding.NamedSharding(parallel.mesh, jax.sharding.PartitionSpec())
     narrow_rows = hisparse.narrow_rows if hisparse is not None else None
 
     @functools.partial(jax.jit, donate_argnums=(2, 10))
@@ -61,17 +67,24 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
             out, kv = spec_decode_forward(model, batch, kv, host, temperature, top_p, seeds, steps, want_logprobs,
                                           sp, layout=layout, parallel=parallel, num_speculative_tokens=spec_k,
                                           reachable=reachable, num_logprobs=k)
+            if replicate is not None:
+                out = jax.lax.with_sharding_constraint(out, replicate)
             if hs is None:
                 return out, kv, None
             return out, kv.arena, (kv.hot, host.pool)
         if hs is None:
             logits, _, kv_arena = model(batch, kv_arena, layout, parallel)
             logits = mask_unreachable(logits, reachable)
-            return sample_with_logprobs(logits, temperature, top_p, seeds, steps, want_logprobs, k), kv_arena, None
+            out = sample_with_logprobs(logits, temperature, top_p, seeds, steps, want_logprobs, k)
+            if replicate is not None:
+                out = jax.lax.with_sharding_constraint(out, replicate)
+            return out, kv_arena, None
         kv = PagedKV(kv_arena, HotState(hot.host_row_SGM, hot.rank_SGM, jnp.zeros(4, jnp.int32)))
         logits, _, kv = model(batch, kv, layout, parallel, host)
         logits = mask_unreachable(logits, reachable)
         out = sample_with_logprobs(logits, temperature, top_p, seeds, steps, want_logprobs, k)
+        if replicate is not None:
+            out = jax.lax.with_sharding_constraint(out, replicate)
         return out, kv.arena, (kv.hot, host.pool)
 
     store_only = None

@@ -1,0 +1,47 @@
+"""A follower process (`--headless`, `--process-id` > 0) of a multi-process engine.
+
+It builds the same engine as the leader (parameters, KV arena and compiled steps over the global
+mesh; its scheduler stays idle), says HELLO, then runs every step the leader sends, in order,
+until STOP (exit status 0) or ABORT / a lost leader / a bad message / a failed step (non-zero,
+after one log line naming the cause and a FATAL notice to the leader).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+
+from serving.multihost import MultiHostConfig, codec, engine_fingerprint
+from serving.multihost.channel import FollowerChannel
+
+logger = logging.getLogger(__name__)
+
+
+def run_follower(engine, channel: FollowerChannel, config: MultiHostConfig) -> int:
+    """Serve the leader's steps on `engine.runner` → the process's exit status."""
+    pid = config.process_id
+    channel.hello(engine_fingerprint(engine))
+    logger.info("process %d: engine ready, running the leader's steps (headless)", pid)
+    runner = engine.runner
+    timeout = config.join_timeout_s  # the leader may still be compiling when this one is ready
+    steps = 0
+    try:
+        while True:
+            kind, body = channel.recv(timeout)
+            timeout = None
+            if kind == "stop":
+                logger.info("process %d: the leader stopped the engine after %d steps; exiting", pid, steps)
+                return 0
+            if kind == "abort":
+                logger.error("process %d: the leader stopped the engine on an error (%s); exiting with status 1",
+                             pid, body)
+                return 1
+            out, _ = runner.run_inputs(codec.decode(body))
+            jax.block_until_ready(out)
+            steps += 1
+    except Exception as e:  # noqa: BLE001 - any failure stops this process and the engine
+        reason = f"{type(e).__name__}: {e}"
+        logger.error("process %d: %s; exiting with status 1 (the whole engine stops)", pid, reason)
+        channel.fatal(reason)
+        return 1

@@ -1,0 +1,23 @@
+"""`StepInputs`: one engine step's host inputs (`serving.runner.ModelRunner.run_inputs`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from glm53.batch import ForwardBatch
+
+
+@dataclass
+class StepInputs:
+    """One step's host inputs, all numpy: what `ModelRunner.prepare` builds and what a multi-host
+    leader sends its followers (`serving.multihost`).
+
+    batch: the `ForwardBatch` (its `hot` is None for the plain program). extra: (temperature
+    float32 [B], top_p float32 [B], seeds uint32 [B], steps int32 [B], want_logprobs bool,
+    copy_src int32 [C], copy_dst int32 [C]) as `prepare` returns them. spec: the
+    `serving.spec_decode.inputs.SpecBatch` under MTP speculation, else None.
+    """
+
+    batch: ForwardBatch
+    extra: tuple
+    spec: object = None

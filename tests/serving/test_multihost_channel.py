@@ -1,0 +1,191 @@
+"""The multi-host step channel and codec in one process over loopback (no JAX processes):
+step inputs survive encoding with dtypes, shapes and classes; the follower gets the steps in
+order and rejects a skipped sequence number or a corrupted payload; silence, a FATAL notice, a
+closed connection and a different engine are each detected; the CLI refuses what does not span
+processes yet, naming the flag."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from glm53.batch import ForwardBatch
+from serving.cli_args import ArgumentError, make_arg_parser, validate_args
+from serving.multihost import codec
+from serving.multihost.channel import (
+    ChannelError,
+    FollowerChannel,
+    LeaderChannel,
+    PeerLostError,
+)
+from serving.spec_decode.inputs import SpecBatch
+from serving.step_inputs import StepInputs
+from tests.helpers.multihost_process import free_port_pair
+
+
+def step_inputs(T=8, B=3, k=2) -> StepInputs:
+    rng = np.random.default_rng(0)
+    batch = ForwardBatch(rng.integers(0, 500, T).astype(np.int32), np.arange(T, dtype=np.int32),
+                         np.full(T, B - 1, np.int32), {"mla": np.full(T, -1, np.int32), "indexer": np.arange(T, dtype=np.int32)},
+                         {"mla": rng.integers(0, 9, (B, 4)).astype(np.int32), "indexer": np.zeros((B, 1), np.int32)},
+                         np.zeros(B, np.int32))
+    extra = (rng.random(B).astype(np.float32), np.ones(B, np.float32), rng.integers(0, 2**32, B, dtype=np.uint32),
+             np.zeros(B, np.int32), np.bool_(True), np.full(6, -1, np.int32), np.full(6, -1, np.int32))
+    spec = SpecBatch(np.zeros(B, np.int32), np.zeros((B, k), np.int32), np.zeros(B, np.int32), np.ones(B, bool),
+                     np.zeros(T, np.int32), np.int32(2))
+    return StepInputs(batch, extra, spec)
+
+
+def assert_same(a, b):
+    if isinstance(a, np.ndarray | np.generic):
+        b = np.asarray(b)
+        assert np.asarray(a).dtype == b.dtype and np.asarray(a).shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, tuple | list):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    elif hasattr(a, "__dataclass_fields__"):
+        assert type(a) is type(b)
+        for f in a.__dataclass_fields__:
+            assert_same(getattr(a, f), getattr(b, f))
+    else:
+        assert a == b
+
+
+def test_step_inputs_round_trip_with_dtypes_shapes_and_classes():
+    x = step_inputs()
+    y = codec.decode(codec.encode(x))
+    assert_same(x, y)
+    assert y.extra[4].shape == () and y.extra[4].dtype == np.bool_  # a scalar stays a scalar
+    with pytest.raises(TypeError, match="cannot send a set"):
+        codec.encode(StepInputs(x.batch, ({1, 2},)))
+
+
+@pytest.fixture
+def pair():
+    port = free_port_pair()
+    lost = []
+    leader = LeaderChannel(f"127.0.0.1:{port}", 1, peer_timeout_s=1.5, heartbeat_s=0.2, on_lost=lost.append)
+    follower = FollowerChannel(f"127.0.0.1:{port}", 1, peer_timeout_s=1.5, heartbeat_s=0.2)
+    yield leader, follower, lost
+    leader.stop()
+    follower.close()
+
+
+def handshake(leader, follower, fingerprint=None):
+    follower.hello(fingerprint or {"num_blocks": 24})
+    leader.wait_for_followers({"num_blocks": 24}, timeout_s=10)
+
+
+def test_steps_arrive_in_order_and_stop_ends_the_follower(pair):
+    leader, follower, lost = pair
+    handshake(leader, follower)
+    payloads = [codec.encode(step_inputs(T=t)) for t in (4, 8, 16)]
+    for p in payloads:
+        leader.send_step(p)
+    for p in payloads:
+        kind, body = follower.recv()
+        assert kind == "step" and body == p
+    time.sleep(0.5)  # idle: the leader's PINGs keep the follower's recv from timing out
+    leader.stop()
+    assert follower.recv() == ("stop", None)
+    assert lost == []  # a follower that exits after STOP is not a lost one
+
+
+def test_a_corrupt_payload_and_a_skipped_step_are_errors(pair, monkeypatch):
+    leader, follower, _ = pair
+    handshake(leader, follower)
+    leader._corrupt_at = 2
+    leader.send_step(b"first")
+    leader.send_step(b"second")
+    assert follower.recv() == ("step", b"first")
+    with pytest.raises(ChannelError, match="CRC32"):
+        follower.recv()
+    leader.seq += 1  # a step that never left (the follower still expects the corrupted one, 2)
+    leader.send_step(b"fourth")
+    with pytest.raises(ChannelError, match="step message 4 arrived when 2 was expected"):
+        follower.recv()
+
+
+def test_a_silent_leader_is_lost_for_the_follower():
+    port = free_port_pair()
+    follower = FollowerChannel(f"127.0.0.1:{port}", 1, peer_timeout_s=0.5)
+    try:
+        with pytest.raises(PeerLostError, match="no message from the leader"):
+            follower.recv()
+    finally:
+        follower.close()
+
+
+def test_a_fatal_notice_a_closed_connection_and_silence_each_lose_the_follower():
+    for how in ("fatal", "close", "silence"):
+        port = free_port_pair()
+        lost = []
+        leader = LeaderChannel(f"127.0.0.1:{port}", 1, peer_timeout_s=1.0, heartbeat_s=0.2, on_lost=lost.append)
+        follower = FollowerChannel(f"127.0.0.1:{port}", 1, heartbeat_s=0.2)
+        handshake(leader, follower)
+        t0 = time.monotonic()
+        if how == "fatal":
+            follower.fatal("ChannelError: step message 3 failed its CRC32 check")
+        elif how == "close":
+            follower.close()
+        else:
+            follower._closed.set()  # the heartbeat thread stops, the connection stays open (a frozen process)
+        while not lost and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+        assert len(lost) == 1, how
+        assert {"fatal": "CRC32", "close": "connection closed", "silence": "sent no heartbeat"}[how] in lost[0]
+        with pytest.raises(PeerLostError):
+            leader.send_step(b"x")
+        leader.stop()
+        follower.close()
+
+
+def test_a_follower_with_another_engine_is_refused_by_name(pair):
+    leader, follower, _ = pair
+    follower.hello({"num_blocks": 30})
+    with pytest.raises(RuntimeError, match="num_blocks: leader 24, process 1 30"):
+        leader.wait_for_followers({"num_blocks": 24}, timeout_s=10)
+
+
+def test_a_missing_follower_times_out_naming_it():
+    port = free_port_pair()
+    leader = LeaderChannel(f"127.0.0.1:{port}", 2)
+    try:
+        with pytest.raises(RuntimeError, match=r"process\(es\) \[1, 2\] did not join"):
+            leader.wait_for_followers({}, timeout_s=1)
+    finally:
+        leader.stop()
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--headless"], "--headless runs a follower"),
+    (["--num-processes", "2", "--coordinator-address", "h:1", "--headless"], "--headless is for --process-id > 0"),
+    (["--num-processes", "2", "--coordinator-address", "h:1", "--enable-prefix-caching",
+      "--kv-transfer-config", '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}'], "--kv-transfer-config"),
+    (["--num-processes", "2", "--coordinator-address", "h:1", "--attention-config",
+      '{"hisparse_config": {"host_pool_gib": 1}}'], "hisparse_config"),
+    (["--num-processes", "2", "--coordinator-address", "h:1", "--peer-timeout", "0"], "--peer-timeout"),
+])
+def test_the_cli_refuses_what_does_not_span_processes_yet(argv, flag):
+    args = make_arg_parser().parse_args(argv)
+    with pytest.raises(ArgumentError, match=flag):
+        validate_args(args)
+
+
+def test_the_channel_address_defaults_to_the_coordinator_port_plus_one():
+    args = make_arg_parser().parse_args(["--num-processes", "2", "--process-id", "1", "--headless",
+                                         "--coordinator-address", "10.0.0.1:1234"])
+    validate_args(args)
+    assert args.multihost.address == "10.0.0.1:1235" and not args.multihost.is_leader
+    args = make_arg_parser().parse_args(["--num-processes", "2", "--coordinator-address", "10.0.0.1:1234",
+                                         "--master-addr", "10.0.0.9", "--master-port", "4000"])
+    validate_args(args)
+    assert args.multihost.address == "10.0.0.9:4000" and args.multihost.is_leader

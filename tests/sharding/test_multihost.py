@@ -1,0 +1,186 @@
+"""One engine over two processes (serving/multihost): 2 processes × 4 simulated CPU devices on
+loopback, the leader serving HTTP through the openai client, the follower `--headless`.
+
+* Greedy streams equal those of the one-process engine with the same layout over 8 devices of this
+  process (docs/design.md §10's rule: identical, or a divergence at a near-tie of the reference),
+  for DP2 + EP with the fp8 cache (one attention replica per process, experts over both) and
+  PCP2 × DCP2 × TP4 (the context-parallel groups span the processes); MTP k = 2 on 2 × 2 devices
+  (TP4).
+* SIGTERM on the leader: the running stream finishes, every process exits 0.
+* A killed follower, a frozen one (SIGSTOP, past --peer-timeout) and a corrupt step message each
+  stop the engine: the open stream ends in an error without a wrong token, /health answers 503
+  (or the port is closed), every process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+from openai import OpenAI
+
+from glm53 import api
+from glm53.equality import compare_streams
+from serving.cli_args import make_arg_parser, validate_args
+from serving.engine_factory import build_engine
+from serving.multihost.channel import CORRUPT_ENV
+from serving.run import engine_args
+from serving.types import SamplingParams
+from tests.helpers.multihost_process import multihost_engine
+
+PROMPTS = {"a": list(range(5, 25)), "b": [(7 * i) % 300 + 4 for i in range(70)],
+           "c": [(13 * i) % 400 + 4 for i in range(100)]}
+MAX_TOKENS = 6
+ENGINE = ["--max-model-len", "192", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+          "--num-gpu-blocks-override", "24", "--cuda-graph-sizes", "--precompile-token-paddings",
+          "--disable-log-stats"]
+DP2_EP_FP8 = ["-tp", "4", "-dp", "2", "--enable-expert-parallel", "--kv-cache-dtype", "fp8"]
+PCP2_DCP2 = ["-tp", "4", "-pcp", "2", "-dcp", "2"]
+MTP_TP4 = ["-tp", "4", "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
+MODEL = "glm-5.3-tiny"
+
+
+def reference(flags: list[str]) -> tuple[dict, dict, str]:
+    """The one-process engine built from the same flags (`serving.run.engine_args`) over this
+    process's first devices → (streams, their top logprobs, the cache dtype)."""
+    args = make_arg_parser().parse_args(ENGINE + flags)
+    validate_args(args)
+    engine = build_engine(engine_args(args, None))
+    for rid, p in PROMPTS.items():
+        engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2))
+    streams, lps = {rid: [] for rid in PROMPTS}, {rid: [] for rid in PROMPTS}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streams[out.request_id] += out.new_token_ids
+            lps[out.request_id] += out.new_logprobs or []
+    return streams, lps, "fp8" if args.kv_cache_dtype == "fp8" else "bfloat16"
+
+
+def served(url: str) -> dict:
+    """PROMPTS through the leader concurrently: "a" streamed, the others not → token ids."""
+    client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    got = {}
+
+    def one(rid):
+        if rid == "a":
+            ids = []
+            for chunk in client.completions.create(model=MODEL, prompt=PROMPTS[rid], max_tokens=MAX_TOKENS,
+                                                   temperature=0, stream=True, extra_body=extra):
+                ids += chunk.choices[0].model_extra.get("token_ids") or [] if chunk.choices else []
+            got[rid] = ids
+        else:
+            r = client.completions.create(model=MODEL, prompt=PROMPTS[rid], max_tokens=MAX_TOKENS, temperature=0,
+                                          extra_body=extra)
+            got[rid] = r.choices[0].model_extra["token_ids"]
+
+    threads = [threading.Thread(target=one, args=(rid,)) for rid in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return got
+
+
+def check_equal(flags, url):
+    ref, lps, dtype = reference(flags)
+    got = served(url)
+    compare_streams(ref, got, lps, PROMPTS, api.load(cache_dtype=dtype))
+    return got
+
+
+def stream_tokens(url: str, prompt, max_tokens: int):
+    """Open a streaming completion → an iterator of (token ids | an exception at the end)."""
+    with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                yield RuntimeError(event["error"]["message"])
+                return
+            yield event["choices"][0].get("token_ids") or [], event["choices"][0].get("finish_reason")
+
+
+def health(url: str) -> int | None:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code
+    except httpx.HTTPError:
+        return None  # the port is closed: the leader is gone
+
+
+def test_dp2_ep_fp8_across_processes_serves_the_one_process_streams_and_sigterm_exits_zero():
+    with multihost_engine(ENGINE + DP2_EP_FP8) as mh:
+        check_equal(DP2_EP_FP8, mh.url)
+        # SIGTERM while a stream runs: it finishes, then every process exits 0.
+        it = stream_tokens(mh.url, PROMPTS["b"], 24)
+        ids, _ = next(it)
+        mh.leader.send_signal(signal.SIGTERM)
+        finish = None
+        for item in it:
+            assert not isinstance(item, Exception), f"{item}\n{mh.logs()}"
+            ids += item[0]
+            finish = item[1] or finish
+        assert finish == "length" and len(ids) == 24
+        codes = mh.wait_all(60)
+        assert codes == [0, 0], f"exit codes {codes}\n{mh.logs()}"
+        assert "the leader stopped the engine after" in mh.follower_log()
+
+
+def test_pcp2_dcp2_across_processes_serves_the_one_process_streams_and_a_killed_follower_stops_all():
+    with multihost_engine(ENGINE + PCP2_DCP2) as mh:
+        got = check_equal(PCP2_DCP2, mh.url)
+        it = stream_tokens(mh.url, PROMPTS["c"], 40)
+        ids, _ = next(it)
+        mh.followers[0].send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        items = list(it)
+        assert items and isinstance(items[-1], Exception), items  # the stream ends in an error
+        ids += [t for item in items[:-1] for t in item[0]]
+        assert len(ids) < 40
+        assert ids[:MAX_TOKENS] == got["c"][:len(ids[:MAX_TOKENS])]  # what it streamed is what it served before
+        assert health(mh.url) in (503, None)
+        codes = mh.wait_all(30)
+        assert codes[0] == 1, f"leader exit code {codes[0]}\n{mh.logs()}"
+        assert time.monotonic() - t0 < 30
+        assert "the engine died" in mh.leader_log()
+
+
+def test_a_frozen_follower_stops_the_engine_within_the_peer_timeout():
+    with multihost_engine(ENGINE + DP2_EP_FP8 + ["--peer-timeout", "3"]) as mh:
+        it = stream_tokens(mh.url, PROMPTS["b"], 60)
+        next(it)
+        mh.followers[0].send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        items = list(it)
+        assert items and isinstance(items[-1], Exception), items
+        waited = time.monotonic() - t0
+        assert 2.0 < waited < 20, waited  # bounded by --peer-timeout (3 s) plus the heartbeat period
+        codes = [health(mh.url)]
+        assert codes[0] in (503, None)
+        assert mh.leader.wait(30) == 1, mh.logs()
+        assert "sent no heartbeat" in mh.leader_log()
+        mh.followers[0].send_signal(signal.SIGCONT)
+        assert mh.followers[0].wait(30) not in (0, None), mh.logs()
+
+
+def test_a_corrupt_step_message_stops_the_engine_without_a_wrong_token():
+    ref, _, _ = reference(DP2_EP_FP8)
+    with multihost_engine(ENGINE + DP2_EP_FP8, leader_env={CORRUPT_ENV: "4"}) as mh:
+        items = list(stream_tokens(mh.url, PROMPTS["a"], MAX_TOKENS))
+        assert items and isinstance(items[-1], Exception), items
+        ids = [t for item in items[:-1] for t in item[0]]
+        assert len(ids) < MAX_TOKENS and ids == ref["a"][:len(ids)]
+        codes = mh.wait_all(30)
+        assert codes[0] == 1 and codes[1] not in (0, None), f"exit codes {codes}\n{mh.logs()}"
+        assert "failed its CRC32 check" in mh.follower_log()
+
+
+def test_mtp_k2_across_two_processes_of_two_devices_serves_the_one_process_streams():
+    with multihost_engine(ENGINE + MTP_TP4, devices_per_process=2) as mh:
+        check_equal(MTP_TP4, mh.url)
