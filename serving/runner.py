@@ -130,17 +130,27 @@ class ModelRunner(ArenaPageIO):
         self.num_hot_steps = 0  # HiSparse steps run with the hot path (some request held a hot lease)
         self._store_jobs: dict[int, list] = {}  # HiSparse copies `prepare` took, per replica
         self.faults: FaultInjection | None = FaultInjection.from_env()  # test hook (serving/faults.py)
-        # Multi-host (serving/multihost): the leader's `step_sink(StepInputs)` sends each step's
-        # inputs to the followers before the step is dispatched; every process places host inputs
-        # as global arrays replicated over the mesh (one value, the same on every process).
+        # Multi-host (serving/multihost): the leader's `step_sink(op, inputs)` sends each device
+        # program's host inputs to the followers before it is dispatched ("step": `StepInputs`;
+        # "stores": HiSparse's copy lists); every process places host inputs as global arrays
+        # replicated over the mesh (one value, the same on every process).
         self.step_sink = None
         self.step_in_flight = False
         if jax.process_count() > 1:
             if parallel is None or parallel.mesh.size != jax.device_count():
                 raise ValueError(f"a multi-process engine needs a parallel layout over all {jax.device_count()} "
                                  "devices of its processes (--tensor-parallel-size, --data-parallel-size, ...)")
+            if hisparse is not None and hisparse.mechanism == "callback":
+                raise ValueError("Hybrid HiSparse with hisparse_config.host_gather \"callback\" keeps one numpy host pool "
+                                 "per process, which a multi-process engine cannot share; set host_gather "
+                                 "\"memory_kind\"")
+            if offload is not None and offload.transfer.mechanism == "callback":
+                raise ValueError("the offloading connector with the \"callback\" host mechanism keeps one numpy page "
+                                 "store per process, which a multi-process engine cannot share")
             replicated = jax.sharding.NamedSharding(parallel.mesh, jax.sharding.PartitionSpec())
             self._put = lambda x: jax.device_put(np.asarray(x), replicated)
+            if offload is not None:
+                offload.transfer.put = self._put
         else:
             self._put = jnp.asarray
         reachable = model.cfg.vocab_size if sampling_vocab_size is None else min(sampling_vocab_size,
@@ -211,8 +221,14 @@ class ModelRunner(ArenaPageIO):
         that should see them complete; `wait` blocks until they ran (an idle engine flushing its
         queue)."""
         src, dst = self.hisparse.store_lists(jobs)
-        self.hisparse.pool, done = self._store_only(self.hisparse.pool, self.kv_arena, jnp.asarray(src),
-                                                    jnp.asarray(dst))
+        self.run_store_lists(src, dst, wait)
+
+    def run_store_lists(self, src: np.ndarray, dst: np.ndarray, wait: bool = False) -> None:
+        """`run_stores` on the padded int32 lists of `HiSparseDeviceState.store_lists` (what a
+        multi-host leader sends its followers before running them itself)."""
+        if self.step_sink is not None:
+            self.step_sink("stores", (src, dst, np.bool_(wait)))
+        self.hisparse.pool, done = self._store_only(self.hisparse.pool, self.kv_arena, self._put(src), self._put(dst))
         if wait:
             jax.block_until_ready(done)
 
@@ -221,10 +237,21 @@ class ModelRunner(ArenaPageIO):
         arena page, pages computed by earlier steps) as one program, then the step's `loads`
         (`(host block, device page)`: arena page ← host block) as another, which donates the
         arena to the step. `wait` blocks until the stores ran (an idle engine flushing)."""
-        store, transfer = self.offload.store, self.offload.transfer
+        store = self.offload.store
         jobs = store.take_stores(len(store.queue))
-        if jobs:
-            transfer.store(self.kv_arena, [(j.device_block, j.host_block) for j in jobs])
+        self.run_offload_lists([(j.device_block, j.host_block) for j in jobs], loads, wait)
+
+    def run_offload_lists(self, stores, loads, wait: bool = False) -> None:
+        """`run_offload` on explicit `(device block, host block)` stores and `(host block, device
+        block)` loads (what a multi-host leader sends its followers before running them itself)."""
+        stores = [tuple(int(x) for x in p) for p in stores]
+        loads = [tuple(int(x) for x in p) for p in loads]
+        if self.step_sink is not None and (stores or loads or wait):
+            self.step_sink("offload", (np.asarray(stores, np.int32).reshape(-1, 2),
+                                       np.asarray(loads, np.int32).reshape(-1, 2), np.bool_(wait)))
+        transfer = self.offload.transfer
+        if stores:
+            transfer.store(self.kv_arena, stores)
         if loads:
             self.kv_arena = transfer.load(self.kv_arena, loads)
         if wait:
@@ -372,14 +399,16 @@ class ModelRunner(ArenaPageIO):
         # HiSparse without a hot lease in the step (no pressure): the plain program, which is the
         # non-HiSparse step (no resolver, no hot state, no host pool), so the engine performs as
         # without HiSparse until pressure arrives.
-        hs_args = self._hisparse_args() if self.hisparse is not None and bool(batch.hot.active) else None
+        # (A follower receives `hot` already None for the plain program.)
+        active = self.hisparse is not None and batch.hot is not None and bool(batch.hot.active)
+        hs_args = self._hisparse_args() if active else None
         if hs_args is None:
             batch.hot = None
         else:
             self.num_hot_steps += 1
         if self.step_sink is not None:
             self.step_in_flight = True
-            self.step_sink(inputs)
+            self.step_sink("step", inputs)
         put = self._put
         out, self.kv_arena, hs = self._step(self.state, self._place(batch), self.kv_arena, *map(put, extra),
                                             hs_args, None if sp is None else jax.tree.map(put, sp))

@@ -59,6 +59,7 @@ def _release_compiled_programs():
 # listed runs after these, in the usual order. Refresh the list when a module's time changes much
 # (`pytest -n 0 --durations=0`, summed per file).
 SLOW_MODULES = (
+    "tests/sharding/test_multihost.py",  # 330 s in a serial cold run (subprocesses: 2 engines each)
     "tests/serving/test_spec_decode.py",  # 324 s
     "tests/serving/test_hisparse_engine.py",  # 312 s
     "tests/sharding/test_hisparse_parallel.py",  # 301 s

@@ -37,9 +37,19 @@ def run_follower(engine, channel: FollowerChannel, config: MultiHostConfig) -> i
                 logger.error("process %d: the leader stopped the engine on an error (%s); exiting with status 1",
                              pid, body)
                 return 1
-            out, _ = runner.run_inputs(codec.decode(body))
-            jax.block_until_ready(out)
-            steps += 1
+            op, inputs = codec.decode(body)
+            if op == "step":
+                out, _ = runner.run_inputs(inputs)
+                jax.block_until_ready(out)
+                steps += 1
+            elif op == "stores":
+                src, dst, wait = inputs
+                runner.run_store_lists(src, dst, bool(wait))
+            elif op == "offload":
+                stores, loads, wait = inputs
+                runner.run_offload_lists(stores.tolist(), loads.tolist(), bool(wait))
+            else:
+                raise ValueError(f"unknown operation {op!r} from the leader")
     except Exception as e:  # noqa: BLE001 - any failure stops this process and the engine
         reason = f"{type(e).__name__}: {e}"
         logger.error("process %d: %s; exiting with status 1 (the whole engine stops)", pid, reason)

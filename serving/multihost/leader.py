@@ -4,8 +4,9 @@
     engine = build_engine(...)                          # every process builds the same engine
     attach_leader(engine, channel, config)              # waits for the followers' HELLO
 
-`attach_leader` sets the runner's `step_sink`: each step's `StepInputs` are encoded
-(`serving.multihost.codec`) and sent before the step is dispatched. `on_lost(reason)` runs on the
+`attach_leader` sets the runner's `step_sink`: each device program's host inputs — `("step",
+StepInputs)`, or `("stores", (src, dst, wait))` for HiSparse's write-through copies — are encoded
+(`serving.multihost.codec`) and sent before the program is dispatched. `on_lost(reason)` runs on the
 channel's monitor thread when a follower is lost (the server turns it into a dead engine).
 """
 
@@ -34,9 +35,9 @@ class StepSender:
         self.encode_s: list[float] = []
         self.payload_bytes: list[int] = []
 
-    def __call__(self, inputs) -> None:
+    def __call__(self, op: str, inputs) -> None:
         t = time.perf_counter()
-        payload = codec.encode(inputs)
+        payload = codec.encode((op, inputs))
         self.encode_s.append(time.perf_counter() - t)
         self.payload_bytes.append(len(payload))
         self.channel.send_step(payload)

@@ -43,6 +43,9 @@ class OffloadTransfer:
     """
 
     def __init__(self, num_host_blocks: int, page_words: int, mechanism: str, max_ops: int = 1024, parallel=None):
+        # host index lists → device arrays (a multi-process engine replaces it with a replicated
+        # global placement: `serving.runner.ModelRunner`)
+        self.put = jnp.asarray
         self.mechanism = mechanism
         self.max_ops = int(max_ops)
         self.page_words = int(page_words)
@@ -124,7 +127,7 @@ class OffloadTransfer:
             dst = np.full(n, -1, np.int32)
             if chunk:
                 src[:len(chunk)], dst[:len(chunk)] = np.asarray(chunk, np.int32).T
-            yield jnp.asarray(src), jnp.asarray(dst)
+            yield self.put(src), self.put(dst)
 
     def store(self, arena: jax.Array, pairs) -> None:
         """Host block ← arena page for each `(device_block, host_block)` of `pairs`."""

@@ -3,9 +3,11 @@ loopback, the leader serving HTTP through the openai client, the follower `--hea
 
 * Greedy streams equal those of the one-process engine with the same layout over 8 devices of this
   process (docs/design.md §10's rule: identical, or a divergence at a near-tie of the reference),
-  for DP2 + EP with the fp8 cache (one attention replica per process, experts over both) and
-  PCP2 × DCP2 × TP4 (the context-parallel groups span the processes); MTP k = 2 on 2 × 2 devices
-  (TP4).
+  for DP2 + EP with the fp8 cache (one attention replica per process, experts over both),
+  PCP2 × DCP2 × TP4 with the CPU offloading connector storing pages (the context-parallel groups
+  span the processes), MTP k = 2 on 2 × 2
+  devices (TP4), and Hybrid HiSparse on a device pool far too small under DP2 + EP (each
+  process's replica has its own host pool).
 * SIGTERM on the leader: the running stream finishes, every process exits 0.
 * A killed follower, a frozen one (SIGSTOP, past --peer-timeout) and a corrupt step message each
   stop the engine: the open stream ends in an error without a wrong token, /health answers 503
@@ -38,7 +40,9 @@ ENGINE = ["--max-model-len", "192", "--max-num-seqs", "4", "--max-num-batched-to
           "--num-gpu-blocks-override", "24", "--cuda-graph-sizes", "--precompile-token-paddings",
           "--disable-log-stats"]
 DP2_EP_FP8 = ["-tp", "4", "-dp", "2", "--enable-expert-parallel", "--kv-cache-dtype", "fp8"]
-PCP2_DCP2 = ["-tp", "4", "-pcp", "2", "-dcp", "2"]
+PCP2_DCP2_OFFLOAD = ["-tp", "4", "-pcp", "2", "-dcp", "2", "--enable-prefix-caching", "--kv-transfer-config",
+                     json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                 "kv_connector_extra_config": {"cpu_bytes_to_use": 2**26}})]
 MTP_TP4 = ["-tp", "4", "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
 MODEL = "glm-5.3-tiny"
 
@@ -86,10 +90,16 @@ def served(url: str) -> dict:
 
 
 def check_equal(flags, url):
+    """→ (reference streams, their logprobs, the served streams)."""
     ref, lps, dtype = reference(flags)
     got = served(url)
     compare_streams(ref, got, lps, PROMPTS, api.load(cache_dtype=dtype))
-    return got
+    return ref, lps, got
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
 def stream_tokens(url: str, prompt, max_tokens: int):
@@ -132,10 +142,21 @@ def test_dp2_ep_fp8_across_processes_serves_the_one_process_streams_and_sigterm_
         assert "the leader stopped the engine after" in mh.follower_log()
 
 
-def test_pcp2_dcp2_across_processes_serves_the_one_process_streams_and_a_killed_follower_stops_all():
-    with multihost_engine(ENGINE + PCP2_DCP2) as mh:
-        got = check_equal(PCP2_DCP2, mh.url)
-        it = stream_tokens(mh.url, PROMPTS["c"], 40)
+def test_pcp2_dcp2_offload_across_processes_serves_the_one_process_streams_and_a_killed_follower_stops_all():
+    """PCP2 × DCP2 × TP4 with the CPU offloading connector: the streams equal the one-process
+    engine's and the sealed pages are stored to the host store. (A later turn loaded back from it
+    needs a full 768-token indexer page, beyond this engine's 192-token limit: the loads are
+    covered in one process by tests/sharding/test_pd_parallel.py.) Then a follower is killed
+    mid-stream."""
+    with multihost_engine(ENGINE + PCP2_DCP2_OFFLOAD) as mh:
+        ref, lps, got = check_equal(PCP2_DCP2_OFFLOAD, mh.url)
+        # A prompt with a full 128-token unit (64 x DCP2): its sealed pages go to the host store, on
+        # both processes (the store program spans them).
+        httpx.post(mh.url + "/v1/completions", timeout=300, json={
+            "model": MODEL, "prompt": [(19 * j) % 470 + 5 for j in range(150)], "max_tokens": 1}).raise_for_status()
+        assert metric(mh.url, "vllm:kv_offload_total_bytes_total") > 0
+
+        it = stream_tokens(mh.url, PROMPTS["b"], 40)
         ids, _ = next(it)
         mh.followers[0].send_signal(signal.SIGKILL)
         t0 = time.monotonic()
@@ -143,7 +164,7 @@ def test_pcp2_dcp2_across_processes_serves_the_one_process_streams_and_a_killed_
         assert items and isinstance(items[-1], Exception), items  # the stream ends in an error
         ids += [t for item in items[:-1] for t in item[0]]
         assert len(ids) < 40
-        assert ids[:MAX_TOKENS] == got["c"][:len(ids[:MAX_TOKENS])]  # what it streamed is what it served before
+        assert ids[:MAX_TOKENS] == got["b"][:len(ids[:MAX_TOKENS])]  # what it streamed is what it served before
         assert health(mh.url) in (503, None)
         codes = mh.wait_all(30)
         assert codes[0] == 1, f"leader exit code {codes[0]}\n{mh.logs()}"
@@ -184,3 +205,51 @@ def test_a_corrupt_step_message_stops_the_engine_without_a_wrong_token():
 def test_mtp_k2_across_two_processes_of_two_devices_serves_the_one_process_streams():
     with multihost_engine(ENGINE + MTP_TP4, devices_per_process=2) as mh:
         check_equal(MTP_TP4, mh.url)
+
+
+HS_PROMPTS = {f"r{i}": [(17 * i + 31 * j) % 450 + 5 for j in range(400)] for i in range(4)}
+HS_MAX_TOKENS = 8
+HS_ENGINE = ["--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
+             "--cuda-graph-sizes", "--precompile-token-paddings", "--disable-log-stats", "--enable-prefix-caching"]
+HS_LAYOUT = ["-tp", "4", "-dp", "2", "--enable-expert-parallel", "--num-gpu-blocks-override", "10", "--attention-config",
+             json.dumps({"hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 1024,
+                                             "host_gather": "memory_kind"}})]
+
+
+def test_hisparse_on_a_pool_far_too_small_spans_both_processes():
+    """DP2 + EP with one replica per process, 9 usable pages per replica, two 400-token requests
+    pinned to each replica (16 pages each pair): both replicas' host pools — one per process — hold
+    released pages and feed the hot buffers; the streams equal the one-device ample run without
+    HiSparse, and nobody is preempted."""
+    args = make_arg_parser().parse_args(HS_ENGINE + ["--num-gpu-blocks-override", "160"])
+    validate_args(args)
+    engine = build_engine(engine_args(args, None))
+    for rid, p in HS_PROMPTS.items():
+        engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=HS_MAX_TOKENS, ignore_eos=True,
+                                                  logprobs=2))
+    ref, lps = {rid: [] for rid in HS_PROMPTS}, {rid: [] for rid in HS_PROMPTS}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            ref[out.request_id] += out.new_token_ids
+            lps[out.request_id] += out.new_logprobs or []
+    del engine
+    with multihost_engine(HS_ENGINE + HS_LAYOUT) as mh:
+        got = {}
+
+        def one(i, rid):
+            r = httpx.post(mh.url + "/v1/completions", timeout=600, headers={"X-data-parallel-rank": str(i // 2)},
+                           json={"model": MODEL, "prompt": HS_PROMPTS[rid], "max_tokens": HS_MAX_TOKENS,
+                                 "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            got[rid] = r.json()["choices"][0]["token_ids"]
+
+        threads = [threading.Thread(target=one, args=(i, rid)) for i, rid in enumerate(HS_PROMPTS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+            misses = metric(mh.url, "vllm:hisparse_cache_misses_total")
+        preemptions = metric(mh.url, "vllm:num_preemptions_total")
+    compare_streams(ref, got, lps, HS_PROMPTS, api.load(cache_dtype="bfloat16"))
+    assert misses > 0  # rows really came from the host pools
+    assert preemptions == 0
