@@ -140,7 +140,7 @@ class LLMEngine(PDEngineMixin):
             self.prefix_cache.on_host_block_reuse(block, tag)
 
     @classmethod
-    def from_args(cls, args: EngineArgs, eos_token_ids=None) -> "LLMEngine":
+    def from_args(cls, args: EngineArgs, eos_token_ids=None, before_compile=None) -> "LLMEngine":
         """Load the checkpoint, size the KV arena, build the engine and compile its step buckets.
         `serving.engine_factory.build_engine` picks the class (with `--data-parallel-size` > 1 a
         `serving.dp_engine.DataParallelEngine`, whose KV page count is per replica); called on
@@ -152,6 +152,8 @@ class LLMEngine(PDEngineMixin):
         parts = load_engine_parts(args, eos_token_ids)
         engine = cls(parts.model, parts.layout, parts.num_blocks, args, parts.eos_token_ids, parts.path)
         log_engine_plan(engine, parts.layout, parts.num_blocks, args)
+        if before_compile is not None:
+            before_compile(engine)
         secs = engine.runner.compile(progress=args.compile_progress)
         logger.info("compiled %d step buckets %s in %.1fs", len(engine.runner.buckets), engine.runner.buckets, secs)
         return engine

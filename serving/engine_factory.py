@@ -15,10 +15,12 @@ from serving.dp_engine import DataParallelEngine
 from serving.engine import EngineArgs, LLMEngine
 
 
-def build_engine(args: EngineArgs, eos_token_ids=None) -> LLMEngine:
+def build_engine(args: EngineArgs, eos_token_ids=None, before_compile=None) -> LLMEngine:
     """Load the checkpoint, size the KV arena, build the engine and compile its step buckets
     (`LLMEngine.from_args`), as a `DataParallelEngine` when `args.parallel.data_parallel_size` > 1.
-    Raises ValueError (or its subclasses naming the flag) for a configuration that cannot be served."""
+    `before_compile(engine)` runs between building and compiling (a multi-process engine's
+    handshake, before the first collective). Raises ValueError (or its subclasses naming the flag)
+    for a configuration that cannot be served."""
     dp = args.parallel.data_parallel_size if args.parallel is not None else 1
     cls = DataParallelEngine if dp > 1 else LLMEngine
-    return cls.from_args(args, eos_token_ids)
+    return cls.from_args(args, eos_token_ids, before_compile=before_compile)

@@ -48,7 +48,7 @@ def load_engine_parts(args: EngineArgs, eos_token_ids=None) -> EngineParts:
     from glm53.tokenizer import eos_token_ids as read_eos
 
     path = resolve_model(args.model) or str(default_model_dir())
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]  # (jax.devices()[0] may be another process's device)
     dtype = model_dtype(args.dtype, device)
     t0 = time.perf_counter()
     par = args.parallel

@@ -87,15 +87,20 @@ def build_server(argv: list[str] | None = None, args=None):
             channel = open_leader_channel(args.multihost, on_lost=lambda reason: _peer_lost(holder, reason))
         except ValueError as e:
             raise SystemExit(f"error: {e}") from e
-    try:
-        engine = build_engine(engine_args(args, model))
-        if channel is not None:
-            from serving.multihost.leader import attach_leader
+        holder["channel"] = channel
+    before_compile = None
+    if channel is not None:
+        from serving.multihost.leader import attach_leader, handshake
 
-            holder["sender"] = attach_leader(engine, channel, args.multihost)
+        def before_compile(engine):
+            handshake(engine, channel, args.multihost)
+    try:
+        engine = build_engine(engine_args(args, model), before_compile=before_compile)
+        if channel is not None:
+            holder["sender"] = attach_leader(engine, channel)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         if channel is not None:
-            channel.stop(abort_reason=f"the leader failed to start: {e}")
+            _exit_now(channel, f"error: {e}", f"the leader failed to start: {e}")
         raise SystemExit(f"error: {e}") from e
     tokenizer = GlmTokenizer.from_pretrained(engine.model_path)
     if args.served_model_name:
@@ -129,13 +134,25 @@ def _peer_lost(holder: dict, reason: str) -> None:
     engine = holder.get("engine")
     if engine is not None:
         engine.fail(EngineDeadError(f"a process of the multi-process engine was lost: {reason}"))
+    else:  # still starting (compiling, perhaps blocked in a collective with the lost process)
+        _exit_now(holder["channel"], f"error: a process of the multi-process engine was lost during start-up: "
+                                     f"{reason}", "the engine could not start")
+
+
+def _exit_now(channel, message: str, abort_reason: str) -> None:
+    """A multi-process leader that cannot start: tell the followers, print `message`, exit 1 now
+    (JAX's exit hooks would wait for the other processes in its shutdown barrier)."""
+    channel.stop(abort_reason=abort_reason)
+    print(message, file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(1)
 
 
 def _follower_main(args) -> int:
     """`--headless` process of a multi-process engine → its exit status (serving/multihost)."""
     from serving.engine_factory import build_engine
     from serving.multihost.channel import FollowerChannel
-    from serving.multihost.follower import run_follower
+    from serving.multihost.follower import hello, run_follower
     from sharding.distributed import shutdown
 
     model = _setup(args)
@@ -144,7 +161,7 @@ def _follower_main(args) -> int:
                 mh.num_processes, mh.address)
     channel = FollowerChannel(mh.address, mh.process_id, mh.peer_timeout_s)
     try:
-        engine = build_engine(engine_args(args, model))
+        engine = build_engine(engine_args(args, model), before_compile=lambda e: hello(e, channel))
     except Exception as e:  # noqa: BLE001
         logger.error("process %d could not build its engine: %s: %s", mh.process_id, type(e).__name__, e)
         channel.fatal(f"could not build its engine: {e}")

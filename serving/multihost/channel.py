@@ -98,13 +98,22 @@ class LeaderChannel:
         a follower does not arrive within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         seen: dict[int, bytes] = {}
+        poller = zmq.Poller()
+        poller.register(self._steps, zmq.POLLIN)
+        poller.register(self._beats, zmq.POLLIN)
         while len(seen) < self.num_followers:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._steps.poll(int(1000 * min(left, 1.0))):
-                if left <= 0:
-                    missing = sorted(set(range(1, self.num_followers + 1)) - set(seen))
-                    raise RuntimeError(f"process(es) {missing} did not join the engine within {timeout_s:.0f} s "
-                                       "(--distributed-timeout); are they started with the same flags?")
+            if left <= 0:
+                missing = sorted(set(range(1, self.num_followers + 1)) - set(seen))
+                raise RuntimeError(f"process(es) {missing} did not join the engine within {timeout_s:.0f} s "
+                                   "(--distributed-timeout); are they started with the same flags?")
+            ready = dict(poller.poll(int(1000 * min(left, 1.0))))
+            if self._beats in ready:  # a follower that failed while building its engine says so
+                frames = self._beats.recv_multipart()
+                if frames[0] == b"FATAL":
+                    raise RuntimeError(f"process {int(frames[1])} failed during start-up: "
+                                       f"{frames[2].decode(errors='replace')}")
+            if self._steps not in ready:
                 continue
             ident, kind, body = self._steps.recv_multipart()
             if kind != b"HELLO":
@@ -132,7 +141,8 @@ class LeaderChannel:
                 try:
                     self._steps.send_multipart([ident, *frames])
                 except zmq.ZMQError as e:
-                    self._declare_lost(f"cannot send to follower {ident.decode()}: {e}")
+                    self._declare_lost(f"process {ident.decode()[1:]}: its connection closed (the process exited; "
+                                       f"sending to it: {e})")
                     raise PeerLostError(self.lost) from None
 
     def send_step(self, payload: bytes) -> None:
@@ -195,10 +205,15 @@ class LeaderChannel:
             if self._monitor in ready:
                 zmq.utils.monitor.recv_monitor_message(self._monitor)
                 if not self._closed.is_set():
-                    time.sleep(0.05)  # a FATAL sent just before the disconnect names the cause
-                    self._drain_fatal()
+                    # A FATAL sent just before the disconnect names the cause; otherwise the process
+                    # whose heartbeats stopped is the one that exited.
+                    gone_at = time.monotonic()
+                    time.sleep(1.5 * self.heartbeat_s)
+                    self._drain_fatal(record_pings=True)
                     if self.lost is None:
-                        self._declare_lost("a follower process's connection closed (the process exited)")
+                        quiet = sorted(p for p, t in self._last_seen.items() if t < gone_at)
+                        who = f"process {', '.join(map(str, quiet))}" if quiet else "a follower process"
+                        self._declare_lost(f"{who}: its connection closed (the process exited)")
                     return
             silent = [(p, now - t) for p, t in self._last_seen.items() if now - t > self.peer_timeout_s]
             if silent:
@@ -207,12 +222,14 @@ class LeaderChannel:
                                    f"--peer-timeout {self.peer_timeout_s:g})")
                 return
 
-    def _drain_fatal(self) -> None:
+    def _drain_fatal(self, record_pings: bool = False) -> None:
         while True:
             try:
                 frames = self._beats.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if record_pings and frames[0] == b"PING":
+                self._last_seen[int(frames[1])] = time.monotonic()
             if frames[0] == b"FATAL":
                 self._declare_lost(f"process {int(frames[1])} stopped: {frames[2].decode(errors='replace')}")
                 return

@@ -1,7 +1,7 @@
 """A follower process (`--headless`, `--process-id` > 0) of a multi-process engine.
 
 It builds the same engine as the leader (parameters, KV arena and compiled steps over the global
-mesh; its scheduler stays idle), says HELLO, then runs every step the leader sends, in order,
+mesh; its scheduler stays idle), says HELLO before compiling, then runs every step the leader sends, in order,
 until STOP (exit status 0) or ABORT / a lost leader / a bad message / a failed step (non-zero,
 after one log line naming the cause and a FATAL notice to the leader).
 """
@@ -18,10 +18,16 @@ from serving.multihost.channel import FollowerChannel
 logger = logging.getLogger(__name__)
 
 
-def run_follower(engine, channel: FollowerChannel, config: MultiHostConfig) -> int:
-    """Serve the leader's steps on `engine.runner` → the process's exit status."""
-    pid = config.process_id
+def hello(engine, channel: FollowerChannel) -> None:
+    """Before the first collective (`build_engine(..., before_compile=...)`): tell the leader this
+    engine's fingerprint, so that a different configuration stops start-up by name."""
     channel.hello(engine_fingerprint(engine))
+
+
+def run_follower(engine, channel: FollowerChannel, config: MultiHostConfig) -> int:
+    """Serve the leader's steps on `engine.runner` (built and compiled after `hello`) → the
+    process's exit status."""
+    pid = config.process_id
     logger.info("process %d: engine ready, running the leader's steps (headless)", pid)
     runner = engine.runner
     timeout = config.join_timeout_s  # the leader may still be compiling when this one is ready

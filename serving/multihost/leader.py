@@ -1,8 +1,8 @@
 """Process 0 of a multi-process engine: the step channel's sending end, attached to the engine.
 
     channel = open_leader_channel(config, on_lost)     # before the engine is built
-    engine = build_engine(...)                          # every process builds the same engine
-    attach_leader(engine, channel, config)              # waits for the followers' HELLO
+    engine = build_engine(..., before_compile=lambda e: handshake(e, channel, config))
+    attach_leader(engine, channel)                      # the followers said HELLO before compiling
 
 `attach_leader` sets the runner's `step_sink`: each device program's host inputs — `("step",
 StepInputs)`, or `("stores", (src, dst, wait))` for HiSparse's write-through copies — are encoded
@@ -43,11 +43,16 @@ class StepSender:
         self.channel.send_step(payload)
 
 
-def attach_leader(engine, channel: LeaderChannel, config: MultiHostConfig) -> StepSender:
-    """Wait for every follower (same engine fingerprint, within `config.join_timeout_s`), then
-    send every step of `engine` to them. Raises RuntimeError naming a missing or different
-    follower."""
+def handshake(engine, channel: LeaderChannel, config: MultiHostConfig) -> None:
+    """Before the first collective (`build_engine(..., before_compile=...)`): wait for every
+    follower's HELLO with the same engine fingerprint, within `config.join_timeout_s`. Raises
+    RuntimeError naming a missing, different or failed follower."""
     channel.wait_for_followers(engine_fingerprint(engine), config.join_timeout_s)
+
+
+def attach_leader(engine, channel: LeaderChannel) -> StepSender:
+    """After the handshake and the compile: send every device program of `engine` to the
+    followers from now on."""
     sender = StepSender(channel)
     engine.runner.step_sink = sender
     return sender

@@ -80,9 +80,10 @@ class MultiHost:
 
 @contextlib.contextmanager
 def multihost_engine(flags: list[str], devices_per_process: int = 4, num_processes: int = 2,
-                     leader_env: dict | None = None, startup_timeout_s: float = 600.0) -> Iterator[MultiHost]:
-    """Start `num_processes` processes of one engine with `flags` (the same on every process) and
-    wait until the leader answers /health; yield them."""
+                     leader_env: dict | None = None, startup_timeout_s: float = 600.0,
+                     follower_flags: list[str] = ()) -> Iterator[MultiHost]:
+    """Start `num_processes` processes of one engine with `flags` (the same on every process;
+    followers also get `follower_flags`) and wait until the leader answers /health; yield them."""
     coordinator, master = free_port_pair(), free_port_pair()
     common = ["--coordinator-address", f"127.0.0.1:{coordinator}", "--master-port", str(master),
               "--num-processes", str(num_processes), "--distributed-timeout", str(int(startup_timeout_s)), *flags]
@@ -95,7 +96,8 @@ def multihost_engine(flags: list[str], devices_per_process: int = 4, num_process
             logs.append(path)
             with open(path, "wb") as log:
                 followers.append(subprocess.Popen(
-                    [sys.executable, "-m", "serving.run", "--headless", "--process-id", str(pid), *common],
+                    [sys.executable, "-m", "serving.run", "--headless", "--process-id", str(pid), *common,
+                     *follower_flags],
                     cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
         try:
             cm = server_process(["--process-id", "0", *common], env={**env, **(leader_env or {})},

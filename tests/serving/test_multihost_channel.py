@@ -141,7 +141,8 @@ def test_a_fatal_notice_a_closed_connection_and_silence_each_lose_the_follower()
         while not lost and time.monotonic() - t0 < 5:
             time.sleep(0.05)
         assert len(lost) == 1, how
-        assert {"fatal": "CRC32", "close": "connection closed", "silence": "sent no heartbeat"}[how] in lost[0]
+        assert {"fatal": "process 1 stopped: ChannelError", "close": "process 1: its connection closed",
+                "silence": "process 1 sent no heartbeat"}[how] in lost[0]
         with pytest.raises(PeerLostError):
             leader.send_step(b"x")
         leader.stop()
@@ -152,6 +153,13 @@ def test_a_follower_with_another_engine_is_refused_by_name(pair):
     leader, follower, _ = pair
     follower.hello({"num_blocks": 30})
     with pytest.raises(RuntimeError, match="num_blocks: leader 24, process 1 30"):
+        leader.wait_for_followers({"num_blocks": 24}, timeout_s=10)
+
+
+def test_a_follower_failing_during_start_up_stops_the_handshake(pair):
+    leader, follower, _ = pair
+    follower.fatal("could not build its engine: ValueError: no room")
+    with pytest.raises(RuntimeError, match="process 1 failed during start-up: could not build its engine"):
         leader.wait_for_followers({"num_blocks": 24}, timeout_s=10)
 
 

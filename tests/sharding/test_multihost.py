@@ -24,6 +24,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from openai import OpenAI
 
 from glm53 import api
@@ -211,6 +212,18 @@ def test_a_corrupt_step_message_stops_the_engine_without_a_wrong_token():
         codes = mh.wait_all(30)
         assert codes[0] == 1 and codes[1] not in (0, None), f"exit codes {codes}\n{mh.logs()}"
         assert "failed its CRC32 check" in mh.follower_log()
+
+
+def test_a_follower_with_other_engine_flags_is_refused_by_name_before_any_collective():
+    """The handshake runs before the first collective (and without --num-gpu-blocks-override, so
+    each process sizes its KV arena from its own devices): a follower started with another
+    --max-model-len stops start-up with the differing key named; every process exits 1 at once."""
+    flags = [f for f in ENGINE if f not in ("--num-gpu-blocks-override", "24")]
+    with pytest.raises(RuntimeError) as err, multihost_engine(
+            flags + DP2_EP_FP8, follower_flags=["--max-model-len", "128"], startup_timeout_s=120):
+        pass
+    assert "max_model_len: leader 192, process 1 128" in str(err.value)
+    assert "server exited with 1" in str(err.value)
 
 
 def test_mtp_k2_across_two_processes_of_two_devices_serves_the_one_process_streams():
