@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -45,23 +44,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from sharding.distributed import free_port_pair
+
 LAYOUT = ["--data-parallel-size", "2", "--tensor-parallel-size", "4", "--enable-expert-parallel"]
 ENGINE = ["--max-model-len", "512", "--max-num-seqs", "32", "--max-num-batched-tokens", "512",
           "--cuda-graph-sizes", "1", "32", "--precompile-token-paddings", "--disable-log-stats",
           "--num-gpu-blocks-override", "160"]
-
-
-def _port_pair() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 1))
-                return p
-            except OSError:
-                continue
 
 
 def _pct(xs, q) -> float:
@@ -82,7 +70,7 @@ def bench_channel(steps: int) -> list[dict]:
     parts = load_engine_parts(args)
     runner = ModelRunner(parts.model, parts.layout, parts.num_blocks, max_num_seqs=32, max_num_batched_tokens=512,
                          max_model_len=512, cuda_graph_sizes=[1, 32], precompile_token_paddings=[])
-    port = _port_pair()
+    port = free_port_pair()
     leader = LeaderChannel(f"127.0.0.1:{port}", 1)
     follower = FollowerChannel(f"127.0.0.1:{port}", 1)
     follower.hello({})
@@ -131,14 +119,14 @@ def _env(devices: int) -> dict:
 
 
 def start(mode: str, out: Path) -> tuple[list[subprocess.Popen], str]:
-    http = _port_pair()
+    http = free_port_pair()
     py = [sys.executable, "-m", "serving.run"]
     if mode == "1-process":
         with open(out / "server_1process.log", "wb") as log:
             proc = subprocess.Popen(py + ["--port", str(http), *ENGINE, *LAYOUT], env=_env(8), cwd=REPO, stdout=log,
                                     stderr=subprocess.STDOUT)
         return [proc], f"http://127.0.0.1:{http}"
-    coord, master = _port_pair(), _port_pair()
+    coord, master = free_port_pair(), free_port_pair()
     common = ["--coordinator-address", f"127.0.0.1:{coord}", "--master-port", str(master), "--num-processes", "2",
               *ENGINE, *LAYOUT]
     procs = []

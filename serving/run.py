@@ -97,7 +97,7 @@ def build_server(argv: list[str] | None = None, args=None):
     try:
         engine = build_engine(engine_args(args, model), before_compile=before_compile)
         if channel is not None:
-            holder["sender"] = attach_leader(engine, channel)
+            attach_leader(engine, channel)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         if channel is not None:
             _exit_now(channel, f"error: {e}", f"the leader failed to start: {e}")

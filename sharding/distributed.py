@@ -107,6 +107,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair(host: str = "127.0.0.1") -> int:
+    """A port P with P and P + 1 both free on `host` right now (a multi-process engine's step
+    channel and its heartbeats; two adjacent per-replica endpoints). Raises RuntimeError when
+    none is found."""
+    for _ in range(100):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind((host, 0))
+            p = a.getsockname()[1]
+            try:
+                b.bind((host, p + 1))
+            except OSError:
+                continue
+            return p
+    raise RuntimeError("no two adjacent free ports")
+
+
 def parse_device_ids(text: str | None) -> tuple[int, ...] | None:
     """"0,1,2,3" → (0, 1, 2, 3); None/"" → None. Raises ValueError naming the flag."""
     if not text:

@@ -88,7 +88,6 @@ class LeaderChannel:
         self._peers: list[bytes] = []
         self._last_seen: dict[int, float] = {}
         self._corrupt_at = int(os.environ.get(CORRUPT_ENV, "0") or 0)
-        self.send_s: list[float] = []  # seconds per STEP send (encode excluded), for the benchmark
         logger.info("multi-host channel listening on %s (steps) and %s (heartbeats)", steps_ep, beats_ep)
 
     # ------------------------------------------------------------------ start-up
@@ -155,9 +154,7 @@ class LeaderChannel:
         if self.seq == self._corrupt_at:
             payload = bytes([payload[0] ^ 0xFF]) + payload[1:]
             logger.warning("%s: corrupting step message %d (test hook)", CORRUPT_ENV, self.seq)
-        t = time.perf_counter()
         self._send_all([b"STEP", header, payload])
-        self.send_s.append(time.perf_counter() - t)
 
     def stop(self, abort_reason: str | None = None) -> None:
         """Tell every follower to exit (0 for a clean stop, non-zero with `abort_reason`) and close."""

@@ -5,7 +5,8 @@
     attach_leader(engine, channel)                      # the followers said HELLO before compiling
 
 `attach_leader` sets the runner's `step_sink`: each device program's host inputs — `("step",
-StepInputs)`, or `("stores", (src, dst, wait))` for HiSparse's write-through copies — are encoded
+StepInputs)`, `("stores", (src, dst, wait))` for HiSparse's write-through copies, `("offload",
+(stores, loads, wait))` for the offloading connector's transfers — are encoded
 (`serving.multihost.codec`) and sent before the program is dispatched. `on_lost(reason)` runs on the
 channel's monitor thread when a follower is lost (the server turns it into a dead engine).
 """
@@ -13,7 +14,6 @@ channel's monitor thread when a follower is lost (the server turns it into a dea
 from __future__ import annotations
 
 import logging
-import time
 
 from serving.multihost import MultiHostConfig, codec, engine_fingerprint
 from serving.multihost.channel import LeaderChannel
@@ -26,23 +26,6 @@ def open_leader_channel(config: MultiHostConfig, on_lost=None) -> LeaderChannel:
     return LeaderChannel(config.address, config.num_processes - 1, config.peer_timeout_s, on_lost=on_lost)
 
 
-class StepSender:
-    """The runner's `step_sink`: encode and send; keeps per-step encode and send times (seconds)
-    and payload sizes (bytes) for the benchmark (`scripts/bench_multihost.py`)."""
-
-    def __init__(self, channel: LeaderChannel):
-        self.channel = channel
-        self.encode_s: list[float] = []
-        self.payload_bytes: list[int] = []
-
-    def __call__(self, op: str, inputs) -> None:
-        t = time.perf_counter()
-        payload = codec.encode((op, inputs))
-        self.encode_s.append(time.perf_counter() - t)
-        self.payload_bytes.append(len(payload))
-        self.channel.send_step(payload)
-
-
 def handshake(engine, channel: LeaderChannel, config: MultiHostConfig) -> None:
     """Before the first collective (`build_engine(..., before_compile=...)`): wait for every
     follower's HELLO with the same engine fingerprint, within `config.join_timeout_s`. Raises
@@ -50,9 +33,7 @@ def handshake(engine, channel: LeaderChannel, config: MultiHostConfig) -> None:
     channel.wait_for_followers(engine_fingerprint(engine), config.join_timeout_s)
 
 
-def attach_leader(engine, channel: LeaderChannel) -> StepSender:
-    """After the handshake and the compile: send every device program of `engine` to the
-    followers from now on."""
-    sender = StepSender(channel)
-    engine.runner.step_sink = sender
-    return sender
+def attach_leader(engine, channel: LeaderChannel) -> None:
+    """After the handshake and the compile: send every device program of `engine` (its runner's
+    `step_sink(op, inputs)`) to the followers from now on."""
+    engine.runner.step_sink = lambda op, inputs: channel.send_step(codec.encode((op, inputs)))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,24 +21,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from sharding.distributed import free_port_pair
 from tests.helpers.server_process import REPO, server_process
-
-
-def free_port_pair() -> int:
-    """A port P with P and P + 1 free on loopback right now (the step channel and its heartbeats)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p >= 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 1))
-            except OSError:
-                continue
-        return p
-    raise RuntimeError("no free pair of ports")
 
 
 def child_env(devices_per_process: int, extra: dict | None = None) -> dict:

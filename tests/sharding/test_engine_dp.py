@@ -27,6 +27,7 @@ from serving.dp_engine import DataParallelEngine
 from serving.engine import EngineArgs, LLMEngine
 from serving.engine_factory import build_engine
 from serving.types import SamplingParams
+from sharding.distributed import free_port_pair
 from sharding.mesh import ParallelConfig
 from tests.helpers.kv_event_view import Subscriber
 
@@ -176,7 +177,7 @@ def test_dp2_tp2_dcp2_prefix_hit_copies_in_its_replica_shards(single_device, ref
     single-device one; the other replica's cache is not queried."""
     cfg = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, decode_context_parallel_size=2,
                          enable_expert_parallel=True)
-    port = _free_port_pair()
+    port = free_port_pair()
     engine = build(cfg, 8, max_model_len=384, enable_prefix_caching=True,
                    kv_events_config={"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
     subs = [Subscriber(f"tcp://127.0.0.1:{port + r}") for r in range(2)]  # replica r: port + r
@@ -226,22 +227,6 @@ def test_dp2_tp2_dcp2_prefix_hit_copies_in_its_replica_shards(single_device, ref
     single_device.add_request("warm", warm, params())
     ref = drain(single_device, {})
     assert got["warm"] == ref["warm"]
-
-
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 free (the KV event endpoints of replicas 0 and 1)."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            p = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", p + 1))
-            except OSError:
-                continue
-            return p
-    raise RuntimeError("no two adjacent free ports")
 
 
 def test_cli_accepts_data_parallel():

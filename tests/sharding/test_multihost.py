@@ -53,6 +53,18 @@ MODEL = "glm-5.3-tiny"
 _REFERENCES: dict = {}
 
 
+def greedy_streams(engine, prompts: dict, max_tokens: int) -> tuple[dict, dict]:
+    """Run `prompts` greedily (ignore_eos, top-2 logprobs) to the end → (streams, logprobs)."""
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2))
+    streams, lps = {rid: [] for rid in prompts}, {rid: [] for rid in prompts}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streams[out.request_id] += out.new_token_ids
+            lps[out.request_id] += out.new_logprobs or []
+    return streams, lps
+
+
 def reference(flags: list[str]) -> tuple[dict, dict, str]:
     """The one-device, non-speculative engine with the same engine flags and cache dtype as
     `flags` (layout, MTP and connector flags dropped; built by `serving.run.engine_args`), computed
@@ -61,16 +73,7 @@ def reference(flags: list[str]) -> tuple[dict, dict, str]:
     if dtype not in _REFERENCES:
         args = make_arg_parser().parse_args(ENGINE + (["--kv-cache-dtype", "fp8"] if dtype == "fp8" else []))
         validate_args(args)
-        engine = build_engine(engine_args(args, None))
-        for rid, p in PROMPTS.items():
-            engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                                      logprobs=2))
-        streams, lps = {rid: [] for rid in PROMPTS}, {rid: [] for rid in PROMPTS}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                streams[out.request_id] += out.new_token_ids
-                lps[out.request_id] += out.new_logprobs or []
-        _REFERENCES[dtype] = (streams, lps, dtype)
+        _REFERENCES[dtype] = (*greedy_streams(build_engine(engine_args(args, None)), PROMPTS, MAX_TOKENS), dtype)
     return _REFERENCES[dtype]
 
 
@@ -247,16 +250,7 @@ def test_hisparse_on_a_pool_far_too_small_spans_both_processes():
     HiSparse, and nobody is preempted."""
     args = make_arg_parser().parse_args(HS_ENGINE + ["--num-gpu-blocks-override", "160"])
     validate_args(args)
-    engine = build_engine(engine_args(args, None))
-    for rid, p in HS_PROMPTS.items():
-        engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=HS_MAX_TOKENS, ignore_eos=True,
-                                                  logprobs=2))
-    ref, lps = {rid: [] for rid in HS_PROMPTS}, {rid: [] for rid in HS_PROMPTS}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            ref[out.request_id] += out.new_token_ids
-            lps[out.request_id] += out.new_logprobs or []
-    del engine
+    ref, lps = greedy_streams(build_engine(engine_args(args, None)), HS_PROMPTS, HS_MAX_TOKENS)
     with multihost_engine(HS_ENGINE + HS_LAYOUT) as mh:
         got = {}
 
