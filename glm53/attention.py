@@ -42,11 +42,11 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from glm53.batch import ForwardBatch
-from glm53.hot_cache import HostAccess, HotState, PagedKV
+from glm53.hot_cache import NO_DROP, HostAccess, HotState, PagedKV
 from glm53.kv_layout import KVCacheLayout
 from kernels.host_rows import (copy_host_rows, join_column_parts, read_host_rows, rows_moved, scatter_host_rows,
                                 split_words, store_pages)
-from kernels.hot_resolve import hot_resolve
+from kernels.hot_resolve import dropped_selections, hot_resolve
 from kernels.indexer_topk import indexer_topk
 from kernels.paged import GroupLayout, gather_rows, positions_to_slots, write_cache
 from kernels.sparse_mla import sparse_mla
@@ -368,6 +368,20 @@ def _resolve_rows(topk_TK, req_idx_T, bt, hb, row_S, rank_S, tpp: int, narrow_ro
     return jax.lax.cond(hb.active, resolve, skip, None)
 
 
+def _record_drops(first_drop_S, topk_TK, slots_TK, req_idx_T, positions_T, bt, hb, tpp: int):
+    """`first_drop_S` [S] lowered, at each batch row's state row, to the smallest position of its
+    query rows with a dropped selection (`kernels.hot_resolve.dropped_selections`)."""
+    S = first_drop_S.shape[0]
+    dropped_T = jnp.any(dropped_selections(topk_TK, req_idx_T, bt, hb.host_table_BP, hb.state_row_B, S,
+                                           hb.num_host_blocks, slots_TK, tokens_per_page=tpp), axis=1) & hb.active
+    pos_T = jnp.where(dropped_T, positions_T.astype(jnp.int32), NO_DROP)
+    B = hb.state_row_B.shape[0]
+    first_B = jnp.full(B, NO_DROP, jnp.int32).at[req_idx_T].min(pos_T, mode="drop")
+    srow = hb.state_row_B.astype(jnp.int32)
+    srow = jnp.where((srow >= 0) & (srow < S), srow, S)
+    return first_drop_S.at[srow].min(first_B, mode="drop")
+
+
 HOST_COPY_CHUNK = 1024  # missed rows per all-gather when a host pool's columns are split
 
 
@@ -420,9 +434,13 @@ def _resolve_parallel(topk_TK, kv: PagedKV, batch: ForwardBatch, g: GroupLayout,
     req_spec = par.spec(REQUESTS)
     bt_spec = s["bt"]
 
-    def body(arena, pool, topk, req, bt, htab, hottab, srow, reset, row_SGM, rank_SGM, active, nhb, narrow, lyr, ig):
+    record = hot.first_drop_S is not None
+
+    def body(arena, pool, topk, req, pos, bt, htab, hottab, srow, reset, row_SGM, rank_SGM, active, nhb, narrow, lyr,
+             ig):
         topk = col.all_gather_tiled(topk, pcp_axes)
         req = col.all_gather_tiled(req, pcp_axes)
+        pos = col.all_gather_tiled(pos, pcp_axes)
         if ctx_axes:
             topk = cp.dcp_local_positions(topk, jax.lax.axis_index(ctx_axes), n_dcp, inter, tpp)
         hbl = dataclasses.replace(hb, host_table_BP=htab, hot_table_BH=hottab, state_row_B=srow, reset_from_B=reset,
@@ -446,21 +464,26 @@ def _resolve_parallel(topk_TK, kv: PagedKV, batch: ForwardBatch, g: GroupLayout,
         rank_SGM = jax.lax.dynamic_update_index_in_dim(rank_SGM, rank_S, ig, axis=1)
         moved = rows_moved(miss_rows, "callback" if callback else host.mechanism)  # per shard, padding included
         stats = jax.lax.psum(jnp.concatenate([stats, moved[None] * num_layers]), shard_axes)
-        return slots, arena, row_SGM, rank_SGM, stats
+        drop = jnp.zeros((0,), jnp.int32)
+        if record:  # this shard's state rows, gathered shard-major over the KV shards (replicated)
+            local = _record_drops(jnp.full(row_SGM.shape[0], NO_DROP, jnp.int32), topk, slots, req, pos, bt, hbl, tpp)
+            drop = col.all_gather_tiled(local, shard_axes)
+        return slots, arena, row_SGM, rank_SGM, stats, drop
 
     st_spec = hot_state_spec(par)
     rep = s["rep"]
     pool_arg = jnp.zeros((), jnp.int32) if callback else host.pool
     pool_spec = rep if callback else host_pool_spec(par)
     f = _shard_map(par, body,
-                   (s["arena"], pool_spec, s["tok2"], s["tok"], bt_spec, bt_spec, bt_spec, req_spec, req_spec,
-                    st_spec, st_spec, rep, rep, rep, rep, rep),
-                   (hot_slot_spec(par), s["arena"], st_spec, st_spec, rep))
-    slots, arena, row_SGM, rank_SGM, stats = f(
-        kv.arena, pool_arg, topk_TK, batch.req_idx_T, batch.block_tables[g.name],
+                   (s["arena"], pool_spec, s["tok2"], s["tok"], s["tok"], bt_spec, bt_spec, bt_spec, req_spec,
+                    req_spec, st_spec, st_spec, rep, rep, rep, rep, rep),
+                   (hot_slot_spec(par), s["arena"], st_spec, st_spec, rep, rep))
+    slots, arena, row_SGM, rank_SGM, stats, drop = f(
+        kv.arena, pool_arg, topk_TK, batch.req_idx_T, batch.positions_T, batch.block_tables[g.name],
         hb.host_table_BP, hb.hot_table_BH, hb.state_row_B, hb.reset_from_B, hot.host_row_SGM, hot.rank_SGM,
         hb.active, hb.num_host_blocks, hb.narrow, first_layer, index_group)
-    return slots, PagedKV(arena, HotState(row_SGM, rank_SGM, hot.stats_4 + stats))
+    drop = jnp.minimum(hot.first_drop_S, drop) if record else None
+    return slots, PagedKV(arena, HotState(row_SGM, rank_SGM, hot.stats_4 + stats, drop))
 
 
 def resolve_hot(topk_TK: jax.Array, kv: PagedKV, batch: ForwardBatch, layout: KVCacheLayout, group: str,
@@ -497,9 +520,13 @@ def resolve_hot(topk_TK: jax.Array, kv: PagedKV, batch: ForwardBatch, layout: KV
     # Outside the cond: the host pool is only ever read by the copy loop (zero trips when skipped).
     arena = copy_host_rows(kv.arena, host.pool, miss_rows, miss_slots, g, "mla", first_layer, num_layers,
                            mechanism=host.mechanism, after=host.after)
+    drop = hot.first_drop_S
+    if drop is not None:
+        drop = _record_drops(drop, topk_TK, slots, batch.req_idx_T, batch.positions_T, bt, hb, tpp)
     hot = HotState(jax.lax.dynamic_update_index_in_dim(hot.host_row_SGM, row_S, index_group, axis=1),
                    jax.lax.dynamic_update_index_in_dim(hot.rank_SGM, rank_S, index_group, axis=1),
-                   hot.stats_4 + jnp.concatenate([stats, rows_moved(miss_rows, host.mechanism)[None] * num_layers]))
+                   hot.stats_4 + jnp.concatenate([stats, rows_moved(miss_rows, host.mechanism)[None] * num_layers]),
+                   drop)
     return slots, PagedKV(arena, hot)
 
 

@@ -54,6 +54,9 @@ class HotBatch:
     narrow: jax.Array = False
 
 
+NO_DROP = 2**31 - 1  # `HotState.first_drop_S`: no dropped selection
+
+
 @jax.tree_util.register_dataclass
 @dataclass
 class HotState:
@@ -62,20 +65,31 @@ class HotState:
     host_row_SGM: `[S, G, M]` host row held by hot slot j of state row s in index group g (−1 =
     empty). rank_SGM: `[S, G, M]` its LRU rank (0 = least recently used). stats_4: this step's
     `[hits, misses, dropped, layer rows copied]` summed over the groups (a miss of a group of n
-    layers copies n layer rows; zeroed by the caller per step).
+    layers copies n layer rows; zeroed by the caller per step). first_drop_S: int32 `[S]`, this
+    step's smallest request-local position of a query row with a dropped selection, per state row
+    (`NO_DROP` = none; min over the groups and, under a parallel layout, over the KV shards, whose
+    state rows it lists shard-major and replicated; reset by the caller per step; None: not
+    recorded). A prefill chunk sized past the worst case (`serving/hisparse/residency.py`) is
+    valid up to that position and is truncated there.
     """
 
     host_row_SGM: jax.Array
     rank_SGM: jax.Array
     stats_4: jax.Array
+    first_drop_S: jax.Array | None = None
 
     @classmethod
     def empty(cls, num_state_rows: int, num_index_groups: int, hot_rows: int) -> "HotState":
-        """A fresh state: every slot empty, ranks 0 … M−1 (slot order)."""
+        """A fresh state: every slot empty, ranks 0 … M−1 (slot order), nothing dropped."""
         shape = (num_state_rows, num_index_groups, hot_rows)
         return cls(jnp.full(shape, -1, jnp.int32),
                    jnp.broadcast_to(jnp.arange(hot_rows, dtype=jnp.int32), shape),
-                   jnp.zeros(4, jnp.int32))
+                   jnp.zeros(4, jnp.int32), jnp.full(num_state_rows, NO_DROP, jnp.int32))
+
+    def for_step(self) -> "HotState":
+        """The state a step starts from: counters zeroed, no drop recorded."""
+        drop = None if self.first_drop_S is None else jnp.full_like(self.first_drop_S, NO_DROP)
+        return HotState(self.host_row_SGM, self.rank_SGM, jnp.zeros(4, jnp.int32), drop)
 
 
 @jax.tree_util.register_dataclass

@@ -44,6 +44,7 @@ from glm53.tokenizer import tokenizer_vocab_size
 from serving.block_pool import BlockPool
 from serving.engine import EngineArgs, LLMEngine
 from serving.hisparse import build_hisparse, hisparse_config
+from serving.hisparse.truncation import truncate_step
 from serving.kv_cache import KVCacheGroupSpec, KVCacheManager
 from serving.kv_events import build_kv_events
 from serving.metrics import EngineGauges, LoggingStatLogger, StepRecord
@@ -290,7 +291,15 @@ class DataParallelEngine(LLMEngine):
         lps = self.runner.last_logprobs
         outs: list[RequestOutput] = list(pd_outs)
         per_replica = []
-        for rep, sched, toks in zip(self.replicas, scheds, sampled):
+        recomputed = 0
+        for r, (rep, sched, toks) in enumerate(zip(self.replicas, scheds, sampled)):
+            if self.hisparse is not None:
+                sched, toks, kept = truncate_step(sched, toks, self.runner.last_truncated[r])
+                pol = self.hisparse.policies[r]
+                before = pol.num_truncated_rows
+                pol.observe_step(kept)
+                recomputed += pol.num_truncated_rows - before
+                scheds[r] = sched
             o = rep.scheduler.update_from_output(sched, toks) if not sched.is_empty else []
             for out in o:
                 lp = lps.get(out.request_id)
@@ -313,6 +322,7 @@ class DataParallelEngine(LLMEngine):
                              device_s=st.device_s)
             if hot_stats is not None:
                 rec.hisparse_hits, rec.hisparse_misses, _, rec.hisparse_h2d_bytes = hot_stats
+                rec.hisparse_recomputed_rows = recomputed
             for sched, o in zip(scheds, per_replica):
                 self._timing(sched, o, rec)
             self._emit(rec)

@@ -21,6 +21,7 @@ from serving.engine_args import CPU_KV_CACHE_BYTES, EngineArgs, num_kv_blocks  #
 from serving.engine_startup import load_engine_parts, log_engine_plan
 from serving.faults import EngineDeadError
 from serving.hisparse import build_hisparse, hisparse_config
+from serving.hisparse.truncation import truncate_step
 from serving.kv_cache import KVCacheGroupSpec, KVCacheManager
 from serving.kv_events import build_kv_events
 from serving.metrics import (
@@ -251,7 +252,13 @@ class LLMEngine(PDEngineMixin):
             sampled = self.runner.execute(sched, self.kv)
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
             return self._fail_step([(self.scheduler, sched)], e)
-        hot_stats = self.hisparse.device.last_stats if self.hisparse is not None else None
+        hot_stats, recomputed = None, 0
+        if self.hisparse is not None:
+            hot_stats = self.hisparse.device.last_stats
+            sched, sampled, kept = truncate_step(sched, sampled, self.runner.last_truncated)
+            before = self.hisparse.policy.num_truncated_rows
+            self.hisparse.policy.observe_step(kept)
+            recomputed = self.hisparse.policy.num_truncated_rows - before
         drafts = self.runner.last_drafts if self.drafts is not None else None
         outs = self.scheduler.update_from_output(sched, sampled, drafts)
         if self.drafter_override is not None:
@@ -278,6 +285,7 @@ class LLMEngine(PDEngineMixin):
                              num_scheduled_tokens=st.num_tokens, host_s=host, device_s=st.device_s)
             if hot_stats is not None:
                 rec.hisparse_hits, rec.hisparse_misses, _, rec.hisparse_h2d_bytes = hot_stats
+                rec.hisparse_recomputed_rows = recomputed
             rec.spec_decoding = spec_step
             self._timing(sched, outs, rec)
             self._emit(rec)

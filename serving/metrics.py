@@ -13,7 +13,8 @@ logger it has (`LLMEngine.stat_loggers`). Two loggers exist:
   hot-buffer hit rate, host → device bytes, residency counts and host-pool usage.
 
 HiSparse metrics (registered only when the engine runs HiSparse): counters
-`vllm:hisparse_cache_hits`, `vllm:hisparse_cache_misses`, `vllm:hisparse_host_to_device_bytes`
+`vllm:hisparse_cache_hits`, `vllm:hisparse_cache_misses`, `vllm:hisparse_host_to_device_bytes`,
+`vllm:hisparse_prefill_rows_recomputed`
 (exposed with prometheus_client's `_total` suffix), gauges `vllm:hisparse_requests{state}` and
 `vllm:hisparse_host_pool_usage_perc`.
 
@@ -79,6 +80,7 @@ class StepRecord:
     for an abort record.
     hisparse_hits / hisparse_misses / hisparse_h2d_bytes: HiSparse hot-buffer lookups found hot,
     rows copied from the host pool, and the bytes those copies moved (0 without HiSparse).
+    hisparse_recomputed_rows: query rows of truncated HiSparse prefill chunks, computed again.
     external_prefix_cache_queries / external_prefix_cache_hits: tokens looked up with the
     offloading connector on / hit tokens from its host store (vLLM's external prefix cache).
     kv_offload_to_host_bytes / kv_offload_to_device_bytes: the connector's stores and loads.
@@ -100,6 +102,7 @@ class StepRecord:
     hisparse_hits: int = 0
     hisparse_misses: int = 0
     hisparse_h2d_bytes: int = 0
+    hisparse_recomputed_rows: int = 0
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
     kv_offload_to_host_bytes: int = 0
@@ -232,6 +235,9 @@ class PrometheusStatLogger:
                                      "Bytes moved from the HiSparse host pool to the device for hot-buffer rows "
                                      "(what crosses the host boundary: the host-callback path moves whole "
                                      "chunks, padding included).")
+            self.hot_recomputed = counter("vllm:hisparse_prefill_rows_recomputed",
+                                          "Query rows of adaptively sized HiSparse prefill chunks computed again "
+                                          "because the chunk overflowed its hot lease and was truncated.")
             states = Gauge("vllm:hisparse_requests", "Running requests per HiSparse residency state "
                            "(full: all pages on the device; mixed: some only in the host pool; none: "
                            "no page before the tail on the device).", labels + ["state"], registry=r)
@@ -297,6 +303,7 @@ class PrometheusStatLogger:
             self.hot_hits.inc(rec.hisparse_hits)
             self.hot_misses.inc(rec.hisparse_misses)
             self.hot_bytes.inc(rec.hisparse_h2d_bytes)
+            self.hot_recomputed.inc(rec.hisparse_recomputed_rows)
         sd = rec.spec_decoding
         if self.spec_k and sd is not None and sd.num_drafts:
             self.spec_drafts.inc(sd.num_drafts)

@@ -126,6 +126,10 @@ class ModelRunner(ArenaPageIO):
         self.max_logprobs = max_logprobs
         self.last = StepStats()
         self.last_logprobs: dict[str, list[TokenLogprobs]] = {}
+        # HiSparse: requests whose last step dropped a hot-buffer selection → the position their
+        # chunk is valid up to (`HiSparseDevice.truncations`); a list of such dicts per replica
+        # after `execute_replicas`.
+        self.last_truncated: dict[str, int] | list[dict[str, int]] = {}
         self.num_page_copies = 0  # whole-page copies run on the device so far
         self.num_hot_steps = 0  # HiSparse steps run with the hot path (some request held a hot lease)
         self._store_jobs: dict[int, list] = {}  # HiSparse copies `prepare` took, per replica
@@ -371,7 +375,7 @@ class ModelRunner(ArenaPageIO):
         t1 = time.perf_counter()
         out, hs = self.run_inputs(StepInputs(batch, extra, sp))
         want_lp = bool(extra[4])
-        stats = hs[0].stats_4 if hs is not None else None
+        stats = (hs[0].stats_4, hs[0].first_drop_S) if hs is not None else None
         if self.spec_k:
             (toks, acc, drafts, tok_lp, top_ids, top_lp), stats = jax.device_get(
                 (out if want_lp else out[:3] + (None,) * 3, stats))
@@ -379,8 +383,12 @@ class ModelRunner(ArenaPageIO):
             acc = drafts = None
             (toks, tok_lp, top_ids, top_lp), stats = jax.device_get((out if want_lp else out[:1] + (None,) * 3, stats))
         self.step_in_flight = False
+        self.last_truncated = {}
         if self.hisparse is not None:
-            self.hisparse.record(stats if stats is not None else (0, 0, 0, 0))
+            self.hisparse.record(stats[0] if stats is not None else (0, 0, 0, 0))
+            if stats is not None:
+                self.last_truncated = self.hisparse.truncations(sched, stats[1])
+                self.hisparse.check_drops(stats[0], [self.last_truncated])
         t2 = time.perf_counter()
         self.last = StepStats(sched.num_scheduled_tokens, batch.input_ids_T.shape[0], t1 - t0, t2 - t1)
         self.last_logprobs = {}
@@ -507,11 +515,15 @@ class ModelRunner(ArenaPageIO):
         self._maybe_fault()
         t1 = time.perf_counter()
         out, hs = self.run_inputs(StepInputs(batch, extra, None))
-        stats = hs[0].stats_4 if hs is not None else None
+        stats = (hs[0].stats_4, hs[0].first_drop_S) if hs is not None else None
         (toks, tok_lp, top_ids, top_lp), stats = jax.device_get((out if want_lp else out[:1] + (None,) * 3, stats))
         self.step_in_flight = False
+        self.last_truncated = [{} for _ in scheds]
         if self.hisparse is not None:
-            self.hisparse.record(stats if stats is not None else (0, 0, 0, 0))
+            self.hisparse.record(stats[0] if stats is not None else (0, 0, 0, 0))
+            if stats is not None:
+                self.last_truncated = [self.hisparse.truncations(s, stats[1], r) for r, s in enumerate(scheds)]
+                self.hisparse.check_drops(stats[0], self.last_truncated)
         t2 = time.perf_counter()
         self.last = StepStats(sum(s.num_scheduled_tokens for s in scheds), batch.input_ids_T.shape[0],
                               t1 - t0, t2 - t1)

@@ -15,12 +15,11 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from glm53.attention import store_host_pages
 from glm53.batch import ForwardBatch
-from glm53.hot_cache import HostAccess, HotState, PagedKV
+from glm53.hot_cache import HostAccess, PagedKV
 from glm53.kv_layout import KVCacheLayout
 from kernels.paged import copy_pages
 from serving.hisparse.device_state import HiSparseDeviceState
@@ -62,8 +61,7 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
         kv_arena = copy_pages(kv_arena, copy_src, copy_dst)  # copy-on-write pages, before any write
         model = nnx.merge(graphdef, state)
         if sp is not None:
-            kv = kv_arena if hs is None else PagedKV(kv_arena, HotState(hot.host_row_SGM, hot.rank_SGM,
-                                                                        jnp.zeros(4, jnp.int32)))
+            kv = kv_arena if hs is None else PagedKV(kv_arena, hot.for_step())
             out, kv = spec_decode_forward(model, batch, kv, host, temperature, top_p, seeds, steps, want_logprobs,
                                           sp, layout=layout, parallel=parallel, num_speculative_tokens=spec_k,
                                           reachable=reachable, num_logprobs=k)
@@ -79,7 +77,7 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
             if replicate is not None:
                 out = jax.lax.with_sharding_constraint(out, replicate)
             return out, kv_arena, None
-        kv = PagedKV(kv_arena, HotState(hot.host_row_SGM, hot.rank_SGM, jnp.zeros(4, jnp.int32)))
+        kv = PagedKV(kv_arena, hot.for_step())
         logits, _, kv = model(batch, kv, layout, parallel, host)
         logits = mask_unreachable(logits, reachable)
         out = sample_with_logprobs(logits, temperature, top_p, seeds, steps, want_logprobs, k)

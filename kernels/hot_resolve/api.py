@@ -21,7 +21,9 @@ import jax
 from jaxtyping import Array, Int
 
 from kernels.hot_resolve.pallas_triton import hot_resolve_pallas_triton, unsupported_reason
-from kernels.hot_resolve.reference import hot_resolve_reference
+from kernels.hot_resolve.reference import dropped_selections, hot_resolve_reference
+
+__all__ = ["IMPLEMENTATIONS", "default_implementation", "dropped_selections", "hot_resolve"]
 
 IMPLEMENTATIONS = {"xla": hot_resolve_reference, "pallas_triton": hot_resolve_pallas_triton}
 

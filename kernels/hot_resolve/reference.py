@@ -226,3 +226,39 @@ def hot_resolve_reference(
     dropped = jnp.sum(flag_N) - misses
     stats = jnp.stack([hits, misses, dropped]).astype(jnp.int32)
     return slots.reshape(T, K).astype(jnp.int32), miss_host_row, miss_slot_X, stats, host_row_SM, rank_SM
+
+
+@functools.partial(jax.jit, static_argnames=("tokens_per_page",))
+def dropped_selections(
+    topk_TK: jax.Array,
+    req_idx_T: jax.Array,
+    block_table_BP: jax.Array,
+    host_table_BP: jax.Array,
+    state_row_B: jax.Array,
+    num_state_rows: int | jax.Array,
+    num_host_blocks: jax.Array | int,
+    slots_TK: jax.Array,
+    *,
+    tokens_per_page: int,
+) -> jax.Array:
+    """bool `[T, K]`: the selections that needed the hot buffer and got no slot (`dropped`).
+
+    A selection needs the hot buffer when its page is not resident, has a host copy and its batch
+    row has hot state (the resolver's contract above); it is dropped when the resolver returned
+    slot −1 for it. Computed from the resolver's inputs and its `slots_TK`, so it holds for every
+    implementation. Because misses take slots in first-occurrence order (query row, then top-k
+    order), the query rows of a batch row before its first row with a dropped selection are
+    fully resolved."""
+    tpp = tokens_per_page
+    P = block_table_BP.shape[1]
+    pos = topk_TK.astype(jnp.int32)
+    b = jnp.broadcast_to(req_idx_T.astype(jnp.int32)[:, None], pos.shape)
+    page = jnp.minimum(jnp.clip(pos, 0) // tpp, P - 1)
+    in_range = (pos >= 0) & (jnp.clip(pos, 0) // tpp < P)
+    resident = in_range & (block_table_BP[b, page] > 0)
+    host_block = host_table_BP[b, page]
+    srow = state_row_B.astype(jnp.int32)[b]
+    has_state = (srow >= 0) & (srow < num_state_rows)
+    nhr = jnp.asarray(num_host_blocks, jnp.int32) * tpp
+    need = in_range & ~resident & (host_block > 0) & (host_block * tpp < nhr) & has_state
+    return need & (slots_TK < 0)

@@ -17,6 +17,12 @@ Keys (the reference deployment's names where it has them):
   callbacks).
 * `watermark`: fraction of the device pool kept free under pressure (default 0.1): when fewer
   pages are free, running requests release clean pages (docs/design.md §6.1).
+* `prefill_sizing`: how many query rows a prefill step of a request with pages off the device
+  gets. "adaptive" (default): as many as the rows its queries actually select are expected to
+  fit the lease (learnt per request from its previous steps); a step whose selections overflow
+  the lease is kept up to its first query row with a dropped selection and the rest of the chunk
+  is recomputed (docs/hisparse.md "Long prefills"). "worst_case": at most
+  `prefill_buffer_size // index_topk` rows, which can never overflow.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from typing import Any
 from kernels.host_rows import MECHANISMS
 
 GiB = 2**30
-KEYS = ("host_pool_gib", "device_buffer_size", "prefill_buffer_size", "host_gather", "watermark")
+KEYS = ("host_pool_gib", "device_buffer_size", "prefill_buffer_size", "host_gather", "watermark", "prefill_sizing")
+PREFILL_SIZINGS = ("adaptive", "worst_case")
 
 
 class HiSparseConfigError(ValueError):
@@ -46,6 +53,7 @@ class HiSparseConfig:
     prefill_buffer_size: int | None = None
     host_gather: str = "auto"
     watermark: float = 0.1
+    prefill_sizing: str = "adaptive"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "HiSparseConfig":
@@ -72,7 +80,11 @@ class HiSparseConfig:
         wm = d.get("watermark", 0.1)
         if isinstance(wm, bool) or not isinstance(wm, (int, float)) or not 0 <= wm < 1:
             raise HiSparseConfigError(f"hisparse_config.watermark must be in [0, 1), got {wm!r}")
-        return cls(float(gib), d.get("device_buffer_size"), d.get("prefill_buffer_size"), gather, float(wm))
+        sizing = d.get("prefill_sizing", "adaptive")
+        if sizing not in PREFILL_SIZINGS:
+            raise HiSparseConfigError(f"hisparse_config.prefill_sizing must be one of {', '.join(PREFILL_SIZINGS)}; "
+                                      f"got {sizing!r}")
+        return cls(float(gib), d.get("device_buffer_size"), d.get("prefill_buffer_size"), gather, float(wm), sizing)
 
     def resolve(self, *, index_topk: int, tokens_per_page: int, num_speculative_tokens: int = 0,
                 backend: str | None = None) -> "ResolvedHiSparse":

@@ -16,6 +16,7 @@ copied]`.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
@@ -26,6 +27,8 @@ from glm53.hot_cache import HotBatch, HotState
 from kernels.host_rows import HostRowStore
 
 from serving.hisparse.config import ResolvedHiSparse
+
+logger = logging.getLogger(__name__)
 
 
 def make_parallel_host_pool(mechanism: str, rows_per_shard: int, num_layers: int, row_words: int, parallel):
@@ -103,6 +106,7 @@ class HiSparseDeviceState:
         self.max_stores = int(max_stores)
         rows = self.num_host_blocks * self.tpp
         if parallel is None:
+            self.num_kv_shards = 1
             self.pool = make_host_pool(self.mechanism, rows, self.row_words)
             # Committed to device memory like the step's outputs, so the step's first call with
             # the state it returned hits the compiled executable (an uncommitted input next to
@@ -115,12 +119,14 @@ class HiSparseDeviceState:
             from glm53.attention import hot_state_spec, num_kv_shards
 
             self.pool = make_parallel_host_pool(self.mechanism, rows, comp.num_layers, comp.row_words, parallel)
-            shards = num_kv_shards(parallel)
+            shards = self.num_kv_shards = num_kv_shards(parallel)
             st = NamedSharding(parallel.mesh, hot_state_spec(parallel))
             self.hot = jax.device_put(HotState.empty(shards * max_num_seqs, num_index_groups, self.hot_rows),
-                                      HotState(st, st, NamedSharding(parallel.mesh, PartitionSpec())))
+                                      HotState(st, st, NamedSharding(parallel.mesh, PartitionSpec()),
+                                               NamedSharding(parallel.mesh, PartitionSpec())))
         self.layer_row_bytes = 4 * comp.row_words  # one layer's row of one token
         self.hits = self.misses = self.dropped = 0  # lookups since start-up
+        self.drops_outside_truncation = 0  # steps with dropped selections but no truncated request (a bug)
         self.h2d_bytes = 0  # host → device bytes moved for hot rows since start-up (callback: chunk padding included)
         self.last_stats = (0, 0, 0, 0)  # the last step's hits, misses, dropped, host → device bytes
 
@@ -168,6 +174,33 @@ class HiSparseDeviceState:
         hot.active = np.bool_(active)
         hot.narrow = np.bool_(widest * self.tpp <= self.narrow_rows)
         return hot, policy.take_stores(self.max_stores)
+
+    def truncations(self, sched, first_drop_S, replica: int = 0) -> dict[str, int]:
+        """Requests of `sched` (replica `replica`'s step) whose query rows dropped a hot-buffer
+        selection → the smallest such position (`HotState.first_drop_S`, min over the replica's
+        KV shards). Rows before it were fully resolved, so the request's chunk is valid up to it
+        (`serving.hisparse.truncation`)."""
+        drop = np.asarray(first_drop_S)
+        S = drop.shape[0] // self.num_kv_shards
+        per_replica = self.num_kv_shards // (self.parallel.dp if self.parallel is not None else 1)
+        out = {}
+        for sr in sched.scheduled:
+            row = sr.request.state_row
+            if row is None or not 0 <= row < S:
+                continue
+            first = min(int(drop[(replica * per_replica + d) * S + row]) for d in range(per_replica))
+            if first < sr.start_pos + sr.num_new_tokens:
+                out[sr.request_id] = first
+        return out
+
+    def check_drops(self, stats, truncations: list[dict[str, int]]) -> None:
+        """A step whose resolver dropped selections must have truncated some request there (a
+        dropped selection in a kept row would be a wrong read): counts and logs the steps where
+        it did not (`drops_outside_truncation`, 0 unless the engine has a bug)."""
+        if int(stats[2]) > 0 and not any(truncations):
+            self.drops_outside_truncation += 1
+            logger.error("HiSparse: the resolver dropped %d selections in a step that truncated no request",
+                         int(stats[2]))
 
     def record(self, stats) -> None:
         """Accumulate one step's `[hits, misses, dropped, layer rows moved]` (`glm53.attention.resolve_hot`:

@@ -38,8 +38,21 @@ index_topk). A step with R query rows of a request with off-device pages needs R
 slots, or every off-device row if fewer (each distinct missed row takes one slot, and the
 resolver gives a miss no slot it cannot evict): the lease is
 max(device_buffer_size, min(R × K, off-device rows)), at most `prefill_buffer_size`; if the
-off-device rows exceed that, R is capped at prefill_buffer_size // K (the HiSparse prefill chunk
-bound).
+off-device rows exceed that, R is capped at prefill_buffer_size // K (the worst-case prefill chunk
+bound, `prefill_sizing: "worst_case"`).
+
+Adaptive prefill sizing (`prefill_sizing: "adaptive"`, the default). R × K is a bound on the
+distinct rows a chunk selects, not what it selects: adjacent queries pick heavily overlapping
+rows, and the resolver deduplicates them, so a chunk of many more rows usually fits the lease.
+A request prefilling with pages off the device gets `prefill_rows` query rows (its own estimate,
+never below the worst-case bound). If its selections overflow the lease, the resolver drops the
+last misses in first-occurrence order, so every query row before the first one with a dropped
+selection was fully resolved: the step reports that position (`HotState.first_drop_S`), the
+engine keeps the chunk up to it and recomputes the rest next step
+(`serving.hisparse.truncation`); the estimate becomes the rows that fitted. A chunk that fits
+whole raises the estimate by an eighth (at least one row): adjacent chunks select alike, so the
+estimate settles just under what fits, and few rows are computed twice. A step that keeps no row (possible when hits of later rows
+pin the whole lease) is followed by a worst-case-sized one, so every request progresses.
 
 Admission needs room for the request fully resident (its prompt's pages in every group, plus a hot
 lease when its prefix starts on the host) plus a page of headroom per running request (at most
@@ -87,6 +100,8 @@ class RequestResidency:
     seen_lease: the lease the device-side hot state was last resolved against (None: stale, e.g.
         a new state row), to tell the step which hot slots are stale.
     next_seal: the first page index not yet considered for a copy.
+    prefill_rows: adaptive prefill sizing's estimate of the query rows a chunk of this request can
+        have with pages off the device (0: not yet estimated; module docstring).
     """
 
     host_blocks: dict[int, int] = field(default_factory=dict)
@@ -94,6 +109,7 @@ class RequestResidency:
     lease: list[int] = field(default_factory=list)
     seen_lease: list[int] | None = None
     next_seal: int = 0
+    prefill_rows: int = 0
 
 
 class HiSparsePolicy(DeviceResidentPolicy):
@@ -136,6 +152,9 @@ class HiSparsePolicy(DeviceResidentPolicy):
         self.num_released = 0  # pages released so far
         self.num_revived = 0
         self.num_landed_host = 0  # P/D requests admitted with their MLA pages in the host pool
+        self.adaptive = config.config.prefill_sizing == "adaptive"
+        self.num_truncated_chunks = 0  # prefill chunks kept only up to their first dropped selection
+        self.num_truncated_rows = 0  # query rows of those chunks computed again
 
     # ------------------------------------------------------------------ queries
     def _rec(self, req: "Request") -> RequestResidency:
@@ -206,17 +225,41 @@ class HiSparsePolicy(DeviceResidentPolicy):
         need_rows = min(rows * self.K, off * self.hot_tpp)
         return max(self.dec_pages, min(self.max_pages, math.ceil(need_rows / self.hot_tpp)))
 
-    def _cap_rows(self, rows: int, off: int) -> int:
+    def _sure_rows(self) -> int:
+        """Query rows whose selections always fit the largest lease (the worst-case bound)."""
+        return max(1, self.max_pages * self.hot_tpp // self.K)
+
+    def _cap_rows(self, rows: int, off: int, rec: RequestResidency | None = None) -> int:
         cap = self.max_pages * self.hot_tpp
         if off == 0 or rows * self.K <= cap or off * self.hot_tpp <= cap:
             return rows
-        return max(1, min(rows, cap // self.K))
+        sure = self._sure_rows()
+        if not self.adaptive:
+            return min(rows, sure)
+        guess = rec.prefill_rows if rec is not None and rec.prefill_rows else 4 * sure
+        return min(rows, max(sure, guess))
 
     def cap_new_tokens(self, req: "Request", num_new: int) -> int:
         """The HiSparse prefill chunk bound (module docstring)."""
         if num_new <= 0 or not self.kv.has_request(req.request_id):
             return num_new
-        return self._cap_rows(num_new, self.off_pages(req.request_id))
+        return self._cap_rows(num_new, self.off_pages(req.request_id), self.records.get(req.request_id))
+
+    def observe_step(self, kept: dict[str, int]) -> None:
+        """Adaptive prefill sizing, after the step this policy scheduled ran: `kept` maps the
+        requests whose chunk was truncated to the query rows that were valid. Updates the estimate
+        of every request that resolved several rows through its lease (module docstring)."""
+        sure = self._sure_rows()
+        for rid, rows in self._rows.items():
+            rec = self.records.get(rid)
+            if rec is None:
+                continue
+            if rid in kept:
+                self.num_truncated_chunks += 1
+                self.num_truncated_rows += rows - kept[rid]
+                rec.prefill_rows = max(sure, kept[rid])
+            elif rec.lease and rows >= max(sure, rec.prefill_rows):
+                rec.prefill_rows = rows + max(1, rows // 8)
 
     # ------------------------------------------------------------------ scheduling hooks
     def begin_step(self, running: list["Request"]) -> None:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.hot_resolve.reference import hot_resolve_reference
+from kernels.hot_resolve.reference import dropped_selections, hot_resolve_reference
 from tests.kernels.hot_resolve_model import resolve_model
 
 TPP = 4
@@ -190,3 +190,44 @@ def test_random_batches_match_the_model(seed):
         want = resolve_model(topk, req, bt, ht, hot, srow, reset, st, rk, 9, TPP)
         assert (got[0] == want[0]).all() and got[1] == want[1] and got[2] == want[2]
         assert (got[3] == want[3]).all() and (got[4] == want[4]).all()
+
+
+def test_query_rows_before_the_first_dropped_selection_are_fully_resolved():
+    """Adaptive prefill sizing keeps a chunk up to its first query row with a dropped selection
+    (serving/hisparse/truncation.py). On random chunks far too wide for their hot buffer:
+    `dropped_selections` marks exactly the selections that needed the hot buffer and got no slot
+    (as many distinct host rows as the resolver's `dropped` count); every query row before a batch
+    row's first marked one resolved all of its selections; and each of those slots holds, after
+    the copies, exactly the selected position's host row."""
+    rng = np.random.default_rng(11)
+    seen_drops = 0
+    for trial in range(40):
+        B, P, H, S, K, nhb = 2, 8, 2, 3, 6, 40
+        M = H * TPP
+        req = np.repeat(np.arange(B), rng.integers(3, 7, B)).astype(np.int32)
+        T = len(req)
+        topk = rng.integers(-1, P * TPP, (T, K)).astype(np.int32)
+        bt = np.where(rng.random((B, P)) < 0.3, rng.integers(1, 30, (B, P)), 0).astype(np.int32)
+        ht = rng.integers(1, nhb, (B, P)).astype(np.int32)
+        hot = (30 + rng.permutation(10)[: B * H]).reshape(B, H).astype(np.int32)  # distinct hot pages
+        srow = np.array([2, 0], np.int32)
+        st, rk = fresh_state(S, M, rng)
+        reset = np.array([0, 0], np.int32)
+        slots, copies, stats, _, _ = resolve(topk, req, bt, ht, hot, srow, reset, st, rk, num_host_blocks=nhb)
+        dropped = np.asarray(dropped_selections(jnp.asarray(topk), jnp.asarray(req), jnp.asarray(bt), jnp.asarray(ht),
+                                                jnp.asarray(srow), S, nhb, jnp.asarray(slots), tokens_per_page=TPP))
+        rows = {(int(req[t]), int(ht[req[t], topk[t, k] // TPP]) * TPP + int(topk[t, k]) % TPP)
+                for t, k in zip(*np.nonzero(dropped))}
+        assert len(rows) == stats[2], trial
+        seen_drops += stats[2] > 0
+        arena = {s: h for h, s in copies}
+        for b in range(B):
+            toks = np.nonzero(req == b)[0]
+            marked = [t for t in toks if dropped[t].any()]
+            for t in toks[: toks.tolist().index(marked[0])] if marked else toks:
+                for k in range(K):
+                    p = int(topk[t, k])
+                    if p < 0 or bt[b, p // TPP] > 0:
+                        continue
+                    assert slots[t, k] >= 0 and arena[int(slots[t, k])] == ht[b, p // TPP] * TPP + p % TPP
+    assert seen_drops > 20  # the buffers really overflowed

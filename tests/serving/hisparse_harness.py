@@ -5,10 +5,14 @@ page → host block, refusing a page that is not fully written), then the page c
 write (only into owned, sole-owned pages), and before each sample reads the request's whole
 history back — resident and released-but-intact MLA pages from the arena, off-device pages from
 the host block the policy names (which must hold a complete copy). It also checks the hot-buffer
-sizing rule the real resolver relies on (a request with off-device pages never gets more query
-rows than its lease can take misses for). Any page reused too early, copied too late, released
-while dirty, or read after reuse changes the tokens, which are compared with each request run
-alone (`tests/serving/test_scheduler.reference`).
+sizing rule the real resolver relies on: a request with off-device pages gets more query rows
+than its lease can take misses for only under adaptive prefill sizing, and then the step may
+overflow the lease like the real resolver — the fake runner truncates such a chunk at a random
+row (half the time), writes wrong KV for the rows past it (as the real step does) and samples
+nothing for it; the engine loop applies `serving.hisparse.truncation.truncate_step`. Any page
+reused too early, copied too late, released while dirty, read after reuse, or a truncated row's
+KV kept (sealed, cached, read) changes the tokens, which are compared with each request run alone
+(`tests/serving/test_scheduler.reference`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from serving.block_pool import BlockPool
 from serving.hisparse.config import HiSparseConfig, ResolvedHiSparse
 from serving.hisparse.host_pool import HostPool
 from serving.hisparse.residency import HiSparsePolicy
+from serving.hisparse.truncation import truncate_step
 from serving.kv_cache import KVCacheGroupSpec, KVCacheManager
 from serving.prefix_cache import PrefixCache
 from serving.request import Request, RequestStatus
@@ -36,6 +41,9 @@ class FakeHiSparseRunner:
         self.host = np.full((host_blocks, MLA_TPP), -1, dtype=np.int64)
         self.host_reads = 0
         self.num_stores = 0
+        self.rng = np.random.default_rng(0)
+        self.last_truncated: dict[str, int] = {}  # request → the position its chunk is valid up to
+        self.num_truncated = 0
 
     @staticmethod
     def _encode(token, pos, gi):
@@ -51,15 +59,22 @@ class FakeHiSparseRunner:
             self.num_stores += 1
         for src, dst in out.page_copies:
             self.arena[dst] = self.arena[src]
+        self.last_truncated = {}
         for sr in out.scheduled:
             rid = sr.request_id
             assert sr.request.status is RequestStatus.RUNNING
             off = pol.off_pages(rid)
+            valid = sr.num_new_tokens
             if off:
                 rec = pol.records[rid]
                 rows = len(rec.lease) * MLA_TPP
                 assert rows >= pol.dec_pages * MLA_TPP
-                assert min(sr.num_new_tokens * pol.K, off * MLA_TPP) <= rows, "lease too small for the step"
+                if min(sr.num_new_tokens * pol.K, off * MLA_TPP) > rows:  # past the worst-case bound
+                    assert pol.adaptive and sr.num_spec_tokens == 0, "lease too small for the step"
+                    if self.rng.random() < 0.5:  # the selections overflowed the lease
+                        valid = int(self.rng.integers(0, sr.num_new_tokens))
+                        self.last_truncated[rid] = sr.start_pos + valid
+                        self.num_truncated += 1
             for gi, g in enumerate(kv.groups):
                 slots = kv.slot_mapping(rid, g.name, sr.positions)
                 t = kv.table(rid, g.name)
@@ -67,10 +82,12 @@ class FakeHiSparseRunner:
                     assert s >= 0 and t.is_owned(int(p) // g.tokens_per_page), "write to a page not owned"
                     assert kv.pool.refcount(int(s) // g.tokens_per_page) == 1, "write to a shared page"
                 blk, o = slots // g.tokens_per_page, slots % g.tokens_per_page
-                self.arena[blk, o] = self._encode(sr.token_ids, sr.positions, gi)
+                toks = np.asarray(sr.token_ids, np.int64)
+                toks[valid:] += 7  # a truncated chunk's rows past the cut hold wrong KV
+                self.arena[blk, o] = self._encode(toks, sr.positions, gi)
         sampled: dict[str, list[int]] = {}
         for sr in out.scheduled:
-            if not sr.sample:
+            if not sr.sample or sr.request_id in self.last_truncated:
                 continue
             req = sr.request
             rid = req.request_id
@@ -103,13 +120,14 @@ class HiSparseEngine:
     """Scheduler + HiSparse policy + fake runner. index_topk K, hot rows in tokens."""
 
     def __init__(self, num_blocks=40, host_blocks=200, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=160,
-                 K=4, device_buffer=8, prefill_buffer=32, prefix_caching=False, watermark=0.1):
+                 K=4, device_buffer=8, prefill_buffer=32, prefix_caching=False, watermark=0.1,
+                 prefill_sizing="adaptive"):
         self.pool = BlockPool(num_blocks)
         self.kv = KVCacheManager(self.pool, [KVCacheGroupSpec("mla", MLA_TPP), KVCacheGroupSpec("indexer", IDX_TPP)],
                                  {"mla": -(-max_model_len // MLA_TPP), "indexer": -(-max_model_len // IDX_TPP)})
         self.host_pool = HostPool(host_blocks)
         self.prefix_cache = PrefixCache(self.kv, host_pool=self.host_pool.blocks) if prefix_caching else None
-        cfg = HiSparseConfig(1.0, device_buffer, prefill_buffer, "memory_kind", watermark)
+        cfg = HiSparseConfig(1.0, device_buffer, prefill_buffer, "memory_kind", watermark, prefill_sizing)
         resolved = ResolvedHiSparse(cfg, device_buffer, prefill_buffer, "memory_kind")
         self.policy = HiSparsePolicy(self.kv, self.host_pool, resolved, K, self.prefix_cache)
 
@@ -144,6 +162,8 @@ class HiSparseEngine:
         for req in self.sched.running:
             self.states_seen.add(self.policy.residency(req))
         sampled = self.runner.step(out)
+        out, sampled, kept = truncate_step(out, sampled, self.runner.last_truncated)
+        self.policy.observe_step(kept)
         for o in self.sched.update_from_output(out, sampled):
             self.streams.setdefault(o.request_id, []).extend(o.new_token_ids)
             if o.finished:

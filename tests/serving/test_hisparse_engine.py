@@ -68,7 +68,7 @@ def test_multiturn_streams_match_the_ample_run_and_nobody_is_preempted(kv_cache_
         compare_streams(ample.outputs, run.outputs, ample.logprobs, ample.prompts, lm)
     assert base_engine.scheduler.num_preemptions_total > 0  # the pressure is real
     assert hs_engine.scheduler.num_preemptions_total == 0
-    assert d.misses > 0 and d.dropped == 0  # rows really came from the host pool
+    assert d.misses > 0 and d.drops_outside_truncation == 0  # rows really came from the host pool
     assert mean_running(hs) > mean_running(base)
     assert hs_engine.prefix_cache.host_hits > 0  # later turns reused their prefix from the host tier
     assert hs_engine.pool.num_free == hs_engine.pool.num_usable_blocks
@@ -151,11 +151,17 @@ def test_aborts_free_every_page_in_every_residency_state(bf16_hisparse):
 def test_a_request_three_times_the_device_pool_is_served():
     """24 usable pages hold 1,536 MLA tokens; the prompt has 4,600. It is admitted with an in-flight
     window, its earlier chunks are copied to the host and released as the prefill proceeds, and later
-    chunks read them through the hot buffer."""
+    chunks read them through the hot buffer. Its chunks are sized by what their selections fill
+    (adaptive prefill sizing): some overflow the 640-row lease and are kept up to their first
+    dropped selection, so the prefill takes fewer hot steps than the worst-case bound's 10 rows a
+    step would; the tokens still equal the ample run's, and the device pages the request cannot
+    give back (all it holds but its clean pages, which it keeps only while the pool has room)
+    never exceed the planner's in-flight window."""
     rng = np.random.default_rng(7)
     prompt = rng.integers(10, 490, 4600).tolist()
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     outs = {}
+    peak = 0
     for name, e in (("ample", engine(120, "bfloat16", max_model_len=4700)), ("hisparse", engine(25, "bfloat16", {
             "hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 640}}, max_model_len=4700))):
         e.add_request("long", prompt, params)
@@ -165,12 +171,31 @@ def test_a_request_three_times_the_device_pool_is_served():
                 toks += o.new_token_ids
                 lps += o.new_logprobs or []
             assert e.audit() == []
+            if e.hisparse is not None and e.kv.has_request("long"):
+                peak = max(peak, device_pages(e, "long") - len(e.hisparse.policy.releasable(
+                    e.scheduler.get_request("long"))))
         outs[name] = (toks, lps, e)
     e = outs["hisparse"][2]
+    pol = e.hisparse.policy
     assert e.scheduler.num_preemptions_total == 0 and e.hisparse.device.misses > 0
+    assert pol.num_truncated_chunks > 0 and e.hisparse.device.dropped > 0  # chunks really overflowed
+    sure = 640 // 64
+    assert e.runner.num_hot_steps < (4600 - 1536) / sure  # fewer hot steps than the worst-case bound's
+    plan = e.hisparse.plan(25, 4700, 64)
+    assert 0 < peak <= plan.first_pages, (peak, plan)
     lm = api.load(cache_dtype="bfloat16")
     compare_streams({"long": outs["ample"][0]}, {"long": outs["hisparse"][0]}, {"long": outs["ample"][1]},
                     {"long": prompt}, lm)
+
+
+def device_pages(e, rid: str) -> int:
+    """Device pages request `rid` holds: its own (not released, not placeholder) table entries in
+    every group, plus its hot lease."""
+    n = 0
+    for g in e.kv.groups:
+        t = e.kv.table(rid, g.name)
+        n += sum(1 for i in range(len(t.blocks)) if t.is_owned(i))
+    return n + len(e.hisparse.policy.lease_of(rid))
 
 
 def test_conversation_user_tokens_are_deterministic():

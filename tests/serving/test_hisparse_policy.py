@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -68,16 +69,23 @@ def test_released_pages_are_reused_tail_first():
     e.check_against_reference()
 
 
-def test_a_context_longer_than_the_device_pool_prefills_through_the_hot_buffer():
+@pytest.mark.parametrize("prefill_sizing", ["adaptive", "worst_case"])
+def test_a_context_longer_than_the_device_pool_prefills_through_the_hot_buffer(prefill_sizing):
     # 47 usable pages hold 188 MLA tokens; the prompt has 400. Admitted with an in-flight window,
     # its earlier chunks are released as it proceeds; later chunks read them from the host pool.
+    # Adaptive sizing gives its chunks more rows than the 16-row lease's worst case (4 rows), and
+    # the fake runner truncates some of them (wrong KV past the cut, which must never be read).
     e = HiSparseEngine(num_blocks=48, host_blocks=200, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=480,
-                       prefill_buffer=16)
+                       prefill_buffer=16, prefill_sizing=prefill_sizing)
     e.add("long", prompt(5, 400), max_tokens=20, ignore_eos=True)
     e.add("short", prompt(6, 30), max_tokens=20, ignore_eos=True)
     e.run()
     e.check_against_reference()
     assert e.sched.num_preemptions_total == 0 and e.runner.host_reads > 0
+    if prefill_sizing == "adaptive":
+        assert e.runner.num_truncated > 0 and e.policy.num_truncated_chunks == e.runner.num_truncated
+    else:
+        assert e.runner.num_truncated == 0
 
 
 def test_host_tier_prefix_hit_starts_with_placeholders_and_counts_cached_tokens():

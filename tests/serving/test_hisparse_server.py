@@ -66,4 +66,6 @@ def test_concurrent_long_requests_under_pressure_match_one_at_a_time(server):
     states = {dict(k[1])["state"] for k in after if k[0] == "vllm:hisparse_requests"}
     assert states == {"full", "mixed", "none"}
     assert 0 <= after[("vllm:hisparse_host_pool_usage_perc", LAB)] <= 1
-    assert engine.engine.hisparse.device.dropped == 0
+    assert engine.engine.hisparse.device.drops_outside_truncation == 0
+    # rows of truncated prefill chunks (adaptive sizing) are counted on /metrics as on the policy
+    assert after[("vllm:hisparse_prefill_rows_recomputed_total", LAB)] == engine.engine.hisparse.policy.num_truncated_rows

@@ -77,7 +77,7 @@ def test_hisparse_with_a_tiny_pool_gives_the_same_answers(samples, server_answer
                     chat_template_kwargs={"enable_thinking": False})
     assert [o.outputs[0].text.strip() for o in outs] == [g[0] for g in server_answers]
     assert engine.runner.num_hot_steps > 0 and engine.hisparse.device.misses > 0  # rows came from the host pool
-    assert engine.hisparse.device.dropped == 0
+    assert engine.hisparse.device.drops_outside_truncation == 0
     assert engine.scheduler.num_preemptions_total == 0  # nobody was preempted for lack of pages
     assert engine.audit() == []
     assert engine.pool.num_free == engine.pool.num_usable_blocks

@@ -1,0 +1,158 @@
+"""Hybrid HiSparse long prefills: a prompt longer than the device pool, served with adaptive prefill
+sizing (the default), with the worst-case chunk bound (`prefill_sizing: "worst_case"`) and on an
+ample pool without HiSparse, side by side in one run (docs/hisparse.md "Long prefills").
+
+1. **Random-weight tiny model** (`tiny`): a prompt of `scale` × the MLA token capacity of a
+   25-page pool (24 usable pages = 1,536 tokens), for each `--scales` entry; `prefill_buffer_size`
+   640 (10 query rows in the worst case), budget 64 tokens a step, 16 greedy output tokens.
+2. **Trained model** (`tiny-recall`, `--recall`): four held-out retrieval prompts of ≈ 1,000
+   tokens (glm53/recall_tasks.py) one after the other on a 12-page pool (a prompt needs 16 MLA
+   pages), `prefill_buffer_size` 128 (2 rows in the worst case), budget 256, 8 output tokens; the
+   answers are checked against the task's expected values.
+
+Per run: wall seconds of the long request(s) (engines built and compiled before the clock
+starts), engine steps, hot steps, truncated chunks and the rows computed again, hot hits and
+misses, the greedy tokens' equality with the ample run (the tiny model's under docs/design.md
+§10's rule, `glm53.equality`), and the ratio to the ample pool's time.
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_long_prefill.py --out docs/results/hisparse_long_prefill
+
+Writes OUT/summary.json and prints the table. Measured on whatever the machine is doing: compare
+rows of one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from glm53 import api, recall_tasks  # noqa: E402
+from glm53.equality import compare_streams  # noqa: E402
+from glm53.hub import resolve_model  # noqa: E402
+from glm53.tokenizer import GlmTokenizer  # noqa: E402
+from serving.engine import EngineArgs  # noqa: E402
+from serving.engine_factory import build_engine  # noqa: E402
+from serving.llm import LLM  # noqa: E402
+from serving.types import SamplingParams  # noqa: E402
+
+POOL, POOL_TOKENS = 25, 24 * 64
+MODES = {"ample": None, "adaptive": "adaptive", "worst_case": "worst_case"}
+
+
+def counters(e, mode, dt, steps0, hot0):
+    row = {"mode": mode, "seconds": round(dt, 2), "steps": e.num_steps - steps0,
+           "hot_steps": e.runner.num_hot_steps - hot0}
+    if e.hisparse is not None:
+        pol, d = e.hisparse.policy, e.hisparse.device
+        row.update(truncated_chunks=pol.num_truncated_chunks, rows_recomputed=pol.num_truncated_rows,
+                   hot_hits=d.hits, hot_misses=d.misses, drops_outside_truncation=d.drops_outside_truncation,
+                   preemptions=e.scheduler.num_preemptions_total)
+    return row
+
+
+def random_prompt_run(scale: float, lm) -> list[dict]:
+    n = int(scale * POOL_TOKENS)
+    prompt = np.random.default_rng(7).integers(10, 490, n).tolist()
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    rows, ref = [], None
+    for mode, sizing in MODES.items():
+        hs = None if sizing is None else {"hisparse_config": {"host_pool_gib": 0.05 * max(1.0, scale / 3),
+                                                              "prefill_buffer_size": 640, "prefill_sizing": sizing}}
+        blocks = 2 * -(-n // 64) + 16 if sizing is None else POOL
+        e = build_engine(EngineArgs(max_model_len=n + 64, max_num_seqs=4, max_num_batched_tokens=64,
+                                    cuda_graph_sizes=[], num_gpu_blocks_override=blocks, kv_cache_dtype="bfloat16",
+                                    compile_progress=False, disable_log_stats=True, enable_prefix_caching=True,
+                                    attention_config=hs))
+        steps0, hot0 = e.num_steps, e.runner.num_hot_steps
+        e.add_request("long", prompt, params)
+        toks, lps = [], []
+        t = time.perf_counter()
+        while e.has_unfinished_requests():
+            for o in e.step():
+                toks += o.new_token_ids
+                lps += o.new_logprobs or []
+        row = counters(e, mode, time.perf_counter() - t, steps0, hot0)
+        row.update(model="tiny", prompt_tokens=n, pool_multiple=round(n / POOL_TOKENS, 2))
+        if ref is None:
+            ref = (toks, lps)
+        else:
+            row["tokens_equal"] = toks == ref[0]
+            if not row["tokens_equal"]:  # raises unless the divergence is a near-tie (the rule)
+                compare_streams({"long": ref[0]}, {"long": toks}, {"long": ref[1]}, {"long": prompt}, lm)
+                row["tokens_equal"] = "under the rule"
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def recall_run() -> list[dict]:
+    path = resolve_model("tiny-recall")
+    tok = GlmTokenizer.from_pretrained(path)
+    rng = np.random.default_rng(recall_tasks.EVAL_SEED_BASE + 4242)
+    samples = [recall_tasks.retrieval_sample(rng, tok, 1024) for _ in range(4)]
+    common = dict(max_model_len=1224, max_num_seqs=4, max_num_batched_tokens=256)
+    chat = dict(chat_template_kwargs={"enable_thinking": False})
+    rows, ref = [], None
+    for mode, sizing in MODES.items():
+        hs = None if sizing is None else {"hisparse_config": {"host_pool_gib": 0.02, "prefill_buffer_size": 128,
+                                                              "prefill_sizing": sizing}}
+        llm = LLM("tiny-recall", dtype="float32", kv_cache_dtype="bfloat16", cuda_graph_sizes=[],
+                  compile_progress=False, num_gpu_blocks_override=80 if sizing is None else 12,
+                  enable_prefix_caching=True, attention_config=hs, **common)
+        e = llm.engine
+        steps0, hot0 = e.num_steps, e.runner.num_hot_steps
+        t = time.perf_counter()
+        answers = []
+        for s in samples:  # one at a time: each is a long prefill
+            out = llm.chat([s.messages], SamplingParams(temperature=0, max_tokens=8), **chat)
+            answers.append(out[0].outputs[0].text.strip())
+        row = counters(e, mode, time.perf_counter() - t, steps0, hot0)
+        row.update(model="tiny-recall", prompt_tokens=max(s.prompt_tokens for s in samples),
+                   right=sum(a == s.answer for a, s in zip(answers, samples)), requests=len(samples))
+        if ref is None:
+            ref = answers
+        else:
+            row["tokens_equal"] = answers == ref
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--scales", default="3,6", help="prompt lengths in multiples of the pool's MLA token capacity")
+    ap.add_argument("--recall", action=argparse.BooleanOptionalAction, default=True)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    lm = api.load(cache_dtype="bfloat16")
+    rows = []
+    for scale in (float(s) for s in args.scales.split(",") if s):
+        rows += random_prompt_run(scale, lm)
+    if args.recall:
+        rows += recall_run()
+    ample = {}
+    for r in rows:
+        key = (r["model"], r.get("prompt_tokens"))
+        if r["mode"] == "ample":
+            ample[key] = r["seconds"]
+        r["time_vs_ample"] = round(r["seconds"] / ample[key], 2)
+    (args.out / "summary.json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    cols = ["model", "prompt_tokens", "pool_multiple", "mode", "seconds", "time_vs_ample", "steps", "hot_steps",
+            "truncated_chunks", "rows_recomputed", "tokens_equal", "right"]
+    print(",".join(cols))
+    for r in rows:
+        print(",".join(str(r.get(c, "")) for c in cols))
+
+
+if __name__ == "__main__":
+    main()
