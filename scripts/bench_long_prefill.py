@@ -2,9 +2,11 @@
 sizing (the default), with the worst-case chunk bound (`prefill_sizing: "worst_case"`) and on an
 ample pool without HiSparse, side by side in one run (docs/hisparse.md "Long prefills").
 
-1. **Random-weight tiny model** (`tiny`): a prompt of `scale` × the MLA token capacity of a
-   25-page pool (24 usable pages = 1,536 tokens), for each `--scales` entry; `prefill_buffer_size`
-   640 (10 query rows in the worst case), budget 64 tokens a step, 16 greedy output tokens.
+1. **Random-weight tiny model** (`tiny`): a prompt of `scale` × the MLA token capacity of the
+   device pool, for each `--scales` entry: the smallest pool of at least 25 pages that admits it
+   (its indexer pages, the in-flight window and the prefill lease must fit, with a page spare:
+   25 pages = 1,536 MLA tokens at 3×, 31 pages = 1,920 at 6×); `prefill_buffer_size` 640 (10 query rows in the worst
+   case), budget 64 tokens a step, 16 greedy output tokens.
 2. **Trained model** (`tiny-recall`, `--recall`): four held-out retrieval prompts of ≈ 1,000
    tokens (glm53/recall_tasks.py) one after the other on a 12-page pool (a prompt needs 16 MLA
    pages), `prefill_buffer_size` 128 (2 rows in the worst case), budget 256, 8 output tokens; the
@@ -44,7 +46,17 @@ from serving.engine_factory import build_engine  # noqa: E402
 from serving.llm import LLM  # noqa: E402
 from serving.types import SamplingParams  # noqa: E402
 
-POOL, POOL_TOKENS = 25, 24 * 64
+MIN_POOL, MLA_TPP, INDEXER_TPP = 25, 64, 768
+WINDOW_PAGES = 2 + 2 + 640 // 64  # two chunk pages, two tail pages, the prefill lease
+
+
+def pool_for(scale: float) -> int:
+    """The smallest pool (pages, null page included) of at least MIN_POOL pages whose in-flight
+    window admits a prompt of `scale` × its MLA token capacity."""
+    pages = MIN_POOL
+    while -(-int(scale * (pages - 1) * MLA_TPP) // INDEXER_TPP) + WINDOW_PAGES > pages - 2:  # a page spare
+        pages += 1
+    return pages
 MODES = {"ample": None, "adaptive": "adaptive", "worst_case": "worst_case"}
 
 
@@ -60,14 +72,15 @@ def counters(e, mode, dt, steps0, hot0):
 
 
 def random_prompt_run(scale: float, lm) -> list[dict]:
-    n = int(scale * POOL_TOKENS)
+    pool = pool_for(scale)
+    n = int(scale * (pool - 1) * MLA_TPP)
     prompt = np.random.default_rng(7).integers(10, 490, n).tolist()
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     rows, ref = [], None
     for mode, sizing in MODES.items():
         hs = None if sizing is None else {"hisparse_config": {"host_pool_gib": 0.05 * max(1.0, scale / 3),
                                                               "prefill_buffer_size": 640, "prefill_sizing": sizing}}
-        blocks = 2 * -(-n // 64) + 16 if sizing is None else POOL
+        blocks = 2 * -(-n // 64) + 16 if sizing is None else pool
         e = build_engine(EngineArgs(max_model_len=n + 64, max_num_seqs=4, max_num_batched_tokens=64,
                                     cuda_graph_sizes=[], num_gpu_blocks_override=blocks, kv_cache_dtype="bfloat16",
                                     compile_progress=False, disable_log_stats=True, enable_prefix_caching=True,
@@ -81,7 +94,7 @@ def random_prompt_run(scale: float, lm) -> list[dict]:
                 toks += o.new_token_ids
                 lps += o.new_logprobs or []
         row = counters(e, mode, time.perf_counter() - t, steps0, hot0)
-        row.update(model="tiny", prompt_tokens=n, pool_multiple=round(n / POOL_TOKENS, 2))
+        row.update(model="tiny", prompt_tokens=n, pool_pages=pool, pool_multiple=scale)
         if ref is None:
             ref = (toks, lps)
         else:

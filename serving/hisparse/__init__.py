@@ -7,10 +7,12 @@ sealed MLA pages, hot-buffer leases and the resolver inside the jitted step.
 * `host_pool.py` — host blocks (refcounted, LRU, prefix-cache host tier) and the write-through
                    copy queue.
 * `residency.py` — page states (dirty → clean → released → lost), releases under pressure, hot
-                   leases, admission and the prefill chunk bound: `HiSparsePolicy`, a
+                   leases, admission and the prefill chunk sizing: `HiSparsePolicy`, a
                    `serving.kv_policy` policy the scheduler calls.
 * `device_state.py` — the host pool array and per-request hot state the runner threads through
                    its step, and the per-step `HotBatch`.
+* `truncation.py` — adaptive prefill sizing's truncated steps: a chunk that overflowed its lease
+                   is kept up to its first dropped selection.
 
 The model side is `glm53/hot_cache.py` + `glm53.attention.resolve_hot`; the ops are
 `kernels/hot_resolve` (the resolver) and `kernels/host_rows` (page stores, host → hot row copies).
