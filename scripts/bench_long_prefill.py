@@ -35,16 +35,16 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from glm53 import api, recall_tasks  # noqa: E402
-from glm53.equality import compare_streams  # noqa: E402
-from glm53.hub import resolve_model  # noqa: E402
-from glm53.tokenizer import GlmTokenizer  # noqa: E402
-from serving.engine import EngineArgs  # noqa: E402
-from serving.engine_factory import build_engine  # noqa: E402
-from serving.llm import LLM  # noqa: E402
-from serving.types import SamplingParams  # noqa: E402
+from glm53 import api, recall_tasks
+from glm53.equality import compare_streams
+from glm53.hub import resolve_model
+from glm53.tokenizer import GlmTokenizer
+from serving.engine import EngineArgs
+from serving.engine_factory import build_engine
+from serving.llm import LLM
+from serving.types import SamplingParams
 
 MIN_POOL, MLA_TPP, INDEXER_TPP = 25, 64, 768
 WINDOW_PAGES = 2 + 2 + 640 // 64  # two chunk pages, two tail pages, the prefill lease
@@ -112,8 +112,8 @@ def recall_run() -> list[dict]:
     tok = GlmTokenizer.from_pretrained(path)
     rng = np.random.default_rng(recall_tasks.EVAL_SEED_BASE + 4242)
     samples = [recall_tasks.retrieval_sample(rng, tok, 1024) for _ in range(4)]
-    common = dict(max_model_len=1224, max_num_seqs=4, max_num_batched_tokens=256)
-    chat = dict(chat_template_kwargs={"enable_thinking": False})
+    common = {"max_model_len": 1224, "max_num_seqs": 4, "max_num_batched_tokens": 256}
+    chat = {"chat_template_kwargs": {"enable_thinking": False}}
     rows, ref = [], None
     for mode, sizing in MODES.items():
         hs = None if sizing is None else {"hisparse_config": {"host_pool_gib": 0.02, "prefill_buffer_size": 128,

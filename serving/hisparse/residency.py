@@ -51,8 +51,9 @@ selection was fully resolved: the step reports that position (`HotState.first_dr
 engine keeps the chunk up to it and recomputes the rest next step
 (`serving.hisparse.truncation`); the estimate becomes the rows that fitted. A chunk that fits
 whole raises the estimate by an eighth (at least one row): adjacent chunks select alike, so the
-estimate settles just under what fits, and few rows are computed twice. A step that keeps no row (possible when hits of later rows
-pin the whole lease) is followed by a worst-case-sized one, so every request progresses.
+estimate settles just under what fits, and few rows are computed twice. A step that keeps no row
+(possible when hits of later rows pin the whole lease) is followed by a worst-case-sized one, so
+every request progresses.
 
 Admission needs room for the request fully resident (its prompt's pages in every group, plus a hot
 lease when its prefix starts on the host) plus a page of headroom per running request (at most
