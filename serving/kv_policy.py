@@ -47,6 +47,11 @@ class DeviceResidentPolicy:
         device pool holds" (the scheduler computes that)."""
         return None
 
+    def capacity_note(self) -> str:
+        """What bounds `token_capacity` and which setting would raise it, for the error a prompt
+        that does not fit gets ("" when the device pool alone is the bound)."""
+        return ""
+
     # ------------------------------------------------------------------ scheduling hooks
     def begin_step(self, running: list["Request"]) -> None:
         """Called once before a step is built."""

@@ -204,7 +204,7 @@ class Scheduler:
         if n >= self._len_limit:
             raise ValueError(
                 f"prompt of {n} tokens does not fit the KV cache ({self.kv.pool.num_usable_blocks} "
-                "pages in all)"
+                f"pages in all){self.policy.capacity_note()}"
             )
         request.sampling_params.validate()
 

@@ -199,6 +199,12 @@ class HiSparsePolicy(DeviceResidentPolicy):
         """Most tokens one request can hold: fully resident on the device (all groups fit the
         pool), or under HiSparse: its sealed MLA pages fit the host pool while its other groups'
         pages (the indexer keys), a largest lease and a window of four MLA pages fit the device."""
+        resident, offloaded, host_bound = self._capacities()
+        return max(resident, min(offloaded, host_bound))
+
+    def _capacities(self) -> tuple[int, int, int]:
+        """(tokens fully resident, tokens whose other groups' pages fit next to the largest lease
+        and a 4-page window, tokens the host pool holds): `token_capacity`'s three bounds."""
         usable = self.kv.pool.num_usable_blocks
 
         def largest(groups, budget, hi):  # largest L whose pages of `groups` fit `budget`
@@ -215,7 +221,30 @@ class HiSparsePolicy(DeviceResidentPolicy):
         host_bound = (self.host.num_usable + 2) * self.tpp
         others = [g for g in self.kv.groups if g.name != self.group]
         offloaded = largest(others, usable - self.max_pages - 4, host_bound)
-        return max(resident, min(offloaded, host_bound))
+        return resident, offloaded, host_bound
+
+    def capacity_note(self) -> str:
+        """Names HiSparse's bound on one request: the device pages its indexer keys (and other
+        groups) need next to the prefill lease and the in-flight window, or the host pool."""
+        resident, offloaded, host_bound = self._capacities()
+        usable = self.kv.pool.num_usable_blocks
+        others = [g for g in self.kv.groups if g.name != self.group]
+        per = ", ".join(f"{g.name}: 1 page per {g.tokens_per_page} tokens" for g in others)
+        cap = max(resident, min(offloaded, host_bound))
+        if resident >= min(offloaded, host_bound):
+            why = "it fits only fully resident on the device"
+            fix = "a larger pool (--num-gpu-blocks-override / --gpu-memory-utilization)"
+        elif offloaded < host_bound:
+            why = (f"under Hybrid HiSparse its {per} must stay on the device next to the prefill lease "
+                   f"(hisparse_config.prefill_buffer_size: {self.max_pages} pages) and the in-flight window "
+                   f"(4 pages), {self.max_pages + 4} of the {usable} pages")
+            fix = ("a larger pool (--num-gpu-blocks-override / --gpu-memory-utilization) or a smaller "
+                   "hisparse_config.prefill_buffer_size")
+        else:
+            why = (f"its MLA pages must fit the host pool (hisparse_config.host_pool_gib: "
+                   f"{self.host.num_usable} blocks of {self.tpp} tokens)")
+            fix = "a larger hisparse_config.host_pool_gib"
+        return f"; the largest prompt this engine admits is {cap} tokens: {why}; it needs {fix}"
 
     # ------------------------------------------------------------------ lease sizing
     def _lease_pages(self, rid: str, rows: int, off: int | None = None) -> int:

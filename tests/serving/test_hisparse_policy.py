@@ -8,6 +8,7 @@ host copy, a lease wherever a page is off the device)."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -236,3 +237,19 @@ def test_a_continuation_is_admitted_before_a_first_turn_that_does_not_fit():
     assert e.added["t1"].num_cached_tokens >= 60
     e.run()
     e.check_against_reference()
+
+
+@pytest.mark.parametrize("num_blocks, host_blocks, bound", [
+    (12, 200, "prefill_buffer_size"),  # the device pages of the indexer keys + lease + window bind
+    (24, 40, "host_pool_gib"),  # the host pool binds
+])
+def test_a_prompt_too_long_for_hisparse_is_refused_naming_the_bound(num_blocks, host_blocks, bound):
+    """The refusal names what bounds one request under HiSparse and the largest prompt admitted;
+    that prompt is admitted and one token more is refused."""
+    e = HiSparseEngine(num_blocks=num_blocks, host_blocks=host_blocks, max_model_len=4000, prefill_buffer=16)
+    with pytest.raises(ValueError, match=bound) as err:
+        e.add("long", prompt(5, 3000), max_tokens=1)
+    largest = int(re.search(r"largest prompt this engine admits is (\d+) tokens", str(err.value)).group(1))
+    e.add("fits", prompt(6, largest), max_tokens=1)
+    with pytest.raises(ValueError, match="does not fit the KV cache"):
+        e.add("one more", prompt(7, largest + 1), max_tokens=1)
