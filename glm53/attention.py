@@ -368,18 +368,22 @@ def _resolve_rows(topk_TK, req_idx_T, bt, hb, row_S, rank_S, tpp: int, narrow_ro
     return jax.lax.cond(hb.active, resolve, skip, None)
 
 
-def _record_drops(first_drop_S, topk_TK, slots_TK, req_idx_T, positions_T, bt, hb, tpp: int):
+def _record_drops(first_drop_S, num_dropped, topk_TK, slots_TK, req_idx_T, positions_T, bt, hb, tpp: int):
     """`first_drop_S` [S] lowered, at each batch row's state row, to the smallest position of its
-    query rows with a dropped selection (`kernels.hot_resolve.dropped_selections`)."""
+    query rows with a dropped selection (`kernels.hot_resolve.dropped_selections`). Only computed
+    when the resolver reported drops (`num_dropped` > 0; its stats are 0 when it was skipped)."""
     S = first_drop_S.shape[0]
-    dropped_T = jnp.any(dropped_selections(topk_TK, req_idx_T, bt, hb.host_table_BP, hb.state_row_B, S,
-                                           hb.num_host_blocks, slots_TK, tokens_per_page=tpp), axis=1) & hb.active
-    pos_T = jnp.where(dropped_T, positions_T.astype(jnp.int32), NO_DROP)
-    B = hb.state_row_B.shape[0]
-    first_B = jnp.full(B, NO_DROP, jnp.int32).at[req_idx_T].min(pos_T, mode="drop")
-    srow = hb.state_row_B.astype(jnp.int32)
-    srow = jnp.where((srow >= 0) & (srow < S), srow, S)
-    return first_drop_S.at[srow].min(first_B, mode="drop")
+
+    def record(drop_S):
+        dropped_T = jnp.any(dropped_selections(topk_TK, req_idx_T, bt, hb.host_table_BP, hb.state_row_B, S,
+                                               hb.num_host_blocks, slots_TK, tokens_per_page=tpp), axis=1)
+        pos_T = jnp.where(dropped_T, positions_T.astype(jnp.int32), NO_DROP)
+        first_B = jnp.full(hb.state_row_B.shape[0], NO_DROP, jnp.int32).at[req_idx_T].min(pos_T, mode="drop")
+        srow = hb.state_row_B.astype(jnp.int32)
+        srow = jnp.where((srow >= 0) & (srow < S), srow, S)
+        return drop_S.at[srow].min(first_B, mode="drop")
+
+    return jax.lax.cond(num_dropped > 0, record, lambda d: d, first_drop_S)
 
 
 HOST_COPY_CHUNK = 1024  # missed rows per all-gather when a host pool's columns are split
@@ -466,7 +470,8 @@ def _resolve_parallel(topk_TK, kv: PagedKV, batch: ForwardBatch, g: GroupLayout,
         stats = jax.lax.psum(jnp.concatenate([stats, moved[None] * num_layers]), shard_axes)
         drop = jnp.zeros((0,), jnp.int32)
         if record:  # this shard's state rows, gathered shard-major over the KV shards (replicated)
-            local = _record_drops(jnp.full(row_SGM.shape[0], NO_DROP, jnp.int32), topk, slots, req, pos, bt, hbl, tpp)
+            local = _record_drops(jnp.full(row_SGM.shape[0], NO_DROP, jnp.int32), stats[2], topk, slots, req, pos,
+                                  bt, hbl, tpp)
             drop = col.all_gather_tiled(local, shard_axes)
         return slots, arena, row_SGM, rank_SGM, stats, drop
 
@@ -522,7 +527,7 @@ def resolve_hot(topk_TK: jax.Array, kv: PagedKV, batch: ForwardBatch, layout: KV
                            mechanism=host.mechanism, after=host.after)
     drop = hot.first_drop_S
     if drop is not None:
-        drop = _record_drops(drop, topk_TK, slots, batch.req_idx_T, batch.positions_T, bt, hb, tpp)
+        drop = _record_drops(drop, stats[2], topk_TK, slots, batch.req_idx_T, batch.positions_T, bt, hb, tpp)
     hot = HotState(jax.lax.dynamic_update_index_in_dim(hot.host_row_SGM, row_S, index_group, axis=1),
                    jax.lax.dynamic_update_index_in_dim(hot.rank_SGM, rank_S, index_group, axis=1),
                    hot.stats_4 + jnp.concatenate([stats, rows_moved(miss_rows, host.mechanism)[None] * num_layers]),

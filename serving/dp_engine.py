@@ -295,10 +295,7 @@ class DataParallelEngine(LLMEngine):
         for r, (rep, sched, toks) in enumerate(zip(self.replicas, scheds, sampled)):
             if self.hisparse is not None:
                 sched, toks, kept = truncate_step(sched, toks, self.runner.last_truncated[r])
-                pol = self.hisparse.policies[r]
-                before = pol.num_truncated_rows
-                pol.observe_step(kept)
-                recomputed += pol.num_truncated_rows - before
+                recomputed += self.hisparse.policies[r].observe_step(kept)
                 scheds[r] = sched
             o = rep.scheduler.update_from_output(sched, toks) if not sched.is_empty else []
             for out in o:

@@ -256,9 +256,7 @@ class LLMEngine(PDEngineMixin):
         if self.hisparse is not None:
             hot_stats = self.hisparse.device.last_stats
             sched, sampled, kept = truncate_step(sched, sampled, self.runner.last_truncated)
-            before = self.hisparse.policy.num_truncated_rows
-            self.hisparse.policy.observe_step(kept)
-            recomputed = self.hisparse.policy.num_truncated_rows - before
+            recomputed = self.hisparse.policy.observe_step(kept)
         drafts = self.runner.last_drafts if self.drafts is not None else None
         outs = self.scheduler.update_from_output(sched, sampled, drafts)
         if self.drafter_override is not None:

@@ -76,6 +76,22 @@ def _seg_first(flags):
     return lax.cummax(jnp.where(flags, idx, 0), axis=0)
 
 
+def _lookup(pos, b, block_table_BP, host_table_BP, state_row_B, num_state_rows, num_host_rows, tpp: int):
+    """Per selected position `pos` of batch row `b` (same shape): (offset in its page, resident
+    block, host block, resident?, needs the hot buffer?) — the resolver's first rule set above."""
+    P = block_table_BP.shape[1]
+    page = jnp.clip(pos, 0) // tpp
+    in_range = (pos >= 0) & (page < P)
+    page = jnp.minimum(page, P - 1)
+    res_block = block_table_BP[b, page]
+    host_block = host_table_BP[b, page]
+    resident = in_range & (res_block > 0)
+    srow = state_row_B.astype(jnp.int32)[b]
+    has_state = (srow >= 0) & (srow < num_state_rows)
+    need = in_range & ~resident & (host_block > 0) & (host_block * tpp < num_host_rows) & has_state
+    return jnp.clip(pos, 0) % tpp, res_block, host_block, resident, need
+
+
 @functools.partial(jax.jit, static_argnames=("tokens_per_page",))
 def hot_resolve_reference(
     topk_TK: jax.Array,
@@ -112,7 +128,7 @@ def hot_resolve_reference(
     """
     tpp = tokens_per_page
     T, K = topk_TK.shape
-    B, P = block_table_BP.shape
+    B = block_table_BP.shape[0]
     H = hot_table_BH.shape[1]
     S, M = host_row_SM.shape
     N = T * K
@@ -121,16 +137,10 @@ def hot_resolve_reference(
     # ---------------------------------------------------------------- candidates
     pos = topk_TK.reshape(N).astype(jnp.int32)
     b_N = jnp.repeat(req_idx_T.astype(jnp.int32), K)
-    page = jnp.clip(pos, 0) // tpp
-    in_range = (pos >= 0) & (page < P)
-    page = jnp.minimum(page, P - 1)
-    off = jnp.clip(pos, 0) % tpp
-    res_block = block_table_BP[b_N, page]
-    host_block = host_table_BP[b_N, page]
-    resident = in_range & (res_block > 0)
+    off, res_block, host_block, resident, need = _lookup(pos, b_N, block_table_BP, host_table_BP, state_row_B, S,
+                                                         nhr, tpp)
     srow_B = state_row_B.astype(jnp.int32)
     has_state_B = (srow_B >= 0) & (srow_B < S)
-    need = in_range & ~resident & (host_block > 0) & (host_block * tpp < nhr) & has_state_B[b_N]
     hrow = host_block * tpp + off
 
     # ---------------------------------------------------------------- state of the batch rows
@@ -250,15 +260,8 @@ def dropped_selections(
     order), the query rows of a batch row before its first row with a dropped selection are
     fully resolved."""
     tpp = tokens_per_page
-    P = block_table_BP.shape[1]
     pos = topk_TK.astype(jnp.int32)
     b = jnp.broadcast_to(req_idx_T.astype(jnp.int32)[:, None], pos.shape)
-    page = jnp.minimum(jnp.clip(pos, 0) // tpp, P - 1)
-    in_range = (pos >= 0) & (jnp.clip(pos, 0) // tpp < P)
-    resident = in_range & (block_table_BP[b, page] > 0)
-    host_block = host_table_BP[b, page]
-    srow = state_row_B.astype(jnp.int32)[b]
-    has_state = (srow >= 0) & (srow < num_state_rows)
     nhr = jnp.asarray(num_host_blocks, jnp.int32) * tpp
-    need = in_range & ~resident & (host_block > 0) & (host_block * tpp < nhr) & has_state
+    need = _lookup(pos, b, block_table_BP, host_table_BP, state_row_B, num_state_rows, nhr, tpp)[4]
     return need & (slots_TK < 0)

@@ -275,21 +275,25 @@ class HiSparsePolicy(DeviceResidentPolicy):
             return num_new
         return self._cap_rows(num_new, self.off_pages(req.request_id), self.records.get(req.request_id))
 
-    def observe_step(self, kept: dict[str, int]) -> None:
+    def observe_step(self, kept: dict[str, int]) -> int:
         """Adaptive prefill sizing, after the step this policy scheduled ran: `kept` maps the
         requests whose chunk was truncated to the query rows that were valid. Updates the estimate
-        of every request that resolved several rows through its lease (module docstring)."""
+        of every request that resolved several rows through its lease (module docstring).
+        Returns the query rows to compute again (the truncated chunks' rows past their cut)."""
         sure = self._sure_rows()
+        recomputed = 0
         for rid, rows in self._rows.items():
             rec = self.records.get(rid)
             if rec is None:
                 continue
             if rid in kept:
                 self.num_truncated_chunks += 1
-                self.num_truncated_rows += rows - kept[rid]
+                recomputed += rows - kept[rid]
                 rec.prefill_rows = max(sure, kept[rid])
             elif rec.lease and rows >= max(sure, rec.prefill_rows):
                 rec.prefill_rows = rows + max(1, rows // 8)
+        self.num_truncated_rows += recomputed
+        return recomputed
 
     # ------------------------------------------------------------------ scheduling hooks
     def begin_step(self, running: list["Request"]) -> None:
