@@ -101,9 +101,14 @@ def unreachable_ids(model_dir: str, vocab_size: int) -> list[int]:
     return list(range(n, vocab_size)) if n is not None and n < vocab_size else []
 
 
-def run_ours_once(engine, prompts: list[list[int]], new_tokens: int, tag: str) -> dict:
-    """One batch through `engine`; returns timings and every row's generated ids."""
+def run_ours_once(engine, prompts: list[list[int]], new_tokens: int, tag: str, async_scheduling: bool = False) -> dict:
+    """One batch through `engine` (synchronous or asynchronous scheduling, `--async-scheduling`);
+    returns timings and every row's generated ids. Decode throughput counts the tokens the
+    steady-phase `step()` calls return (with asynchronous scheduling a call returns the tokens of
+    the step dispatched by the call before)."""
     from serving.types import SamplingParams
+
+    engine.set_async_scheduling(async_scheduling)
 
     B = len(prompts)
     ids = [f"{tag}-{i}" for i in range(B)]
@@ -111,7 +116,7 @@ def run_ours_once(engine, prompts: list[list[int]], new_tokens: int, tag: str) -
         engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
     tokens = {rid: [] for rid in ids}
     prefill_s = decode_s = device_s = host_s = 0.0
-    prefill_steps = decode_steps = 0
+    prefill_steps = decode_steps = decode_tokens = 0
     t_start = time.perf_counter()
     while engine.has_unfinished_requests():
         steady = all(tokens[r] for r in ids)  # every row has its first token: this step is pure decode
@@ -125,6 +130,7 @@ def run_ours_once(engine, prompts: list[list[int]], new_tokens: int, tag: str) -
         if steady:
             if engine.runner.last.num_tokens != B:
                 raise RuntimeError(f"a decode step of batch {B} scheduled {engine.runner.last.num_tokens} tokens")
+            decode_tokens += sum(len(o.new_token_ids) for o in outs)
             decode_s += dt
             device_s += engine.runner.last.device_s
             host_s += engine.host_overhead_s - h0
@@ -140,8 +146,8 @@ def run_ours_once(engine, prompts: list[list[int]], new_tokens: int, tag: str) -
         raise RuntimeError("a request did not generate the requested number of tokens")
     return {
         "total_s": total_s, "prefill_s": prefill_s, "prefill_steps": prefill_steps,
-        "decode_s": decode_s, "decode_steps": decode_steps, "decode_tokens": B * decode_steps,
-        "decode_tok_s": B * decode_steps / decode_s,
+        "decode_s": decode_s, "decode_steps": decode_steps, "decode_tokens": decode_tokens,
+        "decode_tok_s": decode_tokens / decode_s,
         "step_ms": 1e3 * decode_s / decode_steps, "device_ms": 1e3 * device_s / decode_steps,
         "host_ms": 1e3 * host_s / decode_steps, "host_share": host_s / decode_s,
         "tokens": [tokens[r] for r in ids],
@@ -315,24 +321,28 @@ def bench(args, engine, hf: HFClient | None, batches: list[int], prompts: dict, 
     warm = min(4, args.new_tokens)
     for B in batches:
         run_ours_once(engine, prompts[B], warm, f"warm{B}")
+        run_ours_once(engine, prompts[B], warm, f"awarm{B}", async_scheduling=True)
         if lm is not None:
             run_jit_once(lm, prompts[B], args.new_tokens)  # compiles both programs
         if hf:
             hf.ask({"prompts": prompts[B], "new_tokens": warm})
-        ours_runs, jit_runs, hf_runs = [], [], []
+        ours_runs, async_runs, jit_runs, hf_runs = [], [], [], []
         for k in range(args.repeats):
             ours_runs.append(run_ours_once(engine, prompts[B], args.new_tokens, f"b{B}r{k}"))
+            async_runs.append(run_ours_once(engine, prompts[B], args.new_tokens, f"a{B}r{k}", async_scheduling=True))
             if lm is not None:
                 jit_runs.append(run_jit_once(lm, prompts[B], args.new_tokens))
             if hf:
                 hf_runs.append(hf.ask({"prompts": prompts[B], "new_tokens": args.new_tokens}))
-        out[B] = {"ours": median_run(ours_runs), "hf": median_run(hf_runs) if hf else None,
+        out[B] = {"ours": median_run(ours_runs), "ours_async": median_run(async_runs),
+                  "hf": median_run(hf_runs) if hf else None,
                   "jit": median_run(jit_runs) if jit_runs else None}
         if hf:
             out[B]["pair_ratios"] = [o["decode_tok_s"] / h["decode_tok_s"] for o, h in zip(ours_runs, hf_runs)]
             # Untimed: HF again with its indexer's top-k ties broken like ours (scripts/hf_tie_rule.py).
             out[B]["hf_ties"] = hf.ask({"prompts": prompts[B], "new_tokens": args.new_tokens, "position_ties": True})
-        msg = f"  batch {B:>3}: ours {out[B]['ours']['decode_tok_s']:10.1f} tok/s"
+        msg = (f"  batch {B:>3}: ours {out[B]['ours']['decode_tok_s']:10.1f} tok/s, "
+               f"async {out[B]['ours_async']['decode_tok_s']:10.1f} tok/s")
         if out[B]["jit"]:
             msg += f", generate_batch {out[B]['jit']['decode_tok_s']:10.1f} tok/s"
         if hf:
@@ -369,6 +379,23 @@ def divergences(ours: list[list[int]], ref: list[list[int]], ref_top2_gap: list[
             gap = float(ref_top2_gap[i][t])
             out.append({"token": t, "ref_top2_gap": gap, "near_tie": gap < eps})
     return out
+
+
+def async_table(rows: list[dict]) -> str:
+    """Synchronous vs asynchronous scheduling, and both against generate_batch's loop."""
+    head = (f"{'batch':>5} | {'sync tok/s':>10} | {'async tok/s':>11} | {'async/sync':>10} | {'gen_batch tok/s':>15} | "
+            f"{'sync/gb':>7} | {'async/gb':>8} | {'sync host ms':>12} | {'async exposed ms':>16} | {'async step ms':>13} | "
+            f"{'exposed %':>9} | {'streams equal':>13}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        o, a = r["ours"], r["ours_async"]
+        gb = r.get("generate_batch", {}).get("decode_tok_s", float("nan"))
+        lines.append(
+            f"{r['batch']:>5} | {o['decode_tok_s']:>10.1f} | {a['decode_tok_s']:>11.1f} | "
+            f"{a['decode_tok_s'] / o['decode_tok_s']:>9.2f}x | {gb:>15.1f} | {o['decode_tok_s'] / gb:>6.2f}x | "
+            f"{a['decode_tok_s'] / gb:>7.2f}x | {o['host_ms']:>12.2f} | {a['host_ms']:>16.2f} | {a['step_ms']:>13.2f} | "
+            f"{100 * a['host_share']:>8.1f}% | {str(r['async_rows_equal_sync']) + '/' + str(r['batch']):>13}")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
@@ -460,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     for B in batches:
         o, h = res[B]["ours"], res[B]["hf"]
         row = {"batch": B, "ours": {k: v for k, v in o.items() if k != "tokens"}}
+        a = res[B]["ours_async"]
+        row["ours_async"] = {k: v for k, v in a.items() if k != "tokens"}
+        row["async_rows_equal_sync"] = sum(x == y for x, y in zip(a["tokens"], o["tokens"]))
         j = res[B]["jit"]
         if j:
             row["generate_batch"] = {k: v for k, v in j.items() if k != "tokens"}
@@ -503,9 +533,15 @@ def main(argv: list[str] | None = None) -> int:
         "definitions": {
             "decode_tok_s": "batch x decode steps / wall time of the steady decode phase",
             "step_ms": "mean wall time of one decode step (LLMEngine.step)",
-            "device_ms": "ModelRunner.last.device_s: jitted step dispatch until sampled tokens are on the host",
-            "host_ms": "LLMEngine.host_overhead_s per step: step wall time minus device time",
+            "device_ms": "ModelRunner.last.device_s: jitted step dispatch until sampled tokens are on the host "
+                         "(ours_async: the time step() waited for them)",
+            "host_ms": "LLMEngine.host_overhead_s per step: step wall time minus device time (ours_async: the "
+                       "exposed host time, an upper bound of the device's idle time per step, "
+                       "serving/async_scheduling.py)",
             "host_share": "host_ms / step_ms",
+            "ours_async": "the same engine with asynchronous scheduling (--async-scheduling), run alternately "
+                          "with the synchronous one; async_rows_equal_sync: rows whose tokens equal the "
+                          "synchronous run's",
             "ratio": "ours decode_tok_s / HF decode_tok_s (median runs); pair_ratios: per interleaved round",
         },
     }
@@ -514,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(report, f, indent=2)
     print()
     print(table(rows))
+    print()
+    print(async_table(rows))
     for s in sanity:
         print("sanity:", s)
     print(f"wrote {path}")

@@ -104,6 +104,13 @@ def make_arg_parser() -> argparse.ArgumentParser:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False
     )
     sch.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+        help="Schedule and dispatch step n+1 while step n runs, and read back and stream step n's tokens "
+        "while step n+1 runs (docs/async_scheduling.md). Streams are unchanged. Engines with Hybrid HiSparse, "
+        "MTP speculation, the offloading connector, P/D, --data-parallel-size or "
+        "--prefill-context-parallel-size run synchronously and say so at start-up.",
+    )
+    sch.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,

@@ -16,6 +16,7 @@ import math
 import time
 
 from glm53.tokenizer import tokenizer_vocab_size
+from serving.async_scheduling import AsyncStepMixin, sync_reason
 from serving.block_pool import BlockPool
 from serving.engine_args import CPU_KV_CACHE_BYTES, EngineArgs, num_kv_blocks  # noqa: F401 (re-exported)
 from serving.engine_startup import load_engine_parts, log_engine_plan
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 
 
-class LLMEngine(PDEngineMixin):
+class LLMEngine(PDEngineMixin, AsyncStepMixin):
     """Continuous-batching engine over one device (and its parallel layouts other than DP). Build
     one with `serving.engine_factory.build_engine(args)`."""
 
@@ -96,6 +97,7 @@ class LLMEngine(PDEngineMixin):
                                   offload=self.offload, num_speculative_tokens=k)
         self.pd = self._build_pd(model.cfg, num_blocks, [(0, self.scheduler, self.kv, self.pool)])
         self.kv_events = build_kv_events(args.kv_events_config, [self.prefix_cache])
+        self.async_scheduling = self._async_scheduling(args)
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_steps = 0
         self.host_overhead_s = 0.0
@@ -110,6 +112,31 @@ class LLMEngine(PDEngineMixin):
             self.stat_loggers.append(LoggingStatLogger(self.gauges, args.log_stats_interval_s))
         self._prefix_counts = (0, 0)
         self._offload_counts = (0, 0, 0, 0)  # external queries, external hits, pages stored, pages loaded
+
+    def _async_scheduling(self, args: EngineArgs) -> bool:
+        """`--async-scheduling`, unless a feature of this engine needs synchronous steps (logged,
+        naming it: `serving.async_scheduling.sync_reason`)."""
+        self.async_scheduling = False
+        if not args.async_scheduling:
+            return False
+        reason = sync_reason(self)
+        if reason is not None:
+            logger.warning("--async-scheduling: this engine schedules synchronously: %s", reason)
+            return False
+        self.set_async_scheduling(True)
+        logger.info("asynchronous scheduling: step n+1 is scheduled and dispatched before step n's tokens are read")
+        return True
+
+    def set_async_scheduling(self, enabled: bool) -> None:
+        """Switch asynchronous scheduling on or off between workloads (the same compiled steps
+        serve both). Raises RuntimeError while requests are unfinished, ValueError when `enabled`
+        and a feature of this engine needs synchronous steps (`sync_reason`)."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("set_async_scheduling: requests are unfinished")
+        reason = sync_reason(self) if enabled else None
+        if reason is not None:
+            raise ValueError(f"asynchronous scheduling is not available: {reason}")
+        self.async_scheduling = self.scheduler.async_scheduling = bool(enabled)
 
     def _build_offload(self, layout, with_hisparse: bool):
         """The OffloadingConnector of `--kv-transfer-config` (None without the flag): it manages
@@ -235,11 +262,16 @@ class LLMEngine(PDEngineMixin):
             self.offload.store.unpin()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.is_waiting_for_remote_kv()
+        return (self.scheduler.has_unfinished_requests() or self.is_waiting_for_remote_kv()
+                or self._in_flight is not None)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one jitted step, apply its tokens. Returns the new request outputs
-        (with `new_logprobs` for requests that asked for logprobs)."""
+        (with `new_logprobs` for requests that asked for logprobs). With asynchronous scheduling
+        the outputs are those of the step dispatched by the previous call
+        (`serving/async_scheduling.py`)."""
+        if self.async_scheduling:
+            return self._step_async()
         t0 = time.perf_counter()
         pd_outs = self._pd_tick()
         preempted_before = self.scheduler.num_preemptions_total

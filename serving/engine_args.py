@@ -48,6 +48,7 @@ class EngineArgs:
     kv_transfer_config: dict | None = None  # --kv-transfer-config (OffloadingConnector, JaxTransferConnector)
     speculative_config: dict | None = None  # --speculative-config (MTP speculative decoding)
     kv_events_config: dict | None = None  # --kv-events-config (KV cache events for prefix-aware routers)
+    async_scheduling: bool = False  # --async-scheduling (serving/async_scheduling.py)
 
 
 def model_dtype(name: str, device) -> jnp.dtype:

@@ -9,7 +9,8 @@ logger it has (`LLMEngine.stat_loggers`). Two loggers exist:
   engine at scrape time.
 * `LoggingStatLogger`: every `interval_s` seconds, one INFO line with prompt and generation
   throughput, running/waiting requests, KV cache usage, prefix-cache hit rate, preemptions and
-  the mean per-step host overhead (time spent outside the device step); with HiSparse also the
+  the mean per-step host overhead (host time the device step did not hide: all host work with
+  synchronous scheduling, the exposed part with `--async-scheduling`); with HiSparse also the
   hot-buffer hit rate, host → device bytes, residency counts and host-pool usage.
 
 HiSparse metrics (registered only when the engine runs HiSparse): counters
@@ -50,6 +51,7 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
                 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_STEP_HOST_BUCKETS = (0.0, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(0, 7) for m in (1, 2, 5))
 _OFFLOAD_BUCKETS = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)  # vLLM's kv_offload_size
 
@@ -76,8 +78,10 @@ class StepRecord:
     ttft_s: time to first token of requests that produced it (s). inter_token_s: one entry per
     later token (s since the request's previous token, spread evenly over tokens that arrived
     together). finished: the requests that ended.
-    num_scheduled_tokens / host_s / device_s: step size and its host and device time (s); 0
-    for an abort record.
+    num_scheduled_tokens / host_s / device_s: step size, its exposed host time (host work the
+    device did not overlap: all of it with synchronous scheduling, an upper bound of the device's
+    idle time with asynchronous scheduling, `serving/async_scheduling.py`) and its device time
+    (the wait for its outputs) (s); 0 for an abort record.
     hisparse_hits / hisparse_misses / hisparse_h2d_bytes: HiSparse hot-buffer lookups found hot,
     rows copied from the host pool, and the bytes those copies moved (0 without HiSparse).
     hisparse_recomputed_rows: query rows of truncated HiSparse prefill chunks, computed again.
@@ -223,6 +227,10 @@ class PrometheusStatLogger:
         self.req_tpot = hist("vllm:request_time_per_output_token_seconds",
                              "Per request: decode time / (output tokens - 1) (s).", _ITL_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to finish (s).", _E2E_BUCKETS)
+        self.exposed_host = hist("vllm:step_exposed_host_seconds",
+                                 "Per engine step: host time the device did not overlap (all host work with "
+                                 "synchronous scheduling; with --async-scheduling an upper bound of the "
+                                 "device's idle time) (s).", _STEP_HOST_BUCKETS)
         self.hisparse = gauges.hisparse is not None
         if self.hisparse:  # Hybrid HiSparse (serving/hisparse)
             hs = gauges.hisparse
@@ -312,6 +320,8 @@ class PrometheusStatLogger:
             for c, v in zip(self.spec_per_pos, sd.accepted_per_pos):
                 if v:
                     c.inc(v)
+        if rec.is_step:
+            self.exposed_host.observe(rec.host_s)
         for v in rec.ttft_s:
             self.ttft.observe(v)
         for v in rec.inter_token_s:

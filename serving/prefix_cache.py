@@ -275,7 +275,8 @@ class PrefixCache:
         if not self.kv.has_request(rid):
             return
         done = request.num_published_units
-        units = request.num_computed_tokens // self.unit
+        # Asynchronous scheduling counts positions of steps in flight, whose tokens may not be known.
+        units = min(request.num_computed_tokens, request.num_tokens) // self.unit
         if units <= done:
             return
         hashes = self.block_hashes(request, units * self.unit)

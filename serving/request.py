@@ -70,6 +70,10 @@ class Request:
         finishes (`serving/pd/producer.py`); `kv_transfer_params_out` is then what its response says.
     remote_kv: on a decode engine, the KV pulled from the prefill engine (`serving.pd.consumer.
         RemoteKV`) until admission lands it in the request's pages.
+    num_output_placeholders: asynchronous scheduling (`serving/async_scheduling.py`): tokens
+        being sampled by steps in flight, not yet in `output_token_ids`. A step scheduled now
+        feeds the first of them from the device; `num_computed_tokens` already counts the
+        positions those steps write, so it may exceed `num_tokens` by this many.
 
     A step may schedule any number of new tokens for a request (a prefill chunk, one decode
     token, or a decode token plus draft tokens for speculative verification).
@@ -94,6 +98,7 @@ class Request:
     kv_transfer_params_out: dict | None = None
     remote_kv: object | None = None
     dp_rank: int | None = None  # the data-parallel replica chosen for it before it was queued
+    num_output_placeholders: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -62,7 +62,8 @@ def engine_args(args, model):
         kv_cache_dtype=args.kv_cache_dtype, cuda_graph_sizes=cuda_graph_sizes(args.cuda_graph_sizes),
         precompile_token_paddings=args.precompile_token_paddings,
         attention_config=args.attention_config, kv_transfer_config=args.kv_transfer_config,
-        speculative_config=args.speculative_config, kv_events_config=args.kv_events_config)
+        speculative_config=args.speculative_config, kv_events_config=args.kv_events_config,
+        async_scheduling=args.async_scheduling)
 
 
 def build_server(argv: list[str] | None = None, args=None):

@@ -50,10 +50,48 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepStats:
+    """One step's sizes and times: tokens scheduled and its bucket; host_prepare_s: building the
+    inputs (seconds); device_s: from dispatch until the sampled tokens were on the host (with
+    asynchronous scheduling: the time spent waiting for them)."""
     num_tokens: int = 0
     padded_tokens: int = 0
     host_prepare_s: float = 0.0
     device_s: float = 0.0
+
+
+@dataclass
+class InFlightStep:
+    """A dispatched step whose outputs were not read yet (`ModelRunner.dispatch` → `finish`).
+
+    sched: its `SchedulerOutput`. out: the sampler's outputs, on the device (`out[0]`: the sampled
+    token per request row, int32 [B]). stats: HiSparse's (stats_4, first_drop_S) on the device, or
+    None. rows: request id → its row of `out` (sampling requests only: what the next step feeds
+    from the device for a request with an output placeholder). num_tokens / padded_tokens: the
+    step's tokens and bucket. prepare_s: host seconds to build its inputs; dispatched: the
+    `time.perf_counter()` of its dispatch.
+    """
+    sched: SchedulerOutput
+    out: tuple
+    stats: tuple | None
+    want_lp: bool
+    rows: dict
+    num_tokens: int
+    padded_tokens: int
+    prepare_s: float
+    dispatched: float
+
+
+def _host_input(x):
+    """A host input as the jitted programs take it on one device: the numpy array itself."""
+    return x
+
+
+@jax.jit
+def _feed_tokens(ids_T, src_T, prev_B):
+    """Asynchronous scheduling: the step's input ids with every placeholder row (src_T ≥ 0)
+    replaced on the device by the token the previous step sampled in row src_T.
+    ids_T / src_T int32 [T]; prev_B int32 [B] (the previous step's `out[0]`)."""
+    return jnp.where(src_T >= 0, prev_B[jnp.maximum(src_T, 0)].astype(ids_T.dtype), ids_T)
 
 
 class ModelRunner(ArenaPageIO):
@@ -156,7 +194,10 @@ class ModelRunner(ArenaPageIO):
             if offload is not None:
                 offload.transfer.put = self._put
         else:
-            self._put = jnp.asarray
+            # Host inputs go to the jitted programs as numpy arrays: the dispatch transfers them
+            # (≈ 20 µs for a step's fifteen arrays on the CPU, against ≈ 0.7 ms through
+            # `jnp.asarray` one by one).
+            self._put = _host_input
         reachable = model.cfg.vocab_size if sampling_vocab_size is None else min(sampling_vocab_size,
                                                                                  model.cfg.vocab_size)
         self.sampling_vocab_size = reachable
@@ -170,8 +211,10 @@ class ModelRunner(ArenaPageIO):
         self.arena_shards = arena_shards(parallel) if parallel is not None else 1
         self.max_page_copies = max_num_seqs * len(layout.groups) * self.arena_shards
 
+        # The step gets the state's leaves, flattened once here (`build_step_programs`).
+        self._state_leaves, state_def = jax.tree.flatten(self.state)
         self._step, self._store_only = build_step_programs(
-            self.graphdef, layout, parallel, hisparse, self.spec_k, reachable, k)
+            self.graphdef, layout, parallel, hisparse, self.spec_k, reachable, k, state_def)
 
     # ------------------------------------------------------------------ compile
     def _dummy(self, T: int):
@@ -207,7 +250,7 @@ class ModelRunner(ArenaPageIO):
                 if hs_args is None:
                     batch.hot = None
                 spec = None if self._dummy_spec is None else jax.tree.map(self._put, self._dummy_spec)
-                out, self.kv_arena, hs = self._step(self.state, self._place(batch), self.kv_arena,
+                out, self.kv_arena, hs = self._step(self._state_leaves, self._place(batch), self.kv_arena,
                                                     *map(self._put, extra), hs_args, spec)
                 self._keep_hisparse(hs)
                 jax.block_until_ready(out)
@@ -283,9 +326,10 @@ class ModelRunner(ArenaPageIO):
             self.hisparse.hot, self.hisparse.pool = hs
 
     def _place(self, batch: ForwardBatch) -> ForwardBatch:
-        """Host batch → device arrays (PCP load-balanced token order and the mesh under a layout)."""
+        """Host batch → the step's batch argument: on one device the numpy arrays themselves (the
+        dispatch transfers them); under a layout the PCP load-balanced token order on the mesh."""
         if self.parallel is None:
-            return jax.tree.map(jnp.asarray, batch)
+            return batch
         if self.dp > 1:  # already stacked by `stack_replicas` (which reorders for PCP)
             return shard_batch(batch, self.parallel)
         return shard_batch(pcp_reorder(batch, self.parallel.pcp), self.parallel)
@@ -322,7 +366,8 @@ class ModelRunner(ArenaPageIO):
             r = sr.request
             n = sr.num_new_tokens
             p = sr.positions
-            ids[off:off + n] = sr.token_ids
+            toks = sr.token_ids  # shorter by one for an output placeholder (async scheduling: `feed_sources`)
+            ids[off:off + len(toks)] = toks
             pos[off:off + n] = p
             req[off:off + n] = i
             for g in self.widths:
@@ -334,7 +379,7 @@ class ModelRunner(ArenaPageIO):
             top_p[i] = sp.top_p
             seed = sp.seed if sp.seed is not None else zlib.crc32(r.request_id.encode()) ^ self.seed
             seeds[i] = np.uint32(seed & 0xFFFFFFFF)
-            steps[i] = len(r.output_token_ids)
+            steps[i] = len(r.output_token_ids) + r.num_output_placeholders
             off += n
         tables = {g: kv.block_table_array(rids, g, w) for g, w in self.widths.items()}
         batch = ForwardBatch(ids, pos, req, slots, tables, logits_idx)
@@ -362,8 +407,22 @@ class ModelRunner(ArenaPageIO):
         For sampling requests whose `sampling_params.logprobs` is not None, `last_logprobs`
         then maps the request id to its sampled tokens' `TokenLogprobs` (top alternatives cut
         to the requested number), one per token."""
+        return self.finish(self.dispatch(sched, kv))
+
+    def dispatch(self, sched: SchedulerOutput, kv: KVCacheManager, prev: InFlightStep | None = None) -> InFlightStep:
+        """Prepare and dispatch one step without waiting for it (`finish` reads its outputs).
+
+        prev: the step still in flight (asynchronous scheduling): a scheduled request with an
+        output placeholder gets, as its input token, what `prev` samples for it, taken on the
+        device (`feed_sources`). Raises ValueError when a placeholder's request is not a
+        sampling request of `prev`."""
         t0 = time.perf_counter()
         batch, extra = self.prepare(sched, kv)
+        feed = None
+        if prev is not None:
+            src = self.feed_sources(sched, batch.input_ids_T.shape[0], prev.rows)
+            if src is not None:
+                feed = (src, prev.out[0])
         self._dispatch_stores()
         self._maybe_fault()
         if self.offload is not None:
@@ -373,15 +432,53 @@ class ModelRunner(ArenaPageIO):
             sp = build_spec_batch(sched, batch.input_ids_T.shape[0], self.max_num_seqs + 1, self.spec_k,
                                   sched.num_draft_steps)
         t1 = time.perf_counter()
-        out, hs = self.run_inputs(StepInputs(batch, extra, sp))
+        out, hs = self.run_inputs(StepInputs(batch, extra, sp), feed)
         want_lp = bool(extra[4])
+        if not want_lp:
+            out = out[:3] + (None,) * 3 if self.spec_k else out[:1] + (None,) * 3
         stats = (hs[0].stats_4, hs[0].first_drop_S) if hs is not None else None
+        if self.step_sink is None and jax.process_count() == 1:  # the device → host copies start when the step ends
+            for x in jax.tree.leaves((out, stats)):
+                x.copy_to_host_async()
+        rows = {sr.request_id: i for i, sr in enumerate(sched.scheduled) if sr.sample}
+        return InFlightStep(sched, out, stats, want_lp, rows, sched.num_scheduled_tokens,
+                            batch.input_ids_T.shape[0], t1 - t0, t1)
+
+    @staticmethod
+    def feed_sources(sched: SchedulerOutput, num_tokens: int, prev_rows: dict) -> np.ndarray | None:
+        """int32 [num_tokens]: for each token row fed from the device (a request's output
+        placeholder: its token list is one short), the previous step's output row that samples
+        it; −1 elsewhere. None when no row is fed. Raises ValueError when a placeholder's request
+        is not among `prev_rows`."""
+        src, off = None, 0
+        for sr in sched.scheduled:
+            n = sr.num_new_tokens
+            missing = n - len(sr.token_ids)
+            if missing:
+                row = prev_rows.get(sr.request_id)
+                if missing != 1 or row is None:
+                    raise ValueError(f"request {sr.request_id!r}: {missing} input tokens not known, and the step "
+                                     "in flight does not sample them")
+                if src is None:
+                    src = np.full(num_tokens, -1, np.int32)
+                src[off + n - 1] = row
+            off += n
+        return src
+
+    def finish(self, step: InFlightStep, overlapped: bool = False) -> dict[str, list[int]]:
+        """Wait for a dispatched step and read its outputs back → sampled tokens per sampling
+        request (as `execute`); sets `last`, `last_logprobs`, `last_truncated` (HiSparse) and,
+        under MTP, `last_drafts` / `last_accepted`. `last.device_s` is the time from dispatch
+        until the outputs were on the host, or with `overlapped` (the host did other work since
+        the dispatch: asynchronous scheduling) the time this call waited for them."""
+        sched = step.sched
+        t1 = time.perf_counter()
+        out, stats = jax.device_get((step.out, step.stats))
         if self.spec_k:
-            (toks, acc, drafts, tok_lp, top_ids, top_lp), stats = jax.device_get(
-                (out if want_lp else out[:3] + (None,) * 3, stats))
+            toks, acc, drafts, tok_lp, top_ids, top_lp = out
         else:
             acc = drafts = None
-            (toks, tok_lp, top_ids, top_lp), stats = jax.device_get((out if want_lp else out[:1] + (None,) * 3, stats))
+            toks, tok_lp, top_ids, top_lp = out
         self.step_in_flight = False
         self.last_truncated = {}
         if self.hisparse is not None:
@@ -390,19 +487,23 @@ class ModelRunner(ArenaPageIO):
                 self.last_truncated = self.hisparse.truncations(sched, stats[1])
                 self.hisparse.check_drops(stats[0], [self.last_truncated])
         t2 = time.perf_counter()
-        self.last = StepStats(sched.num_scheduled_tokens, batch.input_ids_T.shape[0], t1 - t0, t2 - t1)
+        # Synchronous: dispatch → outputs on the host. Asynchronous: the wait for them.
+        self.last = StepStats(step.num_tokens, step.padded_tokens, step.prepare_s,
+                              t2 - (t1 if overlapped else step.dispatched))
         self.last_logprobs = {}
         if self.spec_k:
             return self._collect_spec(sched, toks, acc, drafts, tok_lp, top_ids, top_lp)
         return self._collect(sched, toks, tok_lp, top_ids, top_lp)
 
-    def run_inputs(self, inputs: StepInputs):
+    def run_inputs(self, inputs: StepInputs, feed=None):
         """Dispatch the jitted step on prepared host inputs → (sampler outputs, HiSparse state or
         None), both still on the device. The engine's `execute` / `execute_replicas` call it after
         `prepare`; a multi-host follower calls it with the inputs the leader sent
         (`serving.multihost`). With `step_sink` set (the multi-host leader), the inputs are sent
         to the followers first, and `step_in_flight` stays True until the caller has read the
-        outputs back: a step that fails in between leaves the processes in unknown states."""
+        outputs back: a step that fails in between leaves the processes in unknown states.
+        feed: None, or (src int32 [T], the previous step's sampled tokens on the device): the
+        input ids of rows with src ≥ 0 are taken from the latter (`_feed_tokens`)."""
         batch, extra, sp = inputs.batch, inputs.extra, inputs.spec
         # HiSparse without a hot lease in the step (no pressure): the plain program, which is the
         # non-HiSparse step (no resolver, no hot state, no host pool), so the engine performs as
@@ -418,7 +519,10 @@ class ModelRunner(ArenaPageIO):
             self.step_in_flight = True
             self.step_sink("step", inputs)
         put = self._put
-        out, self.kv_arena, hs = self._step(self.state, self._place(batch), self.kv_arena, *map(put, extra),
+        placed = self._place(batch)
+        if feed is not None:
+            placed.input_ids_T = _feed_tokens(placed.input_ids_T, put(feed[0]), feed[1])
+        out, self.kv_arena, hs = self._step(self._state_leaves, placed, self.kv_arena, *map(put, extra),
                                             hs_args, None if sp is None else jax.tree.map(put, sp))
         self._keep_hisparse(hs)
         return out, hs

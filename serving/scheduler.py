@@ -151,6 +151,10 @@ class Scheduler:
         heapq.heapify(self._free_rows)
         self._finished_since_step: list[str] = []
         self.num_preemptions_total = 0
+        # Asynchronous scheduling (serving/async_scheduling.py): `schedule()` runs while the
+        # previous step is still on the device; `mark_in_flight` advances the scheduled requests
+        # when their step is dispatched and `update_from_output` only appends the tokens.
+        self.async_scheduling = False
 
     # ------------------------------------------------------------------ counters
 
@@ -254,10 +258,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = self._num_new_tokens(req, budget)
-            if num_new == 0:
+            if num_new == 0 or self._ends_in_flight(req):
                 i += 1
                 continue
-            num_known = req.num_tokens - req.num_computed_tokens
+            num_known = req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
             if num_new == num_known == 1:
                 num_new = min(budget, 1 + self._num_spec(req, max_spec))
             num_new = self.policy.cap_new_tokens(req, num_new)
@@ -337,6 +341,29 @@ class Scheduler:
         self.policy.end_step(out)
         return out
 
+    def mark_in_flight(self, sched_out: SchedulerOutput) -> None:
+        """Asynchronous scheduling: `sched_out`'s step was dispatched. Every scheduled request
+        counts its chunk as computed now, and a sampling one gets an output placeholder (the
+        token the step samples, fed to its next step on the device); `update_from_output` of
+        that step replaces the placeholder with the token."""
+        for sr in sched_out.scheduled:
+            req = sr.request
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens = sr.start_pos + sr.num_new_tokens
+            if sr.sample:
+                req.num_output_placeholders += 1
+
+    def _ends_in_flight(self, req: Request) -> bool:
+        """Asynchronous scheduling: True when the tokens still being sampled for `req` finish it
+        whatever they are (`max_tokens` or the length limit reached), so no further step is
+        scheduled for it."""
+        p = req.num_output_placeholders
+        if not p:
+            return False
+        mt = req.sampling_params.max_tokens
+        return (mt is not None and req.num_output_tokens + p >= mt) or req.num_tokens + p >= self._len_limit
+
     def update_from_output(
         self, sched_out: SchedulerOutput, sampled: dict[str, list[int]],
         drafts: dict[str, list[int]] | None = None,
@@ -372,7 +399,11 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted since schedule()
             tokens = sampled.get(req.request_id, []) if sr.sample else []
-            req.num_computed_tokens = sr.start_pos + sr.num_new_tokens - sr.num_spec_tokens
+            if self.async_scheduling:  # the chunk was counted when its step was dispatched
+                if sr.sample:
+                    req.num_output_placeholders -= 1
+            else:
+                req.num_computed_tokens = sr.start_pos + sr.num_new_tokens - sr.num_spec_tokens
             if sr.num_spec_tokens:
                 req.num_computed_tokens += min(sr.num_spec_tokens, max(0, len(tokens) - 1))
             req.spec_token_ids = list(drafts.get(req.request_id, ())) if drafts is not None and sr.sample else []
@@ -436,10 +467,10 @@ class Scheduler:
                 errors.append(f"running request {req.request_id!r} has no state row")
             else:
                 rows.append(req.state_row)
-            if not 0 <= req.num_computed_tokens <= req.num_tokens:
+            if not 0 <= req.num_computed_tokens <= req.num_tokens + req.num_output_placeholders:
                 errors.append(
                     f"request {req.request_id!r}: num_computed_tokens {req.num_computed_tokens} "
-                    f"outside [0, {req.num_tokens}]"
+                    f"outside [0, {req.num_tokens + req.num_output_placeholders}]"
                 )
             if self.kv.num_slots(req.request_id) < req.num_computed_tokens:
                 errors.append(
@@ -486,7 +517,7 @@ class Scheduler:
         return max(0, n)
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        return self._cap(req.num_tokens - req.num_computed_tokens, budget)
+        return self._cap(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
 
     def _cap(self, num_new: int, budget: int) -> int:
         """`num_new` tokens capped by long_prefill_token_threshold and the step's budget."""
@@ -500,7 +531,7 @@ class Scheduler:
             request=req,
             num_new_tokens=num_new,
             start_pos=start,
-            sample=start + num_new - num_spec >= req.num_tokens,
+            sample=start + num_new - num_spec >= req.num_tokens + req.num_output_placeholders,
             first_chunk=first_chunk,
             num_spec_tokens=num_spec,
         )
@@ -510,6 +541,7 @@ class Scheduler:
         self._release_row(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_output_placeholders = 0  # a step in flight samples for it: that token is dropped
         req.num_published_units = 0
         req.spec_token_ids = []
         req.num_preemptions += 1

@@ -1,0 +1,132 @@
+"""Asynchronous scheduling (`--async-scheduling`): the host schedules and prepares step n+1, and
+reads back and applies step n's tokens, while the device runs.
+
+One `LLMEngine.step()` call, with step n in flight:
+
+1. schedule step n+1. A running request that step n samples for carries an *output placeholder*
+   (`Request.num_output_placeholders`): it is scheduled for one more token whose value is not
+   known on the host yet. A request whose placeholders finish it whatever they are (`max_tokens`,
+   the length limit) is not scheduled again.
+2. dispatch step n+1 without waiting (`ModelRunner.dispatch`). A placeholder row's input id is
+   taken on the device from step n's sampled-token array (`serving.runner._feed_tokens`): the
+   row of the request in step n, which stays valid because step n's outputs are kept until
+   step n+1 was dispatched (one step in flight, no ring to overflow).
+   `Scheduler.mark_in_flight` then counts step n+1's chunks as computed.
+3. wait for step n's outputs (`ModelRunner.finish`) and apply them (`Scheduler.update_from_output`:
+   stop rules, tokens appended, finished requests freed), and return them for streaming — while
+   step n+1 runs.
+
+A request that stops at step n (EOS, a stop token, a stop string the front end matched) was
+already scheduled in step n+1: that one extra token is computed and never streamed (the update of
+step n+1 skips finished requests). Aborts and preemptions between the two steps drop the
+placeholder's token the same way (a preempted request recomputes it, deterministically).
+
+**The page rule.** Every program that reads or writes the KV arena takes the arena as an argument
+and returns it (the step donates it), so the device runs them in dispatch order. A page freed on
+the host while step n+1 still writes it (a request finished by step n's update) can only be handed
+to a step dispatched later, which runs after step n+1: nothing reads a page an in-flight step
+still writes, nor writes one it still reads. Host-side memory that a program reads or writes
+outside that chain (HiSparse's host pool with the callback mechanism, the offloading connector's
+numpy store, P/D transfers, a multi-host step's channel) has no such ordering, and MTP
+speculation decides the next step's positions on the device; those configurations run
+synchronously and say so at start-up (`sync_reason`).
+
+**Exposed host time.** The device idles when step n finished before step n+1 was dispatched.
+`LLMEngine.host_overhead_s` and the `host` of the stats line add, per step, the host time between
+the end of the previous wait and the next dispatch when the step in flight was already done at
+that dispatch (`jax.Array.is_ready`), else 0: an upper bound of the device's idle time.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+
+from serving.metrics import StepRecord
+
+
+def sync_reason(engine) -> str | None:
+    """Why `engine` cannot schedule asynchronously (the feature that needs synchronous steps,
+    naming its flag), or None when it can."""
+    par = engine.parallel
+    if engine.drafts is not None:
+        return "MTP speculation (--speculative-config) decides the next positions on the device"
+    if engine.hisparse is not None:
+        return "Hybrid HiSparse (--attention-config hisparse_config) plans its host copies from each step's result"
+    if engine.offload is not None:
+        return "the offloading connector (--kv-transfer-config) moves pages through host memory between steps"
+    if engine.pd is not None:
+        return "prefill/decode disaggregation (--kv-transfer-config) transfers KV between steps"
+    if par is not None and (par.pcp > 1 or par.dp > 1):
+        return "--prefill-context-parallel-size / --data-parallel-size reorder or split the step's rows"
+    if jax.process_count() > 1:
+        return "a multi-process engine sends each step's inputs to its followers"
+    return None
+
+
+class AsyncStepMixin:
+    """`LLMEngine.step` with asynchronous scheduling (see the module docstring). The engine sets
+    `self.async_scheduling` (bool) and `self._in_flight` (the `InFlightStep` not read yet)."""
+
+    _in_flight = None
+    _last_wait_end: float | None = None
+
+    def _step_async(self):
+        t0 = time.perf_counter()
+        pd_outs = self._pd_tick()
+        prev = self._in_flight
+        preempted_before = self.scheduler.num_preemptions_total
+        sched = self.scheduler.schedule()
+        exposed = 0.0
+        if not sched.is_empty:
+            try:
+                # The device idled if the step in flight (or none) was done before this dispatch.
+                idle = prev is None or prev.out[0].is_ready()
+                step = self.runner.dispatch(sched, self.kv, prev)
+                if idle and self._last_wait_end is not None:
+                    exposed = step.dispatched - self._last_wait_end
+            except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
+                outs = self._complete(prev, t0, 0.0, preempted_before) if prev is not None else []
+                self._in_flight = None
+                return pd_outs + outs + self._fail_step([(self.scheduler, sched)], e)
+            self.scheduler.mark_in_flight(sched)
+            self._in_flight = step
+        else:
+            self._in_flight = None
+            if prev is not None and self._last_wait_end is not None:
+                exposed = time.perf_counter() - self._last_wait_end
+        if prev is None:
+            self._last_wait_end = None
+            self._end_step()
+            return pd_outs
+        return pd_outs + self._complete(prev, t0, exposed, preempted_before)
+
+    def _complete(self, prev, t0: float, exposed: float, preempted_before: int):
+        """Wait for the step `prev`, apply its tokens, emit its statistics → its outputs."""
+        try:
+            sampled = self.runner.finish(prev, overlapped=True)
+        except Exception as e:  # noqa: BLE001
+            failed = [(self.scheduler, prev.sched)]
+            if self._in_flight is not None:
+                failed.append((self.scheduler, self._in_flight.sched))
+                self._in_flight = None
+            return self._fail_step(failed, e)
+        self._last_wait_end = time.perf_counter()
+        outs = self.scheduler.update_from_output(prev.sched, sampled)
+        self._end_step()
+        lps = self.runner.last_logprobs
+        if lps:
+            for out in outs:
+                lp = lps.get(out.request_id)
+                if lp is not None and out.new_token_ids:
+                    out.new_logprobs = lp[: len(out.new_token_ids)]
+        st = self.runner.last
+        self.num_steps += 1
+        self.host_overhead_s += exposed
+        if self.stat_loggers:
+            rec = StepRecord(num_preemptions=self.scheduler.num_preemptions_total - preempted_before,
+                             num_scheduled_tokens=st.num_tokens, host_s=exposed, device_s=st.device_s)
+            self._timing(prev.sched, outs, rec)
+            self._emit(rec)
+        return outs
