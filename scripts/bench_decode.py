@@ -292,11 +292,16 @@ class HFClient:
     """The HF worker subprocess (see `hf_worker`), driven one request at a time."""
 
     def __init__(self, hf_python: str, spec: dict, out_dir: str):
+        out_dir = os.path.abspath(out_dir)
         spec_path = os.path.join(out_dir, "hf_spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         self.cmd = [hf_python, os.path.abspath(__file__), "--hf-worker", spec_path]
-        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        # Without the repository on its path: our `kernels` package would shadow the `kernels`
+        # package transformers imports.
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                     cwd=out_dir)
 
     def ask(self, req: dict) -> dict:
         self.proc.stdin.write(json.dumps(req) + "\n")

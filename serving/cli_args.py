@@ -104,11 +104,12 @@ def make_arg_parser() -> argparse.ArgumentParser:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False
     )
     sch.add_argument(
-        "--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
         help="Schedule and dispatch step n+1 while step n runs, and read back and stream step n's tokens "
-        "while step n+1 runs (docs/async_scheduling.md). Streams are unchanged. Engines with Hybrid HiSparse, "
-        "MTP speculation, the offloading connector, P/D, --data-parallel-size or "
-        "--prefill-context-parallel-size run synchronously and say so at start-up.",
+        "while step n+1 runs (docs/async_scheduling.md). Streams are unchanged. Default: on where the engine "
+        "can; engines with Hybrid HiSparse, MTP speculation, the offloading connector, P/D, "
+        "--data-parallel-size or --prefill-context-parallel-size run synchronously and say so at start-up "
+        "(a warning when --async-scheduling was given). --no-async-scheduling: always synchronous.",
     )
     sch.add_argument(
         "--gpu-memory-utilization",

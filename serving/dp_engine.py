@@ -173,6 +173,7 @@ class DataParallelEngine(LLMEngine):
                                   hisparse=self.hisparse.device if self.hisparse is not None else None)
         self.pd = self._build_pd(model.cfg, num_blocks, [(r.index, r.scheduler, r.kv, r.pool) for r in self.replicas])
         self.kv_events = build_kv_events(args.kv_events_config, [r.prefix_cache for r in self.replicas])
+        self.async_scheduling = self._async_scheduling(args)  # False, with a warning when asked for
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_steps = 0
         self.host_overhead_s = 0.0

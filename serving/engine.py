@@ -114,14 +114,16 @@ class LLMEngine(PDEngineMixin, AsyncStepMixin):
         self._offload_counts = (0, 0, 0, 0)  # external queries, external hits, pages stored, pages loaded
 
     def _async_scheduling(self, args: EngineArgs) -> bool:
-        """`--async-scheduling`, unless a feature of this engine needs synchronous steps (logged,
-        naming it: `serving.async_scheduling.sync_reason`)."""
+        """`--async-scheduling` (True, or None: where the engine can), unless a feature of this
+        engine needs synchronous steps (logged naming it, as a warning when it was asked for:
+        `serving.async_scheduling.sync_reason`)."""
         self.async_scheduling = False
-        if not args.async_scheduling:
+        if args.async_scheduling is False:
             return False
         reason = sync_reason(self)
         if reason is not None:
-            logger.warning("--async-scheduling: this engine schedules synchronously: %s", reason)
+            log = logger.warning if args.async_scheduling else logger.info
+            log("asynchronous scheduling is off: this engine schedules synchronously: %s", reason)
             return False
         self.set_async_scheduling(True)
         logger.info("asynchronous scheduling: step n+1 is scheduled and dispatched before step n's tokens are read")

@@ -48,7 +48,9 @@ class EngineArgs:
     kv_transfer_config: dict | None = None  # --kv-transfer-config (OffloadingConnector, JaxTransferConnector)
     speculative_config: dict | None = None  # --speculative-config (MTP speculative decoding)
     kv_events_config: dict | None = None  # --kv-events-config (KV cache events for prefix-aware routers)
-    async_scheduling: bool = False  # --async-scheduling (serving/async_scheduling.py)
+    # --async-scheduling (serving/async_scheduling.py): True asks for it (a warning when this
+    # engine cannot), None turns it on where the engine can (the server's default), False: off.
+    async_scheduling: bool | None = False
 
 
 def model_dtype(name: str, device) -> jnp.dtype:

@@ -158,6 +158,29 @@ def test_preemption_while_a_step_is_in_flight(engine):
     assert_same(sync, asyn)
 
 
+def test_prefix_cache_hits_and_copy_on_write_while_a_step_is_in_flight(engine):
+    """Follow-up requests that share a 200-token prefix with a request still decoding arrive while
+    a step is in flight: they hit the prefix cache (whole `mla` pages shared, the `indexer` page the
+    hit ends inside copied on write on the device) and stream what the synchronous engine streams."""
+    e = engine
+    rng = np.random.default_rng(9)
+    base = rng.integers(10, 490, 200).tolist()
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    reqs = {"base": (base, greedy)}
+    for i in range(4):
+        reqs[f"follow{i}"] = (base[: 150 + 10 * i] + rng.integers(10, 490, 30).tolist(),
+                              SamplingParams(temperature=0.7, seed=i, max_tokens=8, ignore_eos=True))
+    events = {0: [("add", "base")], 4: [("add", "follow0"), ("add", "follow1")], 6: [("add", "follow2")],
+              7: [("add", "follow3")]}
+    results = []
+    for async_scheduling in (False, True):
+        e.prefix_cache.reset()  # both runs start from a cold cache
+        copies, hits = e.runner.num_page_copies, e.prefix_cache.hits
+        results.append(drive(e, reqs, async_scheduling, events))
+        assert e.runner.num_page_copies > copies and e.prefix_cache.hits - hits >= 4 * 128
+    assert_same(*results)
+
+
 def test_abort_while_the_next_step_is_in_flight(engine):
     """A request aborted after `step()` returned (its next step already dispatched) never streams
     again, its pages go back, and the others' streams equal the synchronous run's."""

@@ -23,6 +23,7 @@ ARGV = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-le
 @pytest.fixture(scope="module")
 def server():
     app, args, engine = build_server(ARGV)
+    assert engine.engine.async_scheduling  # the server's default (docs/async_scheduling.md)
     with live_server(app) as base_url:
         yield base_url, engine
     engine.shutdown()
