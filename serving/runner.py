@@ -86,8 +86,7 @@ def _host_input(x):
     return x
 
 
-@jax.jit
-def _feed_tokens(ids_T, src_T, prev_B):
+def _feed_tokens_fn(ids_T, src_T, prev_B):
     """Asynchronous scheduling: the step's input ids with every placeholder row (src_T ≥ 0)
     replaced on the device by the token the previous step sampled in row src_T.
     ids_T / src_T int32 [T]; prev_B int32 [B] (the previous step's `out[0]`)."""
@@ -211,6 +210,8 @@ class ModelRunner(ArenaPageIO):
         self.arena_shards = arena_shards(parallel) if parallel is not None else 1
         self.max_page_copies = max_num_seqs * len(layout.groups) * self.arena_shards
 
+        self._feeds: dict = {}  # sharding → the jitted token feed (`_feed_tokens`)
+        self._ids_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         # The step gets the state's leaves, flattened once here (`build_step_programs`).
         self._state_leaves, state_def = jax.tree.flatten(self.state)
         self._step, self._store_only = build_step_programs(
@@ -250,16 +251,37 @@ class ModelRunner(ArenaPageIO):
                 if hs_args is None:
                     batch.hot = None
                 spec = None if self._dummy_spec is None else jax.tree.map(self._put, self._dummy_spec)
-                out, self.kv_arena, hs = self._step(self._state_leaves, self._place(batch), self.kv_arena,
+                placed = self._place(batch)
+                out, self.kv_arena, hs = self._step(self._state_leaves, placed, self.kv_arena,
                                                     *map(self._put, extra), hs_args, spec)
                 self._keep_hisparse(hs)
                 jax.block_until_ready(out)
+            if self._may_feed_tokens():  # asynchronous scheduling's token feed for this bucket
+                jax.block_until_ready(self._feed_tokens(placed.input_ids_T, self._put(np.full(T, -1, np.int32)),
+                                                        out[0]))
             self.compile_seconds[T] = time.perf_counter() - t
         if self.hisparse is not None:
             self.run_stores([], wait=True)  # the store program
         logger.info("step bucket compile seconds: %s",
                     ", ".join(f"{T}: {s:.1f}" for T, s in self.compile_seconds.items()))
         return time.perf_counter() - t0
+
+    def _feed_tokens(self, ids_T, src_T, prev_B):
+        """`_feed_tokens_fn` jitted with the placed input ids' own sharding as its output's, so the
+        step sees the same argument signature with and without the feed (one compiled program per
+        bucket; a fed step must not recompile the step)."""
+        sharding = ids_T.sharding
+        fn = self._feeds.get(sharding)
+        if fn is None:
+            fn = self._feeds[sharding] = jax.jit(_feed_tokens_fn, out_shardings=sharding)
+        return fn(ids_T, src_T, prev_B)
+
+    def _may_feed_tokens(self) -> bool:
+        """Whether this runner's engine may schedule asynchronously (`serving.async_scheduling.
+        sync_reason`; the runner's share of it): then `compile` also compiles the token feed."""
+        par = self.parallel
+        return (not self.spec_k and self.hisparse is None and self.offload is None and jax.process_count() == 1
+                and (par is None or (par.pcp == 1 and par.dp == 1)))
 
     def run_stores(self, jobs, wait: bool = False) -> None:
         """HiSparse: dispatch the write-through copies `jobs` (`serving.hisparse.host_pool.CopyJob`,
@@ -329,6 +351,9 @@ class ModelRunner(ArenaPageIO):
         """Host batch → the step's batch argument: on one device the numpy arrays themselves (the
         dispatch transfers them); under a layout the PCP load-balanced token order on the mesh."""
         if self.parallel is None:
+            # The input ids are committed to the device (the rest stays numpy): a fed step's ids
+            # (`_feed_tokens`) are a device array of the same sharding, so both hit one program.
+            batch.input_ids_T = jax.device_put(batch.input_ids_T, self._ids_sharding)
             return batch
         if self.dp > 1:  # already stacked by `stack_replicas` (which reorders for PCP)
             return shard_batch(batch, self.parallel)
@@ -521,7 +546,7 @@ class ModelRunner(ArenaPageIO):
         put = self._put
         placed = self._place(batch)
         if feed is not None:
-            placed.input_ids_T = _feed_tokens(placed.input_ids_T, put(feed[0]), feed[1])
+            placed.input_ids_T = self._feed_tokens(placed.input_ids_T, put(feed[0]), feed[1])
         out, self.kv_arena, hs = self._step(self._state_leaves, placed, self.kv_arena, *map(put, extra),
                                             hs_args, None if sp is None else jax.tree.map(put, sp))
         self._keep_hisparse(hs)

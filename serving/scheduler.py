@@ -31,6 +31,13 @@ the previous step proposed after its decode token (`ScheduledRequest.num_spec_to
 verifies them and `update_from_output` keeps the accepted ones (the rejected drafts' KV is not
 counted, so the next step writes those slots again).
 
+With asynchronous scheduling (`async_scheduling`, serving/async_scheduling.py) `schedule()` runs
+while the previous step is on the device: a request that step samples for carries an output
+placeholder (`Request.num_output_placeholders`) that counts as a known token, so it is scheduled
+for its next decode row before its token is known (the runner feeds it on the device);
+`mark_in_flight` counts a dispatched step's chunks as computed, and `update_from_output` then only
+appends tokens. A request whose placeholders finish it anyway is not scheduled again.
+
 A preempted request resumes by prefilling all of its tokens so far (prompt and generated ones),
 so with a deterministic model it produces exactly the tokens it would have produced otherwise.
 

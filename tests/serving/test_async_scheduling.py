@@ -44,7 +44,10 @@ def engine():
                                 enable_prefix_caching=True, compile_progress=False, disable_log_stats=True))
     e.stat_loggers.append(PrometheusStatLogger("tiny", e.gauges))
     e.stat_loggers.append(Recorder())
+    programs = e.runner._step._cache_size()  # jit's own count of compiled signatures
     yield e
+    # Steps fed on the device hit the programs compiled at start-up: none was compiled again.
+    assert e.runner._step._cache_size() == programs
     assert not e.has_unfinished_requests() and e.audit() == []
     assert e.pool.num_free == e.pool.num_usable_blocks, "KV pages leaked"
 

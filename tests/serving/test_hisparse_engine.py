@@ -113,7 +113,7 @@ def test_the_compiled_programs_read_host_memory_only_through_slices_and_moves(bf
     touches a host value: on a GPU anything else is refused or becomes slow host compute."""
     r = bf16_hisparse.runner
     batch, extra = r._dummy(r.buckets[0])
-    step = host_memory_reads(jax.make_jaxpr(r._step)(r.state, r._place(batch), r.kv_arena, *extra,
+    step = host_memory_reads(jax.make_jaxpr(r._step)(r._state_leaves, r._place(batch), r.kv_arena, *extra,
                                                      r._hisparse_args()))
     src, dst = r.hisparse.store_lists([])
     store = host_memory_reads(jax.make_jaxpr(r._store_only)(r.hisparse.pool, r.kv_arena, src, dst))

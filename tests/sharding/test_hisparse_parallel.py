@@ -159,7 +159,7 @@ def host_reads_of_the_programs(engine) -> list[tuple[str, str]]:
     """Host-memory reads of the engine's hot-path step and store program (`tests/helpers/host_memory`)."""
     r = engine.runner
     batch, extra = r._dummy(r.buckets[0])
-    step = host_memory_reads(jax.make_jaxpr(r._step)(r.state, r._place(batch), r.kv_arena, *extra,
+    step = host_memory_reads(jax.make_jaxpr(r._step)(r._state_leaves, r._place(batch), r.kv_arena, *extra,
                                                      r._hisparse_args()))
     src, dst = r.hisparse.store_lists([])
     return step + host_memory_reads(jax.make_jaxpr(r._store_only)(r.hisparse.pool, r.kv_arena, src, dst))
