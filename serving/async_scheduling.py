@@ -73,7 +73,6 @@ class AsyncStepMixin:
     _last_wait_end: float | None = None
 
     def _step_async(self):
-        t0 = time.perf_counter()
         pd_outs = self._pd_tick()
         prev = self._in_flight
         preempted_before = self.scheduler.num_preemptions_total
@@ -87,7 +86,7 @@ class AsyncStepMixin:
                 if idle and self._last_wait_end is not None:
                     exposed = step.dispatched - self._last_wait_end
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
-                outs = self._complete(prev, t0, 0.0, preempted_before) if prev is not None else []
+                outs = self._complete(prev, 0.0, preempted_before) if prev is not None else []
                 self._in_flight = None
                 return pd_outs + outs + self._fail_step([(self.scheduler, sched)], e)
             self.scheduler.mark_in_flight(sched)
@@ -100,9 +99,9 @@ class AsyncStepMixin:
             self._last_wait_end = None
             self._end_step()
             return pd_outs
-        return pd_outs + self._complete(prev, t0, exposed, preempted_before)
+        return pd_outs + self._complete(prev, exposed, preempted_before)
 
-    def _complete(self, prev, t0: float, exposed: float, preempted_before: int):
+    def _complete(self, prev, exposed: float, preempted_before: int):
         """Wait for the step `prev`, apply its tokens, emit its statistics → its outputs."""
         try:
             sampled = self.runner.finish(prev, overlapped=True)
@@ -115,12 +114,7 @@ class AsyncStepMixin:
         self._last_wait_end = time.perf_counter()
         outs = self.scheduler.update_from_output(prev.sched, sampled)
         self._end_step()
-        lps = self.runner.last_logprobs
-        if lps:
-            for out in outs:
-                lp = lps.get(out.request_id)
-                if lp is not None and out.new_token_ids:
-                    out.new_logprobs = lp[: len(out.new_token_ids)]
+        self._attach_logprobs(outs)
         st = self.runner.last
         self.num_steps += 1
         self.host_overhead_s += exposed

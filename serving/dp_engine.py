@@ -289,7 +289,6 @@ class DataParallelEngine(LLMEngine):
             sampled = self.runner.execute_replicas(scheds, [r.kv for r in self.replicas])
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
             return self._fail_step([(r.scheduler, s) for r, s in zip(self.replicas, scheds)], e)
-        lps = self.runner.last_logprobs
         outs: list[RequestOutput] = list(pd_outs)
         per_replica = []
         recomputed = 0
@@ -299,10 +298,7 @@ class DataParallelEngine(LLMEngine):
                 recomputed += self.hisparse.policies[r].observe_step(kept)
                 scheds[r] = sched
             o = rep.scheduler.update_from_output(sched, toks) if not sched.is_empty else []
-            for out in o:
-                lp = lps.get(out.request_id)
-                if lp is not None and out.new_token_ids:
-                    out.new_logprobs = lp[: len(out.new_token_ids)]
+            self._attach_logprobs(o)
             per_replica.append(o)
             outs.extend(o)
         self._end_step()

@@ -301,12 +301,7 @@ class LLMEngine(PDEngineMixin, AsyncStepMixin):
         self._after_offload()
         st = self.runner.last
         self._end_step()
-        lps = self.runner.last_logprobs
-        if lps:
-            for out in outs:
-                lp = lps.get(out.request_id)
-                if lp is not None and out.new_token_ids:
-                    out.new_logprobs = lp[: len(out.new_token_ids)]
+        self._attach_logprobs(outs)
         host = (time.perf_counter() - t0) - st.device_s
         self.num_steps += 1
         self.host_overhead_s += host
@@ -322,6 +317,15 @@ class LLMEngine(PDEngineMixin, AsyncStepMixin):
             self._timing(sched, outs, rec)
             self._emit(rec)
         return pd_outs + outs
+
+    def _attach_logprobs(self, outs: list[RequestOutput]) -> None:
+        """Give each output the `TokenLogprobs` of its new tokens from the step just read
+        (`ModelRunner.last_logprobs`; only requests that asked for logprobs have them)."""
+        lps = self.runner.last_logprobs
+        for out in outs:
+            lp = lps.get(out.request_id)
+            if lp is not None and out.new_token_ids:
+                out.new_logprobs = lp[: len(out.new_token_ids)]
 
     def _observe_drafts(self, sched) -> "SpecDecodingStats | None":
         """MTP speculation: count the step's verifications (drafts verified, accepted) into the
