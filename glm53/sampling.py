@@ -33,6 +33,26 @@ def mask_unreachable(logits_BV: jax.Array, reachable: int) -> jax.Array:
     return jnp.where(keep, logits_BV, jnp.asarray(-jnp.inf, logits_BV.dtype))
 
 
+def apply_token_bitmask(logits_NV: jax.Array, bitmask_NW: jax.Array) -> jax.Array:
+    """Logits `[..., V]` with every id whose bit is 0 in the packed bitmask set to -inf.
+
+    bitmask_NW: int32 `[..., W]`, `W = ceil(V / 32)`, bit `i % 32` of word `i // 32` set when id
+    `i` is allowed (the layout grammar engines produce: llguidance's `allocate_token_bitmask`,
+    xgrammar's, vLLM's `grammar_bitmask`); a row of all ones (-1) allows everything. Ids past
+    `32 * W` are not allowed. Structured outputs (`serving.structured_outputs`) pass one row per
+    sampled position, so the sampled token and the reported logprobs are over the allowed ids only.
+    """
+    V = logits_NV.shape[-1]
+    W = bitmask_NW.shape[-1]
+    bits = (bitmask_NW[..., :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [..., W, 32]
+    allowed = bits.reshape(*bitmask_NW.shape[:-1], W * 32)
+    if W * 32 >= V:
+        allowed = allowed[..., :V]
+    else:
+        allowed = jnp.concatenate([allowed, jnp.zeros((*allowed.shape[:-1], V - W * 32), allowed.dtype)], -1)
+    return jnp.where(allowed != 0, logits_NV, jnp.asarray(-jnp.inf, logits_NV.dtype))
+
+
 def sample_tokens(logits_BV: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array, seed_B: jax.Array,
                   step_B: jax.Array) -> jax.Array:
     """logits fp32 `[B, V]` → token ids int32 `[B]`. temperature 0 → argmax (ties: lowest id)."""

@@ -76,10 +76,16 @@ class AsyncStepMixin:
         pd_outs = self._pd_tick()
         prev = self._in_flight
         preempted_before = self.scheduler.num_preemptions_total
+        if prev is not None and self.structured.constrains(prev.sched):
+            # Structured outputs: the next masks need the tokens of the step in flight.
+            pd_outs = pd_outs + self._complete(prev, 0.0, preempted_before)
+            self._in_flight = prev = None
+            preempted_before = self.scheduler.num_preemptions_total
         sched = self.scheduler.schedule()
         exposed = 0.0
         if not sched.is_empty:
             try:
+                self._structured_masks([sched])
                 # The device idled if the step in flight (or none) was done before this dispatch.
                 idle = prev is None or prev.out[0].is_ready()
                 step = self.runner.dispatch(sched, self.kv, prev)
@@ -113,6 +119,7 @@ class AsyncStepMixin:
             return self._fail_step(failed, e)
         self._last_wait_end = time.perf_counter()
         outs = self.scheduler.update_from_output(prev.sched, sampled)
+        self._structured_advance(outs)
         self._end_step()
         self._attach_logprobs(outs)
         st = self.runner.last

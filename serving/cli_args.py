@@ -17,7 +17,8 @@ from serving.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
-JSON_FLAGS = ("attention_config", "kv_transfer_config", "speculative_config", "kv_events_config")
+JSON_FLAGS = ("attention_config", "kv_transfer_config", "speculative_config", "kv_events_config",
+              "structured_outputs_config")
 
 
 class ArgumentError(ValueError):
@@ -146,6 +147,12 @@ def make_arg_parser() -> argparse.ArgumentParser:
         help='JSON, e.g. {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
         '"replay_endpoint": "tcp://*:5558"}: KV cache events for prefix-aware routers (vLLM\'s format; '
         'docs/kv_events.md). Needs --enable-prefix-caching.',
+    )
+    sch.add_argument(
+        "--structured-outputs-config",
+        default=None,
+        help='JSON, e.g. {"disable_any_whitespace": true}: structured outputs settings (vLLM\'s keys backend, '
+             'disable_any_whitespace, disable_additional_properties, enable_in_reasoning; docs/structured_outputs.md).',
     )
     sch.add_argument(
         "--speculative-config",
@@ -289,6 +296,7 @@ def validate_args(args: argparse.Namespace) -> None:
     _check_speculative_config(args)
     _check_kv_transfer_config(args)
     _check_kv_events_config(args)
+    _check_structured_outputs_config(args)
     _check_attention_config(args.attention_config, args)
     _check_output_parsers(args)
 
@@ -395,6 +403,19 @@ def _check_kv_events_config(args: argparse.Namespace) -> None:
         raise ArgumentError(str(e)) from None
     if config is not None and not args.enable_prefix_caching:
         raise ArgumentError("--kv-events-config needs --enable-prefix-caching (the events report the prefix cache)")
+
+
+def _check_structured_outputs_config(args: argparse.Namespace) -> None:
+    """`--structured-outputs-config`, parsed here so a bad key fails at start-up naming it."""
+    from serving.structured_outputs.config import (
+        StructuredOutputsConfig,
+        StructuredOutputsConfigError,
+    )
+
+    try:
+        StructuredOutputsConfig.from_dict(getattr(args, "structured_outputs_config", None))
+    except StructuredOutputsConfigError as e:
+        raise ArgumentError(str(e)) from None
 
 
 def _check_attention_config(config: dict | None, args: argparse.Namespace | None = None) -> None:

@@ -175,6 +175,7 @@ class DataParallelEngine(LLMEngine):
         self.kv_events = build_kv_events(args.kv_events_config, [r.prefix_cache for r in self.replicas])
         self.async_scheduling = self._async_scheduling(args)  # False, with a warning when asked for
         self.eos_token_ids = tuple(eos_token_ids)
+        self._structured_init(model_path, model.cfg.vocab_size, eos_token_ids, args.structured_outputs_config)
         self.num_steps = 0
         self.host_overhead_s = 0.0
         reps = self.replicas
@@ -235,9 +236,14 @@ class DataParallelEngine(LLMEngine):
         self._validate(prompt_token_ids, params)
         if self.has_request(request_id):
             raise ValueError(f"duplicate request id {request_id!r}")
+        self._structured_check(request_id, params)
         req = self._pd_request(request_id, prompt_token_ids, params, self.replicas[0].scheduler)
         if req is not None:
             self._queue(req)
+
+    def scheduler_of(self, request_id: str):
+        rep = self.replica_of(request_id)
+        return rep.scheduler if rep is not None else self.replicas[0].scheduler
 
     def _is_scheduled(self, request_id: str) -> bool:
         return self.replica_of(request_id) is not None
@@ -254,6 +260,7 @@ class DataParallelEngine(LLMEngine):
     def abort(self, request_id: str, finished_reason: str = "abort") -> RequestOutput | None:
         """Abort a waiting or running request on its replica (as `LLMEngine.abort`); the other
         replicas are untouched."""
+        self.structured.remove(request_id)
         pulled = self._pd_abort(request_id, finished_reason)
         if pulled is not None:
             return pulled
@@ -285,6 +292,7 @@ class DataParallelEngine(LLMEngine):
             self._end_step()
             return pd_outs
         try:
+            self._structured_masks(scheds)
             self._pd_writes()
             sampled = self.runner.execute_replicas(scheds, [r.kv for r in self.replicas])
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
@@ -298,6 +306,7 @@ class DataParallelEngine(LLMEngine):
                 recomputed += self.hisparse.policies[r].observe_step(kept)
                 scheds[r] = sched
             o = rep.scheduler.update_from_output(sched, toks) if not sched.is_empty else []
+            self._structured_advance(o)
             self._attach_logprobs(o)
             per_replica.append(o)
             outs.extend(o)

@@ -38,6 +38,7 @@ from serving.request import Request
 from serving.runner import ModelRunner
 from serving.scheduler import Scheduler, SchedulerConfig
 from serving.spec_decode import DraftController, SpecDecodingStats, SpeculativeConfig
+from serving.structured_outputs.engine_mixin import StructuredOutputsMixin
 from serving.types import RequestOutput, SamplingParams
 from sharding.mesh import ParallelLayout
 
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 
 
-class LLMEngine(PDEngineMixin, AsyncStepMixin):
+class LLMEngine(PDEngineMixin, AsyncStepMixin, StructuredOutputsMixin):
     """Continuous-batching engine over one device (and its parallel layouts other than DP). Build
     one with `serving.engine_factory.build_engine(args)`."""
 
@@ -99,6 +100,7 @@ class LLMEngine(PDEngineMixin, AsyncStepMixin):
         self.kv_events = build_kv_events(args.kv_events_config, [self.prefix_cache])
         self.async_scheduling = self._async_scheduling(args)
         self.eos_token_ids = tuple(eos_token_ids)
+        self._structured_init(model_path, model.cfg.vocab_size, eos_token_ids, args.structured_outputs_config)
         self.num_steps = 0
         self.host_overhead_s = 0.0
         self.gauges = EngineGauges(lambda: self.scheduler.num_requests_running,
@@ -170,7 +172,7 @@ class LLMEngine(PDEngineMixin, AsyncStepMixin):
             self.prefix_cache.on_host_block_reuse(block, tag)
 
     @classmethod
-    def from_args(cls, args: EngineArgs, eos_token_ids=None, before_compile=None) -> "LLMEngine":
+    def from_args(cls, args: EngineArgs, eos_token_ids=None, before_compile=None) -> LLMEngine:
         """Load the checkpoint, size the KV arena, build the engine and compile its step buckets.
         `serving.engine_factory.build_engine` picks the class (with `--data-parallel-size` > 1 a
         `serving.dp_engine.DataParallelEngine`, whose KV page count is per replica); called on
@@ -192,6 +194,7 @@ class LLMEngine(PDEngineMixin, AsyncStepMixin):
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises ValueError for bad params or a prompt that cannot be served."""
         self._validate(prompt_token_ids, params)
+        self._structured_check(request_id, params)
         req = self._pd_request(request_id, prompt_token_ids, params, self.scheduler)
         if req is not None:
             self.scheduler.add_request(req)
@@ -225,6 +228,7 @@ class LLMEngine(PDEngineMixin, AsyncStepMixin):
         the id is unknown or finished. finished_reason "stop" (a stop string matched in the
         front end) counts it under `vllm:request_success_total{finished_reason="stop"}`.
         Raises ValueError for a reason other than "abort" or "stop"."""
+        self.structured.remove(request_id)
         pulled = self._pd_abort(request_id, finished_reason)
         if pulled is not None:
             return pulled
@@ -282,6 +286,7 @@ class LLMEngine(PDEngineMixin, AsyncStepMixin):
             self._end_step()
             return pd_outs
         try:
+            self._structured_masks([sched])
             self._pd_writes()
             sampled = self.runner.execute(sched, self.kv)
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
@@ -293,6 +298,7 @@ class LLMEngine(PDEngineMixin, AsyncStepMixin):
             recomputed = self.hisparse.policy.observe_step(kept)
         drafts = self.runner.last_drafts if self.drafts is not None else None
         outs = self.scheduler.update_from_output(sched, sampled, drafts)
+        self._structured_advance(outs)
         if self.drafter_override is not None:
             for sr in sched.scheduled:
                 if sr.request.spec_token_ids:
@@ -327,7 +333,7 @@ class LLMEngine(PDEngineMixin, AsyncStepMixin):
             if lp is not None and out.new_token_ids:
                 out.new_logprobs = lp[: len(out.new_token_ids)]
 
-    def _observe_drafts(self, sched) -> "SpecDecodingStats | None":
+    def _observe_drafts(self, sched) -> SpecDecodingStats | None:
         """MTP speculation: count the step's verifications (drafts verified, accepted) into the
         totals and the draft controller; → the step's counters (None without speculation)."""
         if self.drafts is None:
@@ -374,6 +380,7 @@ class LLMEngine(PDEngineMixin, AsyncStepMixin):
                 outs.append(out)
                 if req is not None:
                     rec.finished.append(self._finished_stats(req, now))
+        self._structured_advance(outs)
         self._emit(rec)
         if lost:
             where = ("a step of the multi-process engine failed after its inputs went to the other processes"
@@ -441,6 +448,7 @@ class LLMEngine(PDEngineMixin, AsyncStepMixin):
             rec.external_prefix_cache_queries, rec.external_prefix_cache_hits = d[0], d[1]
             rec.kv_offload_to_host_bytes, rec.kv_offload_to_device_bytes = d[2] * st.page_bytes, d[3] * st.page_bytes
             self._offload_counts = now
+        self._structured_record(rec)
         for sl in self.stat_loggers:
             try:
                 sl.record(rec)

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from prometheus_client import (
     CollectorRegistry,
@@ -52,7 +52,7 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _STEP_HOST_BUCKETS = (0.0, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
-_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(0, 7) for m in (1, 2, 5))
+_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
 _OFFLOAD_BUCKETS = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)  # vLLM's kv_offload_size
 
 
@@ -89,6 +89,9 @@ class StepRecord:
     offloading connector on / hit tokens from its host store (vLLM's external prefix cache).
     kv_offload_to_host_bytes / kv_offload_to_device_bytes: the connector's stores and loads.
     spec_decoding: the step's verifications (`serving.spec_decode.SpecDecodingStats`), or None.
+    structured_output_requests: constrained requests accepted since the previous record.
+    structured_output_mask_s: host time computing the step's token bitmasks (s), None when the
+    step ran no constrained row (`serving.structured_outputs`).
     """
 
     num_prompt_tokens: int = 0
@@ -112,6 +115,8 @@ class StepRecord:
     kv_offload_to_host_bytes: int = 0
     kv_offload_to_device_bytes: int = 0
     spec_decoding: object = None  # serving.spec_decode.SpecDecodingStats of the step (MTP speculation)
+    structured_output_requests: int = 0
+    structured_output_mask_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -227,6 +232,12 @@ class PrometheusStatLogger:
         self.req_tpot = hist("vllm:request_time_per_output_token_seconds",
                              "Per request: decode time / (output tokens - 1) (s).", _ITL_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to finish (s).", _E2E_BUCKETS)
+        self.structured_requests = counter("vllm:structured_output_requests",
+                                           "Requests with an output constraint (JSON schema, regex, choice, grammar, "
+                                           "forced tool call).")
+        self.structured_mask = hist("vllm:structured_output_mask_seconds",
+                                    "Per engine step with constrained rows: host time computing their token bitmasks "
+                                    "(s).", _STEP_HOST_BUCKETS)
         self.exposed_host = hist("vllm:step_exposed_host_seconds",
                                  "Per engine step: host time the device did not overlap (all host work with "
                                  "synchronous scheduling; with --async-scheduling an upper bound of the "
@@ -322,6 +333,10 @@ class PrometheusStatLogger:
                     c.inc(v)
         if rec.is_step:
             self.exposed_host.observe(rec.host_s)
+        if rec.structured_output_requests:
+            self.structured_requests.inc(rec.structured_output_requests)
+        if rec.structured_output_mask_s is not None:
+            self.structured_mask.observe(rec.structured_output_mask_s)
         for v in rec.ttft_s:
             self.ttft.observe(v)
         for v in rec.inter_token_s:

@@ -63,6 +63,7 @@ def engine_args(args, model):
         precompile_token_paddings=args.precompile_token_paddings,
         attention_config=args.attention_config, kv_transfer_config=args.kv_transfer_config,
         speculative_config=args.speculative_config, kv_events_config=args.kv_events_config,
+        structured_outputs_config=args.structured_outputs_config,
         async_scheduling=args.async_scheduling)
 
 

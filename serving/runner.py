@@ -86,6 +86,12 @@ def _host_input(x):
     return x
 
 
+def _allowed(ids, lps) -> list[tuple[int, float]]:
+    """Top alternatives as (id, logprob), without ids of probability 0 (-inf: ids a structured
+    output's grammar forbids, or padding ids): logprobs are over the allowed ids only."""
+    return [(int(a), float(b)) for a, b in zip(ids, lps) if b > -np.inf]
+
+
 def _feed_tokens_fn(ids_T, src_T, prev_B):
     """Asynchronous scheduling: the step's input ids with every placeholder row (src_T ≥ 0)
     replaced on the device by the token the previous step sampled in row src_T.
@@ -211,6 +217,7 @@ class ModelRunner(ArenaPageIO):
         self.max_page_copies = max_num_seqs * len(layout.groups) * self.arena_shards
 
         self._feeds: dict = {}  # sharding → the jitted token feed (`_feed_tokens`)
+        self._masked_programs: set = set()  # (bucket, plain program): masked step variants compiled so far
         self._ids_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         # The step gets the state's leaves, flattened once here (`build_step_programs`).
         self._state_leaves, state_def = jax.tree.flatten(self.state)
@@ -457,7 +464,7 @@ class ModelRunner(ArenaPageIO):
             sp = build_spec_batch(sched, batch.input_ids_T.shape[0], self.max_num_seqs + 1, self.spec_k,
                                   sched.num_draft_steps)
         t1 = time.perf_counter()
-        out, hs = self.run_inputs(StepInputs(batch, extra, sp), feed)
+        out, hs = self.run_inputs(StepInputs(batch, extra, sp, self._step_bitmask([sched])), feed)
         want_lp = bool(extra[4])
         if not want_lp:
             out = out[:3] + (None,) * 3 if self.spec_k else out[:1] + (None,) * 3
@@ -547,10 +554,31 @@ class ModelRunner(ArenaPageIO):
         placed = self._place(batch)
         if feed is not None:
             placed.input_ids_T = self._feed_tokens(placed.input_ids_T, put(feed[0]), feed[1])
+        bitmask = None if inputs.bitmask is None else put(inputs.bitmask)
+        first = bitmask is not None and (batch.input_ids_T.shape[0], hs_args is None) not in self._masked_programs
+        t0 = time.perf_counter()
+        # (The mask is passed only when there is one: the programs compiled at start-up, and every
+        # unconstrained step, keep the signature without it.)
         out, self.kv_arena, hs = self._step(self._state_leaves, placed, self.kv_arena, *map(put, extra),
-                                            hs_args, None if sp is None else jax.tree.map(put, sp))
+                                            hs_args, None if sp is None else jax.tree.map(put, sp),
+                                            *(() if bitmask is None else (bitmask,)))
+        if first:  # structured outputs: the masked variant of this bucket was compiled just now (once)
+            self._masked_programs.add((batch.input_ids_T.shape[0], hs_args is None))
+            logger.info("structured outputs: the masked step of bucket %d was compiled on first use in %.1f s",
+                        batch.input_ids_T.shape[0], time.perf_counter() - t0)
         self._keep_hisparse(hs)
         return out, hs
+
+    def _step_bitmask(self, scheds: list[SchedulerOutput]) -> np.ndarray | None:
+        """The step's structured-output masks (`SchedulerOutput.grammar_bitmask` of each replica,
+        stacked replica-major like the request rows; all ones for a replica without one): int32
+        [rows, W], or [rows, k + 1, W] under MTP speculation. None when no replica has one."""
+        masks = [s.grammar_bitmask for s in scheds]
+        if all(m is None for m in masks):
+            return None
+        shape = next(m.shape for m in masks if m is not None)
+        out = np.concatenate([np.full(shape, -1, np.int32) if m is None else m for m in masks])
+        return out if self.spec_k else out[:, 0]
 
     def _collect_spec(self, sched: SchedulerOutput, toks, acc, drafts, tok_lp, top_ids, top_lp) -> dict[str, list[int]]:
         """Speculative step outputs → accepted tokens per sampling request (row i: `toks[i, :acc[i] + 1]`),
@@ -570,8 +598,7 @@ class ModelRunner(ArenaPageIO):
             n = sr.request.sampling_params.logprobs
             if n is not None:
                 self.last_logprobs[rid] = [
-                    TokenLogprobs(int(toks[i, j]), float(tok_lp[i, j]),
-                                  [(int(x), float(y)) for x, y in zip(top_ids[i, j, :n], top_lp[i, j, :n])])
+                    TokenLogprobs(int(toks[i, j]), float(tok_lp[i, j]), _allowed(top_ids[i, j, :n], top_lp[i, j, :n]))
                     for j in range(a + 1)]
         return sampled
 
@@ -611,8 +638,7 @@ class ModelRunner(ArenaPageIO):
             n = sr.request.sampling_params.logprobs
             if n is not None:
                 self.last_logprobs[sr.request_id] = [TokenLogprobs(
-                    int(toks[j]), float(tok_lp[j]),
-                    [(int(a), float(b)) for a, b in zip(top_ids[j, :n], top_lp[j, :n])])]
+                    int(toks[j]), float(tok_lp[j]), _allowed(top_ids[j, :n], top_lp[j, :n]))]
         return sampled
 
     def execute_replicas(self, scheds: list[SchedulerOutput], kvs: list[KVCacheManager]) -> list[dict[str, list[int]]]:
@@ -643,7 +669,7 @@ class ModelRunner(ArenaPageIO):
         extra = (cat(0), cat(1), cat(2), cat(3), want_lp, *copies)
         self._maybe_fault()
         t1 = time.perf_counter()
-        out, hs = self.run_inputs(StepInputs(batch, extra, None))
+        out, hs = self.run_inputs(StepInputs(batch, extra, None, self._step_bitmask(scheds)))
         stats = (hs[0].stats_4, hs[0].first_drop_S) if hs is not None else None
         (toks, tok_lp, top_ids, top_lp), stats = jax.device_get((out if want_lp else out[:1] + (None,) * 3, stats))
         self.step_in_flight = False

@@ -67,7 +67,11 @@ class SchedulerOutput:
     the step's forward pass (copy-on-write of prefix-cache pages a hit covers only in part), and
     the offloading connector's loads `(host block, destination block)` that must run before it
     too (pages of a prefix hit that come back from host memory). With MTP speculation,
-    `num_draft_steps` is how many drafts per request the step proposes for the next one."""
+    `num_draft_steps` is how many drafts per request the step proposes for the next one.
+    `grammar_bitmask`: structured outputs' packed allowed-token masks of the step's sampled
+    positions, int32 `[max_num_seqs + 1, k + 1, W]` in batch order (all ones for rows without a
+    constraint), set by the engine after scheduling (`serving.structured_outputs`); None when no
+    scheduled request is constrained."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_scheduled_tokens: int = 0
@@ -76,6 +80,7 @@ class SchedulerOutput:
     page_copies: list[tuple[int, int]] = field(default_factory=list)
     page_loads: list[tuple[int, int]] = field(default_factory=list)
     num_draft_steps: int = 0
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def num_spec_tokens(self) -> int:

@@ -15,9 +15,12 @@ class StepInputs:
     batch: the `ForwardBatch` (its `hot` is None for the plain program). extra: (temperature
     float32 [B], top_p float32 [B], seeds uint32 [B], steps int32 [B], want_logprobs bool,
     copy_src int32 [C], copy_dst int32 [C]) as `prepare` returns them. spec: the
-    `serving.spec_decode.inputs.SpecBatch` under MTP speculation, else None.
+    `serving.spec_decode.inputs.SpecBatch` under MTP speculation, else None. bitmask: structured
+    outputs' allowed-token masks, int32 [B, W] (or [B, k + 1, W] under MTP speculation), or None
+    when no row of the step is constrained.
     """
 
     batch: ForwardBatch
     extra: tuple
     spec: object = None
+    bitmask: object = None

@@ -6,7 +6,9 @@ by `serving.runner.ModelRunner.prepare`): the model state, a `glm53.batch.Forwar
 (donated: updated in place), the sampling parameters per request row (temperature, top-p, seed,
 step counter, whether logprobs are wanted), the copy-on-write page lists (int32 source and
 destination rows, −1 padded; run before anything writes the arena), HiSparse's `(hot state, host
-pool)` (donated) or None, and the `SpecBatch` under MTP speculation or None. It returns the sampler's
+pool)` (donated) or None, the `SpecBatch` under MTP speculation or None, and structured outputs'
+token bitmask or None (`serving.structured_outputs`; jit keeps the two variants apart, so steps
+without constrained rows run the program without the mask). It returns the sampler's
 outputs, the arena and HiSparse's state.
 """
 
@@ -23,7 +25,7 @@ from glm53.hot_cache import HostAccess, PagedKV
 from glm53.kv_layout import KVCacheLayout
 from kernels.paged import copy_pages
 from serving.hisparse.device_state import HiSparseDeviceState
-from serving.sampling import mask_unreachable, sample_with_logprobs
+from serving.sampling import apply_token_bitmask, mask_unreachable, sample_with_logprobs
 from serving.spec_decode.step import spec_decode_forward
 from sharding.mesh import ParallelLayout
 
@@ -54,9 +56,11 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
 
     @functools.partial(jax.jit, donate_argnums=(2, 10))
     def step(state, batch: ForwardBatch, kv_arena, temperature, top_p, seeds, steps, want_logprobs, copy_src,
-             copy_dst, hs, sp=None):
+             copy_dst, hs, sp=None, bitmask=None):
         # hs: None, or HiSparse's (hot state, host pool), donated. (Its write-through copies run
         # before, in their own program: `run_stores`.) sp: the `SpecBatch` under MTP speculation.
+        # bitmask: structured outputs' packed allowed-token masks (int32 [B, W], or [B, k + 1, W]
+        # under speculation) or None: a step without constrained rows is the program without it.
         host = None
         if hs is not None:
             hot, pool = hs
@@ -67,7 +71,7 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
             kv = kv_arena if hs is None else PagedKV(kv_arena, hot.for_step())
             out, kv = spec_decode_forward(model, batch, kv, host, temperature, top_p, seeds, steps, want_logprobs,
                                           sp, layout=layout, parallel=parallel, num_speculative_tokens=spec_k,
-                                          reachable=reachable, num_logprobs=k)
+                                          reachable=reachable, num_logprobs=k, bitmask_BSW=bitmask)
             if replicate is not None:
                 out = jax.lax.with_sharding_constraint(out, replicate)
             if hs is None:
@@ -76,6 +80,8 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
         if hs is None:
             logits, _, kv_arena = model(batch, kv_arena, layout, parallel)
             logits = mask_unreachable(logits, reachable)
+            if bitmask is not None:
+                logits = apply_token_bitmask(logits, bitmask)
             out = sample_with_logprobs(logits, temperature, top_p, seeds, steps, want_logprobs, k)
             if replicate is not None:
                 out = jax.lax.with_sharding_constraint(out, replicate)
@@ -83,6 +89,8 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
         kv = PagedKV(kv_arena, hot.for_step())
         logits, _, kv = model(batch, kv, layout, parallel, host)
         logits = mask_unreachable(logits, reachable)
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, bitmask)
         out = sample_with_logprobs(logits, temperature, top_p, seeds, steps, want_logprobs, k)
         if replicate is not None:
             out = jax.lax.with_sharding_constraint(out, replicate)

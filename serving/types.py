@@ -6,8 +6,9 @@ The HTTP layer turns OpenAI request bodies into `SamplingParams` + prompt token 
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import Any, Protocol
 
 
 @dataclass
@@ -35,6 +36,9 @@ class SamplingParams:
         response's params on a decode engine. None otherwise.
     data_parallel_rank: the data-parallel replica to run on (vLLM's `X-data-parallel-rank`
         header, sent by routers); None lets the engine choose.
+    structured_outputs: a `serving.structured_outputs.StructuredOutputsParams` constraining the
+        output (JSON schema, JSON object, regex, choice, grammar, forced tool calls), or None.
+        Every sampled token, and every reported logprob, is then over the ids the grammar allows.
     """
 
     temperature: float = 1.0
@@ -49,6 +53,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     kv_transfer_params: dict | None = None
     data_parallel_rank: int | None = None
+    structured_outputs: Any = None
 
     def validate(self) -> None:
         """Raise ValueError with the offending field name."""
@@ -66,6 +71,12 @@ class SamplingParams:
             self.stop = [self.stop]
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        if self.structured_outputs is not None:
+            from serving.structured_outputs import StructuredOutputsParams
+
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams")
+            self.structured_outputs.kind()
 
 
 @dataclass

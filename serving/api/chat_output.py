@@ -17,7 +17,9 @@ Request rules (anything else is a 400 naming the field, raised as `ChatRequestEr
   `--enable-auto-tool-choice --tool-call-parser glm47`; the model then decides and its
   `<tool_call>` blocks become `tool_calls`. `"none"` leaves the tools out of the prompt (as vLLM's
   `--exclude-tools-when-tool-choice-none`) and parses no calls. `"required"` and a named function
-  need constrained decoding, which this build does not have: refused.
+  constrain the output to glm47 tool calls (any of the tools, or the named one; one call when
+  `parallel_tool_calls` is false or a function is named) whose arguments match the tool's
+  parameter schema (`serving.structured_outputs.tool_grammar`); they need no server flag.
 * `parallel_tool_calls: false`: only the first parsed call is returned (later ones are dropped).
 * `reasoning_effort`: none, minimal, low, medium, high, xhigh or max (case-insensitive); the chat
   template maps them to GLM's Low/High/Max. Thinking itself is switched off with
@@ -50,7 +52,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from serving.api.protocol import ChatCompletionMessage, ChatCompletionRequest, DeltaMessage
+from serving.api.protocol import (
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    DeltaMessage,
+)
 from serving.parsers import (
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
@@ -97,7 +103,7 @@ class ChatParsing:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
 
-    def prepare(self, body: ChatCompletionRequest) -> "PreparedChat":
+    def prepare(self, body: ChatCompletionRequest) -> PreparedChat:
         """Check the request's `tools`, `tool_choice` and `reasoning_effort` against these
         settings; raise `ChatRequestError` (a 400) when they cannot be honoured."""
         effort = body.reasoning_effort
@@ -109,13 +115,10 @@ class ChatParsing:
         tools = _check_tools(body.tools)
         choice = body.tool_choice
         if isinstance(choice, Mapping) or choice == "required":
-            shown = "required" if choice == "required" else "a named function"
-            raise ChatRequestError(
-                f'tool_choice {shown} is not supported (it needs constrained decoding); use "auto" or "none".',
-                "tool_choice",
-            )
+            return self._forced_tool_calls(body, tools, choice)
         if choice not in (None, "auto", "none"):
-            raise ChatRequestError(f'tool_choice must be "auto" or "none", got {choice!r}.', "tool_choice")
+            raise ChatRequestError(f'tool_choice must be "auto", "none", "required" or a named function, got '
+                                   f'{choice!r}.', "tool_choice")
         if not tools or choice == "none":
             return PreparedChat(self, tools=None, parse_tools=False, max_calls=None)
         if not (self.enable_auto_tool_choice and self.tool_call_parser):
@@ -126,6 +129,31 @@ class ChatParsing:
             )
         max_calls = 1 if body.parallel_tool_calls is False else None
         return PreparedChat(self, tools=tools, parse_tools=True, max_calls=max_calls)
+
+
+    def _forced_tool_calls(self, body: ChatCompletionRequest, tools, choice) -> PreparedChat:
+        """`tool_choice` "required" or `{"type": "function", "function": {"name": ...}}`: the output
+        is constrained to glm47 tool calls (`serving.structured_outputs.tool_grammar`), parsed with
+        the glm47 parser whatever `--tool-call-parser` says."""
+        from serving.structured_outputs.tool_grammar import tool_call_lark
+
+        if not tools:
+            raise ChatRequestError("tool_choice \"required\" or a named function needs tools.", "tool_choice")
+        name = None
+        if isinstance(choice, Mapping):
+            fn = choice.get("function")
+            if choice.get("type", "function") != "function" or not isinstance(fn, Mapping) \
+                    or not isinstance(fn.get("name"), str):
+                raise ChatRequestError('a named tool_choice is {"type": "function", "function": {"name": ...}}.',
+                                       "tool_choice")
+            name = fn["name"]
+        parallel = body.parallel_tool_calls is not False and name is None
+        try:
+            grammar = tool_call_lark(tools, name, parallel)
+        except ValueError as e:
+            raise ChatRequestError(str(e), "tool_choice") from None
+        return PreparedChat(self, tools=tools, parse_tools=True, max_calls=None if parallel else 1,
+                            tool_grammar=grammar)
 
 
 def _check_tools(tools: Any) -> list[dict[str, Any]] | None:
@@ -156,14 +184,19 @@ class PreparedChat:
     tools: list[dict[str, Any]] | None
     parse_tools: bool
     max_calls: int | None = None
+    tool_grammar: str | None = None  # a forced tool_choice's Lark grammar (structured outputs)
 
-    def new_output(self, prompt: str) -> "ChatOutput":
+    def opens_reasoning(self, prompt: str) -> bool:
+        """The rendered prompt ends inside an open `<think>` block."""
+        return prompt.rstrip().endswith(THINK_START)
+
+    def new_output(self, prompt: str) -> ChatOutput:
         """A fresh output parser for one choice; `prompt` is the rendered prompt text."""
-        opens = prompt.rstrip().endswith(THINK_START)
+        opens = self.opens_reasoning(prompt)
         reasoning = self.parsing.reasoning_parser
         return ChatOutput(
             reasoning=REASONING_PARSERS[reasoning](opens) if reasoning else None,
-            tool_parser=TOOL_CALL_PARSERS[self.parsing.tool_call_parser](self.tools)
+            tool_parser=TOOL_CALL_PARSERS[self.parsing.tool_call_parser or "glm47"](self.tools)
             if self.parse_tools
             else None,
             max_calls=self.max_calls,

@@ -77,7 +77,7 @@ def engine_error(e: BaseException, request_id: str) -> APIError:
         return e
     if isinstance(e, KVTransferParamsError):
         return bad_request(str(e), e.param)
-    if isinstance(e, ValueError):
-        return bad_request(str(e))
+    if isinstance(e, ValueError):  # a StructuredOutputsError names its field too
+        return bad_request(str(e), getattr(e, "param", None))
     logger.exception("Engine error for request %s", request_id, exc_info=e)
     return APIError(500, f"Internal server error: {type(e).__name__}: {e}")

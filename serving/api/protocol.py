@@ -4,8 +4,8 @@ Requests accept unknown fields (clients send many optional ones); the server log
 otherwise ignores them. Fields whose non-default values this build cannot honour are declared here
 so that the server can reject them with a 400 instead of silently ignoring them (see
 `serving.api.validation.reject_unsupported`). vLLM extensions (`ignore_eos`, `stop_token_ids`,
-`skip_special_tokens`, `chat_template_kwargs`, `top_k`, `min_p`, `repetition_penalty`) keep vLLM's
-names.
+`skip_special_tokens`, `chat_template_kwargs`, `top_k`, `min_p`, `repetition_penalty`,
+`structured_outputs`) keep vLLM's names.
 """
 
 from __future__ import annotations
@@ -165,6 +165,7 @@ class ChatCompletionRequest(_Request):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    structured_outputs: dict[str, Any] | None = None  # serving/api/structured.py
 
 
 class ChatCompletionMessage(_Response):
@@ -266,6 +267,7 @@ class CompletionRequest(_Request):
     min_p: float | None = None
     return_token_ids: bool = False  # vLLM: each choice also carries prompt_token_ids and token_ids
     repetition_penalty: float | None = None
+    structured_outputs: dict[str, Any] | None = None  # serving/api/structured.py
 
 
 class CompletionChoice(_Response):

@@ -63,7 +63,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.api.chat_output import ChatParsing, ChatRequestError
-from serving.api.errors import APIError, bad_request, engine_error, error_json, validation_error
+from serving.api.errors import (
+    APIError,
+    bad_request,
+    engine_error,
+    error_json,
+    validation_error,
+)
 from serving.api.logprobs import chat_logprobs, completion_logprobs
 from serving.api.protocol import (
     ChatChoiceLogprobs,
@@ -90,6 +96,7 @@ from serving.api.streaming import (
     sse_event,
     without_null_kv_params,
 )
+from serving.api.structured import reasoning_end_token_id, request_constraint
 from serving.api.validation import (
     RESERVED_TEMPLATE_KWARGS,
     build_sampling_params,
@@ -422,6 +429,9 @@ def build_app(
         )
         params = build_sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None))
         params.data_parallel_rank = header_data_parallel_rank(request)
+        think_end = (reasoning_end_token_id(tokenizer)
+                     if chat_parsing.reasoning_parser and prepared.opens_reasoning(prompt) else None)
+        params.structured_outputs = request_constraint(body, prepared.tool_grammar, think_end)
         top_n = body.top_logprobs or 0
 
         def logprobs_of(lps) -> ChatChoiceLogprobs | None:
@@ -520,6 +530,7 @@ def build_app(
         )
         params = build_sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None))
         params.data_parallel_rank = header_data_parallel_rank(request)
+        params.structured_outputs = request_constraint(body)
         top_n = body.logprobs or 0
 
         rid = f"cmpl-{uuid.uuid4().hex}"

@@ -133,7 +133,9 @@ def reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
                 raise bad_request(f"top_logprobs must be >= 0, got {body.top_logprobs}.", "top_logprobs")
             if body.top_logprobs > 0 and not body.logprobs:
                 raise bad_request("top_logprobs requires logprobs=true.", "top_logprobs")
-        checks += [("response_format", fmt != "text")]
+        if fmt not in ("text", "json_object", "json_schema"):
+            raise bad_request(f'response_format type must be "text", "json_object" or "json_schema", got {fmt!r}.',
+                              "response_format")
     else:
         if body.logprobs is not None and body.logprobs < 0:
             raise bad_request(f"logprobs must be >= 0, got {body.logprobs}.", "logprobs")

@@ -12,14 +12,14 @@ import jax
 import jax.numpy as jnp
 
 from glm53.mtp import propose_drafts
-from serving.sampling import compute_logprobs, mask_unreachable
+from serving.sampling import apply_token_bitmask, compute_logprobs, mask_unreachable
 from serving.spec_decode.inputs import SpecBatch
 from serving.spec_decode.rejection import verify_drafts
 
 
 def spec_decode_forward(model, batch, kv, host, temperature_B, top_p_B, seed_B, step_B, want_logprobs,
                         sp: SpecBatch, *, layout, parallel, num_speculative_tokens: int, reachable: int,
-                        num_logprobs: int):
+                        num_logprobs: int, bitmask_BSW=None):
     """One speculative step over `batch` (T rows, B request rows).
 
     1. The target model over every row (`hidden_states`: prefill chunks, decode rows and the
@@ -34,6 +34,9 @@ def spec_decode_forward(model, batch, kv, host, temperature_B, top_p_B, seed_B, 
       kv: the arena, or a `PagedKV` (HiSparse), returned updated in the same form.
       host: HiSparse host access or None.
       num_logprobs: static width of the top-logprobs arrays.
+      bitmask_BSW: structured outputs' packed allowed-token masks, int32 `[B, k + 1, W]` (row j:
+        the grammar's state after the drafts before it; a draft the grammar forbids is then
+        rejected, its target probability being 0), or None.
 
     Returns `((tokens_BS, num_accepted_B, drafts_BK, token_logprob_BS, top_ids_BSL, top_logprobs_BSL), kv)`
     with S = k + 1; the logprob arrays are zeros unless `want_logprobs`.
@@ -50,6 +53,8 @@ def spec_decode_forward(model, batch, kv, host, temperature_B, top_p_B, seed_B, 
     temperature_B, top_p_B, seed_B, step_B = (x[:B] for x in (temperature_B, top_p_B, seed_B, step_B))
     rows_BS = jnp.clip(sp.sample_row_B[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :], 0, T - 1)
     logits = mask_unreachable(model.logits(h[rows_BS.reshape(-1)]), reachable)
+    if bitmask_BSW is not None:
+        logits = apply_token_bitmask(logits, bitmask_BSW[:B].reshape(B * S, -1))
     tokens_BS, acc_B = verify_drafts(logits.reshape(B, S, -1), sp.draft_BK, sp.num_draft_B, temperature_B, top_p_B,
                                      seed_B, step_B)
     L = num_logprobs

@@ -316,8 +316,10 @@ def _chat(**fields) -> dict:
 @pytest.mark.parametrize(
     "body, param, words",
     [
-        (_chat(tools=TOOLS, tool_choice="required"), "tool_choice", "required"),
-        (_chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "now"}}), "tool_choice", "named"),
+        (_chat(tool_choice="required"), "tool_choice", "needs tools"),
+        (_chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "later"}}), "tool_choice",
+         "not among"),
+        (_chat(tools=TOOLS, tool_choice={"type": "function"}), "tool_choice", "named"),
         (_chat(tools=TOOLS, tool_choice="sometimes"), "tool_choice", "auto"),
         (_chat(tools=[{"type": "retrieval"}]), "tools", "function"),
         (_chat(tools=[{"type": "function", "function": {"description": "no name"}}]), "tools", "name"),

@@ -54,6 +54,9 @@ COMMON = {
     "presence_penalty": prob | junk, "frequency_penalty": prob | junk, "repetition_penalty": prob | junk,
     "logit_bias": st.dictionaries(st.sampled_from(["5", "-1", "999", "x"]), st.floats(-200, 200)) | junk,
     "ignore_eos": st.booleans() | junk, "stop_token_ids": token_ids | junk, "skip_special_tokens": st.booleans(),
+    "structured_outputs": st.sampled_from([{"choice": ["a", "b"]}, {"regex": "[a-z]{1,3}"}, {"json_object": True},
+                                           {"json": {"type": "object"}}, {"regex": "[a-"}, {"grammar": "start: x"},
+                                           {"choice": []}, {"structural_tag": "x"}]) | junk,
 }
 CHAT = {**COMMON,
         "messages": st.lists(message, max_size=4) | junk,
@@ -61,7 +64,10 @@ CHAT = {**COMMON,
         "tools": st.lists(tool, max_size=2) | junk,
         "tool_choice": st.sampled_from(["auto", "none", "required", "x"]) | junk, "parallel_tool_calls": st.booleans(),
         "logprobs": st.booleans() | junk, "top_logprobs": st.integers(-1, 30) | junk,
-        "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]) | junk,
+        "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"},
+                                            {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                                                "type": "object", "properties": {"a": {"type": "boolean"}}}}}])
+        | junk,
         "chat_template_kwargs": st.dictionaries(st.text(max_size=8), junk, max_size=2) | junk}
 COMPLETION = {**COMMON,
               "prompt": text | token_ids | st.lists(text, max_size=3) | st.lists(token_ids, max_size=3) | junk,

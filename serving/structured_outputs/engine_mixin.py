@@ -1,0 +1,94 @@
+"""The engine's side of structured outputs (`LLMEngine` and `DataParallelEngine` mix it in).
+
+* `_structured_check(params)` in `add_request`'s validation: combinations refused (400) and the
+  constraint compiled (`StructuredOutputsError` when it does not);
+* `_structured_masks(scheds)` after scheduling: each `SchedulerOutput.grammar_bitmask`;
+* `_structured_advance(outs)` after every step's tokens were applied (and on aborts and failed
+  steps): matchers consume the new tokens; finished requests are forgotten.
+
+Asynchronous scheduling: a constrained request's next mask needs the token of the step in flight,
+so the engine waits for a step that sampled for a constrained request before it schedules the next
+one (`serving.async_scheduling`); steps without constrained requests overlap as before.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from serving.structured_outputs.backend import GuidanceBackend
+from serving.structured_outputs.config import StructuredOutputsConfig
+from serving.structured_outputs.manager import StructuredOutputManager
+from serving.structured_outputs.params import StructuredOutputsError
+
+logger = logging.getLogger(__name__)
+
+
+class StructuredOutputsMixin:
+    """Needs `self.config`, `self.model_path`, `self.eos_token_ids`, `self.runner`, `self.args`."""
+
+    structured: StructuredOutputManager
+
+    def _structured_init(self, model_path: str, vocab_size: int, eos_token_ids, config: dict | None) -> None:
+        """config: `--structured-outputs-config` (`StructuredOutputsConfig`; raises its error)."""
+        eos = tuple(eos_token_ids)
+        self.structured_config = StructuredOutputsConfig.from_dict(config)
+        self.structured = StructuredOutputManager(lambda: GuidanceBackend.from_model_dir(model_path, vocab_size, eos))
+
+    def _structured_check(self, request_id: str, params) -> None:
+        """Refuse what cannot run under a constraint, then compile it (ValueError / its subclass
+        `StructuredOutputsError`, both 400s). Call last in validation: the matcher is kept."""
+        so = params.structured_outputs
+        if so is None:
+            return
+        if params.ignore_eos:
+            raise StructuredOutputsError("ignore_eos cannot be combined with structured outputs (the grammar ends the "
+                                         "output)", "ignore_eos")
+        if params.kv_transfer_params is not None:
+            raise StructuredOutputsError("structured outputs are not supported with prefill/decode disaggregation "
+                                         "(kv_transfer_params) yet", so.param)
+        cfg = self.structured_config
+        so.disable_any_whitespace |= cfg.disable_any_whitespace
+        so.disable_additional_properties |= cfg.disable_additional_properties
+        if cfg.enable_in_reasoning:
+            so.reasoning_end_token_id = None
+        self.structured.add(request_id, so)
+
+    def _structured_masks(self, scheds) -> None:
+        """Set each `SchedulerOutput.grammar_bitmask` (None where no sampled row is constrained)."""
+        if not self.structured.requests:
+            return
+        rows = self.args.max_num_seqs + 1
+        positions = self.runner.spec_k + 1
+        for s in scheds:
+            s.grammar_bitmask = self.structured.bitmask(s, rows, positions)
+
+    def _structured_advance(self, outs) -> None:
+        """After tokens were applied: advance the matchers; drop finished requests. A token the
+        grammar refuses (never expected) ends its request with finish reason "error"."""
+        if not self.structured.requests:
+            return
+        for out in outs:
+            rid = out.request_id
+            if rid not in self.structured.requests:
+                continue
+            if out.new_token_ids and not self.structured.accept(rid, out.new_token_ids) and not out.finished:
+                self.scheduler_of(rid).abort(rid, "error")
+                out.finished, out.finish_reason = True, "error"
+                out.error = "the structured-output grammar refused a generated token"
+            if out.finished:
+                self.structured.remove(rid)
+
+    _structured_counts = (0, 0.0, 0)
+
+    def _structured_record(self, rec) -> None:
+        """Fill the `StepRecord`'s structured-output counters since the previous record."""
+        m = self.structured
+        now = (m.num_requests_total, m.mask_seconds_total, m.num_masked_steps)
+        prev = self._structured_counts
+        rec.structured_output_requests = now[0] - prev[0]
+        rec.structured_output_mask_s = now[1] - prev[1] if now[2] > prev[2] else None
+        self._structured_counts = now
+
+    def scheduler_of(self, request_id: str):
+        """The scheduler holding `request_id` (the engine's; a DP engine overrides it)."""
+        return self.scheduler
