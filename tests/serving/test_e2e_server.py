@@ -192,16 +192,24 @@ def test_parsers_split_the_real_model_output(parsing_server, client, thinking):
     assert (streamed["reasoning_content"], streamed["content"], finish) == (reasoning, content, "length")
 
 
-def test_tool_requests_refused_on_the_real_server(server, parsing_server):
+def test_tool_requests_refused_or_forced_on_the_real_server(server, parsing_server):
     body = {"model": "glm-5.3-tiny", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
     r = httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=60)  # no parser flags
     assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
     pclient = openai.OpenAI(base_url=parsing_server[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
-    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+    with pytest.raises(openai.BadRequestError, match="not among"):
         pclient.chat.completions.create(model="glm-5.3-tiny", messages=body["messages"], tools=TOOLS,
-                                        tool_choice="required", max_tokens=2)
+                                        tool_choice={"type": "function", "function": {"name": "now"}}, max_tokens=2)
     r = pclient.chat.completions.create(model="glm-5.3-tiny", messages=body["messages"], tools=TOOLS, max_tokens=2)
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+    # A named tool choice is a constraint (structured outputs): the random model calls the tool.
+    now = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+    r = pclient.chat.completions.create(model="glm-5.3-tiny", messages=body["messages"], tools=[*TOOLS, now],
+                                        tool_choice={"type": "function", "function": {"name": "now"}}, max_tokens=16,
+                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and [t.function.name for t in c.message.tool_calls] == ["now"]
+    assert c.message.tool_calls[0].function.arguments == "{}"
 
 
 def _metrics(base):

@@ -36,8 +36,8 @@ def samples():
 
 @pytest.fixture(scope="module")
 def server_answers(samples):
-    """[(answer text, finish_reason)] of the samples through the server and the openai client
-    (4 concurrent chat completions, greedy, thinking off)."""
+    """[(answer text, finish_reason, answer constrained to the samples' answers)] of the samples
+    through the server and the openai client (4 concurrent chat completions, greedy, thinking off)."""
     argv = ["--model", "tiny-recall", "--max-model-len", str(COMMON["max_model_len"]), "--max-num-seqs", "4",
             "--max-num-batched-tokens", str(COMMON["max_num_batched_tokens"]), "--cuda-graph-sizes",
             "--kv-cache-dtype", "bfloat16", "--log-level", "warning"]
@@ -47,11 +47,18 @@ def server_answers(samples):
             client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
             assert [m.id for m in client.models.list().data] == ["tiny-recall"]
 
+            choices = sorted({s.answer for s in samples})
+
             def ask(s):
                 r = client.chat.completions.create(model="tiny-recall", messages=s.messages, max_tokens=8,
                                                    temperature=0, extra_body={"chat_template_kwargs": {
                                                        "enable_thinking": False}})
-                return r.choices[0].message.content.strip(), r.choices[0].finish_reason
+                # The same question constrained to the samples' answers (structured outputs).
+                c = client.chat.completions.create(model="tiny-recall", messages=s.messages, max_tokens=8,
+                                                   temperature=0, extra_body={"chat_template_kwargs": {
+                                                       "enable_thinking": False}, "structured_outputs": {
+                                                       "choice": choices}})
+                return r.choices[0].message.content.strip(), r.choices[0].finish_reason, c.choices[0].message.content
 
             with cf.ThreadPoolExecutor(4) as ex:
                 got = list(ex.map(ask, samples))
@@ -66,6 +73,16 @@ def test_server_answers_retrieval_questions(samples, server_answers):
     assert sum(right) >= len(samples) - 1, (server_answers, [s.answer for s in samples])
     # A right answer ends with the model's own end-of-turn token (an EOS id), not the length limit.
     assert all(g[1] == "stop" for g, r in zip(server_answers, right) if r)
+
+
+def test_an_answer_constrained_to_the_candidates_is_the_free_answer(samples, server_answers):
+    """`structured_outputs.choice` over the samples' answers on the trained model: greedy under the
+    mask equals the unconstrained greedy answer wherever that one is a candidate (its tokens are
+    allowed at every step, so they stay the argmax), and every constrained answer is a candidate."""
+    choices = {s.answer for s in samples}
+    assert all(g[2] in choices for g in server_answers)
+    assert all(g[2] == g[0] for g in server_answers if g[0] in choices)
+    assert sum(g[2] == s.answer for g, s in zip(server_answers, samples)) >= len(samples) - 1
 
 
 def test_hisparse_with_a_tiny_pool_gives_the_same_answers(samples, server_answers):
