@@ -17,6 +17,7 @@ from glm53.tokenizer import GlmTokenizer
 from serving.engine import LLMEngine
 from serving.llm import LLM
 from serving.run import build_server
+from serving.structured_outputs import StructuredOutputsParams
 from serving.types import SamplingParams
 from tests.helpers.live_server import live_server
 
@@ -94,6 +95,13 @@ def test_hisparse_with_a_tiny_pool_gives_the_same_answers(samples, server_answer
                     chat_template_kwargs={"enable_thinking": False})
     assert [o.outputs[0].text.strip() for o in outs] == [g[0] for g in server_answers]
     assert engine.runner.num_hot_steps > 0 and engine.hisparse.device.misses > 0  # rows came from the host pool
+    # Structured outputs through the hot program too: the constrained answers are the server's.
+    hot_steps = engine.runner.num_hot_steps
+    choice = StructuredOutputsParams(choice=sorted({s.answer for s in samples}))
+    outs = llm.chat([s.messages for s in samples], SamplingParams(temperature=0, max_tokens=8, structured_outputs=choice),
+                    chat_template_kwargs={"enable_thinking": False})
+    assert [o.outputs[0].text for o in outs] == [g[2] for g in server_answers]
+    assert engine.runner.num_hot_steps > hot_steps
     assert engine.hisparse.device.drops_outside_truncation == 0
     assert engine.scheduler.num_preemptions_total == 0  # nobody was preempted for lack of pages
     assert engine.audit() == []
