@@ -268,6 +268,7 @@ class CompletionRequest(_Request):
     return_token_ids: bool = False  # vLLM: each choice also carries prompt_token_ids and token_ids
     repetition_penalty: float | None = None
     structured_outputs: dict[str, Any] | None = None  # serving/api/structured.py
+    response_format: dict[str, Any] | None = None  # vLLM applies it on completions too
 
 
 class CompletionChoice(_Response):

@@ -1,7 +1,8 @@
 """A request's output constraint from its OpenAI / vLLM fields (docs/structured_outputs.md).
 
-* chat `response_format`: `{"type": "json_object"}`, or `{"type": "json_schema", "json_schema":
-  {"name": ..., "schema": {...}, "strict": ...}}` (`"text"` is no constraint);
+* `response_format` (both endpoints, as vLLM): `{"type": "json_object"}`, or `{"type":
+  "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}` (`"text"` is no
+  constraint; a missing `type` is a 400);
 * vLLM's `structured_outputs` (both endpoints): exactly one of `json`, `regex`, `choice`,
   `grammar`, `json_object`, with the options `disable_any_whitespace` and
   `disable_additional_properties`; any other key (`structural_tag`, `whitespace_pattern`, ...)
@@ -90,7 +91,8 @@ def request_constraint(body: Any, tool_grammar: str | None = None,
                               "response_format.", name)
     found: list[StructuredOutputsParams] = []
     if tool_grammar is not None:
-        found.append(StructuredOutputsParams(grammar=tool_grammar, param="tool_choice"))
+        # (Its compile errors come from the tools' parameter schemas.)
+        found.append(StructuredOutputsParams(grammar=tool_grammar, param="tools"))
     fmt = getattr(body, "response_format", None)
     if fmt:
         p = _from_response_format(fmt)

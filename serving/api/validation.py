@@ -126,16 +126,17 @@ def reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
         ("min_p", _is_set(body.min_p, 0.0)),
         ("repetition_penalty", _is_set(body.repetition_penalty, 1.0)),
     ]
+    if body.response_format is not None:
+        fmt = body.response_format.get("type")
+        if fmt not in ("text", "json_object", "json_schema"):
+            raise bad_request(f'response_format type must be "text", "json_object" or "json_schema", got {fmt!r}.',
+                              "response_format")
     if isinstance(body, ChatCompletionRequest):
-        fmt = (body.response_format or {}).get("type", "text")
         if body.top_logprobs is not None:
             if body.top_logprobs < 0:
                 raise bad_request(f"top_logprobs must be >= 0, got {body.top_logprobs}.", "top_logprobs")
             if body.top_logprobs > 0 and not body.logprobs:
                 raise bad_request("top_logprobs requires logprobs=true.", "top_logprobs")
-        if fmt not in ("text", "json_object", "json_schema"):
-            raise bad_request(f'response_format type must be "text", "json_object" or "json_schema", got {fmt!r}.',
-                              "response_format")
     else:
         if body.logprobs is not None and body.logprobs < 0:
             raise bad_request(f"logprobs must be >= 0, got {body.logprobs}.", "logprobs")

@@ -18,6 +18,7 @@ with the same string fallback.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -82,6 +83,21 @@ def _admits(types: frozenset[str], value: Any) -> bool:
     return t == "number" and "integer" in types and float(value).is_integer()
 
 
+class RawNumber(str):
+    """A JSON number too large for a float (`1e999`: valid JSON, and valid for a `number`
+    schema), kept as its text; `serving.parsers.tool_calls.ParsedToolCall.arguments_json` writes
+    it back as that number, never as `Infinity` (which is not JSON)."""
+
+
+def _parse_float(text: str) -> float | RawNumber:
+    value = float(text)
+    return value if math.isfinite(value) else RawNumber(text)
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON")  # Python's json reads NaN / Infinity; JSON does not
+
+
 def coerce_argument(raw: str, schema: Any) -> Any:
     """The Python value of one argument's text `raw` under the parameter's JSON `schema`.
 
@@ -91,8 +107,8 @@ def coerce_argument(raw: str, schema: Any) -> Any:
     if types == frozenset({"string"}):
         return raw
     try:
-        value = json.loads(raw)
-    except (json.JSONDecodeError, RecursionError):
+        value = json.loads(raw, parse_float=_parse_float, parse_constant=_not_json)
+    except (ValueError, RecursionError):  # (json.JSONDecodeError is a ValueError)
         if types is not None and "boolean" in types and raw.strip() in ("True", "False"):
             return raw.strip() == "True"
         return raw

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from serving.parsers.arg_types import coerce_argument, parameter_schemas
+from serving.parsers.arg_types import RawNumber, coerce_argument, parameter_schemas
 from serving.parsers.tags import split_held
 
 CALL_START = "<tool_call>"
@@ -47,8 +47,24 @@ class ParsedToolCall:
 
     @property
     def arguments_json(self) -> str:
-        """`arguments` as the JSON string OpenAI's `function.arguments` carries."""
-        return json.dumps(self.arguments, ensure_ascii=False)
+        """`arguments` as the JSON string OpenAI's `function.arguments` carries (numbers too
+        large for a float, `arg_types.RawNumber`, written as the model wrote them)."""
+        raws: list[str] = []
+
+        def swap(x):
+            if isinstance(x, RawNumber):
+                raws.append(str(x))
+                return f"\x00raw{len(raws) - 1}\x00"
+            if isinstance(x, dict):
+                return {k: swap(v) for k, v in x.items()}
+            if isinstance(x, list):
+                return [swap(v) for v in x]
+            return x
+
+        text = json.dumps(swap(self.arguments), ensure_ascii=False, allow_nan=False)
+        for i, raw in enumerate(raws):
+            text = text.replace(json.dumps(f"\x00raw{i}\x00"), raw)
+        return text
 
 
 ToolEvent = str | ParsedToolCall  # a content text piece or a complete call, in output order

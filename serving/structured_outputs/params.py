@@ -101,9 +101,9 @@ class StructuredOutputsParams:
             ch = self.choice
             if not isinstance(ch, list) or not ch or not all(isinstance(c, str) and c for c in ch):
                 raise StructuredOutputsError("choice must be a non-empty list of non-empty strings", where)
-            # Lark string literals take JSON escapes; json.dumps gives one per choice.
-            return llguidance.LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(ch)))
+            # One regex alternation (a Lark rule of literals is limited to 2,000 alternatives by
+            # llguidance's parser; the regex lexer is not).
+            return llguidance.LLMatcher.grammar_from_regex("|".join(regex_literal(c) for c in dict.fromkeys(ch)))
         g = self.grammar
         if not isinstance(g, str) or not g.strip():
             raise StructuredOutputsError("the grammar must be a non-empty string", where)
@@ -124,6 +124,13 @@ class StructuredOutputsParams:
         except StructuredOutputsError:
             return self.param
         return f"{self.param}.{kind}" if self.param == "structured_outputs" else self.param
+
+
+def regex_literal(text: str) -> str:
+    """`text` as a regex (Rust `regex` syntax) matching exactly it: ASCII letters, digits and `_`
+    as they are, other ASCII characters as `\\x{HH}` escapes, other characters as they are."""
+    return "".join(c if (c.isascii() and (c.isalnum() or c == "_")) or not c.isascii() else f"\\x{{{ord(c):02x}}}"
+                   for c in text)
 
 
 def _close_objects(schema: Any) -> Any:

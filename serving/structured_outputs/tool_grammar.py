@@ -11,9 +11,10 @@ one for a named `tool_choice`); the keys are that tool's parameters in the schem
 required ones always, the others optionally; each value is what the parser turns back into the
 argument (`serving.parsers.arg_types.coerce_argument`):
 
-* a parameter whose schema admits only strings is raw text: one of its `enum` values, a text
-  matching its `pattern`, or any text without `<` (the tags' first character) within its
-  `minLength` / `maxLength`;
+* a parameter whose schema admits only strings is raw text: one of its `enum` values (a value
+  with `<` is refused: raw text ends at the closing tag's `<`), a text matching its `pattern`
+  (used as given: a pattern that can match `</arg_value>` can end the value early), or any text
+  without `<` within its `minLength` / `maxLength`;
 * any other parameter is JSON valid against its schema (llguidance's `%json` inside the Lark
   grammar), which the parser loads back.
 
@@ -38,6 +39,9 @@ def _string_value(schema: dict) -> str:
     """The Lark expression of a string-only parameter's raw value."""
     enum = schema.get("enum", [schema["const"]] if "const" in schema else None)
     if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        if any("<" in v for v in enum):
+            raise ValueError(f"the string value {next(v for v in enum if '<' in v)!r} cannot be written in a glm47 "
+                             "tool call (a raw value ends at the first '<' of its closing tag)")
         return "(" + " | ".join(_literal(v) for v in dict.fromkeys(enum)) + ")"
     pattern = schema.get("pattern")
     if isinstance(pattern, str):
@@ -50,11 +54,13 @@ def _string_value(schema: dict) -> str:
     return f"/[^<]{rep}/"
 
 
-def _value(schema: Any) -> str:
+def _value(schema: Any, defs: dict) -> str:
+    """defs: the `parameters` schema's `$defs` / `definitions`, copied into each parameter's
+    schema so that its `$ref`s (`#/$defs/...`, as pydantic writes them) resolve there."""
     schema = schema if isinstance(schema, dict) else {}
     if schema_types(schema) == frozenset({"string"}):
         return _string_value(schema)
-    return "%json " + json.dumps(schema or {}, ensure_ascii=False)
+    return "%json " + json.dumps({**defs, **schema} if schema else {}, ensure_ascii=False)
 
 
 def tool_call_lark(tools: list[dict], name: str | None = None, parallel: bool = True) -> str:
@@ -84,9 +90,10 @@ def tool_call_lark(tools: list[dict], name: str | None = None, parallel: bool = 
         params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
         props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
         required = set(params.get("required") or ())
+        defs = {k: params[k] for k in ("$defs", "definitions") if isinstance(params.get(k), dict)}
         parts = []
         for j, (key, sub) in enumerate(props.items()):
-            rules.append(f"arg_{i}_{j}: <arg_key> {_literal(key)} </arg_key> <arg_value> {_value(sub)} </arg_value>")
+            rules.append(f"arg_{i}_{j}: <arg_key> {_literal(key)} </arg_key> <arg_value> {_value(sub, defs)} </arg_value>")
             parts.append(f"arg_{i}_{j}" + ("" if key in required else "?"))
         rules.append(f"call_{i}: <tool_call> {_literal(fn['name'])} {' '.join(parts)} </tool_call>")
         calls.append(f"call_{i}")

@@ -72,7 +72,8 @@ CHAT = {**COMMON,
 COMPLETION = {**COMMON,
               "prompt": text | token_ids | st.lists(text, max_size=3) | st.lists(token_ids, max_size=3) | junk,
               "echo": st.booleans() | junk, "logprobs": st.integers(-1, 30) | junk, "best_of": st.integers(-1, 3),
-              "suffix": text | junk, "return_token_ids": st.booleans() | junk}
+              "suffix": text | junk, "return_token_ids": st.booleans() | junk,
+              "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {}]) | junk}
 assert set(CHAT) >= set(ChatCompletionRequest.model_fields) - {"max_tokens"}
 assert set(COMPLETION) >= set(CompletionRequest.model_fields) - {"max_tokens"}
 

@@ -393,3 +393,21 @@ def test_any_chunking_recovers_the_parts(case):
     whole = as_expected(message, finish)
     whole["calls"] = [list(c) for c in whole["calls"]]
     assert whole == expected
+
+
+def test_numbers_too_large_for_a_float_stay_valid_json():
+    """`95E7336` is a JSON number (and a valid `number` argument) that Python reads as inf: the
+    arguments JSON carries it as written, never `Infinity`; NaN / Infinity text is not JSON and
+    stays a string."""
+    import json
+
+    from serving.parsers.tool_calls import Glm47ToolCallParser
+
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+        "x": {"type": "number"}, "y": {"type": "number"}, "z": {"type": "array"}}}}}]
+    (call,) = Glm47ToolCallParser(tools).parse(
+        "<tool_call>add<arg_key>x</arg_key><arg_value>95E7336</arg_value><arg_key>y</arg_key><arg_value>-1e999"
+        "</arg_value><arg_key>z</arg_key><arg_value>[1, 2.5, NaN]</arg_value></tool_call>")
+    text = call.arguments_json
+    assert "Infinity" not in text and "NaN" not in text.replace('"[1, 2.5, NaN]"', "")
+    assert json.loads(text, parse_float=str) == {"x": "95E7336", "y": "-1e999", "z": "[1, 2.5, NaN]"}

@@ -106,6 +106,15 @@ def test_structured_outputs_on_completions_streaming_and_not(served, so, ok):
     assert ok(text), text
 
 
+def test_response_format_on_completions(served):
+    client, _ = served
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    r = client.completions.create(model=MODEL, prompt="Hello there!", max_tokens=MAX_TOKENS, temperature=1.0,
+                                  seed=7, extra_body={"response_format": fmt})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+
+
 def _check_calls(calls, names):
     assert calls
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
@@ -147,6 +156,8 @@ def test_a_named_tool_choice_calls_that_function_once(served):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
      "response_format"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"json_schema": {"name": "x", "schema": PERSON}}}, "response_format"),
+    ({"extra_body": {"structured_outputs": {"regex": r"[^\s\S]"}}}, "structured_outputs.regex"),
     ({"extra_body": {"structured_outputs": {"regex": "[a-"}}}, "structured_outputs.regex"),
     ({"extra_body": {"structured_outputs": {"grammar": "start: nothing_here"}}}, "structured_outputs.grammar"),
     ({"extra_body": {"structured_outputs": {"structural_tag": "{}"}}}, "structured_outputs.structural_tag"),

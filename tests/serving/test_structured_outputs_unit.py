@@ -179,3 +179,34 @@ def test_structured_outputs_config():
     args = parse_args(["--structured-outputs-config", '{"disable_any_whitespace": true}'])
     assert args.structured_outputs_config == {"disable_any_whitespace": True}
     json.dumps(args.structured_outputs_config)
+
+
+def test_pathological_constraints_compile_or_are_refused_without_crashing(backend):
+    """A 5,000-rule chained Lark grammar overflowed a default thread stack inside llguidance (a
+    segfault of the server): it compiles on the backend's large-stack thread. A 20,000-way choice
+    (past llguidance's 2,000 alternatives per Lark rule) compiles as one regex. An unsatisfiable
+    regex is refused. Tool parameters' `$defs` resolve inside each parameter's schema."""
+    from serving.structured_outputs import StructuredOutputsError
+
+    n = 5000
+    chain = "start: r0\n" + "".join(f'r{i}: "x{i}" r{i + 1} | "y"\n' for i in range(n)) + f'r{n}: "z"\n'
+    m = backend.matcher(StructuredOutputsParams(grammar=chain))
+    mask = np.zeros((1, backend.bitmask_words), np.int32)
+    lnp.fill_next_token_bitmask(m, mask, 0)
+    assert m.consume_tokens(backend.tokenizer.tokenize_str("x0x1y")) and m.is_accepting()
+    choices = [f"c{i}" for i in range(20000)] + ["a b", "x.y", "<q>", 'say "hi"', "é\\"]
+    m = backend.matcher(StructuredOutputsParams(choice=choices))
+    for c in ("c19999", "a b", "x.y", "<q>", 'say "hi"', "é\\"):
+        m2 = backend.matcher(StructuredOutputsParams(choice=choices))
+        assert m2.consume_tokens(backend.tokenizer.tokenize_str(c)) and m2.is_accepting(), c
+    assert not backend.matcher(StructuredOutputsParams(choice=choices)).consume_tokens(
+        backend.tokenizer.tokenize_str("c20000x"))
+    with pytest.raises(StructuredOutputsError, match="admits no output"):
+        backend.matcher(StructuredOutputsParams(regex=r"[^\s\S]"))
+    defs_tool = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "$defs": {"P": {"type": "integer", "minimum": 1, "maximum": 3}},
+        "properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"]}}}]
+    backend.matcher(StructuredOutputsParams(grammar=tool_call_lark(defs_tool)))
+    with pytest.raises(ValueError, match="cannot be written"):
+        tool_call_lark([{"type": "function", "function": {"name": "g", "parameters": {
+            "type": "object", "properties": {"s": {"enum": ["a</arg_value>b", "c"]}}}}}])
