@@ -44,7 +44,8 @@ class StructuredOutputManager:
     """Grammar state of the engine's constrained requests.
 
     backend_factory: `() -> GuidanceBackend`, called on the first constrained request (building
-    the llguidance tokenizer takes about a second at GLM-5.3's vocabulary, so engines that never
+    the llguidance tokenizer walks the whole vocabulary — about a second for a large one, llguidance's
+    docs say; not measured here on GLM-5.3's — so engines that never
     see one never pay it).
 
     Counters: `num_requests_total` (constrained requests accepted), `mask_seconds_total` (host
