@@ -12,9 +12,9 @@
 
 At most one of them per request (400 naming the second). vLLM's removed `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar` fields are refused with a pointer to
-`structured_outputs`. Shapes are checked here; whether a schema, regex or grammar compiles is
-checked by the engine when the request is added (`StructuredOutputsError`, also a 400 naming the
-field).
+`structured_outputs`. Which fields are set is checked here; their values (types, and whether a
+schema, regex or grammar compiles) by the engine when the request is added
+(`StructuredOutputsError`, also a 400 naming the field).
 """
 
 from __future__ import annotations
@@ -49,17 +49,11 @@ def _from_structured_outputs(so: Any) -> StructuredOutputsParams:
         if not isinstance(so.get(opt, False), bool):
             raise bad_request(f"structured_outputs.{opt} must be a boolean.", f"structured_outputs.{opt}")
     kind = kinds[0]
-    value = so[kind]
-    if kind == "json_object" and value is not True:
+    if kind == "json_object" and so[kind] is not True:
         raise bad_request("structured_outputs.json_object must be true.", "structured_outputs.json_object")
-    if kind == "json" and not isinstance(value, (dict, str)):
-        raise bad_request("structured_outputs.json must be a JSON schema object.", "structured_outputs.json")
-    if kind in ("regex", "grammar") and not (isinstance(value, str) and value):
-        raise bad_request(f"structured_outputs.{kind} must be a non-empty string.", f"structured_outputs.{kind}")
-    if kind == "choice" and not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
-        raise bad_request("structured_outputs.choice must be a non-empty list of non-empty strings.",
-                          "structured_outputs.choice")
-    return StructuredOutputsParams(**{kind: value}, **{o: bool(so.get(o, False)) for o in _OPTIONS})
+    # The value's type and content are checked where it compiles (StructuredOutputsParams.grammar_text
+    # and the engine's backend), which name the same field.
+    return StructuredOutputsParams(**{kind: so[kind]}, **{o: bool(so.get(o, False)) for o in _OPTIONS})
 
 
 def _from_response_format(fmt: dict) -> StructuredOutputsParams | None:

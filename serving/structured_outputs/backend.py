@@ -113,10 +113,6 @@ class GuidanceBackend:
                 threading.stack_size(old)
         return self._pool
 
-    def check(self, params: StructuredOutputsParams) -> None:
-        """Raise StructuredOutputsError when `params` does not compile (the server's 400)."""
-        self.matcher(params)
-
     @classmethod
     def from_model_dir(cls, model_dir, vocab_size: int, eos_token_ids) -> GuidanceBackend:
         """The backend of a checkpoint directory's `tokenizer.json`. Raises FileNotFoundError when

@@ -77,10 +77,6 @@ class StructuredOutputManager:
             self._executor = llguidance.LLExecutor()
         return self._executor
 
-    def check(self, params: StructuredOutputsParams) -> None:
-        """Raise StructuredOutputsError when `params` does not compile."""
-        self.backend.check(params)
-
     def add(self, request_id: str, params: StructuredOutputsParams) -> None:
         """Compile the request's constraint. Raises StructuredOutputsError (a ValueError)."""
         m = self.backend.matcher(params)

@@ -66,6 +66,11 @@ def engine():
                                 precompile_token_paddings=[], enable_prefix_caching=True, compile_progress=False,
                                 disable_log_stats=True))
     yield e
+    assert_clean(e)
+
+
+def assert_clean(e) -> None:
+    """Nothing left behind: no request, no matcher, no page."""
     assert not e.has_unfinished_requests() and e.audit() == []
     assert not e.structured.requests, "matchers of finished requests were kept"
     assert e.pool.num_free == e.pool.num_usable_blocks, "KV pages leaked"
@@ -79,7 +84,9 @@ def tok(engine):
 def run(e, requests: dict, async_scheduling: bool = False):
     """Run `requests` ({id: (prompt ids, SamplingParams)}) to the end, auditing every step.
     → ({id: tokens}, {id: finish reason}, {id: logprobs})."""
-    e.set_async_scheduling(async_scheduling)
+    switch = e.async_scheduling != async_scheduling
+    if switch:
+        e.set_async_scheduling(async_scheduling)
     toks, reasons, lps = {r: [] for r in requests}, {}, {r: [] for r in requests}
     for rid, (prompt, params) in requests.items():
         e.add_request(rid, prompt, params)
@@ -91,7 +98,8 @@ def run(e, requests: dict, async_scheduling: bool = False):
             if o.finished:
                 reasons[o.request_id] = o.finish_reason
         assert e.audit() == []
-    e.set_async_scheduling(False)
+    if switch:
+        e.set_async_scheduling(not async_scheduling)
     return toks, reasons, lps
 
 

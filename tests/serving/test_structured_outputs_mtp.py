@@ -10,10 +10,6 @@ drafts, every output validates over many seeds.
 
 from __future__ import annotations
 
-import json
-import re
-
-import jsonschema
 import pytest
 
 from glm53.tokenizer import GlmTokenizer
@@ -27,7 +23,11 @@ from tests.serving.test_structured_outputs import (
     PERSON,
     PROMPT,
     REGEXES,
+    assert_clean,
+    check_output,
     json_params,
+    run,
+    text_of,
 )
 
 
@@ -37,9 +37,7 @@ def engine():
                                 precompile_token_paddings=[], compile_progress=False, disable_log_stats=True,
                                 speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
     yield e
-    assert not e.has_unfinished_requests() and e.audit() == []
-    assert not e.structured.requests
-    assert e.pool.num_free == e.pool.num_usable_blocks, "KV pages leaked"
+    assert_clean(e)
 
 
 @pytest.fixture(scope="module")
@@ -55,29 +53,6 @@ def constraints():
     return out
 
 
-def serve(e, requests):
-    toks, reasons = {r: [] for r in requests}, {}
-    for rid, (prompt, params) in requests.items():
-        e.add_request(rid, prompt, params)
-    while e.has_unfinished_requests():
-        for o in e.step():
-            toks[o.request_id] += o.new_token_ids
-            if o.finished:
-                reasons[o.request_id] = o.finish_reason
-        assert e.audit() == []
-    return toks, reasons
-
-
-def check(tok, e, kind, spec, ids):
-    text = tok.decode([t for t in ids if t not in e.eos_token_ids])
-    if kind == "json":
-        jsonschema.validate(json.loads(text), spec)
-    elif kind == "regex":
-        assert re.fullmatch(spec, text), (spec, text)
-    else:
-        assert text in spec
-
-
 def test_forbidden_drafts_are_rejected_and_grammatical_drafts_accepted(engine, tok):
     e = engine
     prompt = tok.encode(PROMPT)
@@ -88,19 +63,19 @@ def test_forbidden_drafts_are_rejected_and_grammatical_drafts_accepted(engine, t
     e.drafter_override = lambda req, n: [forbidden] * n
     before = (s.num_draft_tokens, s.num_accepted_tokens)
     try:
-        rejected, reasons = serve(e, reqs)
+        rejected, reasons, _ = run(e, reqs)
     finally:
         e.drafter_override = None
     assert s.num_draft_tokens > before[0] and s.num_accepted_tokens == before[1]  # none accepted
     assert all(r == "stop" for r in reasons.values())
     for rid, (_, kind, spec) in constraints().items():
         assert forbidden not in rejected[rid]
-        check(tok, e, kind, spec, rejected[rid])
+        check_output(kind, spec, text_of(tok, e, rejected[rid]))
     # The streams' own continuations as drafts: accepted, and the same streams.
     e.drafter_override = lambda req, n: (rejected[req.request_id][req.num_output_tokens:] + [forbidden] * n)[:n]
     before = (s.num_draft_tokens, s.num_accepted_tokens)
     try:
-        accepted, _ = serve(e, reqs)
+        accepted, _, _ = run(e, reqs)
     finally:
         e.drafter_override = None
     assert accepted == rejected
@@ -117,8 +92,8 @@ def test_sampled_outputs_with_the_mtp_drafts_validate(engine, tok):
                                                             structured_outputs=so))
             checks[f"{rid}-{seed}"] = (kind, spec)
     drafts = e.spec_stats.num_draft_tokens
-    toks, reasons = serve(e, reqs)
+    toks, reasons, _ = run(e, reqs)
     assert e.spec_stats.num_draft_tokens > drafts
     for rid, (kind, spec) in checks.items():
         assert reasons[rid] == "stop", (rid, reasons[rid])
-        check(tok, e, kind, spec, toks[rid])
+        check_output(kind, spec, text_of(tok, e, toks[rid]))

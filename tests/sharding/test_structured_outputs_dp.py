@@ -5,10 +5,6 @@ same stream on either replica."""
 
 from __future__ import annotations
 
-import json
-import re
-
-import jsonschema
 import pytest
 
 from glm53.tokenizer import GlmTokenizer
@@ -23,7 +19,10 @@ from tests.serving.test_structured_outputs import (
     PERSON,
     PROMPT,
     REGEXES,
+    check_output,
     json_params,
+    run,
+    text_of,
 )
 
 
@@ -53,22 +52,8 @@ def test_constrained_requests_on_both_replicas(engine):
         reqs[f"g{rank}"] = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=json_params(PERSON),
                                           data_parallel_rank=rank)
         checks[f"g{rank}"] = ("json", PERSON)
-    for rid, params in reqs.items():
-        e.add_request(rid, prompt, params)
-    toks, reasons = {r: [] for r in reqs}, {}
-    while e.has_unfinished_requests():
-        for o in e.step():
-            toks[o.request_id] += o.new_token_ids
-            if o.finished:
-                reasons[o.request_id] = o.finish_reason
-        assert e.audit() == []
+    toks, reasons, _ = run(e, {rid: (prompt, params) for rid, params in reqs.items()})
     for rid, (kind, spec) in checks.items():
         assert reasons[rid] == "stop", rid
-        text = tok.decode([t for t in toks[rid] if t not in e.eos_token_ids])
-        if kind == "json":
-            jsonschema.validate(json.loads(text), spec)
-        elif kind == "regex":
-            assert re.fullmatch(spec, text), text
-        else:
-            assert text in spec
+        check_output(kind, spec, text_of(tok, e, toks[rid]))
     assert toks["g0"] == toks["g1"]
