@@ -1,4 +1,4 @@
-"""Suite-wide settings: 8 simulated CPU devices, XLA:CPU compiling without LLVM optimisation, and a persistent JAX compilation cache outside
+"""Suite-wide settings: 8 simulated CPU devices and a persistent JAX compilation cache outside
 the repository (repeated runs on one machine skip recompiling the same steps); the order in which
 the two pytest-xdist workers take the test modules.
 
@@ -15,28 +15,70 @@ import os
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-# Most of the suite's time is XLA:CPU compiling tiny programs that then run for milliseconds: the
-# tests (and the servers and workers they start, which inherit XLA_FLAGS) compile with LLVM's
-# optimisation off and without its expensive passes. Measured on the 2-core machine, with the
-# compilation cache off, for tests/serving/test_fp8_engine.py + test_llm.py (34 programs):
-# 22.8 s → 16.1 s of backend compile. Every comparison in the suite is between two runs under the
-# same flags, or within a stated tolerance. Set XLA_FLAGS with xla_backend_optimization_level
-# yourself to test under other settings.
+# XLA:CPU's backend at optimisation level 2 (XLA's default is 3, not measured for the suite):
+# level 0 without LLVM's expensive passes saves about 20 % of backend compile time but makes every
+# step run about 1.5–2 times slower, and the suite runs many steps. Two cold runs of the whole
+# suite back to back from fresh clones of one commit: 27 min 10 s (user 2,842 s) at level 0 and
+# 24 min 33 s (user 2,559 s) at level 2 (docs/results/suite_time/optimisation_level_2026-12-04.txt).
+# Set xla_backend_optimization_level in XLA_FLAGS yourself to test under other settings; servers
+# and workers the tests start inherit the flags.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=2"
 
 import pytest  # noqa: E402
 
 from glm53.compile_cache import enable_compilation_cache  # noqa: E402
 
 # The server's own settings (bounded, so reads and writes are locked against the servers and
-# workers the tests start, which share the cache), except that every program is stored, however
-# quickly it compiled: with LLVM optimisation off most of the tiny model's programs compile in
-# under the server's 1 s threshold, and the suite builds many engines of one configuration (in
-# other modules, and in the servers it starts, which inherit the variable). Measured with an empty
-# cache for test_llm + test_fp8_engine + test_e2e_server: 246 s → 221 s, 18 programs read back.
-os.environ.setdefault("GLM53_COMPILATION_CACHE_MIN_SECS", "0")
+# workers the tests start, which share the cache), except that programs compiled in 0.5 s or more
+# are stored (the server: 1 s): the suite builds many engines of one configuration (in other
+# modules, and in the servers it starts, which inherit the variable), and their steps compile in
+# about 1–3 s. Not lower: JAX's bounded cache scans every entry (a stat and an access-time read
+# each) on every write, under the lock, and the suite leaves thousands of entries; storing the
+# hundreds of eager single-op programs (tens of ms to compile) cost more than compiling them.
+# Measured on test_training.py with a cache of 2,680 entries: threshold 0 → 86 s (740 files
+# written), 0.5 s → 30 s (6 written).
+os.environ.setdefault("GLM53_COMPILATION_CACHE_MIN_SECS", "0.5")
 enable_compilation_cache()
+
+
+# GLM53_SUITE_COMPILE_LOG=<file>: each test process appends one JSON line per test module — its
+# compile requests, compilation-cache hits and seconds of backend compile (jax.monitoring events),
+# and its wall seconds — so where the suite's time goes can be summed per module
+# (scripts/suite_compile_report.py). Unset: nothing is recorded.
+_COMPILE_LOG = os.environ.get("GLM53_SUITE_COMPILE_LOG")
+_compile_stats: dict[str, float] = {}
+if _COMPILE_LOG:
+    import jax.monitoring
+
+    def _count(event, value=1.0, **_):
+        _compile_stats[event] = _compile_stats.get(event, 0.0) + value
+
+    jax.monitoring.register_event_listener(lambda event, **kw: _count(event))
+    jax.monitoring.register_event_duration_secs_listener(lambda event, secs, **kw: _count(event, secs))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_compile_log(request):
+    if not _COMPILE_LOG:
+        yield
+        return
+    import json
+    import time
+
+    _compile_stats.clear()
+    start = time.perf_counter()
+    yield
+    s = _compile_stats
+    row = {"module": request.module.__name__, "wall_s": round(time.perf_counter() - start, 2),
+           "compile_requests": int(s.get("/jax/compilation_cache/compile_requests_use_cache", 0)),
+           "cache_hits": int(s.get("/jax/compilation_cache/cache_hits", 0)),
+           "backend_compile_s": round(s.get("/jax/core/compile/backend_compile_duration", 0.0), 2),
+           "trace_lower_s": round(s.get("/jax/core/compile/jaxpr_trace_duration", 0.0)
+                                  + s.get("/jax/core/compile/jaxpr_to_mlir_module_duration", 0.0), 2),
+           "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}
+    with open(_COMPILE_LOG, "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -5,6 +5,8 @@ The independent result is the serving path (`glm53.api.forward`: paged arena, th
 kernel reference, absorbed sparse MLA over the selected rows) on the random tiny checkpoint
 (14 layers: single and stacked IndexShare groups, dense and MoE layers)."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,13 +36,18 @@ def test_sparse_training_forward_equals_serving_forward(lm):
     see inputs that differ by rounding): at most 4 % of the rows may differ, none of the first 64."""
     ids = _ids(150, 0)
     ref = np.asarray(api.forward(lm, ids))
-    out = train_forward(lm.model, jnp.asarray([ids]), sparse=True, mtp=False)
-    got = np.asarray(out.logits_BTV[0])
+    graphdef, state = nnx.split(lm.model)
+
+    @partial(jax.jit, static_argnums=1)  # one program each: eagerly, every op compiles on its own
+    def logits(state, sparse):
+        return train_forward(nnx.merge(graphdef, state), jnp.asarray([ids]), sparse=sparse, mtp=False).logits_BTV[0]
+
+    got = np.asarray(logits(state, True))
     tol = 2e-4 * np.abs(ref).max()
     bad = np.abs(got - ref).max(-1) > tol
     assert bad.sum() <= 6, np.nonzero(bad)
     assert not bad[:64].any()
-    dense = np.asarray(train_forward(lm.model, jnp.asarray([ids]), sparse=False, mtp=False).logits_BTV[0])
+    dense = np.asarray(logits(state, False))
     # Dense attention differs from the served (sparse) model once a query sees > index_topk keys.
     assert np.abs(dense[100:] - ref[100:]).max() > 1e-3
     np.testing.assert_allclose(dense[:64], ref[:64], atol=2e-4 * np.abs(ref).max())

@@ -9,8 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from glm53 import api
 from glm53.training import train_forward
@@ -40,5 +42,9 @@ def test_quick_training_run_writes_a_servable_checkpoint(tmp_path):
         [{"role": "user", "content": "Repeat: the river"}], enable_thinking=False))
     ids = ids + ids + ids  # > index_topk tokens: sparse selection matters
     ref = np.asarray(api.forward(loaded, ids))
-    got = np.asarray(train_forward(loaded.model, jnp.asarray([ids]), sparse=True, mtp=False).logits_BTV[0])
+    graphdef, state = nnx.split(loaded.model)
+    # One program: eagerly, every op of the forward compiles on its own.
+    forward = jax.jit(lambda s: train_forward(nnx.merge(graphdef, s), jnp.asarray([ids]), sparse=True,
+                                              mtp=False).logits_BTV[0])
+    got = np.asarray(forward(state))
     np.testing.assert_allclose(got, ref, atol=2e-4 * np.abs(ref).max())
