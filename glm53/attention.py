@@ -457,7 +457,7 @@ def _resolve_parallel(topk_TK, kv: PagedKV, batch: ForwardBatch, g: GroupLayout,
             shard = jax.lax.axis_index(shard_axes)
             per_shard = store.shape[0] // num_kv_shards(par)
             arena = copy_host_rows(arena, store, miss_rows, miss_slots, g, "mla", lyr, num_layers,
-                                   mechanism="callback", row_offset=shard * per_shard)
+                                   mechanism="callback", after=pool, row_offset=shard * per_shard)
         elif R == 1:
             arena = copy_host_rows(arena, pool, miss_rows, miss_slots, g, "mla", lyr, num_layers,
                                    mechanism=host.mechanism)
@@ -477,7 +477,10 @@ def _resolve_parallel(topk_TK, kv: PagedKV, batch: ForwardBatch, g: GroupLayout,
 
     st_spec = hot_state_spec(par)
     rep = s["rep"]
-    pool_arg = jnp.zeros((), jnp.int32) if callback else host.pool
+    # Callback: the pool is the numpy store (static); its argument slot carries `host.after`,
+    # the value the reads are ordered after.
+    after = jnp.zeros((), jnp.int32) if host.after is None else jnp.asarray(host.after, jnp.int32)
+    pool_arg = after if callback else host.pool
     pool_spec = rep if callback else host_pool_spec(par)
     f = _shard_map(par, body,
                    (s["arena"], pool_spec, s["tok2"], s["tok"], s["tok"], bt_spec, bt_spec, bt_spec, req_spec,

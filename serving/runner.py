@@ -305,6 +305,7 @@ class ModelRunner(ArenaPageIO):
         if self.step_sink is not None:
             self.step_sink("stores", (src, dst, np.bool_(wait)))
         self.hisparse.pool, done = self._store_only(self.hisparse.pool, self.kv_arena, self._put(src), self._put(dst))
+        self.hisparse.after = done  # the next steps' host reads take it as an operand
         if wait:
             jax.block_until_ready(done)
 
@@ -344,15 +345,16 @@ class ModelRunner(ArenaPageIO):
             self.run_stores(jobs if self.parallel is not None else jobs[0])
 
     def _hisparse_args(self):
-        """The step's `hs` argument: None or (hot state, host pool)."""
+        """The step's `hs` argument: None or (hot state, host pool, the last store program's
+        completion value)."""
         if self.hisparse is None:
             return None
-        return self.hisparse.hot, self.hisparse.pool
+        return self.hisparse.hot, self.hisparse.pool, self.hisparse.after
 
     def _keep_hisparse(self, hs) -> None:
         """Take back the donated HiSparse state the step returned."""
         if hs is not None:
-            self.hisparse.hot, self.hisparse.pool = hs
+            self.hisparse.hot, self.hisparse.pool, self.hisparse.after = hs
 
     def _place(self, batch: ForwardBatch) -> ForwardBatch:
         """Host batch → the step's batch argument: on one device the numpy arrays themselves (the

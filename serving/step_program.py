@@ -57,14 +57,16 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
     @functools.partial(jax.jit, donate_argnums=(2, 10))
     def step(state, batch: ForwardBatch, kv_arena, temperature, top_p, seeds, steps, want_logprobs, copy_src,
              copy_dst, hs, sp=None, bitmask=None):
-        # hs: None, or HiSparse's (hot state, host pool), donated. (Its write-through copies run
-        # before, in their own program: `run_stores`.) sp: the `SpecBatch` under MTP speculation.
+        # hs: None, or HiSparse's (hot state, host pool, after), donated. (Its write-through
+        # copies run before, in their own program: `run_stores`; `after` is that program's
+        # completion value, an operand of the step's host reads, returned unchanged.)
+        # sp: the `SpecBatch` under MTP speculation.
         # bitmask: structured outputs' packed allowed-token masks (int32 [B, W], or [B, k + 1, W]
         # under speculation) or None: a step without constrained rows is the program without it.
         host = None
         if hs is not None:
-            hot, pool = hs
-            host = HostAccess(pool, mechanism, narrow_rows=narrow_rows)
+            hot, pool, after = hs
+            host = HostAccess(pool, mechanism, after=after, narrow_rows=narrow_rows)
         kv_arena = copy_pages(kv_arena, copy_src, copy_dst)  # copy-on-write pages, before any write
         model = nnx.merge(graphdef, state if state_def is None else jax.tree.unflatten(state_def, state))
         if sp is not None:
@@ -76,7 +78,7 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
                 out = jax.lax.with_sharding_constraint(out, replicate)
             if hs is None:
                 return out, kv, None
-            return out, kv.arena, (kv.hot, host.pool)
+            return out, kv.arena, (kv.hot, host.pool, host.after)
         if hs is None:
             logits, _, kv_arena = model(batch, kv_arena, layout, parallel)
             logits = mask_unreachable(logits, reachable)
@@ -94,7 +96,7 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
         out = sample_with_logprobs(logits, temperature, top_p, seeds, steps, want_logprobs, k)
         if replicate is not None:
             out = jax.lax.with_sharding_constraint(out, replicate)
-        return out, kv.arena, (kv.hot, host.pool)
+        return out, kv.arena, (kv.hot, host.pool, host.after)
 
     store_only = None
     if hisparse is not None:

@@ -23,8 +23,11 @@ Two mechanisms implement the same contract (`MECHANISMS`; `api.py` chooses per b
   only.
 * "callback": the pool is a numpy array owned by a `HostRowStore`; the step gathers and stores
   through `jax.experimental.io_callback` (supported on GPU), in chunks of `CALLBACK_CHUNK` rows
-  (a chunk of GLM-5.3's 4-layer group rows is 2.6 MB). Reads are ordered after the step's stores
-  by a data dependency.
+  (a chunk of GLM-5.3's 4-layer group rows is 2.6 MB). The callbacks are unordered; a read is
+  ordered after the stores through a data dependency: `store_pages` returns an int32 `done`
+  computed from the stores' callback results, and the caller passes it to `copy_host_rows` as
+  `after` (an operand of every read callback; the serving step takes the last store program's
+  value, `serving/runner.py`).
 
 Row copies land in the arena through `scatter_rows` (one call per layer); −1 slots are dropped.
 """

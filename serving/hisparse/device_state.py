@@ -113,6 +113,7 @@ class HiSparseDeviceState:
             # the committed pinned_host pool would key a second compilation).
             self.hot = jax.device_put(HotState.empty(max_num_seqs, num_index_groups, self.hot_rows),
                                       SingleDeviceSharding(jax.devices()[0], memory_kind="device"))
+            scalar = SingleDeviceSharding(jax.devices()[0], memory_kind="device")
         else:
             from jax.sharding import NamedSharding, PartitionSpec
 
@@ -124,6 +125,14 @@ class HiSparseDeviceState:
             self.hot = jax.device_put(HotState.empty(shards * max_num_seqs, num_index_groups, self.hot_rows),
                                       HotState(st, st, NamedSharding(parallel.mesh, PartitionSpec()),
                                                NamedSharding(parallel.mesh, PartitionSpec())))
+            scalar = NamedSharding(parallel.mesh, PartitionSpec())
+        # The completion value of the last store program (`store_host_pages`' `done`), which the
+        # step passes to its host reads as an operand: with the callback mechanism the reads then
+        # depend on the stores' result, so a read never overtakes a store dispatched before it
+        # (the callbacks are unordered, and the host pool is outside the arena's donation chain).
+        # Same placement as `done`, so the step's first call with a store's value hits the
+        # compiled executable.
+        self.after = jax.device_put(np.int32(0), scalar)
         self.layer_row_bytes = 4 * comp.row_words  # one layer's row of one token
         self.hits = self.misses = self.dropped = 0  # lookups since start-up
         self.drops_outside_truncation = 0  # steps with dropped selections but no truncated request (a bug)

@@ -165,6 +165,26 @@ def host_reads_of_the_programs(engine) -> list[tuple[str, str]]:
     return step + host_memory_reads(jax.make_jaxpr(r._store_only)(r.hisparse.pool, r.kv_arena, src, dst))
 
 
+def record_store_ordering(engine) -> tuple[list[int], set[int]]:
+    """Callback mechanism: → (the `after` operand of every host read, the completion values the
+    store programs returned), filled while `engine` runs."""
+    runner, store = engine.runner, engine.hisparse.device.pool
+    afters, dones = [], set()
+    gather, run_store_lists = store._gather, runner.run_store_lists
+
+    def recording_gather(rows, col_start, num_cols, after):
+        afters.append(int(np.asarray(after)))
+        return gather(rows, col_start, num_cols, after)
+
+    def recording_store_lists(src, dst, wait=False):
+        run_store_lists(src, dst, wait)
+        dones.update(int(x) for x in np.asarray(runner.hisparse.after).reshape(-1))
+
+    store._gather = recording_gather  # the compiled callbacks look the method up on the store
+    runner.run_store_lists = recording_store_lists
+    return afters, dones
+
+
 class Interference:
     """DP2: mid-run (from step 10 on), abort a decoding request of replica 0, then preempt a
     running request of replica 1 (its pages and host blocks freed, recomputed later)."""
@@ -204,6 +224,8 @@ def test_streams_equal_the_single_device_ample_run(name, lm):
         assert {"dynamic_slice", "device_put", "dynamic_update_slice"} <= {n for n, _ in reads}
     checked = []
     interfere = Interference() if par.data_parallel_size > 1 and dcp == 1 else None
+    if mechanism == "callback":
+        afters, dones = record_store_ordering(engine)
 
     def on_step(e, i):
         if interfere is not None:
@@ -230,6 +252,12 @@ def test_streams_equal_the_single_device_ample_run(name, lm):
     if name in SMALL_PREFILL_LEASE:
         assert sum(p.num_truncated_chunks for p in engine.hisparse.policies) > 0 and d.dropped > 0
     assert sum(checked) > 0
+    if mechanism == "callback":
+        # The step's host reads took the last store program's completion value as an operand
+        # (the data dependency that orders them after the stores; the callbacks are unordered):
+        # only values a store program returned (or the initial 0) reach them, and non-zero ones
+        # do. Without the dependency every read sees 0.
+        assert set(afters) <= dones | {0} and max(afters) > 0, (sorted(set(afters)), sorted(dones))
     for kv, pol in replicas(engine):  # nothing leaked, on the device or the host
         assert kv.pool.num_free == kv.pool.num_usable_blocks
         assert pol.host.blocks.num_free == pol.host.num_usable
