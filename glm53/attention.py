@@ -479,8 +479,7 @@ def _resolve_parallel(topk_TK, kv: PagedKV, batch: ForwardBatch, g: GroupLayout,
     rep = s["rep"]
     # Callback: the pool is the numpy store (static); its argument slot carries `host.after`,
     # the value the reads are ordered after.
-    after = jnp.zeros((), jnp.int32) if host.after is None else jnp.asarray(host.after, jnp.int32)
-    pool_arg = after if callback else host.pool
+    pool_arg = (jnp.int32(0) if host.after is None else host.after) if callback else host.pool
     pool_spec = rep if callback else host_pool_spec(par)
     f = _shard_map(par, body,
                    (s["arena"], pool_spec, s["tok2"], s["tok"], s["tok"], bt_spec, bt_spec, bt_spec, req_spec,

@@ -11,7 +11,8 @@ evicted), which also makes JAX take an inter-process file lock around every read
 processes sharing the directory (a server and a notebook, DP workers, a test and the server it
 started) take turns: unbounded, JAX writes entries in place, and a reader can find one half
 written (it then warns and compiles again). Bounded, every write scans the whole directory (a stat
-and an access-time read per entry, ≈ 150 ms at 2,700 entries on the development machine) under
+and an access-time read per entry, ≈ 150 ms at 2,700 entries on the development machine,
+docs/results/suite_time/cache_threshold_2026-12-04.txt) under
 that lock: cheap for a server's tens of programs, costly for thousands of tiny ones, which is why
 programs under the threshold below are not stored.
 """

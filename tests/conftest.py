@@ -37,7 +37,7 @@ from glm53.compile_cache import enable_compilation_cache  # noqa: E402
 # each) on every write, under the lock, and the suite leaves thousands of entries; storing the
 # hundreds of eager single-op programs (tens of ms to compile) cost more than compiling them.
 # Measured on test_training.py with a cache of 2,680 entries: threshold 0 → 86 s (740 files
-# written), 0.5 s → 30 s (6 written).
+# written), 0.5 s → 30 s (6 written) (docs/results/suite_time/cache_threshold_2026-12-04.txt).
 os.environ.setdefault("GLM53_COMPILATION_CACHE_MIN_SECS", "0.5")
 enable_compilation_cache()
 

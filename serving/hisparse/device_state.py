@@ -111,9 +111,8 @@ class HiSparseDeviceState:
             # Committed to device memory like the step's outputs, so the step's first call with
             # the state it returned hits the compiled executable (an uncommitted input next to
             # the committed pinned_host pool would key a second compilation).
-            self.hot = jax.device_put(HotState.empty(max_num_seqs, num_index_groups, self.hot_rows),
-                                      SingleDeviceSharding(jax.devices()[0], memory_kind="device"))
             scalar = SingleDeviceSharding(jax.devices()[0], memory_kind="device")
+            self.hot = jax.device_put(HotState.empty(max_num_seqs, num_index_groups, self.hot_rows), scalar)
         else:
             from jax.sharding import NamedSharding, PartitionSpec
 
@@ -122,10 +121,9 @@ class HiSparseDeviceState:
             self.pool = make_parallel_host_pool(self.mechanism, rows, comp.num_layers, comp.row_words, parallel)
             shards = self.num_kv_shards = num_kv_shards(parallel)
             st = NamedSharding(parallel.mesh, hot_state_spec(parallel))
-            self.hot = jax.device_put(HotState.empty(shards * max_num_seqs, num_index_groups, self.hot_rows),
-                                      HotState(st, st, NamedSharding(parallel.mesh, PartitionSpec()),
-                                               NamedSharding(parallel.mesh, PartitionSpec())))
             scalar = NamedSharding(parallel.mesh, PartitionSpec())
+            self.hot = jax.device_put(HotState.empty(shards * max_num_seqs, num_index_groups, self.hot_rows),
+                                      HotState(st, st, scalar, scalar))
         # The completion value of the last store program (`store_host_pages`' `done`), which the
         # step passes to its host reads as an operand: with the callback mechanism the reads then
         # depend on the stores' result, so a read never overtakes a store dispatched before it
