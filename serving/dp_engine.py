@@ -236,10 +236,10 @@ class DataParallelEngine(LLMEngine):
         self._validate(prompt_token_ids, params)
         if self.has_request(request_id):
             raise ValueError(f"duplicate request id {request_id!r}")
-        self._structured_check(request_id, params)
-        req = self._pd_request(request_id, prompt_token_ids, params, self.replicas[0].scheduler)
-        if req is not None:
-            self._queue(req)
+        with self._structured_admission(request_id, params):
+            req = self._pd_request(request_id, prompt_token_ids, params, self.replicas[0].scheduler)
+            if req is not None:
+                self._queue(req)
 
     def scheduler_of(self, request_id: str):
         rep = self.replica_of(request_id)

@@ -15,10 +15,18 @@ import logging
 import math
 import time
 
+import jax
+
 from glm53.tokenizer import tokenizer_vocab_size
 from serving.async_scheduling import AsyncStepMixin, sync_reason
 from serving.block_pool import BlockPool
-from serving.engine_args import CPU_KV_CACHE_BYTES, EngineArgs, num_kv_blocks  # noqa: F401 (re-exported)
+from serving.engine_args import (  # noqa: F401 (CPU_KV_CACHE_BYTES, EngineArgs, num_kv_blocks: re-exported)
+    CPU_KV_CACHE_BYTES,
+    SKIP_PRECOMPILE_ENV,
+    EngineArgs,
+    num_kv_blocks,
+    skip_precompile_requested,
+)
 from serving.engine_startup import load_engine_parts, log_engine_plan
 from serving.faults import EngineDeadError
 from serving.hisparse import build_hisparse, hisparse_config
@@ -186,18 +194,27 @@ class LLMEngine(PDEngineMixin, AsyncStepMixin, StructuredOutputsMixin):
         log_engine_plan(engine, parts.layout, parts.num_blocks, args)
         if before_compile is not None:
             before_compile(engine)
+        if skip_precompile_requested(args) and jax.process_count() == 1:
+            logger.info("step buckets %s compile on first use (skip_precompile / %s)",
+                        engine.runner.buckets, SKIP_PRECOMPILE_ENV)
+            return engine
+        if skip_precompile_requested(args):  # every process must have compiled before the first step
+            logger.warning("skip_precompile ignored: a multi-process engine compiles its steps at start-up")
         secs = engine.runner.compile(progress=args.compile_progress)
         logger.info("compiled %d step buckets %s in %.1fs", len(engine.runner.buckets), engine.runner.buckets, secs)
         return engine
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. Raises ValueError for bad params or a prompt that cannot be served."""
+        """Queue a request. Raises ValueError for bad params, a prompt that cannot be served or a
+        duplicate id (the live request with that id is untouched)."""
         self._validate(prompt_token_ids, params)
-        self._structured_check(request_id, params)
-        req = self._pd_request(request_id, prompt_token_ids, params, self.scheduler)
-        if req is not None:
-            self.scheduler.add_request(req)
+        if self.has_request(request_id):
+            raise ValueError(f"duplicate request id {request_id!r}")
+        with self._structured_admission(request_id, params):
+            req = self._pd_request(request_id, prompt_token_ids, params, self.scheduler)
+            if req is not None:
+                self.scheduler.add_request(req)
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The engine-level checks of `add_request` (ValueError with the reason)."""

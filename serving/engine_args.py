@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import jax.numpy as jnp
@@ -24,6 +25,11 @@ class EngineArgs:
 
     max_logprobs: most `logprobs` alternatives a request may ask for (the device step always
         computes this many). disable_log_stats: no periodic statistics log line.
+    skip_precompile: True: do not compile the step buckets at start-up; each program compiles on
+        its first use instead. For tests, notebooks and quick experiments, where start-up time
+        matters and many programs go unused: the first step of each shape pays the compile, so a
+        server keeps the default. None (the default): the environment decides
+        (`skip_precompile_requested`); False: compile at start-up whatever the environment says.
     """
 
     model: str | None = None
@@ -52,6 +58,21 @@ class EngineArgs:
     # --async-scheduling (serving/async_scheduling.py): True asks for it (a warning when this
     # engine cannot), None turns it on where the engine can (the server's default), False: off.
     async_scheduling: bool | None = False
+    skip_precompile: bool | None = None
+
+
+# tpu-inference's switch for the same thing (vLLM's JAX backend): SKIP_JAX_PRECOMPILE=1.
+SKIP_PRECOMPILE_ENV = "SKIP_JAX_PRECOMPILE"
+
+
+def skip_precompile_requested(args: EngineArgs) -> bool:
+    """Whether the engine leaves its step programs to compile on first use: `args.skip_precompile`
+    when it is set, else whether the environment variable `SKIP_JAX_PRECOMPILE` is set to anything
+    but "" / "0" (the name tpu-inference reads), so a test suite or a notebook session can ask for
+    it without touching every engine it builds."""
+    if args.skip_precompile is not None:
+        return bool(args.skip_precompile)
+    return os.environ.get(SKIP_PRECOMPILE_ENV, "") not in ("", "0")
 
 
 def model_dtype(name: str, device) -> jnp.dtype:

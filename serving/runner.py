@@ -150,6 +150,7 @@ class ModelRunner(ArenaPageIO):
             if self.spec_k:  # a decode step of B requests verifying k drafts each has B·(k + 1) rows
                 cuda_graph_sizes = tuple(b * (self.spec_k + 1) for b in cuda_graph_sizes)
         self.buckets = token_buckets(max_num_batched_tokens, cuda_graph_sizes, precompile_token_paddings)
+        self.compile_seconds: dict[int, float] = {}  # filled by `compile` (empty: compiled on first use)
         dcp = parallel.dcp if parallel is not None else 1  # under DCP an engine page spans tpp × dcp tokens
         self.widths = {g.name: math.ceil(max_model_len / (g.tokens_per_page * dcp)) for g in layout.groups}
         if parallel is None:

@@ -40,6 +40,11 @@ from glm53.compile_cache import enable_compilation_cache  # noqa: E402
 # written), 0.5 s → 30 s (6 written) (docs/results/suite_time/cache_threshold_2026-12-04.txt).
 os.environ.setdefault("GLM53_COMPILATION_CACHE_MIN_SECS", "0.5")
 enable_compilation_cache()
+# In-process engines compile each step program on its first use instead of every bucket (and,
+# with HiSparse, both the plain and the hot program of each) at start-up: many test engines never
+# run some of them (serving/engine_args.py `skip_precompile_requested`). Servers the tests start
+# as processes compile at start-up as in production (tests/helpers/server_process.py).
+os.environ.setdefault("SKIP_JAX_PRECOMPILE", "1")
 
 
 # GLM53_SUITE_COMPILE_LOG=<file>: each test process appends one JSON line per test module — its
@@ -102,8 +107,10 @@ def _release_compiled_programs():
 # (`pytest -n 0 --durations=0`, summed per file).
 SLOW_MODULES = (
     "tests/sharding/test_multihost.py",  # 330 s in a serial cold run (subprocesses: 2 engines each)
-    "tests/serving/test_spec_decode.py",  # 324 s
+    # The HiSparse engine's module before MTP's: its ample engine (compiled at its start) is
+    # also the reference of MTP's HiSparse test, which then reads it from the compilation cache.
     "tests/serving/test_hisparse_engine.py",  # 312 s
+    "tests/serving/test_spec_decode.py",  # 324 s
     "tests/sharding/test_hisparse_parallel.py",  # 301 s
     "tests/sharding/test_pd_parallel.py",  # 491 s in a 2-worker cold run (the times above: serial)
     "tests/serving/test_pd_engine.py",  # 388 s in a 2-worker cold run

@@ -5,8 +5,8 @@ stepping: building the connector and hooking it into each replica's scheduler, t
 `kv_transfer_params` into a prefill hold or a parked pull, answering side-channel jobs and queueing
 arrived pulls before each step, landing the pulled rows (device page writes, HiSparse host-pool
 landings through the request's lease) before the step runs, and aborting parked pulls. It uses the
-engine's `args`, `layout`, `parallel`, `runner`, `hisparse`, `prefix_cache`, `scheduler` and
-statistics helpers.
+engine's `args`, `layout`, `parallel`, `runner`, `hisparse`, `prefix_cache`, `scheduler`,
+`structured` (a failed pull drops its grammar state) and statistics helpers.
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ class PDEngineMixin:
                 out = Scheduler._output(req, [])
                 out.error = f"KV transfer from the prefill engine failed: {why}"
                 outs.append(out)
+                self.structured.remove(req.request_id)  # its grammar state, if it had a constraint
                 rec = StepRecord(is_step=False)
                 rec.finished.append(self._finished_stats(req, time.monotonic()))
                 self._emit(rec)

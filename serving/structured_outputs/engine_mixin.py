@@ -1,7 +1,8 @@
 """The engine's side of structured outputs (`LLMEngine` and `DataParallelEngine` mix it in).
 
 * `_structured_check(params)` in `add_request`'s validation: combinations refused (400) and the
-  constraint compiled (`StructuredOutputsError` when it does not);
+  constraint compiled (`StructuredOutputsError` when it does not); `_structured_admission` wraps
+  it around the queueing, dropping the matcher again when the request is refused after it;
 * `_structured_masks(scheds)` after scheduling: each `SchedulerOutput.grammar_bitmask`;
 * `_structured_advance(outs)` after every step's tokens were applied (and on aborts and failed
   steps): matchers consume the new tokens; finished requests are forgotten.
@@ -13,6 +14,7 @@ one (`serving.async_scheduling`); steps without constrained requests overlap as 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from serving.structured_outputs.backend import GuidanceBackend
@@ -43,15 +45,24 @@ class StructuredOutputsMixin:
         if params.ignore_eos:
             raise StructuredOutputsError("ignore_eos cannot be combined with structured outputs (the grammar ends the "
                                          "output)", "ignore_eos")
-        if params.kv_transfer_params is not None:
-            raise StructuredOutputsError("structured outputs are not supported with prefill/decode disaggregation "
-                                         "(kv_transfer_params) yet", so.param)
         cfg = self.structured_config
         so.disable_any_whitespace |= cfg.disable_any_whitespace
         so.disable_additional_properties |= cfg.disable_additional_properties
         if cfg.enable_in_reasoning:
             so.reasoning_end_token_id = None
         self.structured.add(request_id, so)
+
+    @contextlib.contextmanager
+    def _structured_admission(self, request_id: str, params):
+        """`_structured_check`, then the body that queues the request: when the body raises (a
+        P/D parameter or a prompt the scheduler refuses), the request's matcher is dropped again,
+        so a refused request leaves no grammar state behind."""
+        self._structured_check(request_id, params)
+        try:
+            yield
+        except BaseException:
+            self.structured.remove(request_id)
+            raise
 
     def _structured_masks(self, scheds) -> None:
         """Set each `SchedulerOutput.grammar_bitmask` (None where no sampled row is constrained)."""

@@ -51,7 +51,10 @@ def server_process(argv: list[str], env: dict[str, str] | None = None,
     port = _free_port()
     fd, log_path = tempfile.mkstemp(prefix="glm53-server-", suffix=".log")
     os.close(fd)
-    full_env = {**os.environ, "PYTHONPATH": REPO, **(env or {})}
+    # A server compiles its step buckets before it reports healthy, as in production (the suite's
+    # SKIP_JAX_PRECOMPILE is for in-process engines), unless `env` asks otherwise.
+    base = {k: v for k, v in os.environ.items() if k != "SKIP_JAX_PRECOMPILE"}
+    full_env = {**base, "PYTHONPATH": REPO, **(env or {})}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "serving.run", "--port", str(port), *argv], cwd=REPO,
                                 env=full_env, stdout=log, stderr=subprocess.STDOUT)

@@ -41,7 +41,8 @@ def engine():
     # tokens in the `mla` group and one per 768 in the `indexer` group).
     e = build_engine(EngineArgs(max_model_len=512, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=128,
                                 cuda_graph_sizes=[8, 32], precompile_token_paddings=[], num_gpu_blocks_override=36,
-                                enable_prefix_caching=True, compile_progress=False, disable_log_stats=True))
+                                enable_prefix_caching=True, compile_progress=False, disable_log_stats=True,
+                                skip_precompile=False))  # compiled at start-up, as a server's (checked below)
     e.stat_loggers.append(PrometheusStatLogger("tiny", e.gauges))
     e.stat_loggers.append(Recorder())
     programs = e.runner._step._cache_size()  # jit's own count of compiled signatures

@@ -1,7 +1,7 @@
 """Hybrid HiSparse in the real engine (tiny checkpoint, CPU): under KV pressure every request keeps
 decoding with nobody preempted, and the greedy streams equal those of a run whose device pool is
-large enough for everything (docs/design.md §10's equality rule; the preemption baseline is held to the
-same rule) — on a multi-turn workload whose contexts are many times index_topk, with the bf16 and
+large enough for everything (docs/design.md §10's equality rule; the preemption baseline, run on the
+bf16 cache, is held to the same rule) — on a multi-turn workload whose contexts are many times index_topk, with the bf16 and
 the fp8 cache; a request of about three times the device pool's token capacity is served; clean
 pages in the host pool equal their device copies byte for byte; the compiled step reads host memory
 only through slices and memory-kind moves; aborts free everything in every residency state."""
@@ -54,22 +54,28 @@ def test_multiturn_streams_match_the_ample_run_and_nobody_is_preempted(kv_cache_
     lm = api.load(cache_dtype=kv_cache_dtype)
     ample_engine = request.getfixturevalue("bf16_ample") if kv_cache_dtype == "bfloat16" else engine(AMPLE, "fp8")
     ample = run_conversations(ample_engine, logprobs=2, **CONV)
-    base_engine = engine(SMALL, kv_cache_dtype)
-    base = run_conversations(base_engine, **CONV)
+    # The preemption baseline runs once, on the bf16 cache: pages hold the same tokens in either
+    # dtype, so the same pool is under the same pressure with fp8 (a second baseline engine
+    # would only add a compile and a preempting run to the suite).
+    base_engine = engine(SMALL, kv_cache_dtype) if kv_cache_dtype == "bfloat16" else None
+    base = run_conversations(base_engine, **CONV) if base_engine is not None else None
     hs_engine = engine(SMALL, kv_cache_dtype, HISPARSE)
     hs = run_conversations(hs_engine, **CONV)
     d = hs_engine.hisparse.device
-    print(f"\n{kv_cache_dtype}: mean running ample {mean_running(ample):.2f}, preemption "
-          f"{mean_running(base):.2f} ({base_engine.scheduler.num_preemptions_total} preemptions), hisparse "
-          f"{mean_running(hs):.2f}; hot hits {d.hits}, misses {d.misses}, {d.h2d_bytes} B host->device, "
-          f"{hs_engine.hisparse.policy.num_released} pages released")
+    preemption = (f"{mean_running(base):.2f} ({base_engine.scheduler.num_preemptions_total} preemptions)"
+                  if base is not None else "not run")
+    print(f"\n{kv_cache_dtype}: mean running ample {mean_running(ample):.2f}, preemption {preemption}, "
+          f"hisparse {mean_running(hs):.2f}; hot hits {d.hits}, misses {d.misses}, {d.h2d_bytes} B "
+          f"host->device, {hs_engine.hisparse.policy.num_released} pages released")
     for name, run in (("preemption", base), ("hisparse", hs)):
-        print(name, end=": ")
-        compare_streams(ample.outputs, run.outputs, ample.logprobs, ample.prompts, lm)
-    assert base_engine.scheduler.num_preemptions_total > 0  # the pressure is real
+        if run is not None:
+            print(name, end=": ")
+            compare_streams(ample.outputs, run.outputs, ample.logprobs, ample.prompts, lm)
+    if base is not None:
+        assert base_engine.scheduler.num_preemptions_total > 0  # the pressure is real
+        assert mean_running(hs) > mean_running(base)
     assert hs_engine.scheduler.num_preemptions_total == 0
     assert d.misses > 0 and d.drops_outside_truncation == 0  # rows really came from the host pool
-    assert mean_running(hs) > mean_running(base)
     assert hs_engine.prefix_cache.host_hits > 0  # later turns reused their prefix from the host tier
     assert hs_engine.pool.num_free == hs_engine.pool.num_usable_blocks
     assert hs_engine.hisparse.host.blocks.num_free == hs_engine.hisparse.host.num_usable  # no leaked host page

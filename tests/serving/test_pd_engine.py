@@ -14,6 +14,7 @@ import pytest
 from glm53.equality import compare_streams
 from serving.engine import EngineArgs, LLMEngine
 from serving.engine_factory import build_engine
+from serving.structured_outputs import StructuredOutputsParams
 from serving.types import SamplingParams
 
 PROMPTS = {"a": [(7 * i) % 300 + 4 for i in range(70)], "b": [(13 * i) % 400 + 4 for i in range(150)],
@@ -335,6 +336,73 @@ def test_pd_with_mtp_speculation_on_both_sides():
     more = prefill_all(plain, {"c": PROMPTS["c"]})
     with pytest.raises(ValueError, match="speculative-config"):
         decode.add_request("c2", PROMPTS["c"], greedy(max_tokens=2, kv_transfer_params=more["c"]))
+
+
+# A choice, a regex and a JSON schema (fresh params per request: the engine fills in server defaults).
+CONSTRAINTS = {
+    "a": lambda: StructuredOutputsParams(choice=["red", "green", "dark blue"]),
+    "b": lambda: StructuredOutputsParams(regex=r"[a-z]{2,5}-[0-9]{3}"),
+    "c": lambda: StructuredOutputsParams(json={"type": "object", "properties": {
+        "x": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+        "required": ["x", "ok"], "additionalProperties": False}, disable_any_whitespace=True),
+}
+
+
+def constrained(rid: str, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, structured_outputs=CONSTRAINTS[rid](), **kw)
+
+
+def test_pd_with_structured_outputs(pair, fault_pair):
+    """Constrained requests through P/D: the prefill engine masks its one token, and the decode
+    engine, which samples the first output token itself from the recomputed last prompt token,
+    masks every token from the start of the grammar — the decode streams equal the colocated
+    constrained run's (equality rule) and every output validates. A constrained request whose pull
+    fails (policy fail) drops its grammar state. No engine keeps a matcher."""
+    import json
+    import re
+
+    import jsonschema
+
+    from glm53.tokenizer import GlmTokenizer
+
+    prefill, decode = pair
+    colocated = build()
+    ref, ref_lp = {}, {}
+    for rid, p in PROMPTS.items():
+        colocated.add_request(rid, p, constrained(rid, max_tokens=40, logprobs=2))
+    while colocated.has_unfinished_requests():
+        for out in colocated.step():
+            ref.setdefault(out.request_id, []).extend(out.new_token_ids)
+            ref_lp.setdefault(out.request_id, []).extend(out.new_logprobs or [])
+    for rid, p in PROMPTS.items():
+        prefill.add_request(rid, p, constrained(rid, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+    _, pre = drain(prefill)
+    for rid, p in PROMPTS.items():
+        decode.add_request(rid, p, constrained(rid, max_tokens=40, logprobs=2,
+                                               kv_transfer_params=pre[rid].kv_transfer_params))
+    streams, outs = drain_with(prefill, decode, audit=True)
+    compare_streams(ref, streams, ref_lp, PROMPTS)
+    tok = GlmTokenizer.from_pretrained(decode.model_path)
+    text = {rid: tok.decode([t for t in streams[rid] if t not in decode.eos_token_ids]) for rid in PROMPTS}
+    print("\nP/D constrained outputs:", text)
+    assert text["a"] in ("red", "green", "dark blue"), text
+    assert re.fullmatch(r"[a-z]{2,5}-[0-9]{3}", text["b"]), text
+    jsonschema.validate(json.loads(text["c"]), CONSTRAINTS["c"]().json)
+    assert all(outs[r].finish_reason == "stop" and outs[r].num_cached_tokens == len(p) - 1 for r, p in PROMPTS.items())
+    # A pull that fails: the request ends with an error and its matcher goes with it.
+    fprefill, fail, _ = fault_pair
+    fprefill.add_request("b", PROMPTS["b"], constrained("b", max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+    _, fpre = drain(fprefill)
+    dead = {**fpre["b"].kv_transfer_params, "remote_port": _closed_port()}
+    fail.add_request("b", PROMPTS["b"], constrained("b", max_tokens=40, kv_transfer_params=dead))
+    assert "b" in fail.structured.requests
+    _, fouts = drain_with(fprefill, fail)
+    assert fouts["b"].finish_reason == "error"
+    time.sleep(0.6)
+    fprefill.step()  # the held KV expires on the prefill side
+    for e in (colocated, prefill, decode, fprefill, fail):
+        assert not e.structured.requests, "a matcher was kept"
+    _clean(colocated, prefill, decode, fprefill, fail)
 
 
 def test_multiturn_pulls_only_what_the_decode_engine_lacks():

@@ -92,6 +92,36 @@ def test_openai_client_through_vllm_router_equals_colocated(pd_servers):
     assert httpx.get(prefill.url + "/health").status_code == httpx.get(decode.url + "/health").status_code == 200
 
 
+def test_structured_outputs_through_the_router_equal_the_decode_servers_own(pd_servers):
+    """A chat JSON schema and a completion choice (`structured_outputs`) through the router: the
+    answers equal the decode server's own (colocated) answers and validate."""
+    import jsonschema
+    import openai
+
+    _, decode, router = pd_servers
+    via = openai.OpenAI(base_url=router + "/v1", api_key="unused")
+    direct = openai.OpenAI(base_url=decode.url + "/v1", api_key="unused")
+    schema = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}},
+              "required": ["x", "ok"], "additionalProperties": False}
+    # (vLLM's `structured_outputs` rather than `response_format`: the random-weight model fills
+    # every whitespace the schema allows, so it needs disable_any_whitespace to finish in 40 tokens.)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Give me x and ok as JSON."}], max_tokens=40,
+              temperature=0, extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+    want = direct.chat.completions.create(**kw).choices[0].message.content
+    before = _metric(decode.url, "vllm:kv_transfer_remote_prompt_tokens_total")
+    got = via.chat.completions.create(**kw)
+    assert got.choices[0].message.content == want and got.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(want), schema)
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+              extra_body={"structured_outputs": {"choice": ["red", "green", "dark blue"]}})
+    want = direct.completions.create(**kw).choices[0].text
+    assert via.completions.create(**kw).choices[0].text == want and want in ("red", "green", "dark blue")
+    # Both routed requests' prompts (but their last tokens) came from the prefill server.
+    assert _metric(decode.url, "vllm:kv_transfer_remote_prompt_tokens_total") - before >= len(PROMPTS[1]) - 1 + 1
+    assert _metric(decode.url, "vllm:nixl_num_failed_transfers_total") == 0
+
+
 def test_malformed_kv_transfer_params_are_400s_naming_the_field(pd_servers):
     prefill, decode, _ = pd_servers
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2}

@@ -54,3 +54,44 @@ def test_precompile_token_paddings_replace_the_prefill_sizes():
     assert parse(["--precompile-token-paddings", "32", "128"]).precompile_token_paddings == [32, 128]
     with pytest.raises(ArgumentError, match="--precompile-token-paddings"):
         validate_args(parse(["--precompile-token-paddings", "0"]))
+
+
+def test_skip_precompile_compiles_each_program_on_first_use(monkeypatch):
+    """`skip_precompile` (or SKIP_JAX_PRECOMPILE=1, which the suite sets): building the engine
+    compiles no step program; the first prefill step compiles the prefill bucket only, the first
+    decode step the decode bucket; the tokens equal an engine that compiled every bucket first."""
+    from serving.engine import EngineArgs
+    from serving.engine_factory import build_engine
+    from serving.types import SamplingParams
+
+    def run(skip: bool):
+        monkeypatch.setenv("SKIP_JAX_PRECOMPILE", "1" if not skip else "0")  # the argument decides over it
+        e = build_engine(EngineArgs(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, cuda_graph_sizes=[2],
+                                    precompile_token_paddings=[], compile_progress=False, disable_log_stats=True,
+                                    skip_precompile=skip))
+        assert e.runner.buckets == (2, 32)
+        sizes = [e.runner._step._cache_size()]  # compiled step programs after the build
+        e.add_request("r", list(range(5, 30)), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        toks = []
+        while e.has_unfinished_requests():
+            for o in e.step():
+                toks += o.new_token_ids
+            sizes.append(e.runner._step._cache_size())
+        return toks, sizes
+
+    lazy_toks, lazy_sizes = run(True)
+    eager_toks, eager_sizes = run(False)
+    assert lazy_sizes[0] == 0 and lazy_sizes[1] == 1 and lazy_sizes[-1] == 2  # prefill, then decode bucket
+    assert set(eager_sizes) == {2}
+    assert lazy_toks == eager_toks and len(lazy_toks) == 6
+
+
+def test_skip_precompile_environment_variable(monkeypatch):
+    from serving.engine_args import EngineArgs, skip_precompile_requested
+
+    for value, want in (("", False), ("0", False), ("1", True), ("true", True)):
+        monkeypatch.setenv("SKIP_JAX_PRECOMPILE", value)
+        assert skip_precompile_requested(EngineArgs()) is want
+    assert skip_precompile_requested(EngineArgs(skip_precompile=False)) is False  # set: the argument wins
+    monkeypatch.delenv("SKIP_JAX_PRECOMPILE")
+    assert skip_precompile_requested(EngineArgs(skip_precompile=True)) is True

@@ -252,6 +252,34 @@ def test_ignore_eos_is_refused_with_a_constraint(engine, tok):
     assert err.value.param == "ignore_eos"
 
 
+def test_a_duplicate_or_refused_request_leaves_the_live_matchers_alone(engine, tok):
+    """A constrained request whose id is live is refused before its constraint compiles (the live
+    request's matcher is not replaced: its output still matches its own regex); one refused after
+    its constraint compiled (here: P/D parameters this engine's role cannot serve) leaves no
+    matcher."""
+    prompt = tok.encode(PROMPT)
+    regex = StructuredOutputsParams(regex=REGEXES[0])
+    engine.add_request("live", prompt, SamplingParams(temperature=1.0, seed=4, max_tokens=MAX_TOKENS,
+                                                      structured_outputs=regex))
+    out_toks = []
+    for o in engine.step():
+        out_toks += o.new_token_ids
+    live = engine.structured.requests["live"]
+    with pytest.raises(ValueError, match="duplicate request id"):
+        engine.add_request("live", prompt, SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
+            choice=CHOICES)))
+    assert engine.structured.requests["live"] is live
+    with pytest.raises(ValueError, match="do_remote_decode needs a prefill engine"):
+        engine.add_request("pd", prompt, SamplingParams(max_tokens=8, structured_outputs=regex,
+                                                        kv_transfer_params={"do_remote_decode": True}))
+    assert "pd" not in engine.structured.requests
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out_toks += o.new_token_ids
+    assert re.fullmatch(REGEXES[0], text_of(tok, engine, out_toks)), text_of(tok, engine, out_toks)
+    assert_clean(engine)
+
+
 def test_abort_mid_stream_forgets_the_matcher(engine, tok):
     engine.add_request("ab", tok.encode(PROMPT), SamplingParams(
         temperature=1.0, seed=3, max_tokens=MAX_TOKENS, structured_outputs=json_params(PERSON)))
