@@ -26,6 +26,7 @@ from tqdm import tqdm
 from glm53.batch import ForwardBatch
 from glm53.kv_layout import KVCacheLayout
 from glm53.model import GlmForCausalLM
+from kernels.mode import KERNEL_MODE_ENV, kernel_mode, use_kernels
 from glm53.parallel_batch import (
     empty_parallel_arena,
     pcp_reorder,
@@ -151,6 +152,11 @@ class ModelRunner(ArenaPageIO):
                 cuda_graph_sizes = tuple(b * (self.spec_k + 1) for b in cuda_graph_sizes)
         self.buckets = token_buckets(max_num_batched_tokens, cuda_graph_sizes, precompile_token_paddings)
         self.compile_seconds: dict[int, float] = {}  # filled by `compile` (empty: compiled on first use)
+        # The kernels every step program is traced with (kernels/mode.py: GLM53_KERNELS or a
+        # `use_kernels` block around the engine's construction), fixed for the engine's life.
+        self.kernel_mode = kernel_mode()
+        if self.kernel_mode != "auto":
+            logger.info("kernels: %s (%s)", self.kernel_mode, KERNEL_MODE_ENV)
         dcp = parallel.dcp if parallel is not None else 1  # under DCP an engine page spans tpp × dcp tokens
         self.widths = {g.name: math.ceil(max_model_len / (g.tokens_per_page * dcp)) for g in layout.groups}
         if parallel is None:
@@ -260,8 +266,9 @@ class ModelRunner(ArenaPageIO):
                     batch.hot = None
                 spec = None if self._dummy_spec is None else jax.tree.map(self._put, self._dummy_spec)
                 placed = self._place(batch)
-                out, self.kv_arena, hs = self._step(self._state_leaves, placed, self.kv_arena,
-                                                    *map(self._put, extra), hs_args, spec)
+                with use_kernels(self.kernel_mode):
+                    out, self.kv_arena, hs = self._step(self._state_leaves, placed, self.kv_arena,
+                                                        *map(self._put, extra), hs_args, spec)
                 self._keep_hisparse(hs)
                 jax.block_until_ready(out)
             if self._may_feed_tokens():  # asynchronous scheduling's token feed for this bucket
@@ -562,9 +569,10 @@ class ModelRunner(ArenaPageIO):
         t0 = time.perf_counter()
         # (The mask is passed only when there is one: the programs compiled at start-up, and every
         # unconstrained step, keep the signature without it.)
-        out, self.kv_arena, hs = self._step(self._state_leaves, placed, self.kv_arena, *map(put, extra),
-                                            hs_args, None if sp is None else jax.tree.map(put, sp),
-                                            *(() if bitmask is None else (bitmask,)))
+        with use_kernels(self.kernel_mode):  # a program traced now uses the engine's kernels
+            out, self.kv_arena, hs = self._step(self._state_leaves, placed, self.kv_arena, *map(put, extra),
+                                                hs_args, None if sp is None else jax.tree.map(put, sp),
+                                                *(() if bitmask is None else (bitmask,)))
         if first:  # structured outputs: the masked variant of this bucket was compiled just now (once)
             self._masked_programs.add((batch.input_ids_T.shape[0], hs_args is None))
             logger.info("structured outputs: the masked step of bucket %d was compiled on first use in %.1f s",

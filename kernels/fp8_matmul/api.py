@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels.mode import choose, warn_fallback
 from kernels.fp8_matmul.pallas_triton import (fp8_grouped_matmul_pallas_triton, fp8_matmul_pallas_triton,
                                               unsupported_reason)
 from kernels.fp8_matmul.reference import fp8_grouped_matmul_reference, fp8_matmul_reference
@@ -33,22 +34,25 @@ IMPLEMENTATIONS = {
 
 
 def default_implementation() -> str:
-    """"pallas_triton" on a GPU backend, "xla" elsewhere."""
-    return "pallas_triton" if jax.default_backend() == "gpu" else "xla"
+    """What a call without `implementation=` / `interpret=` runs under the active kernel mode
+    (`kernels/mode.py`; by default "pallas_triton" on a GPU backend, "xla" elsewhere)."""
+    return choose(None, False)[0]
 
 
-def _choose(implementation: str | None, interpret: bool, reason_fn) -> str:
-    name = implementation or ("pallas_triton" if interpret else default_implementation())
+def _choose(op: str, implementation: str | None, interpret: bool, reason_fn) -> tuple[str, bool]:
+    """→ (name, interpret) to run; `reason_fn(interpret)` names what the Pallas kernel cannot take."""
+    name, interpret = choose(implementation, interpret)
     if name not in IMPLEMENTATIONS:
         raise KeyError(f"unknown fp8_matmul implementation {name!r}; known: {sorted(IMPLEMENTATIONS)}")
     if name == "xla":
-        return name
-    reason = reason_fn()
+        return name, interpret
+    reason = reason_fn(interpret)
     if reason is None:
-        return name
+        return name, interpret
     if implementation is not None:
         raise NotImplementedError(f"fp8_matmul {name}: {reason}")
-    return "xla"
+    warn_fallback(op, reason)
+    return "xla", False
 
 
 def fp8_matmul(x: jax.Array, w_fp8: jax.Array, scale_inv: jax.Array, *, block: tuple[int, int], out_dtype=None,
@@ -66,8 +70,8 @@ def fp8_matmul(x: jax.Array, w_fp8: jax.Array, scale_inv: jax.Array, *, block: t
     block = tuple(int(b) for b in block)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]) if w_fp8.ndim == 2 else x
-    name = _choose(implementation, interpret,
-                   lambda: unsupported_reason(x2, w_fp8, scale_inv, block=block, interpret=interpret))
+    name, interpret = _choose("fp8_matmul", implementation, interpret,
+                              lambda i: unsupported_reason(x2, w_fp8, scale_inv, block=block, interpret=i))
     if name == "xla":
         return fp8_matmul_reference(x, w_fp8, scale_inv, block=block, out_dtype=out_dtype)
     y = fp8_matmul_pallas_triton(x2, w_fp8, scale_inv, block=block, out_dtype=out_dtype, interpret=interpret)
@@ -89,8 +93,8 @@ def fp8_grouped_matmul(x: jax.Array, w_fp8: jax.Array, scale_inv: jax.Array, gro
     """
     block = tuple(int(b) for b in block)
     group_sizes = jnp.asarray(group_sizes, jnp.int32)
-    name = _choose(implementation, interpret,
-                   lambda: unsupported_reason(x, w_fp8, scale_inv, block=block, grouped=True, interpret=interpret))
+    name, interpret = _choose("fp8_grouped_matmul", implementation, interpret,
+                              lambda i: unsupported_reason(x, w_fp8, scale_inv, block=block, grouped=True, interpret=i))
     _, impl = IMPLEMENTATIONS[name]
     if name == "xla":
         return impl(x, w_fp8, scale_inv, group_sizes, block=block)

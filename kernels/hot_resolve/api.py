@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax
 from jaxtyping import Array, Int
 
+from kernels.mode import choose, warn_fallback
 from kernels.hot_resolve.pallas_triton import hot_resolve_pallas_triton, unsupported_reason
 from kernels.hot_resolve.reference import dropped_selections, hot_resolve_reference
 
@@ -29,8 +30,9 @@ IMPLEMENTATIONS = {"xla": hot_resolve_reference, "pallas_triton": hot_resolve_pa
 
 
 def default_implementation() -> str:
-    """"pallas_triton" on a GPU backend, "xla" elsewhere."""
-    return "pallas_triton" if jax.default_backend() == "gpu" else "xla"
+    """What a call without `implementation=` / `interpret=` runs under the active kernel mode
+    (`kernels/mode.py`; by default "pallas_triton" on a GPU backend, "xla" elsewhere)."""
+    return choose(None, False)[0]
 
 
 def hot_resolve(topk_TK: Int[Array, "T K"], req_idx_T: Int[Array, "T"], block_table_BP: Int[Array, "B P"],
@@ -50,7 +52,7 @@ def hot_resolve(topk_TK: Int[Array, "T K"], req_idx_T: Int[Array, "T"], block_ta
     args = (topk_TK, req_idx_T, block_table_BP, host_table_BP, hot_table_BH, state_row_B, reset_from_B, host_row_SM,
             rank_SM, num_host_blocks)
     explicit = implementation is not None
-    name = implementation or ("pallas_triton" if interpret else default_implementation())
+    name, interpret = choose(implementation, interpret)
     impl = IMPLEMENTATIONS[name]
     if name == "xla":
         return impl(*args, tokens_per_page=tokens_per_page)
@@ -59,5 +61,6 @@ def hot_resolve(topk_TK: Int[Array, "T K"], req_idx_T: Int[Array, "T"], block_ta
     S, M = host_row_SM.shape
     reason = unsupported_reason(T, K, B, P, hot_table_BH.shape[1], S, M, interpret=interpret)
     if reason is not None and not explicit:
+        warn_fallback("hot_resolve", reason)
         return hot_resolve_reference(*args, tokens_per_page=tokens_per_page)
     return impl(*args, tokens_per_page=tokens_per_page, interpret=interpret)

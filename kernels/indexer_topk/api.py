@@ -23,6 +23,7 @@ from __future__ import annotations
 import jax
 from jaxtyping import Array, Float, Int, UInt32
 
+from kernels.mode import choose, warn_fallback
 from kernels.indexer_topk.pallas_triton import indexer_topk_pallas_triton, unsupported_reason
 from kernels.indexer_topk.reference import indexer_topk_reference
 
@@ -30,8 +31,9 @@ IMPLEMENTATIONS = {"xla": indexer_topk_reference, "pallas_triton": indexer_topk_
 
 
 def default_implementation() -> str:
-    """"pallas_triton" on a GPU backend, "xla" elsewhere."""
-    return "pallas_triton" if jax.default_backend() == "gpu" else "xla"
+    """What a call without `implementation=` / `interpret=` runs under the active kernel mode
+    (`kernels/mode.py`; by default "pallas_triton" on a GPU backend, "xla" elsewhere)."""
+    return choose(None, False)[0]
 
 
 def indexer_topk(q_TID: Float[Array, "T I D"], w_TI: Float[Array, "T I"], kv_arena: UInt32[Array, "blocks page_words"],
@@ -50,7 +52,7 @@ def indexer_topk(q_TID: Float[Array, "T I D"], w_TI: Float[Array, "T I"], kv_are
       NotImplementedError: an explicitly requested Pallas configuration it does not support.
     """
     explicit = implementation is not None
-    name = implementation or ("pallas_triton" if interpret else default_implementation())
+    name, interpret = choose(implementation, interpret)
     impl = IMPLEMENTATIONS[name]
     args = (q_TID, w_TI, kv_arena, block_table_BP, req_idx_T, positions_T, layer)
     if name == "xla":
@@ -59,6 +61,7 @@ def indexer_topk(q_TID: Float[Array, "T I D"], w_TI: Float[Array, "T I"], kv_are
         precision = "bf16" if q_TID.dtype == jax.numpy.bfloat16 else "highest"
     reason = unsupported_reason(layout, component, q_TID.shape[1], precision=precision, interpret=interpret)
     if reason is not None and not explicit:
+        warn_fallback("indexer_topk", reason)
         return indexer_topk_reference(*args, layout=layout, component=component, topk=topk,
                                       return_scores=return_scores)
     return impl(*args, layout=layout, component=component, topk=topk, precision=precision,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import jax
 from jaxtyping import Array, Float, Int, UInt32
 
+from kernels.mode import choose, warn_fallback
 from kernels.sparse_mla.pallas_triton import sparse_mla_pallas_triton, unsupported_reason
 from kernels.sparse_mla.reference import sparse_mla_reference
 
@@ -34,8 +35,9 @@ IMPLEMENTATIONS = {"xla": sparse_mla_reference, "pallas_triton": sparse_mla_pall
 
 
 def default_implementation() -> str:
-    """"pallas_triton" on a GPU backend, "xla" elsewhere."""
-    return "pallas_triton" if jax.default_backend() == "gpu" else "xla"
+    """What a call without `implementation=` / `interpret=` runs under the active kernel mode
+    (`kernels/mode.py`; by default "pallas_triton" on a GPU backend, "xla" elsewhere)."""
+    return choose(None, False)[0]
 
 
 def sparse_mla(q_TNC: Float[Array, "T N C"], kv_arena: UInt32[Array, "blocks page_words"],
@@ -52,7 +54,7 @@ def sparse_mla(q_TNC: Float[Array, "T N C"], kv_arena: UInt32[Array, "blocks pag
       NotImplementedError: an explicitly requested Pallas configuration it does not support.
     """
     explicit = implementation is not None
-    name = implementation or ("pallas_triton" if interpret else default_implementation())
+    name, interpret = choose(implementation, interpret)
     impl = IMPLEMENTATIONS[name]
     if name == "xla":
         return impl(q_TNC, kv_arena, topk_slots_TK, layer, layout=layout, component=component,
@@ -61,6 +63,7 @@ def sparse_mla(q_TNC: Float[Array, "T N C"], kv_arena: UInt32[Array, "blocks pag
         precision = "bf16" if q_TNC.dtype == jax.numpy.bfloat16 else "highest"
     reason = unsupported_reason(layout, component, kv_lora_rank, precision=precision, interpret=interpret)
     if reason is not None and not explicit:
+        warn_fallback("sparse_mla", reason)
         return sparse_mla_reference(q_TNC, kv_arena, topk_slots_TK, layer, layout=layout, component=component,
                                     kv_lora_rank=kv_lora_rank, scale=scale)
     return impl(q_TNC, kv_arena, topk_slots_TK, layer, layout=layout, component=component, kv_lora_rank=kv_lora_rank,
