@@ -42,6 +42,20 @@ class ForwardBatch:
         return self.input_ids_T.shape[0]
 
 
+def page_slots(blocks, positions, tokens_per_page: int) -> np.ndarray:
+    """Slot ids `blocks[p // tpp] * tpp + p % tpp` of `positions` (int32 `[len(positions)]`),
+    computed in 64 bits. Raises ValueError when a slot does not fit int32, the dtype every
+    device program indexes the arena with (a 1M-token context under DCP 8 makes engine pages of
+    32,768 tokens: block ids past 65,535 would wrap)."""
+    b = np.asarray(blocks, np.int64)
+    p = np.asarray(positions, np.int64)
+    slots = b[p // tokens_per_page] * tokens_per_page + p % tokens_per_page
+    if slots.size and int(slots.max()) > np.iinfo(np.int32).max:
+        raise ValueError(f"slot id {int(slots.max())} (block {int(b.max())} × {tokens_per_page} tokens per page) "
+                         "does not fit int32")
+    return slots.astype(np.int32)
+
+
 def single_sequence_batch(layout, token_ids, start_pos: int, block_ids: dict, logits_all: bool = True) -> ForwardBatch:
     """A batch for one request whose pages per group are `block_ids[group]` (lists), covering
     positions start_pos .. start_pos+len(token_ids)-1. For notebooks and tests."""
@@ -50,8 +64,7 @@ def single_sequence_batch(layout, token_ids, start_pos: int, block_ids: dict, lo
     slot_mapping, block_tables = {}, {}
     for g in layout.groups:
         ids = np.asarray(block_ids[g.name], dtype=np.int32)
-        tpp = g.tokens_per_page
-        slot_mapping[g.name] = (ids[pos // tpp] * tpp + pos % tpp).astype(np.int32)
+        slot_mapping[g.name] = page_slots(block_ids[g.name], pos, g.tokens_per_page)
         block_tables[g.name] = ids[None, :]
     logits = np.arange(T, dtype=np.int32) if logits_all else np.array([T - 1], np.int32)
     return ForwardBatch(

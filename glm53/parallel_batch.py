@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from glm53.batch import ForwardBatch
+from glm53.batch import ForwardBatch, page_slots
 from glm53.hot_cache import HotBatch
 from glm53.kv_layout import KVCacheLayout
 from sharding.context_parallel import pcp_chunk_order
@@ -35,7 +35,8 @@ def replica_batch(layout: KVCacheLayout, requests, num_tokens: int, num_rows: in
       num_rows: request rows (≥ len(requests) + 1: the last row stays all-null, used by padding
         tokens). Block tables are as wide as the widest request's page list.
       logits_all: logits for every token (else each request's last token).
-    Raises ValueError when the requests do not fit.
+    Raises ValueError when the requests do not fit, or a slot id does not fit int32
+    (`glm53.batch.page_slots`).
     """
     T = sum(len(t) for t, _, _ in requests)
     if T > num_tokens or len(requests) + 1 > num_rows:
@@ -56,7 +57,7 @@ def replica_batch(layout: KVCacheLayout, requests, num_tokens: int, num_rows: in
         for g in layout.groups:
             tpp = g.tokens_per_page * dcp
             b = np.asarray(blocks[g.name], np.int32)
-            slots[g.name][off:off + n] = b[p // tpp] * tpp + p % tpp
+            slots[g.name][off:off + n] = page_slots(blocks[g.name], p, tpp)
             tables[g.name][i, :len(b)] = b
         logits.extend(range(off, off + n) if logits_all else [off + n - 1])
         off += n

@@ -54,6 +54,7 @@ lowering); the kernels keep to the plain load / dot / store subset.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -144,7 +145,21 @@ def unsupported_reason(x, w_fp8, scale_inv, *, block: tuple[int, int], block_m: 
                 return f"{name}={v} must be a power of two >= 16 (Triton dot and tensor sizes)"
     if split_k is not None and (split_k < 1 or (K // bk) % split_k):
         return f"split_k={split_k} must divide K/bk={K // bk}"
+    if not interpret and _element_offsets_wrap(w_fp8.shape, w_fp8.dtype):
+        return (f"weight {tuple(w_fp8.shape)} has {math.prod(w_fp8.shape):,} one-byte elements: JAX's Triton "
+                f"lowering addresses it with 32-bit element offsets (64-bit only above 4 GiB), which wrap past "
+                f"2**31 - 1 (split the experts)")
     return None
+
+
+def _element_offsets_wrap(shape, dtype) -> bool:
+    """True when JAX's Pallas→Triton lowering (jax 0.11.2: `_compute_offsets_from_indices`) would
+    address an array of `shape` / `dtype` with int32 element offsets that overflow: it picks 64-bit
+    offsets only when the array is over 2**32 bytes, but offsets count elements, so arrays of
+    1-byte elements between 2**31 and 2**32 elements (2–4 GiB of fp8) wrap. Wider dtypes cannot:
+    2**32 bytes hold at most 2**31 two-byte elements."""
+    n = math.prod(int(d) for d in shape)
+    return n - 1 > 2**31 - 1 and n * jnp.dtype(dtype).itemsize <= 2**32
 
 
 def _tile_dot(xt, wt, dt, prec):

@@ -122,3 +122,78 @@ def test_fp8_grouped_matmul_lowers_for_cuda_at_production_shapes(verified, K, N)
                         S((32,), jnp.int32))
     assert text.count(TRITON_CALL) == 1 and verified == [True]
     assert _fp8_weight_untouched(text)
+
+
+# ---------------------------------------------------------------- 32- vs 64-bit element offsets
+# JAX 0.11.2's Pallas→Triton lowering addresses an operand with 64-bit element offsets only when it
+# is over 2**32 bytes. These tests pin that rule at GLM-5.3's sizes (an upgrade that changes it
+# fails here): the KV arena of a 29 GiB budget (9,508 pages of 818,688 words for the fp8 cache) is
+# read with 64-bit offsets by the sparse-MLA and indexer kernels, and a one-byte FP8 weight of
+# 2–4 GiB — whose element offsets would wrap in 32 bits — is refused by the FP8 matmul's
+# `unsupported_reason` (the dispatcher then runs the reference).
+
+
+@pytest.fixture
+def triton_modules(monkeypatch):
+    """The text of every Triton module the lowering builds during the test."""
+    texts = []
+    lower = triton_registration.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        out = lower(*args, **kwargs)
+        texts.append(str(out.module))
+        return out
+
+    monkeypatch.setattr(triton_registration.lowering, "lower_jaxpr_to_triton_module", capture)
+    return texts
+
+
+def _offset_types(text: str, pointee: str) -> set[str]:
+    """Element types of the offsets added (`tt.addptr`) to pointers to `pointee` (e.g. "i32", "f8E4M3FN")."""
+    import re
+
+    pat = r"tt\.addptr[^\n]*?:\s*tensor<[^>]*!tt\.ptr<" + pointee + r"[^>]*>>\s*,\s*tensor<([^>]*)>"
+    return {m.split("x")[-1] for m in re.findall(pat, text)}
+
+
+GLM53_ARENA_PAGES = 9_508  # a 29 GiB KV budget on one H200 at the fp8 cache's 3,274,752-byte pages
+
+
+@pytest.mark.parametrize("pages,want", [(64, {"i32"}), (GLM53_ARENA_PAGES, {"i64"})])
+def test_the_attention_kernels_address_a_production_arena_with_64_bit_offsets(triton_modules, pages, want):
+    from glm53.config import preset
+    from glm53.kv_layout import build_kv_layout
+
+    lay = build_kv_layout(preset("glm-5.3"), "fp8")
+    assert GLM53_ARENA_PAGES * lay.page_words * 4 > 2**32 > 64 * lay.page_words * 4  # over / under 4 GiB
+    mla = functools.partial(sparse_mla_pallas_triton, layout=lay.group("mla"), kv_lora_rank=512,
+                            scale=576 ** -0.5, precision="bf16")
+    _export_cuda(mla, S((4, 64, 576), jnp.bfloat16), S((pages, lay.page_words), jnp.uint32),
+                 S((4, 2048), jnp.int32), S((), jnp.int32))
+    idx = functools.partial(indexer_topk_pallas_triton, layout=lay.group("indexer"), topk=2048, precision="bf16")
+    _export_cuda(idx, S((4, 32, 128), jnp.bfloat16), S((4, 32), jnp.float32), S((pages, lay.page_words), jnp.uint32),
+                 S((2, 911), jnp.int32), S((4,), jnp.int32), S((4,), jnp.int32), S((), jnp.int32))
+    arena_offsets = set().union(*(_offset_types(t, "i32") for t in triton_modules))  # the arena is read as words
+    assert triton_modules and want <= arena_offsets, arena_offsets
+    if want == {"i64"}:
+        # every kernel that reads the arena addresses it in 64 bits
+        assert all("i64" in _offset_types(t, "i32") for t in triton_modules if _offset_types(t, "i32"))
+
+
+@pytest.mark.parametrize("experts,wraps", [(32, False), (128, True), (256, False)])
+def test_fp8_weights_of_2_to_4_gib_are_refused_where_32_bit_offsets_would_wrap(triton_modules, experts, wraps):
+    """Grouped FP8 weights [E, 6144, 4096]: E = 32 (one GPU's share at EP8, 0.8 GB) and 256 (6.4 GB,
+    over 4 GiB: 64-bit offsets) lower; E = 128 (3.2 GB: 2**31 < elements ≤ 2**32 bytes) is refused."""
+    from kernels.fp8_matmul.pallas_triton import unsupported_reason
+
+    K, N = 6144, 4096
+    specs = (S((1024, K), jnp.bfloat16), S((experts, K, N), jnp.float8_e4m3fn),
+             S((experts, K // 128, N // 128), jnp.float32), S((experts,), jnp.int32))
+    reason = unsupported_reason(specs[0], specs[1], specs[2], block=(128, 128), grouped=True)
+    if wraps:
+        assert reason is not None and "32-bit element offsets" in reason
+        return
+    assert reason is None
+    _export_cuda(functools.partial(fp8_grouped_matmul_pallas_triton, block=(128, 128)), *specs)
+    weight_offsets = set().union(*(_offset_types(t, "f8E4M3FN") for t in triton_modules))
+    assert weight_offsets == ({"i64"} if experts * K * N > 2**32 else {"i32"}), weight_offsets
