@@ -9,7 +9,10 @@ every op at once:
   through the kernels with one through the references on the same device);
 * `"pallas"`: the Pallas kernels everywhere — in interpret mode where the backend is not a GPU;
 * `"interpret"`: the Pallas kernels in interpret mode on any backend (the GPU code path of the
-  engine's own jitted programs, run on CPU).
+  engine's own jitted programs, run on CPU);
+* `"triton"`: the Pallas kernels for a GPU (never interpret mode) on any backend: for lowering
+  and exporting programs for CUDA from a machine without a GPU (`jax.export` with
+  `platforms=("cuda",)`); running such a program on a CPU fails.
 
 Set it with the environment variable `GLM53_KERNELS` (read when an op is traced) or, for a block
 of code, `with use_kernels("interpret"): ...` (which wins over the variable). The choice is made
@@ -33,7 +36,7 @@ import jax
 logger = logging.getLogger(__name__)
 
 KERNEL_MODE_ENV = "GLM53_KERNELS"
-MODES = ("auto", "reference", "pallas", "interpret")
+MODES = ("auto", "reference", "pallas", "interpret", "triton")
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("glm53_kernel_mode", default=None)
 _warned: set[tuple[str, str]] = set()
 
@@ -73,7 +76,7 @@ def choose(implementation: str | None, interpret: bool) -> tuple[str, bool]:
         return "xla", False
     if mode == "interpret" or (mode == "pallas" and not on_gpu):
         return "pallas_triton", True
-    return "pallas_triton", False
+    return "pallas_triton", False  # "triton", or "auto" / "pallas" on a GPU
 
 
 def warn_fallback(op: str, reason: str) -> None:

@@ -116,6 +116,7 @@ SLOW_MODULES = (
     "tests/serving/test_pd_engine.py",  # 388 s in a 2-worker cold run
     "tests/sharding/test_parallel_logits.py",  # 193 s
     "tests/serving/test_engine_kernels.py",  # 95 s alone, cold (Pallas interpret-mode step programs)
+    "tests/serving/test_cuda_export.py",  # 20 s alone (eight engines built, nothing compiled)
     "tests/glm53/test_fp8_weights.py",  # 107 s
     "tests/sharding/test_engine_parallel.py",  # 106 s
     "tests/glm53/test_hf_parity.py",  # 90 s
