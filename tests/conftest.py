@@ -117,6 +117,7 @@ SLOW_MODULES = (
     "tests/sharding/test_parallel_logits.py",  # 193 s
     "tests/serving/test_engine_kernels.py",  # 95 s alone, cold (Pallas interpret-mode step programs)
     "tests/serving/test_cuda_export.py",  # 20 s alone (eight engines built, nothing compiled)
+    "tests/scripts/test_gpu_check.py",  # 91 s alone (gpu_check.py --dry-run: four parts, subprocesses)
     "tests/glm53/test_fp8_weights.py",  # 107 s
     "tests/sharding/test_engine_parallel.py",  # 106 s
     "tests/glm53/test_hf_parity.py",  # 90 s

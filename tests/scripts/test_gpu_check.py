@@ -1,0 +1,52 @@
+"""scripts/gpu_check.py --dry-run: every part runs on CPU at tiny sizes (interpret-mode kernels),
+so the first GPU call cannot die on a typo; the summary has every part, the serve part compares
+the Pallas-kernel engine with the reference engine (HiSparse with the callback mechanism under
+pressure included) and their streams are equal; a part killed at its budget is reported as such."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.helpers.server_process import REPO
+
+
+def run(out, *args, timeout=600):
+    return subprocess.run([sys.executable, "scripts/gpu_check.py", "--out", str(out), *args], cwd=REPO,
+                          env={**__import__("os").environ, "PYTHONPATH": REPO}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_dry_run_runs_every_part_and_the_kernel_engine_serves_the_reference_streams(tmp_path):
+    p = run(tmp_path, "--dry-run", "--budget-s", "240", "--serve-configs", "default,hisparse_callback")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert set(s["parts"]) == {"env", "serve", "kernels", "host_gather"}
+    assert all(e["status"] == "ok" for e in s["parts"].values()), {k: e["status"] for k, e in s["parts"].items()}
+    assert s["parts"]["env"]["result"]["jax"]
+    serve = s["parts"]["serve"]["result"]
+    assert set(serve) == {"default", "hisparse_callback"}
+    for name, r in serve.items():
+        assert r["status"] == "ok" and r["streams_equal"] and r["divergences"] == [], (name, r)
+        assert r["kernels"]["mode"] == "interpret" and r["reference"]["mode"] == "reference"
+        assert r["kernels"]["audit"] == [] and r["reference"]["audit"] == []
+    hs = serve["hisparse_callback"]["kernels"]
+    assert hs["mechanism"] == "callback" and hs["hot_steps"] > 0 and hs["misses"] > 0
+    for part in ("kernels", "host_gather"):
+        assert (tmp_path / part / f"{'bench_kernels' if part == 'kernels' else 'probe_host_gather'}.json").exists()
+    assert "summary.json" in p.stdout and "hisparse_callback: ok, equal" in p.stdout
+
+
+def test_a_part_past_its_budget_is_reported_and_bad_names_are_refused(tmp_path):
+    p = run(tmp_path, "--dry-run", "--budget-s", "12", "--parts", "env,serve", "--serve-configs", "default")
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["parts"]["env"]["status"] == "ok"
+    # 12 s cannot build two engines: the serve part skips its configuration, or is killed at its budget
+    serve = s["parts"]["serve"]
+    assert serve["status"] == "timeout" or serve["result"]["default"]["status"] == "skipped", serve
+    assert p.returncode == (1 if serve["status"] == "timeout" else 0)
+    bad = run(tmp_path, "--parts", "env,gpu")
+    assert bad.returncode == 2 and "--parts: unknown ['gpu']" in bad.stderr
+    bad = run(tmp_path, "--serve-configs", "nope")
+    assert bad.returncode == 2 and "--serve-configs: unknown ['nope']" in bad.stderr
