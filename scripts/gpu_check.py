@@ -269,7 +269,9 @@ def main(argv=None) -> int:
         if left < 5:
             summary["parts"][part] = {"status": "skipped", "reason": f"{left:.0f} s of the budget left"}
             continue
-        share = left * SHARES[part] if part != parts[-1] else left
+        # (every part gets at least 30 s, or all that is left: starting a process that imports jax
+        # takes seconds)
+        share = left if part == parts[-1] else min(left, max(30.0, left * SHARES[part]))
         print(f"== {part}: up to {share:.0f} s", flush=True)
         summary["parts"][part] = run_part(part, a.out, a.dry_run, share)
     summary["seconds"] = round(time.perf_counter() - start, 1)

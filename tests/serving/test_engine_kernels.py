@@ -149,7 +149,9 @@ def test_kernel_mode_choices(monkeypatch):
     assert km.kernel_mode() == "reference"
     with km.use_kernels("interpret"):  # a block wins over the variable
         assert km.kernel_mode() == "interpret"
-    monkeypatch.setenv(km.KERNEL_MODE_ENV, "triton")
+    with km.use_kernels("triton"):  # the GPU kernels without interpret mode, on any backend (export)
+        assert km.choose(None, False) == ("pallas_triton", False)
+    monkeypatch.setenv(km.KERNEL_MODE_ENV, "fast")
     with pytest.raises(ValueError, match="GLM53_KERNELS"):
         km.kernel_mode()
     with pytest.raises(ValueError, match="kernel mode"):
