@@ -182,11 +182,10 @@ def part_host_gather(out: str, dry_run: bool, budget_s: float) -> dict:
 
 
 PART_FUNCS = {"env": part_env, "serve": part_serve, "kernels": part_kernels, "host_gather": part_host_gather}
-SERVE_CONFIGS_ENV = "GPU_CHECK_SERVE_CONFIGS"  # how the driver hands --serve-configs to the serve part
 
 
 # ---------------------------------------------------------------------------------------- driver
-def run_part(part: str, out: str, dry_run: bool, budget_s: float) -> dict:
+def run_part(part: str, out: str, dry_run: bool, budget_s: float, serve_configs: list[str]) -> dict:
     """Run one part in a child process killed at `budget_s` → its summary entry."""
     part_dir = os.path.join(out, part)
     os.makedirs(part_dir, exist_ok=True)
@@ -194,6 +193,8 @@ def run_part(part: str, out: str, dry_run: bool, budget_s: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--part", part, "--out", part_dir, "--budget-s", f"{budget_s:.1f}"]
     if dry_run:
         cmd.append("--dry-run")
+    if part == "serve":
+        cmd += ["--serve-configs", ",".join(serve_configs)]
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         try:
@@ -241,10 +242,13 @@ def main(argv=None) -> int:
     ap.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)  # internal: run one part in this process
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
+    configs = [c.strip() for c in a.serve_configs.split(",") if c.strip()]
+    bad = [c for c in configs if c not in SERVE_CONFIGS]
+    if bad:
+        ap.error(f"--serve-configs: unknown {bad}; choose from {', '.join(SERVE_CONFIGS)}")
     if a.part:  # child: run the part, write result.json
         if a.part == "serve":
-            names = [c for c in os.environ.get(SERVE_CONFIGS_ENV, "").split(",") if c]
-            result = part_serve(a.out, a.dry_run, a.budget_s, names or None)
+            result = part_serve(a.out, a.dry_run, a.budget_s, configs)
         else:
             result = PART_FUNCS[a.part](a.out, a.dry_run, a.budget_s)
         with open(os.path.join(a.out, "result.json"), "w") as f:
@@ -254,11 +258,6 @@ def main(argv=None) -> int:
     bad = [p for p in parts if p not in PARTS]
     if bad:
         ap.error(f"--parts: unknown {bad}; choose from {', '.join(PARTS)}")
-    configs = [c.strip() for c in a.serve_configs.split(",") if c.strip()]
-    bad = [c for c in configs if c not in SERVE_CONFIGS]
-    if bad:
-        ap.error(f"--serve-configs: unknown {bad}; choose from {', '.join(SERVE_CONFIGS)}")
-    os.environ[SERVE_CONFIGS_ENV] = ",".join(configs)
     start = time.perf_counter()
     summary = {"argv": sys.argv[1:] if argv is None else list(argv), "dry_run": a.dry_run, "budget_s": a.budget_s,
                "parts": {}}
@@ -273,7 +272,7 @@ def main(argv=None) -> int:
         # takes seconds)
         share = left if part == parts[-1] else min(left, max(30.0, left * SHARES[part]))
         print(f"== {part}: up to {share:.0f} s", flush=True)
-        summary["parts"][part] = run_part(part, a.out, a.dry_run, share)
+        summary["parts"][part] = run_part(part, a.out, a.dry_run, share, configs)
     summary["seconds"] = round(time.perf_counter() - start, 1)
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)

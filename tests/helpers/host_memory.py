@@ -25,7 +25,8 @@ def _is_host(v) -> bool:
     return getattr(aval, "memory_space", None) == jax.memory.Space.Host
 
 
-def _subjaxprs(eqn):
+def subjaxprs(eqn):
+    """The jaxprs nested in an equation's parameters (jit, scan, while, cond, shard_map, custom_vjp)."""
     for p in eqn.params.values():
         for x in (p if isinstance(p, (tuple, list)) else (p,)):
             if isinstance(x, jax.extend.core.ClosedJaxpr):
@@ -43,7 +44,7 @@ def host_memory_reads(jaxpr) -> list[tuple[str, str]]:
     while stack:
         j = stack.pop()
         for eqn in j.eqns:
-            subs = list(_subjaxprs(eqn))
+            subs = list(subjaxprs(eqn))
             stack.extend(subs)
             if any(_is_host(v) for v in eqn.invars):
                 name = eqn.primitive.name

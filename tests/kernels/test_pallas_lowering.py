@@ -5,46 +5,30 @@ lowering, non-power-of-two tensors, dot shapes Triton refuses. (Triton IR → PT
 machine with a GPU; scripts/bench_kernels.py runs that.)"""
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
 import pytest
-from jax._src.pallas.triton import pallas_call_registration as triton_registration
 
-from kernels.fp8_matmul.pallas_triton import fp8_grouped_matmul_pallas_triton, fp8_matmul_pallas_triton
+from kernels.fp8_matmul.pallas_triton import (
+    fp8_grouped_matmul_pallas_triton,
+    fp8_matmul_pallas_triton,
+)
 from kernels.hot_resolve.pallas_triton import hot_resolve_pallas_triton
 from kernels.indexer_topk.pallas_triton import indexer_topk_pallas_triton
 from kernels.paged import CacheComponent, GroupLayout
 from kernels.sparse_mla.pallas_triton import sparse_mla_pallas_triton
-
-TRITON_CALL = "__gpu$xla.gpu.triton"
+from tests.helpers.triton_lowering import (
+    TRITON_CALL,
+    export_cuda,
+    record_triton_lowerings,
+)
 
 
 @pytest.fixture
 def verified(monkeypatch):
-    """Run the MLIR verifier on every Triton module the lowering builds (private hook: the Triton
-    IR is otherwise only checked by XLA's GPU compiler). Yields the list of verifier results."""
-    results = []
-    lower = triton_registration.lowering.lower_jaxpr_to_triton_module
-
-    def lower_and_verify(*args, **kwargs):
-        out = lower(*args, **kwargs)
-        results.append(out.module.operation.verify())
-        return out
-
-    monkeypatch.setattr(triton_registration.lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
-    return results
-
-
-def _export_cuda(f, *specs):
-    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
-    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
-        warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's deprecation notice
-        exp = jax.export.export(jax.jit(f), platforms=["cuda"],
-                                disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*specs)
-    return exp.mlir_module()
+    """The MLIR verifier's result on every Triton module the lowering builds."""
+    return record_triton_lowerings(monkeypatch, lambda m: m.verified)
 
 
 S = jax.ShapeDtypeStruct
@@ -57,7 +41,7 @@ def test_sparse_mla_lowers_for_cuda_at_production_shapes(verified, row_dtype, pr
     lay = GroupLayout("mla", 64, (CacheComponent("mla", 2, 576, row_dtype, rope_dim=rope),))
     f = functools.partial(sparse_mla_pallas_triton, layout=lay, kv_lora_rank=512, scale=576 ** -0.5,
                           precision=precision)
-    text = _export_cuda(f, S((4, 64, 576), jnp.bfloat16), S((64, lay.words_per_page), jnp.uint32),
+    text = export_cuda(f, S((4, 64, 576), jnp.bfloat16), S((64, lay.words_per_page), jnp.uint32),
                         S((4, 2048), jnp.int32), S((), jnp.int32))
     assert text.count(TRITON_CALL) == 1 and verified == [True]
 
@@ -68,7 +52,7 @@ def test_indexer_scores_lower_for_cuda_at_production_shapes(verified, row_dtype,
     lay = GroupLayout("idx", 64, (CacheComponent("indexer", 2, 128, row_dtype),))
     f = functools.partial(indexer_topk_pallas_triton, layout=lay, topk=2048, precision=precision)
     # An arena over 4 GiB (the lowering then computes 64-bit load offsets).
-    text = _export_cuda(f, S((8, 32, 128), jnp.bfloat16), S((8, 32), jnp.float32),
+    text = export_cuda(f, S((8, 32, 128), jnp.bfloat16), S((8, 32), jnp.float32),
                         S((1 << 19, lay.words_per_page), jnp.uint32), S((8, 200), jnp.int32), S((8,), jnp.int32),
                         S((8,), jnp.int32), S((), jnp.int32))
     assert text.count(TRITON_CALL) == 1 and verified == [True]
@@ -82,7 +66,7 @@ def test_hot_resolve_lowers_for_cuda_at_production_shapes(verified, T):
     B, K, P, H, S_rows, M = 65, 2048, 2048, 64, 64, 4096
     f = functools.partial(hot_resolve_pallas_triton, tokens_per_page=64)
     i32 = jnp.int32
-    text = _export_cuda(f, S((T, K), i32), S((T,), i32), S((B, P), i32), S((B, P), i32), S((B, H), i32),
+    text = export_cuda(f, S((T, K), i32), S((T,), i32), S((B, P), i32), S((B, P), i32), S((B, H), i32),
                         S((B,), i32), S((B,), i32), S((S_rows, M), i32), S((S_rows, M), i32), S((), i32))
     assert text.count(TRITON_CALL) == 4 and verified == [True] * 4
 
@@ -102,14 +86,14 @@ def _fp8_weight_untouched(text):
 @pytest.mark.parametrize("K,N", [(2048, 2048), (6144, 576), (2048, 6144)])
 def test_fp8_matmul_lowers_for_cuda_at_production_shapes(verified, M, K, N):
     f = functools.partial(fp8_matmul_pallas_triton, block=(128, 128))
-    text = _export_cuda(f, S((M, K), jnp.bfloat16), S((K, N), F8), S((K // 128, -(-N // 128)), jnp.float32))
+    text = export_cuda(f, S((M, K), jnp.bfloat16), S((K, N), F8), S((K // 128, -(-N // 128)), jnp.float32))
     assert text.count(TRITON_CALL) == 1 and verified == [True]
     assert _fp8_weight_untouched(text)
 
 
 def test_fp8_matmul_lowers_with_fp32_activations(verified):
     f = functools.partial(fp8_matmul_pallas_triton, block=(128, 128), out_dtype=jnp.bfloat16)
-    text = _export_cuda(f, S((16, 6144), jnp.float32), S((6144, 576), F8), S((48, 5), jnp.float32))
+    text = export_cuda(f, S((16, 6144), jnp.float32), S((6144, 576), F8), S((48, 5), jnp.float32))
     assert text.count(TRITON_CALL) == 1 and verified == [True]
 
 
@@ -118,7 +102,7 @@ def test_fp8_matmul_lowers_with_fp32_activations(verified):
 @pytest.mark.parametrize("K,N", [(6144, 2048), (2048, 6144)])
 def test_fp8_grouped_matmul_lowers_for_cuda_at_production_shapes(verified, K, N):
     f = functools.partial(fp8_grouped_matmul_pallas_triton, block=(128, 128))
-    text = _export_cuda(f, S((1024, K), jnp.bfloat16), S((32, K, N), F8), S((32, K // 128, N // 128), jnp.float32),
+    text = export_cuda(f, S((1024, K), jnp.bfloat16), S((32, K, N), F8), S((32, K // 128, N // 128), jnp.float32),
                         S((32,), jnp.int32))
     assert text.count(TRITON_CALL) == 1 and verified == [True]
     assert _fp8_weight_untouched(text)
@@ -136,16 +120,7 @@ def test_fp8_grouped_matmul_lowers_for_cuda_at_production_shapes(verified, K, N)
 @pytest.fixture
 def triton_modules(monkeypatch):
     """The text of every Triton module the lowering builds during the test."""
-    texts = []
-    lower = triton_registration.lowering.lower_jaxpr_to_triton_module
-
-    def capture(*args, **kwargs):
-        out = lower(*args, **kwargs)
-        texts.append(str(out.module))
-        return out
-
-    monkeypatch.setattr(triton_registration.lowering, "lower_jaxpr_to_triton_module", capture)
-    return texts
+    return record_triton_lowerings(monkeypatch, lambda m: m.text)
 
 
 def _offset_types(text: str, pointee: str) -> set[str]:
@@ -168,10 +143,10 @@ def test_the_attention_kernels_address_a_production_arena_with_64_bit_offsets(tr
     assert GLM53_ARENA_PAGES * lay.page_words * 4 > 2**32 > 64 * lay.page_words * 4  # over / under 4 GiB
     mla = functools.partial(sparse_mla_pallas_triton, layout=lay.group("mla"), kv_lora_rank=512,
                             scale=576 ** -0.5, precision="bf16")
-    _export_cuda(mla, S((4, 64, 576), jnp.bfloat16), S((pages, lay.page_words), jnp.uint32),
+    export_cuda(mla, S((4, 64, 576), jnp.bfloat16), S((pages, lay.page_words), jnp.uint32),
                  S((4, 2048), jnp.int32), S((), jnp.int32))
     idx = functools.partial(indexer_topk_pallas_triton, layout=lay.group("indexer"), topk=2048, precision="bf16")
-    _export_cuda(idx, S((4, 32, 128), jnp.bfloat16), S((4, 32), jnp.float32), S((pages, lay.page_words), jnp.uint32),
+    export_cuda(idx, S((4, 32, 128), jnp.bfloat16), S((4, 32), jnp.float32), S((pages, lay.page_words), jnp.uint32),
                  S((2, 911), jnp.int32), S((4,), jnp.int32), S((4,), jnp.int32), S((), jnp.int32))
     arena_offsets = set().union(*(_offset_types(t, "i32") for t in triton_modules))  # the arena is read as words
     assert triton_modules and want <= arena_offsets, arena_offsets
@@ -194,6 +169,6 @@ def test_fp8_weights_of_2_to_4_gib_are_refused_where_32_bit_offsets_would_wrap(t
         assert reason is not None and "32-bit element offsets" in reason
         return
     assert reason is None
-    _export_cuda(functools.partial(fp8_grouped_matmul_pallas_triton, block=(128, 128)), *specs)
+    export_cuda(functools.partial(fp8_grouped_matmul_pallas_triton, block=(128, 128)), *specs)
     weight_offsets = set().union(*(_offset_types(t, "f8E4M3FN") for t in triton_modules))
     assert weight_offsets == ({"i64"} if experts * K * N > 2**32 else {"i32"}), weight_offsets

@@ -24,69 +24,28 @@ back with a warning (kernels/mode.py).
 
 from __future__ import annotations
 
-import warnings
-from unittest import mock
-
 import jax
-import numpy as np
 import pytest
-from jax._src.pallas.triton import gpu_info
-from jax._src.pallas.triton import pallas_call_registration as triton_registration
 
 from kernels.mode import use_kernels
 from serving.engine import EngineArgs
 from serving.engine_factory import build_engine
 from sharding.mesh import ParallelConfig
 from tests.helpers.host_memory import host_memory_reads
+from tests.helpers.jaxpr_ops import step_args
+from tests.helpers.triton_lowering import (
+    TRITON_CALL,
+    export_cuda,
+    record_triton_lowerings,
+)
 
-TRITON_CALL = "__gpu$xla.gpu.triton"
-H200 = "NVIDIA H200"
 HOT_RESOLVER = {"hot_resolve_validate", "hot_resolve_lookup", "hot_resolve_rank", "hot_resolve_assign"}
 
 
 @pytest.fixture
 def lowered_kernels(monkeypatch):
-    """Names of the Pallas kernels lowered to Triton during the test (private hook, as in
-    tests/kernels/test_pallas_lowering.py)."""
-    names = []
-    lower = triton_registration.lowering.lower_jaxpr_to_triton_module
-
-    def record(jaxpr, *args, **kwargs):
-        names.append(str(jaxpr.debug_info.func_name).removesuffix("_kernel"))
-        return lower(jaxpr, *args, **kwargs)
-
-    monkeypatch.setattr(triton_registration.lowering, "lower_jaxpr_to_triton_module", record)
-    return names
-
-
-def _spec(x):
-    if isinstance(x, jax.Array):
-        # (A host-memory array's memory space is carried explicitly: the sharding's memory kind
-        # alone does not make the traced value a host value.)
-        host = getattr(x.sharding, "memory_kind", None) in ("pinned_host", "unpinned_host")
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
-                                    _memory_space=jax.memory.Space.Host if host else None)
-    if isinstance(x, np.ndarray):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    return x
-
-
-def export_cuda(fn, *args, devices: int = 1) -> str:
-    """`fn(*args)` (shapes, dtypes and shardings of `args`) exported for CUDA → its MLIR text.
-    One device: under an abstract H200 mesh. A parallel layout keeps the engine's own mesh (its
-    `shard_map`s name it) and tells the Triton lowering the GPU it targets instead."""
-    if devices == 1:
-        dev = jax.sharding.AbstractDevice(device_kind=H200, num_cores=132, platform="cuda")
-        target = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
-            (1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=dev))
-    else:
-        target = mock.patch.object(gpu_info, "get_device_kind", lambda: H200)
-    with warnings.catch_warnings(), target, use_kernels("triton"):
-        warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's deprecation notice
-        exp = jax.export.export(fn, platforms=["cuda"],
-                                disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(
-            *jax.tree.map(_spec, args))
-    return exp.mlir_module()
+    """Names of the Pallas kernels lowered to Triton during the test."""
+    return record_triton_lowerings(monkeypatch, lambda m: m.name)
 
 
 def build(**overrides):
@@ -95,14 +54,6 @@ def build(**overrides):
                 disable_log_stats=True, skip_precompile=True)
     with use_kernels("triton"):
         return build_engine(EngineArgs(**{**args, **overrides}))
-
-
-def step_args(r, hot: bool):
-    batch, extra = r._dummy(r.buckets[0])
-    hs = r._hisparse_args() if hot else None
-    if not hot:
-        batch.hot = None
-    return (r._state_leaves, r._place(batch), r.kv_arena, *extra, hs, r._dummy_spec)
 
 
 HISPARSE = {"num_gpu_blocks_override": 10, "max_model_len": 512, "attention_config": {"hisparse_config": {
