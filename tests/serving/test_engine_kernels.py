@@ -27,7 +27,7 @@ from serving.engine import EngineArgs
 from serving.engine_factory import build_engine
 from serving.types import SamplingParams
 from sharding.mesh import ParallelConfig
-from tests.helpers.jaxpr_ops import pallas_kernels
+from tests.helpers.jaxpr_ops import pallas_kernels, step_args
 
 SHORT = {"a": list(range(5, 100)), "b": [(7 * i) % 300 + 4 for i in range(40)]}
 LONG = {"a": [(7 * i) % 300 + 4 for i in range(400)], "b": [(13 * i) % 400 + 4 for i in range(400)]}
@@ -69,11 +69,8 @@ def serve(mode: str, overrides: dict, prompts: dict):
 def step_kernels(e) -> set[str]:
     """The Pallas kernels the engine's step program calls (the hot program under HiSparse)."""
     r = e.runner
-    batch, extra = r._dummy(r.buckets[0])
-    hs = r._hisparse_args() if r.hisparse is not None else None
-    spec = None if r._dummy_spec is None else r._dummy_spec
     with use_kernels(r.kernel_mode):
-        jaxpr = jax.make_jaxpr(r._step)(r._state_leaves, r._place(batch), r.kv_arena, *extra, hs, spec)
+        jaxpr = jax.make_jaxpr(r._step)(*step_args(r, hot=r.hisparse is not None))
     return set(pallas_kernels(jaxpr))
 
 
@@ -122,12 +119,18 @@ def test_on_the_fp8_cache_each_sparse_mla_call_in_the_step_equals_the_reference(
         return o, lse
 
     monkeypatch.setitem(sparse_api.IMPLEMENTATIONS, "pallas_triton", checked)
-    e, got, _ = serve("interpret", dict(kv_cache_dtype="fp8"), SHORT)
+    e, got, got_lp = serve("interpret", dict(kv_cache_dtype="fp8"), SHORT)
     assert {"sparse_mla", "indexer_scores"} <= step_kernels(e)
     assert all(len(v) == 4 for v in got.values())
     assert len(diffs) >= 14 * 3 and sum(n for _, n in diffs) > 0  # every layer of several steps, real keys
     worst = max(d for d, _ in diffs)
-    print(f"\nfp8 cache: {len(diffs)} sparse-MLA calls, largest difference from the reference {worst:.2e}")
+    monkeypatch.setitem(sparse_api.IMPLEMENTATIONS, "pallas_triton", pallas)
+    _, ref, ref_lp = serve("reference", dict(kv_cache_dtype="fp8"), SHORT)  # for the record only (see above)
+    differ = {r: next((i for i, (a, b) in enumerate(zip(ref[r], got[r])) if a != b), None) for r in SHORT}
+    dlp = max(abs(a.logprob - b.logprob) for r in SHORT for a, b in zip(ref_lp[r], got_lp[r]) if a.token_id == b.token_id)
+    print(f"\nfp8 cache: {len(diffs)} sparse-MLA calls, largest difference from the reference {worst:.2e}; against "
+          f"the reference engine: first differing output token {differ}, largest sampled-token logprob "
+          f"difference {dlp:.1e}")
     assert worst < 2e-5
 
 
