@@ -48,7 +48,9 @@ point too (`--hf-worker`; the file imports only the standard library at module l
 and transformers. Other options: `--model DIR` (default: the embedded tiny checkpoint),
 `--batches 1,8,32`, `--prompt-len 32`, `--new-tokens 64`, `--repeats 3`, `--max-model-len 512`
 (the engine's context limit, which sets its block-table width),
-`--num-gpu-blocks-override N`, `--check-tokens 4`, `--hf-threads 0`, `--skip-hf`, `--skip-jit`. Writes
+`--num-gpu-blocks-override N`, `--check-tokens 4`, `--hf-threads 0`, `--skip-hf`, `--skip-jit`,
+`--data-parallel-size N` (DP + EP over N devices, simulated on CPU; `generate_batch` and HF stay on
+one device, so pass `--skip-jit --skip-hf` to compare synchronous and asynchronous DP only). Writes
 `DIR/bench_decode.json` and prints a table.
 
 `--hf-threads` defaults to 0 (torch's default, one OpenMP thread per core): HF's fastest setting
@@ -180,16 +182,22 @@ def build_engine(args, model_dir: str, batches: list[int]):
 
     enable_compilation_cache()
     max_batched = max(512, max(batches) * args.prompt_len)
+    parallel = None
+    if args.data_parallel_size > 1:
+        from sharding.mesh import ParallelConfig
+
+        parallel = ParallelConfig(data_parallel_size=args.data_parallel_size, enable_expert_parallel=True)
     eargs = EngineArgs(model=model_dir, max_model_len=args.max_model_len, max_num_seqs=max(batches),
                        max_num_batched_tokens=max_batched, num_gpu_blocks_override=args.num_gpu_blocks_override,
-                       compile_progress=False)
+                       compile_progress=False, parallel=parallel)
     t0 = time.perf_counter()
     engine = build_engine(eargs)
     setup = {"load_and_compile_s": time.perf_counter() - t0, "buckets": list(engine.runner.buckets),
              "max_num_seqs": max(batches), "max_num_batched_tokens": max_batched,
              "max_model_len": args.max_model_len, "num_kv_blocks": engine.runner.kv_arena.shape[0],
              "kv_arena_mib": engine.runner.kv_arena.nbytes / 2**20, "dtype": str(engine.runner.kv_arena.dtype),
-             "jax": jax.__version__, "device": str(jax.devices()[0]),
+             "jax": jax.__version__, "device": str(jax.devices()[0]), "num_devices": jax.device_count(),
+             "data_parallel_size": args.data_parallel_size,
              "compile_s_per_bucket": {str(k): round(v, 2) for k, v in engine.runner.compile_seconds.items()}}
     return engine, setup
 
@@ -439,8 +447,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch intra-op threads for HF (0: torch's default; see the docstring)")
     p.add_argument("--skip-hf", action="store_true", help="measure only our engine (and generate_batch)")
     p.add_argument("--skip-jit", action="store_true", help="do not time glm53.api.generate_batch")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="serve with N attention replicas + expert parallelism (serving/dp_engine.py); on CPU "
+                   "it simulates N devices (XLA_FLAGS) unless XLA_FLAGS already sets a device count. The "
+                   "batch is spread over the replicas (each gets max_num_seqs = the largest batch)")
     p.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.data_parallel_size > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        if "jax" in sys.modules:
+            p.error("--data-parallel-size: jax was imported before the simulated devices could be set")
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={args.data_parallel_size}").strip()
 
     if args.hf_worker:
         with open(args.hf_worker) as f:

@@ -7,11 +7,14 @@ One `LLMEngine.step()` call, with step n in flight:
    (`Request.num_output_placeholders`): it is scheduled for one more token whose value is not
    known on the host yet. A request whose placeholders finish it whatever they are (`max_tokens`,
    the length limit) is not scheduled again.
-2. dispatch step n+1 without waiting (`ModelRunner.dispatch`). A placeholder row's input id is
-   taken on the device from step n's sampled-token array (`serving.runner._feed_tokens`): the
-   row of the request in step n, which stays valid because step n's outputs are kept until
-   step n+1 was dispatched (one step in flight, no ring to overflow).
-   `Scheduler.mark_in_flight` then counts step n+1's chunks as computed.
+2. dispatch step n+1 without waiting (`ModelRunner.dispatch`, or `dispatch_replicas` for the
+   DP replicas' stacked step). A placeholder row's input id is taken on the device from step n's
+   sampled-token array (`serving.runner._feed_tokens`): the row of the request in step n, which
+   stays valid because step n's outputs are kept until step n+1 was dispatched (one step in
+   flight, no ring to overflow). Under DP a request's rows are its replica's slices of the
+   stacked step; under PCP the fed row follows the load-balanced token order the step's tokens
+   are placed in (`ModelRunner._feed`). `Scheduler.mark_in_flight` (every replica's) then counts
+   step n+1's chunks as computed.
 3. wait for step n's outputs (`ModelRunner.finish`) and apply them (`Scheduler.update_from_output`:
    stop rules, tokens appended, finished requests freed), and return them for streaming — while
    step n+1 runs.
@@ -29,7 +32,8 @@ still writes, nor writes one it still reads. Host-side memory that a program rea
 outside that chain (HiSparse's host pool with the callback mechanism, the offloading connector's
 numpy store, P/D transfers, a multi-host step's channel) has no such ordering, and MTP
 speculation decides the next step's positions on the device; those configurations run
-synchronously and say so at start-up (`sync_reason`).
+synchronously and say so at start-up (`sync_reason`). DP replicas own disjoint arena shards
+within the one donated arena, so the rule holds for each of them as for one engine.
 
 **Exposed host time.** The device idles when step n finished before step n+1 was dispatched.
 `LLMEngine.host_overhead_s` and the `host` of the stats line add, per step, the host time between
@@ -49,7 +53,6 @@ from serving.metrics import StepRecord
 def sync_reason(engine) -> str | None:
     """Why `engine` cannot schedule asynchronously (the feature that needs synchronous steps,
     naming its flag), or None when it can."""
-    par = engine.parallel
     if engine.drafts is not None:
         return "MTP speculation (--speculative-config) decides the next positions on the device"
     if engine.hisparse is not None:
@@ -58,8 +61,6 @@ def sync_reason(engine) -> str | None:
         return "the offloading connector (--kv-transfer-config) moves pages through host memory between steps"
     if engine.pd is not None:
         return "prefill/decode disaggregation (--kv-transfer-config) transfers KV between steps"
-    if par is not None and (par.pcp > 1 or par.dp > 1):
-        return "--prefill-context-parallel-size / --data-parallel-size reorder or split the step's rows"
     if jax.process_count() > 1:
         return "a multi-process engine sends each step's inputs to its followers"
     return None
@@ -67,35 +68,43 @@ def sync_reason(engine) -> str | None:
 
 class AsyncStepMixin:
     """`LLMEngine.step` with asynchronous scheduling (see the module docstring). The engine sets
-    `self.async_scheduling` (bool) and `self._in_flight` (the `InFlightStep` not read yet)."""
+    `self.async_scheduling` (bool) and `self._in_flight` (the `InFlightStep` not read yet), and
+    provides `_schedulers()` (its schedulers: one, or one per DP replica, in replica order),
+    `_dispatch_step(scheds, prev)` → `InFlightStep` and `_finish_step(step)` → the sampled tokens
+    per scheduler (`ModelRunner.dispatch` / `finish`, or their `_replicas` forms)."""
 
     _in_flight = None
     _last_wait_end: float | None = None
 
+    def _preemptions(self) -> int:
+        return sum(s.num_preemptions_total for s in self._schedulers())
+
     def _step_async(self):
         pd_outs = self._pd_tick()
         prev = self._in_flight
-        preempted_before = self.scheduler.num_preemptions_total
-        if prev is not None and self.structured.constrains(prev.sched):
+        preempted_before = self._preemptions()
+        if prev is not None and any(self.structured.constrains(s) for s in prev.scheds):
             # Structured outputs: the next masks need the tokens of the step in flight.
             pd_outs = pd_outs + self._complete(prev, 0.0, preempted_before)
             self._in_flight = prev = None
-            preempted_before = self.scheduler.num_preemptions_total
-        sched = self.scheduler.schedule()
+            preempted_before = self._preemptions()
+        schedulers = self._schedulers()
+        scheds = [s.schedule() for s in schedulers]
         exposed = 0.0
-        if not sched.is_empty:
+        if not all(s.is_empty for s in scheds):
             try:
-                self._structured_masks([sched])
+                self._structured_masks(scheds)
                 # The device idled if the step in flight (or none) was done before this dispatch.
                 idle = prev is None or prev.out[0].is_ready()
-                step = self.runner.dispatch(sched, self.kv, prev)
+                step = self._dispatch_step(scheds, prev)
                 if idle and self._last_wait_end is not None:
                     exposed = step.dispatched - self._last_wait_end
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
                 outs = self._complete(prev, 0.0, preempted_before) if prev is not None else []
                 self._in_flight = None
-                return pd_outs + outs + self._fail_step([(self.scheduler, sched)], e)
-            self.scheduler.mark_in_flight(sched)
+                return pd_outs + outs + self._fail_step(list(zip(schedulers, scheds)), e)
+            for scheduler, sched in zip(schedulers, scheds):
+                scheduler.mark_in_flight(sched)
             self._in_flight = step
         else:
             self._in_flight = None
@@ -109,16 +118,19 @@ class AsyncStepMixin:
 
     def _complete(self, prev, exposed: float, preempted_before: int):
         """Wait for the step `prev`, apply its tokens, emit its statistics → its outputs."""
+        schedulers = self._schedulers()
         try:
-            sampled = self.runner.finish(prev, overlapped=True)
+            sampled = self._finish_step(prev)
         except Exception as e:  # noqa: BLE001
-            failed = [(self.scheduler, prev.sched)]
+            failed = list(zip(schedulers, prev.scheds))
             if self._in_flight is not None:
-                failed.append((self.scheduler, self._in_flight.sched))
+                failed += list(zip(schedulers, self._in_flight.scheds))
                 self._in_flight = None
             return self._fail_step(failed, e)
         self._last_wait_end = time.perf_counter()
-        outs = self.scheduler.update_from_output(prev.sched, sampled)
+        per_scheduler = [sch.update_from_output(sched, toks) if not sched.is_empty else []
+                         for sch, sched, toks in zip(schedulers, prev.scheds, sampled)]
+        outs = [o for part in per_scheduler for o in part]
         self._structured_advance(outs)
         self._end_step()
         self._attach_logprobs(outs)
@@ -126,8 +138,9 @@ class AsyncStepMixin:
         self.num_steps += 1
         self.host_overhead_s += exposed
         if self.stat_loggers:
-            rec = StepRecord(num_preemptions=self.scheduler.num_preemptions_total - preempted_before,
+            rec = StepRecord(num_preemptions=self._preemptions() - preempted_before,
                              num_scheduled_tokens=st.num_tokens, host_s=exposed, device_s=st.device_s)
-            self._timing(prev.sched, outs, rec)
+            for sched, part in zip(prev.scheds, per_scheduler):
+                self._timing(sched, part, rec)
             self._emit(rec)
         return outs

@@ -108,8 +108,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
         help="Schedule and dispatch step n+1 while step n runs, and read back and stream step n's tokens "
         "while step n+1 runs (docs/async_scheduling.md). Streams are unchanged. Default: on where the engine "
-        "can; engines with Hybrid HiSparse, MTP speculation, the offloading connector, P/D, "
-        "--data-parallel-size or --prefill-context-parallel-size run synchronously and say so at start-up "
+        "can; engines with Hybrid HiSparse, MTP speculation, the offloading connector or P/D run "
+        "synchronously and say so at start-up "
         "(a warning when --async-scheduling was given). --no-async-scheduling: always synchronous.",
     )
     sch.add_argument(

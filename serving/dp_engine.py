@@ -173,7 +173,7 @@ class DataParallelEngine(LLMEngine):
                                   hisparse=self.hisparse.device if self.hisparse is not None else None)
         self.pd = self._build_pd(model.cfg, num_blocks, [(r.index, r.scheduler, r.kv, r.pool) for r in self.replicas])
         self.kv_events = build_kv_events(args.kv_events_config, [r.prefix_cache for r in self.replicas])
-        self.async_scheduling = self._async_scheduling(args)  # False, with a warning when asked for
+        self.async_scheduling = self._async_scheduling(args)
         self.eos_token_ids = tuple(eos_token_ids)
         self._structured_init(model_path, model.cfg.vocab_size, eos_token_ids, args.structured_outputs_config)
         self.num_steps = 0
@@ -279,11 +279,26 @@ class DataParallelEngine(LLMEngine):
         return out
 
     def has_unfinished_requests(self) -> bool:
-        return any(r.scheduler.has_unfinished_requests() for r in self.replicas) or self.is_waiting_for_remote_kv()
+        return (any(r.scheduler.has_unfinished_requests() for r in self.replicas) or self.is_waiting_for_remote_kv()
+                or self._in_flight is not None)
+
+    # Asynchronous scheduling's hooks (`serving.async_scheduling.AsyncStepMixin`): every replica's
+    # scheduler schedules step n+1 while step n runs; one stacked step for all of them.
+    def _schedulers(self) -> list:
+        return [r.scheduler for r in self.replicas]
+
+    def _dispatch_step(self, scheds, prev):
+        return self.runner.dispatch_replicas(scheds, [r.kv for r in self.replicas], prev)
+
+    def _finish_step(self, step) -> list[dict[str, list[int]]]:
+        return self.runner.finish_replicas(step, overlapped=True)
 
     def step(self) -> list[RequestOutput]:
         """Schedule every replica, run one jitted step for all, apply each replica's tokens.
-        Returns the merged outputs (replica 0's first)."""
+        Returns the merged outputs (replica 0's first). With asynchronous scheduling the outputs
+        are those of the step dispatched by the previous call (`serving/async_scheduling.py`)."""
+        if self.async_scheduling:
+            return self._step_async()
         t0 = time.perf_counter()
         pd_outs = self._pd_tick()
         preempted_before = sum(r.scheduler.num_preemptions_total for r in self.replicas)

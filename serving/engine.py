@@ -148,7 +148,19 @@ class LLMEngine(PDEngineMixin, AsyncStepMixin, StructuredOutputsMixin):
         reason = sync_reason(self) if enabled else None
         if reason is not None:
             raise ValueError(f"asynchronous scheduling is not available: {reason}")
-        self.async_scheduling = self.scheduler.async_scheduling = bool(enabled)
+        self.async_scheduling = bool(enabled)
+        for scheduler in self._schedulers():
+            scheduler.async_scheduling = self.async_scheduling
+
+    # Asynchronous scheduling's hooks (`serving.async_scheduling.AsyncStepMixin`).
+    def _schedulers(self) -> list:
+        return [self.scheduler]
+
+    def _dispatch_step(self, scheds, prev):
+        return self.runner.dispatch(scheds[0], self.kv, prev)
+
+    def _finish_step(self, step) -> list[dict[str, list[int]]]:
+        return [self.runner.finish(step, overlapped=True)]
 
     def _build_offload(self, layout, with_hisparse: bool):
         """The OffloadingConnector of `--kv-transfer-config` (None without the flag): it manages

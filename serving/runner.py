@@ -15,7 +15,6 @@ import logging
 import math
 import time
 import zlib
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -38,48 +37,18 @@ from serving.faults import FaultInjection, InjectedFault
 from serving.hisparse.device_state import HiSparseDeviceState
 from serving.kv_cache import KVCacheManager
 from serving.scheduler_output import SchedulerOutput
+from serving.runner_replicas import ReplicaStepsMixin
 from serving.spec_decode.inputs import build_spec_batch, empty_spec_batch
 from serving.step_buckets import default_cuda_graph_sizes, token_buckets
 from serving.step_inputs import StepInputs
+from serving.step_stats import InFlightStep, StepStats
 from serving.step_program import build_step_programs
 from serving.types import TokenLogprobs
+from sharding.context_parallel import pcp_chunk_order
 from sharding.mesh import ParallelLayout
 from sharding.rules import arena_shards, shard_params
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepStats:
-    """One step's sizes and times: tokens scheduled and its bucket; host_prepare_s: building the
-    inputs (seconds); device_s: from dispatch until the sampled tokens were on the host (with
-    asynchronous scheduling: the time spent waiting for them)."""
-    num_tokens: int = 0
-    padded_tokens: int = 0
-    host_prepare_s: float = 0.0
-    device_s: float = 0.0
-
-
-@dataclass
-class InFlightStep:
-    """A dispatched step whose outputs were not read yet (`ModelRunner.dispatch` → `finish`).
-
-    sched: its `SchedulerOutput`. out: the sampler's outputs, on the device (`out[0]`: the sampled
-    token per request row, int32 [B]). stats: HiSparse's (stats_4, first_drop_S) on the device, or
-    None. rows: request id → its row of `out` (sampling requests only: what the next step feeds
-    from the device for a request with an output placeholder). num_tokens / padded_tokens: the
-    step's tokens and bucket. prepare_s: host seconds to build its inputs; dispatched: the
-    `time.perf_counter()` of its dispatch.
-    """
-    sched: SchedulerOutput
-    out: tuple
-    stats: tuple | None
-    want_lp: bool
-    rows: dict
-    num_tokens: int
-    padded_tokens: int
-    prepare_s: float
-    dispatched: float
 
 
 def _host_input(x):
@@ -100,7 +69,7 @@ def _feed_tokens_fn(ids_T, src_T, prev_B):
     return jnp.where(src_T >= 0, prev_B[jnp.maximum(src_T, 0)].astype(ids_T.dtype), ids_T)
 
 
-class ModelRunner(ArenaPageIO):
+class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
     """Owns the parameters, the KV arena and the compiled steps.
 
     Args:
@@ -272,8 +241,8 @@ class ModelRunner(ArenaPageIO):
                 self._keep_hisparse(hs)
                 jax.block_until_ready(out)
             if self._may_feed_tokens():  # asynchronous scheduling's token feed for this bucket
-                jax.block_until_ready(self._feed_tokens(placed.input_ids_T, self._put(np.full(T, -1, np.int32)),
-                                                        out[0]))
+                no_feed = np.full(placed.input_ids_T.shape[0], -1, np.int32)
+                jax.block_until_ready(self._feed_tokens(placed.input_ids_T, self._put(no_feed), out[0]))
             self.compile_seconds[T] = time.perf_counter() - t
         if self.hisparse is not None:
             self.run_stores([], wait=True)  # the store program
@@ -294,9 +263,7 @@ class ModelRunner(ArenaPageIO):
     def _may_feed_tokens(self) -> bool:
         """Whether this runner's engine may schedule asynchronously (`serving.async_scheduling.
         sync_reason`; the runner's share of it): then `compile` also compiles the token feed."""
-        par = self.parallel
-        return (not self.spec_k and self.hisparse is None and self.offload is None and jax.process_count() == 1
-                and (par is None or (par.pcp == 1 and par.dp == 1)))
+        return not self.spec_k and self.hisparse is None and self.offload is None and jax.process_count() == 1
 
     def run_stores(self, jobs, wait: bool = False) -> None:
         """HiSparse: dispatch the write-through copies `jobs` (`serving.hisparse.host_pool.CopyJob`,
@@ -460,11 +427,7 @@ class ModelRunner(ArenaPageIO):
         sampling request of `prev`."""
         t0 = time.perf_counter()
         batch, extra = self.prepare(sched, kv)
-        feed = None
-        if prev is not None:
-            src = self.feed_sources(sched, batch.input_ids_T.shape[0], prev.rows)
-            if src is not None:
-                feed = (src, prev.out[0])
+        feed = self._feed(prev, [sched], batch.input_ids_T.shape[0])
         self._dispatch_stores()
         self._maybe_fault()
         if self.offload is not None:
@@ -483,8 +446,24 @@ class ModelRunner(ArenaPageIO):
             for x in jax.tree.leaves((out, stats)):
                 x.copy_to_host_async()
         rows = {sr.request_id: i for i, sr in enumerate(sched.scheduled) if sr.sample}
-        return InFlightStep(sched, out, stats, want_lp, rows, sched.num_scheduled_tokens,
+        return InFlightStep([sched], out, stats, want_lp, rows, sched.num_scheduled_tokens,
                             batch.input_ids_T.shape[0], t1 - t0, t1)
+
+    def _feed(self, prev: InFlightStep | None, scheds: list[SchedulerOutput], num_tokens: int):
+        """The token feed of a step dispatched while `prev` is in flight: None, or (src int32
+        [dp · num_tokens] in the placed token order, `prev`'s sampled tokens on the device).
+        `num_tokens` is one replica's bucket; replica r's rows are the r-th slice (`stack_replicas`)
+        and under PCP each slice is in the load-balanced order the step's tokens are placed in
+        (`glm53.parallel_batch.pcp_reorder`)."""
+        if prev is None:
+            return None
+        srcs = [self.feed_sources(s, num_tokens, prev.rows) for s in scheds]
+        if all(src is None for src in srcs):
+            return None
+        pcp = self.parallel.pcp if self.parallel is not None else 1
+        order = pcp_chunk_order(num_tokens, pcp) if pcp > 1 else slice(None)
+        src = np.concatenate([np.full(num_tokens, -1, np.int32) if x is None else x[order] for x in srcs])
+        return src, prev.out[0]
 
     @staticmethod
     def feed_sources(sched: SchedulerOutput, num_tokens: int, prev_rows: dict) -> np.ndarray | None:
@@ -651,48 +630,3 @@ class ModelRunner(ArenaPageIO):
                 self.last_logprobs[sr.request_id] = [TokenLogprobs(
                     int(toks[j]), float(tok_lp[j]), _allowed(top_ids[j, :n], top_lp[j, :n]))]
         return sampled
-
-    def execute_replicas(self, scheds: list[SchedulerOutput], kvs: list[KVCacheManager]) -> list[dict[str, list[int]]]:
-        """Data parallel: one step for all `dp` replicas (`scheds[r]` over `kvs[r]`, replica r).
-
-        Every replica is padded to the bucket of the largest replica's token count and to
-        `max_num_seqs + 1` rows; a replica with nothing scheduled runs padding rows only (slot −1,
-        the null row: nothing is written). The batches are stacked replica-major
-        (`glm53.parallel_batch.stack_replicas`), so replica r's tokens, rows and sampled tokens are
-        the r-th slices and its slots/block ids address its own arena shards. Page copies of all
-        replicas run first, each in its replica's shards. Returns the sampled tokens per replica;
-        `last_logprobs` holds those of every replica (request ids are unique across replicas).
-
-        Raises ValueError when `len(scheds) != dp` or a replica's step exceeds the largest bucket.
-        """
-        if len(scheds) != self.dp or len(kvs) != self.dp:
-            raise ValueError(f"{len(scheds)} replica schedules for {self.dp} replicas")
-        t0 = time.perf_counter()
-        T = self.bucket(max(s.num_scheduled_tokens for s in scheds))
-        parts = [self.prepare(s, kv, T, r) for r, (s, kv) in enumerate(zip(scheds, kvs))]
-        self._dispatch_stores()
-        batch = stack_replicas([b for b, _ in parts], self.parallel.pcp)
-        cat = lambda k: np.concatenate([e[k] for _, e in parts])
-        want_lp = np.bool_(any(bool(e[4]) for _, e in parts))
-        copies = np.full((2, self.max_page_copies), -1, np.int32)
-        valid = np.concatenate([np.stack(e[5:7])[:, np.asarray(e[6]) >= 0] for _, e in parts], axis=1)
-        copies[:, : valid.shape[1]] = valid  # valid entries first (copy_pages stops at the first −1)
-        extra = (cat(0), cat(1), cat(2), cat(3), want_lp, *copies)
-        self._maybe_fault()
-        t1 = time.perf_counter()
-        out, hs = self.run_inputs(StepInputs(batch, extra, None, self._step_bitmask(scheds)))
-        stats = (hs[0].stats_4, hs[0].first_drop_S) if hs is not None else None
-        (toks, tok_lp, top_ids, top_lp), stats = jax.device_get((out if want_lp else out[:1] + (None,) * 3, stats))
-        self.step_in_flight = False
-        self.last_truncated = [{} for _ in scheds]
-        if self.hisparse is not None:
-            self.hisparse.record(stats[0] if stats is not None else (0, 0, 0, 0))
-            if stats is not None:
-                self.last_truncated = [self.hisparse.truncations(s, stats[1], r) for r, s in enumerate(scheds)]
-                self.hisparse.check_drops(stats[0], self.last_truncated)
-        t2 = time.perf_counter()
-        self.last = StepStats(sum(s.num_scheduled_tokens for s in scheds), batch.input_ids_T.shape[0],
-                              t1 - t0, t2 - t1)
-        self.last_logprobs = {}
-        B = self.max_num_seqs + 1
-        return [self._collect(s, toks, tok_lp, top_ids, top_lp, r * B) for r, s in enumerate(scheds)]

@@ -53,9 +53,13 @@ def build(parallel: ParallelConfig | None, num_blocks: int, **kw) -> LLMEngine:
     return build_engine(EngineArgs(**{**args, **kw}))
 
 
-def drain(engine: LLMEngine, streams: dict[str, list[int]], logprobs: dict | None = None) -> dict[str, list[int]]:
+def drain(engine: LLMEngine, streams: dict[str, list[int]], logprobs: dict | None = None,
+          audit_each_step: bool = False) -> dict[str, list[int]]:
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        outs = engine.step()
+        if audit_each_step:
+            assert engine.audit() == []
+        for out in outs:
             streams.setdefault(out.request_id, []).extend(out.new_token_ids)
             if logprobs is not None and out.new_logprobs:
                 logprobs.setdefault(out.request_id, []).extend(out.new_logprobs)
@@ -99,12 +103,13 @@ def dp2():
     return engine
 
 
-def serve_all(engine: DataParallelEngine, reference_logprobs: dict) -> tuple[dict, list[int]]:
+def serve_all(engine: DataParallelEngine, reference_logprobs: dict, audit_each_step: bool = False
+              ) -> tuple[dict, list[int]]:
     for rid, p in PROMPTS.items():
         engine.add_request(rid, p, params(LOGPROBS.get(rid)))
     placed = [engine.replica_of(rid).index for rid in PROMPTS]
     lps: dict = {}
-    streams = drain(engine, {}, lps)
+    streams = drain(engine, {}, lps, audit_each_step)
     for rid, ref in reference_logprobs.items():  # sampled rows come back from the replica's own slice
         got = lps[rid]
         assert [x.token_id for x in got] == [x.token_id for x in ref]
@@ -120,10 +125,28 @@ def test_dp2_ep_streams_equal_single_device(dp2, reference):
     streams, placed = serve_all(dp2, reference["logprobs"])
     assert placed == [0, 1, 0, 1, 0, 1]  # least loaded: fewest unfinished requests, then lowest index
     check_streams(streams, reference, PROMPTS)
-    # Asynchronous scheduling does not map its token feed onto stacked replicas yet: refused by name.
-    assert dp2.async_scheduling is False
-    with pytest.raises(ValueError, match="--data-parallel-size"):
-        dp2.set_async_scheduling(True)
+    # Asynchronous scheduling (serving/async_scheduling.py) on the same engine: every replica's
+    # placeholder rows are fed from its own slice of the stacked step; same streams and logprobs,
+    # audits clean after every step.
+    assert dp2.async_scheduling is False  # EngineArgs' default
+    dp2.set_async_scheduling(True)
+    try:
+        async_streams, async_placed = serve_all(dp2, reference["logprobs"], audit_each_step=True)
+        # An abort on replica 0 while a step that samples for it is in flight: its placeholder
+        # token is dropped, nothing leaks, replica 1 serves on.
+        for rid in "ab":
+            dp2.add_request(rid, PROMPTS[rid], params())
+        got = {}
+        while not got.get("a"):
+            for out in dp2.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert dp2._in_flight is not None and dp2.abort("a") is not None
+        drain(dp2, got, audit_each_step=True)
+        assert got["b"] == reference["b"] and got["a"] == reference["a"][:len(got["a"])] and len(got["a"]) < MAX_TOKENS
+        assert all(r.pool.usage() == 0.0 for r in dp2.replicas)
+    finally:
+        dp2.set_async_scheduling(False)
+    assert async_placed == placed and async_streams == streams
 
 
 def test_dp4_tp2_ep8_streams_equal_single_device(reference):

@@ -1,0 +1,92 @@
+"""The model runner's data-parallel steps (`--data-parallel-size`, serving/dp_engine.py): one
+jitted step for every attention replica, their batches stacked replica-major
+(`glm53.parallel_batch.stack_replicas`). A mixin of `serving.runner.ModelRunner`, whose
+`prepare`, `_feed`, `run_inputs` and `_collect` it uses."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from glm53.parallel_batch import stack_replicas
+from serving.kv_cache import KVCacheManager
+from serving.scheduler_output import SchedulerOutput
+from serving.step_inputs import StepInputs
+from serving.step_stats import InFlightStep, StepStats
+
+
+class ReplicaStepsMixin:
+    """`execute_replicas` = `dispatch_replicas` + `finish_replicas` (see each)."""
+
+    def execute_replicas(self, scheds: list[SchedulerOutput], kvs: list[KVCacheManager]) -> list[dict[str, list[int]]]:
+        """Data parallel: one step for all `dp` replicas (`scheds[r]` over `kvs[r]`, replica r);
+        `dispatch_replicas` then `finish_replicas`. Returns the sampled tokens per replica;
+        `last_logprobs` holds those of every replica (request ids are unique across replicas)."""
+        return self.finish_replicas(self.dispatch_replicas(scheds, kvs))
+
+    def dispatch_replicas(self, scheds: list[SchedulerOutput], kvs: list[KVCacheManager],
+                          prev: InFlightStep | None = None) -> InFlightStep:
+        """Data parallel: prepare and dispatch one step for all `dp` replicas without waiting
+        (`finish_replicas` reads it back).
+
+        Every replica is padded to the bucket of the largest replica's token count and to
+        `max_num_seqs + 1` rows; a replica with nothing scheduled runs padding rows only (slot −1,
+        the null row: nothing is written). The batches are stacked replica-major
+        (`glm53.parallel_batch.stack_replicas`), so replica r's tokens, rows and sampled tokens are
+        the r-th slices and its slots/block ids address its own arena shards. Page copies of all
+        replicas run first, each in its replica's shards.
+        prev: the step in flight (asynchronous scheduling): placeholder rows take their input
+        token from it on the device, as in `dispatch`.
+
+        Raises ValueError when `len(scheds) != dp`, a replica's step exceeds the largest bucket,
+        or a placeholder's request is not a sampling request of `prev`.
+        """
+        if len(scheds) != self.dp or len(kvs) != self.dp:
+            raise ValueError(f"{len(scheds)} replica schedules for {self.dp} replicas")
+        t0 = time.perf_counter()
+        T = self.bucket(max(s.num_scheduled_tokens for s in scheds))
+        parts = [self.prepare(s, kv, T, r) for r, (s, kv) in enumerate(zip(scheds, kvs))]
+        feed = self._feed(prev, scheds, T)
+        self._dispatch_stores()
+        batch = stack_replicas([b for b, _ in parts], self.parallel.pcp)
+        cat = lambda k: np.concatenate([e[k] for _, e in parts])
+        want_lp = np.bool_(any(bool(e[4]) for _, e in parts))
+        copies = np.full((2, self.max_page_copies), -1, np.int32)
+        valid = np.concatenate([np.stack(e[5:7])[:, np.asarray(e[6]) >= 0] for _, e in parts], axis=1)
+        copies[:, : valid.shape[1]] = valid  # valid entries first (copy_pages stops at the first −1)
+        extra = (cat(0), cat(1), cat(2), cat(3), want_lp, *copies)
+        self._maybe_fault()
+        t1 = time.perf_counter()
+        out, hs = self.run_inputs(StepInputs(batch, extra, None, self._step_bitmask(scheds)), feed)
+        if not want_lp:
+            out = out[:1] + (None,) * 3
+        stats = (hs[0].stats_4, hs[0].first_drop_S) if hs is not None else None
+        if self.step_sink is None and jax.process_count() == 1:  # the device → host copies start when the step ends
+            for x in jax.tree.leaves((out, stats)):
+                x.copy_to_host_async()
+        B = self.max_num_seqs + 1
+        rows = {sr.request_id: r * B + i for r, s in enumerate(scheds) for i, sr in enumerate(s.scheduled) if sr.sample}
+        return InFlightStep(list(scheds), out, stats, bool(want_lp), rows, sum(s.num_scheduled_tokens for s in scheds),
+                            batch.input_ids_T.shape[0], t1 - t0, t1)
+
+    def finish_replicas(self, step: InFlightStep, overlapped: bool = False) -> list[dict[str, list[int]]]:
+        """Wait for a `dispatch_replicas` step and read it back → the sampled tokens per replica
+        (as `finish`: `last`, `last_logprobs`, and `last_truncated` as one dict per replica)."""
+        scheds = step.scheds
+        t1 = time.perf_counter()
+        (toks, tok_lp, top_ids, top_lp), stats = jax.device_get((step.out, step.stats))
+        self.step_in_flight = False
+        self.last_truncated = [{} for _ in scheds]
+        if self.hisparse is not None:
+            self.hisparse.record(stats[0] if stats is not None else (0, 0, 0, 0))
+            if stats is not None:
+                self.last_truncated = [self.hisparse.truncations(s, stats[1], r) for r, s in enumerate(scheds)]
+                self.hisparse.check_drops(stats[0], self.last_truncated)
+        t2 = time.perf_counter()
+        self.last = StepStats(step.num_tokens, step.padded_tokens, step.prepare_s,
+                              t2 - (t1 if overlapped else step.dispatched))
+        self.last_logprobs = {}
+        B = self.max_num_seqs + 1
+        return [self._collect(s, toks, tok_lp, top_ids, top_lp, r * B) for r, s in enumerate(scheds)]

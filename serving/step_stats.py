@@ -1,0 +1,48 @@
+"""What the model runner reports about a step: its sizes and times (`StepStats`, `ModelRunner.last`)
+and a dispatched step not read back yet (`InFlightStep`, asynchronous scheduling)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from serving.scheduler_output import SchedulerOutput
+
+
+@dataclass
+class StepStats:
+    """One step's sizes and times: tokens scheduled and its bucket; host_prepare_s: building the
+    inputs (seconds); device_s: from dispatch until the sampled tokens were on the host (with
+    asynchronous scheduling: the time spent waiting for them)."""
+    num_tokens: int = 0
+    padded_tokens: int = 0
+    host_prepare_s: float = 0.0
+    device_s: float = 0.0
+
+
+@dataclass
+class InFlightStep:
+    """A dispatched step whose outputs were not read yet (`ModelRunner.dispatch` → `finish`).
+
+    scheds: its `SchedulerOutput`s, one per DP replica (one for an engine without
+    `--data-parallel-size`; `sched` is the first). out: the sampler's outputs, on the device
+    (`out[0]`: the sampled token per request row, int32 [dp · B], replica-major). stats:
+    HiSparse's (stats_4, first_drop_S) on the device, or None. rows: request id → its row of `out`
+    (sampling requests only: what the next step feeds from the device for a request with an
+    output placeholder; ids are unique across replicas). num_tokens / padded_tokens: the step's
+    tokens and bucket (all replicas). prepare_s: host seconds to build its inputs; dispatched: the
+    `time.perf_counter()` of its dispatch.
+    """
+    scheds: list
+    out: tuple
+    stats: tuple | None
+    want_lp: bool
+    rows: dict
+    num_tokens: int
+    padded_tokens: int
+    prepare_s: float
+    dispatched: float
+
+    @property
+    def sched(self) -> SchedulerOutput:
+        """The step's `SchedulerOutput` (replica 0's under data parallelism)."""
+        return self.scheds[0]
