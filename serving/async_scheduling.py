@@ -28,11 +28,17 @@ placeholder's token the same way (a preempted request recomputes it, determinist
 and returns it (the step donates it), so the device runs them in dispatch order. A page freed on
 the host while step n+1 still writes it (a request finished by step n's update) can only be handed
 to a step dispatched later, which runs after step n+1: nothing reads a page an in-flight step
-still writes, nor writes one it still reads. Host-side memory that a program reads or writes
-outside that chain (HiSparse's host pool with the callback mechanism, the offloading connector's
-numpy store, P/D transfers, a multi-host step's channel) has no such ordering, and MTP
-speculation decides the next step's positions on the device; those configurations run
-synchronously and say so at start-up (`sync_reason`). DP replicas own disjoint arena shards
+still writes, nor writes one it still reads. The offloading connector's transfers are in the same chain: its store program reads the
+arena (a later program that donates the arena waits for that read) and its load program donates
+the arena to the step, and with the `memory_kind` mechanism the host store array is threaded
+through both. So a store dispatched before step n+1 runs before every load that a later
+admission plans from its block, and a load runs before any later store can overwrite its
+source: the connector files its stores and releases its loads' source blocks as soon as their
+step is dispatched (`_after_dispatch`), not when it finishes.
+Host-side state that depends on a step's results (HiSparse's residency plan and write-through
+copies, P/D transfers, a multi-host step's channel) has no such ordering, and MTP speculation
+decides the next step's positions on the device; those configurations run synchronously and say
+so at start-up (`sync_reason`). DP replicas own disjoint arena shards
 within the one donated arena, so the rule holds for each of them as for one engine.
 
 **Exposed host time.** The device idles when step n finished before step n+1 was dispatched.
@@ -57,8 +63,6 @@ def sync_reason(engine) -> str | None:
         return "MTP speculation (--speculative-config) decides the next positions on the device"
     if engine.hisparse is not None:
         return "Hybrid HiSparse (--attention-config hisparse_config) plans its host copies from each step's result"
-    if engine.offload is not None:
-        return "the offloading connector (--kv-transfer-config) moves pages through host memory between steps"
     if engine.pd is not None:
         return "prefill/decode disaggregation (--kv-transfer-config) transfers KV between steps"
     if jax.process_count() > 1:
@@ -70,8 +74,9 @@ class AsyncStepMixin:
     """`LLMEngine.step` with asynchronous scheduling (see the module docstring). The engine sets
     `self.async_scheduling` (bool) and `self._in_flight` (the `InFlightStep` not read yet), and
     provides `_schedulers()` (its schedulers: one, or one per DP replica, in replica order),
-    `_dispatch_step(scheds, prev)` → `InFlightStep` and `_finish_step(step)` → the sampled tokens
-    per scheduler (`ModelRunner.dispatch` / `finish`, or their `_replicas` forms)."""
+    `_dispatch_step(scheds, prev)` → `InFlightStep`, `_finish_step(step)` → the sampled tokens
+    per scheduler (`ModelRunner.dispatch` / `finish`, or their `_replicas` forms) and
+    `_after_dispatch()` (host bookkeeping of the transfers dispatched with the step)."""
 
     _in_flight = None
     _last_wait_end: float | None = None
@@ -106,6 +111,7 @@ class AsyncStepMixin:
             for scheduler, sched in zip(schedulers, scheds):
                 scheduler.mark_in_flight(sched)
             self._in_flight = step
+            self._after_dispatch()
         else:
             self._in_flight = None
             if prev is not None and self._last_wait_end is not None:

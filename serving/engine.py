@@ -162,6 +162,11 @@ class LLMEngine(PDEngineMixin, AsyncStepMixin, StructuredOutputsMixin):
     def _finish_step(self, step) -> list[dict[str, list[int]]]:
         return [self.runner.finish(step, overlapped=True)]
 
+    def _after_dispatch(self) -> None:
+        # The connector's stores and loads are ordered with every later program through the
+        # arena (serving/async_scheduling.py, the page rule): file and release them now.
+        self._after_offload()
+
     def _build_offload(self, layout, with_hisparse: bool):
         """The OffloadingConnector of `--kv-transfer-config` (None without the flag): it manages
         every KV cache group, or with Hybrid HiSparse the groups HiSparse does not (docs/design.md §6.1).

@@ -18,7 +18,10 @@ loads of step N+1's admissions (`SchedulerOutput.page_loads`), then step N+1 its
 filed (`complete`) only after that step ran, so a lookup never finds a block whose store has not
 run, a load never reads a block a store is writing (it is not filed yet; a filed block cannot be
 taken while pinned), and a step never reads a page whose load has not completed (the load
-program donates the arena to the step: a data dependency).
+program donates the arena to the step: a data dependency). With asynchronous scheduling the
+engine files the stores and unpins the loads as soon as their step was dispatched: every program
+that could read a filed block or overwrite a released one is dispatched later and ordered after
+them through the arena (serving/async_scheduling.py, the page rule).
 """
 
 from __future__ import annotations

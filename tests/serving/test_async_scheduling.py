@@ -273,7 +273,7 @@ def test_features_that_need_synchronous_steps_are_named():
     assert "--speculative-config" in sync_reason(Fake())
     Fake.drafts, Fake.hisparse = None, object()
     assert "hisparse_config" in sync_reason(Fake())
-    Fake.hisparse, Fake.offload = None, object()
+    Fake.hisparse, Fake.pd = None, object()
     assert "--kv-transfer-config" in sync_reason(Fake())
-    Fake.offload = None
+    Fake.pd, Fake.offload = None, object()  # the offloading connector schedules asynchronously
     assert sync_reason(Fake()) is None

@@ -253,3 +253,35 @@ def test_served_host_tier_hit_counts_in_cached_tokens_and_metrics():
     finally:
         served.shutdown()
     assert e.audit() == []
+
+
+def test_asynchronous_scheduling_with_the_connector_gives_the_synchronous_outputs(small):
+    """`--async-scheduling` with the connector (serving/async_scheduling.py): stores are filed and
+    loads released when their step is dispatched, ordered through the arena. Shared 800-token
+    heads on a pool that cannot keep them, all at once: the asynchronous run loads pages back from
+    the host and gives the synchronous run's tokens, with every audit clean after every step."""
+    e = small
+    rng = np.random.default_rng(3)
+    heads = [rng.integers(10, 490, 800).tolist() for _ in range(3)]
+    prompts = [heads[i % 3] + rng.integers(10, 490, 30 + 20 * (i % 3)).tolist() for i in range(8)]
+
+    def run_all(tag):
+        outs = {f"{tag}{i}": [] for i in range(len(prompts))}
+        for i, p in enumerate(prompts):
+            e.add_request(f"{tag}{i}", p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        while e.has_unfinished_requests():
+            for o in e.step():
+                outs[o.request_id] += o.new_token_ids
+            assert e.audit() == []
+        return [outs[f"{tag}{i}"] for i in range(len(prompts))]
+
+    sync = run_all("s")
+    loaded = e.offload.store.num_loaded
+    e.set_async_scheduling(True)
+    try:
+        asyn = run_all("a")
+    finally:
+        e.set_async_scheduling(False)
+    assert asyn == sync
+    assert e.offload.store.num_loaded > loaded  # the asynchronous run read host blocks back
+    assert_clean(e)
