@@ -50,7 +50,9 @@ and transformers. Other options: `--model DIR` (default: the embedded tiny check
 (the engine's context limit, which sets its block-table width),
 `--num-gpu-blocks-override N`, `--check-tokens 4`, `--hf-threads 0`, `--skip-hf`, `--skip-jit`,
 `--data-parallel-size N` (DP + EP over N devices, simulated on CPU; `generate_batch` and HF stay on
-one device, so pass `--skip-jit --skip-hf` to compare synchronous and asynchronous DP only). Writes
+one device, so pass `--skip-jit --skip-hf` to compare synchronous and asynchronous DP only),
+`--engine-args JSON` (more `EngineArgs` fields: e.g. Hybrid HiSparse on a pool too small for the
+batch, `docs/results/bench_decode/hisparse/`). Writes
 `DIR/bench_decode.json` and prints a table.
 
 `--hf-threads` defaults to 0 (torch's default, one OpenMP thread per core): HF's fastest setting
@@ -117,6 +119,7 @@ def run_ours_once(engine, prompts: list[list[int]], new_tokens: int, tag: str, a
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
     tokens = {rid: [] for rid in ids}
+    hot0 = engine.runner.num_hot_steps  # HiSparse: steps on the hot program (leases, host reads)
     prefill_s = decode_s = device_s = host_s = 0.0
     prefill_steps = decode_steps = decode_tokens = 0
     t_start = time.perf_counter()
@@ -129,9 +132,13 @@ def run_ours_once(engine, prompts: list[list[int]], new_tokens: int, tag: str, a
         for o in outs:
             if o.request_id in tokens:
                 tokens[o.request_id].extend(o.new_token_ids)
-        if steady:
-            if engine.runner.last.num_tokens != B:
+        if steady and engine.runner.last.num_tokens != B:
+            if engine.hisparse is None:
                 raise RuntimeError(f"a decode step of batch {B} scheduled {engine.runner.last.num_tokens} tokens")
+            # Under HiSparse pressure admission is staggered (a request waits for released pages):
+            # only steps that decode the whole batch count as decode steps.
+            steady = False
+        if steady:
             decode_tokens += sum(len(o.new_token_ids) for o in outs)
             decode_s += dt
             device_s += engine.runner.last.device_s
@@ -152,6 +159,7 @@ def run_ours_once(engine, prompts: list[list[int]], new_tokens: int, tag: str, a
         "decode_tok_s": decode_tokens / decode_s,
         "step_ms": 1e3 * decode_s / decode_steps, "device_ms": 1e3 * device_s / decode_steps,
         "host_ms": 1e3 * host_s / decode_steps, "host_share": host_s / decode_s,
+        "hot_steps": engine.runner.num_hot_steps - hot0,
         "tokens": [tokens[r] for r in ids],
     }
 
@@ -187,9 +195,11 @@ def build_engine(args, model_dir: str, batches: list[int]):
         from sharding.mesh import ParallelConfig
 
         parallel = ParallelConfig(data_parallel_size=args.data_parallel_size, enable_expert_parallel=True)
-    eargs = EngineArgs(model=model_dir, max_model_len=args.max_model_len, max_num_seqs=max(batches),
-                       max_num_batched_tokens=max_batched, num_gpu_blocks_override=args.num_gpu_blocks_override,
-                       compile_progress=False, parallel=parallel)
+    extra = json.loads(args.engine_args)
+    eargs = EngineArgs(**{**dict(model=model_dir, max_model_len=args.max_model_len, max_num_seqs=max(batches),
+                                 max_num_batched_tokens=max_batched,
+                                 num_gpu_blocks_override=args.num_gpu_blocks_override,
+                                 compile_progress=False, parallel=parallel), **extra})
     t0 = time.perf_counter()
     engine = build_engine(eargs)
     setup = {"load_and_compile_s": time.perf_counter() - t0, "buckets": list(engine.runner.buckets),
@@ -197,7 +207,8 @@ def build_engine(args, model_dir: str, batches: list[int]):
              "max_model_len": args.max_model_len, "num_kv_blocks": engine.runner.kv_arena.shape[0],
              "kv_arena_mib": engine.runner.kv_arena.nbytes / 2**20, "dtype": str(engine.runner.kv_arena.dtype),
              "jax": jax.__version__, "device": str(jax.devices()[0]), "num_devices": jax.device_count(),
-             "data_parallel_size": args.data_parallel_size,
+             "data_parallel_size": args.data_parallel_size, "engine_args": json.loads(args.engine_args),
+             "hisparse": engine.hisparse is not None,
              "compile_s_per_bucket": {str(k): round(v, 2) for k, v in engine.runner.compile_seconds.items()}}
     return engine, setup
 
@@ -451,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="serve with N attention replicas + expert parallelism (serving/dp_engine.py); on CPU "
                    "it simulates N devices (XLA_FLAGS) unless XLA_FLAGS already sets a device count. The "
                    "batch is spread over the replicas (each gets max_num_seqs = the largest batch)")
+    p.add_argument("--engine-args", default="{}",
+                   help="more EngineArgs fields as JSON, e.g. '{\"attention_config\": {\"hisparse_config\": "
+                   "{\"host_pool_gib\": 0.05}}, \"enable_prefix_caching\": true}' (with a small "
+                   "--num-gpu-blocks-override: decode under HiSparse pressure)")
     p.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.data_parallel_size > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):

@@ -34,11 +34,24 @@ the arena to the step, and with the `memory_kind` mechanism the host store array
 through both. So a store dispatched before step n+1 runs before every load that a later
 admission plans from its block, and a load runs before any later store can overwrite its
 source: the connector files its stores and releases its loads' source blocks as soon as their
-step is dispatched (`_after_dispatch`), not when it finishes.
-Host-side state that depends on a step's results (HiSparse's residency plan and write-through
-copies, P/D transfers, a multi-host step's channel) has no such ordering, and MTP speculation
-decides the next step's positions on the device; those configurations run synchronously and say
-so at start-up (`sync_reason`). DP replicas own disjoint arena shards
+step is dispatched (`_after_dispatch`), not when it finishes. Hybrid HiSparse's write-through
+copies likewise: the store program reads the arena and writes the host pool, which the steps
+take as an operand (`memory_kind`) or whose completion value they take (`callback`), so its
+copies are completed (pages clean, host prefixes published) when they are dispatched; a clean
+page released by the next schedule can only be overwritten, and its host rows only read, by
+later programs.
+
+**Chunks that may come back shorter.** Under HiSparse a prefill chunk resolved through a hot
+lease may be cut at its first dropped selection (`serving.hisparse.truncation`): its request
+restarts where the step really ended, which the host learns only from the step's outputs. Such
+chunks are not counted at dispatch (`Scheduler.mark_in_flight(exclude=)`, recorded in
+`SchedulerOutput.not_marked_in_flight`) and their step is read back in the same `step()` call,
+before the next schedule; nothing publishes, seals or offloads their rows before. Steps without
+them (decode, plain-program steps) overlap as usual.
+
+P/D transfers and a multi-host step's channel are host state outside the chain, and MTP
+speculation decides the next step's positions on the device; those configurations run
+synchronously and say so at start-up (`sync_reason`). DP replicas own disjoint arena shards
 within the one donated arena, so the rule holds for each of them as for one engine.
 
 **Exposed host time.** The device idles when step n finished before step n+1 was dispatched.
@@ -53,6 +66,7 @@ import time
 
 import jax
 
+from serving.hisparse.truncation import truncate_step
 from serving.metrics import StepRecord
 
 
@@ -61,8 +75,6 @@ def sync_reason(engine) -> str | None:
     naming its flag), or None when it can."""
     if engine.drafts is not None:
         return "MTP speculation (--speculative-config) decides the next positions on the device"
-    if engine.hisparse is not None:
-        return "Hybrid HiSparse (--attention-config hisparse_config) plans its host copies from each step's result"
     if engine.pd is not None:
         return "prefill/decode disaggregation (--kv-transfer-config) transfers KV between steps"
     if jax.process_count() > 1:
@@ -108,19 +120,28 @@ class AsyncStepMixin:
                 outs = self._complete(prev, 0.0, preempted_before) if prev is not None else []
                 self._in_flight = None
                 return pd_outs + outs + self._fail_step(list(zip(schedulers, scheds)), e)
-            for scheduler, sched in zip(schedulers, scheds):
-                scheduler.mark_in_flight(sched)
+            uncertain = self._uncertain_chunks(step)
+            for scheduler, sched, unsure in zip(schedulers, scheds, uncertain):
+                scheduler.mark_in_flight(sched, unsure)
             self._in_flight = step
             self._after_dispatch()
         else:
             self._in_flight = None
             if prev is not None and self._last_wait_end is not None:
                 exposed = time.perf_counter() - self._last_wait_end
+        outs = pd_outs
         if prev is None:
             self._last_wait_end = None
             self._end_step()
-            return pd_outs
-        return pd_outs + self._complete(prev, exposed, preempted_before)
+        else:
+            outs = outs + self._complete(prev, exposed, preempted_before)
+        if self._in_flight is not None and any(self._in_flight.scheds[r].not_marked_in_flight
+                                               for r in range(len(schedulers))):
+            # A chunk of this step may come back shorter (HiSparse): read it back before the
+            # next schedule, which must start that request where this step really ended.
+            step, self._in_flight = self._in_flight, None
+            outs = outs + self._complete(step, 0.0, self._preemptions())
+        return outs
 
     def _complete(self, prev, exposed: float, preempted_before: int):
         """Wait for the step `prev`, apply its tokens, emit its statistics → its outputs."""
@@ -134,8 +155,9 @@ class AsyncStepMixin:
                 self._in_flight = None
             return self._fail_step(failed, e)
         self._last_wait_end = time.perf_counter()
+        scheds, recomputed = self._truncate(prev, sampled)
         per_scheduler = [sch.update_from_output(sched, toks) if not sched.is_empty else []
-                         for sch, sched, toks in zip(schedulers, prev.scheds, sampled)]
+                         for sch, sched, toks in zip(schedulers, scheds, sampled)]
         outs = [o for part in per_scheduler for o in part]
         self._structured_advance(outs)
         self._end_step()
@@ -146,7 +168,45 @@ class AsyncStepMixin:
         if self.stat_loggers:
             rec = StepRecord(num_preemptions=self._preemptions() - preempted_before,
                              num_scheduled_tokens=st.num_tokens, host_s=exposed, device_s=st.device_s)
-            for sched, part in zip(prev.scheds, per_scheduler):
+            if self.hisparse is not None and prev.stats is not None:
+                rec.hisparse_hits, rec.hisparse_misses, _, rec.hisparse_h2d_bytes = self.hisparse.device.last_stats
+                rec.hisparse_recomputed_rows = recomputed
+            for sched, part in zip(scheds, per_scheduler):
                 self._timing(sched, part, rec)
             self._emit(rec)
         return outs
+
+    def _uncertain_chunks(self, step) -> list[frozenset]:
+        """Per scheduler, the requests of the dispatched `step` whose chunk may come back shorter:
+        under Hybrid HiSparse, chunks of several query rows resolved through a hot lease in a step
+        on the hot program (`HiSparsePolicy.may_truncate`). Also keeps the policies' query rows
+        of the step for `observe_step` (`InFlightStep.policy_rows`)."""
+        n = len(step.scheds)
+        if self.hisparse is None:
+            return [frozenset()] * n
+        policies = self.hisparse.policies
+        step.policy_rows = [p.step_rows() for p in policies]
+        if step.stats is None:  # the plain program: nothing is resolved through a lease
+            return [frozenset()] * n
+        return [frozenset(sr.request_id for sr in sched.scheduled if p.may_truncate(sr.request_id, sr.num_new_tokens))
+                for p, sched in zip(policies, step.scheds)]
+
+    def _truncate(self, step, sampled: list) -> tuple[list, int]:
+        """Hybrid HiSparse: each scheduler's schedule of the finished `step` with its truncated
+        chunks cut (`serving.hisparse.truncation.truncate_step`; `sampled` is updated in place),
+        and the adaptive prefill estimate updated (`observe_step`) → (schedules, query rows to
+        compute again). A chunk that `mark_in_flight` counted cannot be cut (RuntimeError)."""
+        scheds = list(step.scheds)
+        if self.hisparse is None:
+            return scheds, 0
+        truncs = self.runner.last_truncated
+        truncs = truncs if isinstance(truncs, list) else [truncs]
+        recomputed = 0
+        for r, policy in enumerate(self.hisparse.policies):
+            scheds[r], sampled[r], kept = truncate_step(scheds[r], sampled[r], truncs[r])
+            counted = set(kept) - scheds[r].not_marked_in_flight
+            if counted:
+                raise RuntimeError(f"chunks of {sorted(counted)} were cut although counted at dispatch")
+            rows = step.policy_rows[r] if step.policy_rows is not None else None
+            recomputed += policy.observe_step(kept, rows)
+        return scheds, recomputed

@@ -163,8 +163,12 @@ class LLMEngine(PDEngineMixin, AsyncStepMixin, StructuredOutputsMixin):
         return [self.runner.finish(step, overlapped=True)]
 
     def _after_dispatch(self) -> None:
-        # The connector's stores and loads are ordered with every later program through the
-        # arena (serving/async_scheduling.py, the page rule): file and release them now.
+        # HiSparse's write-through copies and the connector's stores and loads are ordered with
+        # every later program through the arena and the host pool (serving/async_scheduling.py,
+        # the page rule): complete, file and release them now.
+        if self.hisparse is not None:
+            for policy in self.hisparse.policies:
+                policy.complete_copies()
         self._after_offload()
 
     def _build_offload(self, layout, with_hisparse: bool):

@@ -263,7 +263,7 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
     def _may_feed_tokens(self) -> bool:
         """Whether this runner's engine may schedule asynchronously (`serving.async_scheduling.
         sync_reason`; the runner's share of it): then `compile` also compiles the token feed."""
-        return not self.spec_k and self.hisparse is None and jax.process_count() == 1
+        return not self.spec_k and jax.process_count() == 1
 
     def run_stores(self, jobs, wait: bool = False) -> None:
         """HiSparse: dispatch the write-through copies `jobs` (`serving.hisparse.host_pool.CopyJob`,

@@ -348,14 +348,20 @@ class Scheduler:
         self.policy.end_step(out)
         return out
 
-    def mark_in_flight(self, sched_out: SchedulerOutput) -> None:
+    def mark_in_flight(self, sched_out: SchedulerOutput, exclude: set[str] | frozenset = frozenset()) -> None:
         """Asynchronous scheduling: `sched_out`'s step was dispatched. Every scheduled request
         counts its chunk as computed now, and a sampling one gets an output placeholder (the
         token the step samples, fed to its next step on the device); `update_from_output` of
-        that step replaces the placeholder with the token."""
+        that step replaces the placeholder with the token.
+
+        exclude: requests whose chunk may come back shorter (a HiSparse chunk cut at its first
+        dropped selection): they are not advanced, and `update_from_output` of this step applies
+        their chunk as synchronous scheduling does; the engine reads this step back before it
+        schedules again."""
+        sched_out.not_marked_in_flight = frozenset(exclude)
         for sr in sched_out.scheduled:
             req = sr.request
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not RequestStatus.RUNNING or req.request_id in sched_out.not_marked_in_flight:
                 continue
             req.num_computed_tokens = sr.start_pos + sr.num_new_tokens
             if sr.sample:
@@ -406,7 +412,8 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted since schedule()
             tokens = sampled.get(req.request_id, []) if sr.sample else []
-            if self.async_scheduling:  # the chunk was counted when its step was dispatched
+            if self.async_scheduling and req.request_id not in sched_out.not_marked_in_flight:
+                # the chunk was counted when its step was dispatched (`mark_in_flight`)
                 if sr.sample:
                     req.num_output_placeholders -= 1
             else:

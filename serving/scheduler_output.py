@@ -71,7 +71,9 @@ class SchedulerOutput:
     `grammar_bitmask`: structured outputs' packed allowed-token masks of the step's sampled
     positions, int32 `[max_num_seqs + 1, k + 1, W]` in batch order (all ones for rows without a
     constraint), set by the engine after scheduling (`serving.structured_outputs`); None when no
-    scheduled request is constrained."""
+    scheduled request is constrained. `not_marked_in_flight`: asynchronous scheduling's requests
+    whose chunk `Scheduler.mark_in_flight` did not count (their chunk may come back shorter),
+    applied by `update_from_output` as without asynchronous scheduling."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_scheduled_tokens: int = 0
@@ -81,6 +83,7 @@ class SchedulerOutput:
     page_loads: list[tuple[int, int]] = field(default_factory=list)
     num_draft_steps: int = 0
     grammar_bitmask: np.ndarray | None = None
+    not_marked_in_flight: frozenset = frozenset()
 
     @property
     def num_spec_tokens(self) -> int:

@@ -30,7 +30,8 @@ class InFlightStep:
     (sampling requests only: what the next step feeds from the device for a request with an
     output placeholder; ids are unique across replicas). num_tokens / padded_tokens: the step's
     tokens and bucket (all replicas). prepare_s: host seconds to build its inputs; dispatched: the
-    `time.perf_counter()` of its dispatch.
+    `time.perf_counter()` of its dispatch. policy_rows: Hybrid HiSparse's query rows per request
+    of the step, one dict per replica (`HiSparsePolicy.step_rows`, set by the engine), or None.
     """
     scheds: list
     out: tuple
@@ -41,6 +42,7 @@ class InFlightStep:
     padded_tokens: int
     prepare_s: float
     dispatched: float
+    policy_rows: list | None = None
 
     @property
     def sched(self) -> SchedulerOutput:

@@ -275,14 +275,16 @@ class HiSparsePolicy(DeviceResidentPolicy):
             return num_new
         return self._cap_rows(num_new, self.off_pages(req.request_id), self.records.get(req.request_id))
 
-    def observe_step(self, kept: dict[str, int]) -> int:
+    def observe_step(self, kept: dict[str, int], rows: dict[str, int] | None = None) -> int:
         """Adaptive prefill sizing, after the step this policy scheduled ran: `kept` maps the
         requests whose chunk was truncated to the query rows that were valid. Updates the estimate
         of every request that resolved several rows through its lease (module docstring).
+        rows: the query rows per request of the observed step (`step_rows()` when it was
+        scheduled); default: the step scheduled last (synchronous scheduling).
         Returns the query rows to compute again (the truncated chunks' rows past their cut)."""
         sure = self._sure_rows()
         recomputed = 0
-        for rid, rows in self._rows.items():
+        for rid, rows in (self._rows if rows is None else rows).items():
             rec = self.records.get(rid)
             if rec is None:
                 continue
@@ -445,7 +447,28 @@ class HiSparsePolicy(DeviceResidentPolicy):
         rec = self.records.get(rid)
         return list(rec.lease) if rec is not None else []
 
+    def step_rows(self) -> dict[str, int]:
+        """The query rows each request got in the step scheduled last (for `observe_step`)."""
+        return dict(self._rows)
+
+    def may_truncate(self, rid: str, num_rows: int) -> bool:
+        """Whether a chunk of `num_rows` query rows of request `rid`, in a step on the hot
+        program, can be cut at its first dropped selection (`serving.hisparse.truncation`): it
+        resolves several rows through a hot lease."""
+        rec = self.records.get(rid)
+        return num_rows > 1 and rec is not None and bool(rec.lease)
+
     def after_update(self, out: "SchedulerOutput") -> None:
+        self.complete_copies()
+        for sr in out.scheduled:
+            req = sr.request
+            if req.request_id in self.records and self.kv.has_request(req.request_id):
+                self._seal(req)
+
+    def complete_copies(self) -> None:
+        """The write-through copies in flight ran (or are ordered before every program that can
+        read their host rows or reuse their device pages: asynchronous scheduling): their pages
+        become clean and the prefix cache's host tier publishes them."""
         for job in self.host.complete():
             rec = job.owner
             if job.page_index in rec.pending and rec.host_blocks.get(job.page_index) == job.host_block:
@@ -453,10 +476,6 @@ class HiSparsePolicy(DeviceResidentPolicy):
             if self.prefix_cache is not None and job.key is not None:
                 self.prefix_cache.publish_host(job.key, job.host_block)
             self.host.release(job)
-        for sr in out.scheduled:
-            req = sr.request
-            if req.request_id in self.records and self.kv.has_request(req.request_id):
-                self._seal(req)
 
     def free(self, req: "Request", preempted: bool = False) -> None:
         rid = req.request_id

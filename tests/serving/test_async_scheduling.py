@@ -271,9 +271,8 @@ def test_features_that_need_synchronous_steps_are_named():
         drafts = object()
 
     assert "--speculative-config" in sync_reason(Fake())
-    Fake.drafts, Fake.hisparse = None, object()
-    assert "hisparse_config" in sync_reason(Fake())
-    Fake.hisparse, Fake.pd = None, object()
+    Fake.drafts, Fake.pd = None, object()
     assert "--kv-transfer-config" in sync_reason(Fake())
-    Fake.pd, Fake.offload = None, object()  # the offloading connector schedules asynchronously
+    # Hybrid HiSparse and the offloading connector schedule asynchronously.
+    Fake.pd, Fake.offload, Fake.hisparse = None, object(), object()
     assert sync_reason(Fake()) is None

@@ -64,6 +64,10 @@ def hisparse(mechanism: str, prefill_buffer_size: int = 1024) -> dict:
 # lease and are truncated at their first dropped selection, found over the DCP ranks (and over
 # the PCP ranks' token shares, and per DP replica).
 SMALL_PREFILL_LEASE = {"pcp2_dcp2": 128, "dp2_tp2_dcp2": 128}
+# Layouts served with asynchronous scheduling (serving/async_scheduling.py): DP replicas' stacked
+# step, the callback host pool, DCP and truncated chunks read back before the next schedule
+# (pcp2_dcp2 keeps the synchronous engine's truncation).
+ASYNC = {"dp2_tp2_dcp2"}
 
 
 def build(num_blocks: int, parallel: ParallelConfig | None = None, attention_config=None, **kw) -> LLMEngine:
@@ -217,7 +221,9 @@ def test_streams_equal_the_single_device_ample_run(name, lm):
     par, mechanism = LAYOUTS[name]
     dcp = par.decode_context_parallel_size
     reference = reference_for(dcp)
-    engine = build(SMALL[dcp], par, hisparse(mechanism, SMALL_PREFILL_LEASE.get(name, 1024)))
+    engine = build(SMALL[dcp], par, hisparse(mechanism, SMALL_PREFILL_LEASE.get(name, 1024)),
+                   async_scheduling=name in ASYNC)
+    assert engine.async_scheduling == (name in ASYNC)
     if mechanism == "memory_kind":  # on a GPU the host pool allows only slices and moves
         reads = host_reads_of_the_programs(engine)
         assert [x for x in reads if x[1] != "ok"] == []
