@@ -49,9 +49,12 @@ chunks are not counted at dispatch (`Scheduler.mark_in_flight(exclude=)`, record
 before the next schedule; nothing publishes, seals or offloads their rows before. Steps without
 them (decode, plain-program steps) overlap as usual.
 
-P/D transfers and a multi-host step's channel are host state outside the chain, and MTP
-speculation decides the next step's positions on the device; those configurations run
-synchronously and say so at start-up (`sync_reason`). DP replicas own disjoint arena shards
+P/D transfers are in the chain as well: the prefill side stages a finished request's pages with
+a gather program over the current arena (the output of the step in flight, so it waits for it),
+and the decode side lands pulled pages with a program that donates the arena to the next step.
+A multi-host step's channel is host state outside the chain, and MTP speculation decides the
+next step's positions on the device; those configurations run synchronously and say so at
+start-up (`sync_reason`). DP replicas own disjoint arena shards
 within the one donated arena, so the rule holds for each of them as for one engine.
 
 **Exposed host time.** The device idles when step n finished before step n+1 was dispatched.
@@ -75,8 +78,6 @@ def sync_reason(engine) -> str | None:
     naming its flag), or None when it can."""
     if engine.drafts is not None:
         return "MTP speculation (--speculative-config) decides the next positions on the device"
-    if engine.pd is not None:
-        return "prefill/decode disaggregation (--kv-transfer-config) transfers KV between steps"
     if jax.process_count() > 1:
         return "a multi-process engine sends each step's inputs to its followers"
     return None
@@ -111,6 +112,7 @@ class AsyncStepMixin:
         if not all(s.is_empty for s in scheds):
             try:
                 self._structured_masks(scheds)
+                self._pd_writes()  # pulled P/D pages land before the step (a program on the arena)
                 # The device idled if the step in flight (or none) was done before this dispatch.
                 idle = prev is None or prev.out[0].is_ready()
                 step = self._dispatch_step(scheds, prev)

@@ -271,8 +271,6 @@ def test_features_that_need_synchronous_steps_are_named():
         drafts = object()
 
     assert "--speculative-config" in sync_reason(Fake())
-    Fake.drafts, Fake.pd = None, object()
-    assert "--kv-transfer-config" in sync_reason(Fake())
-    # Hybrid HiSparse and the offloading connector schedule asynchronously.
-    Fake.pd, Fake.offload, Fake.hisparse = None, object(), object()
+    # Hybrid HiSparse, the offloading connector and P/D schedule asynchronously.
+    Fake.drafts, Fake.pd, Fake.offload, Fake.hisparse = None, object(), object(), object()
     assert sync_reason(Fake()) is None

@@ -141,6 +141,43 @@ def test_pd_streams_equal_colocated_and_decode_computes_only_the_last_prompt_tok
     assert decode.pool.num_free == decode.pool.num_usable_blocks
 
 
+def test_pd_with_asynchronous_scheduling_on_both_sides(pair, reference):
+    """`--async-scheduling` on the prefill and the decode engine (serving/async_scheduling.py): the
+    prefill side stages pages over the arena the step in flight returns, the decode side lands
+    pulled pages before the step it dispatches; the colocated streams, one computed prompt token
+    on the decode side, audits clean after every step, nothing held or leaked."""
+    prefill, decode = pair
+    for e in pair:
+        e.set_async_scheduling(True)
+    try:
+        prompts = {f"{rid}-async": p for rid, p in PROMPTS.items()}
+        params = prefill_all(prefill, prompts)
+        computed = []
+        orig = decode.runner.dispatch
+
+        def spy(sched, kv, prev=None):
+            computed.extend((sr.request_id, sr.num_new_tokens) for sr in sched.scheduled)
+            return orig(sched, kv, prev)
+
+        decode.runner.dispatch = spy
+        try:
+            streams, outs = decode_all(prefill, decode, prompts, params)
+        finally:
+            decode.runner.dispatch = orig
+        prefill.step()
+    finally:
+        for e in pair:
+            e.set_async_scheduling(False)
+    ref, ref_lp = reference
+    compare_streams(ref, {rid[:-len("-async")]: s for rid, s in streams.items()}, ref_lp, PROMPTS)
+    for rid, p in prompts.items():
+        assert outs[rid].num_cached_tokens == len(p) - 1
+        assert next(n for r, n in computed if r == rid) == 1
+    assert prefill.pd.producer.held == {} and prefill.audit() == [] and decode.audit() == []
+    assert prefill.pool.num_free == prefill.pool.num_usable_blocks
+    assert decode.pool.num_free == decode.pool.num_usable_blocks
+
+
 def test_landed_pages_equal_an_independent_relayout_of_the_prefill_pages(pair):
     """Byte-exact: the decode engine's pages of a landed request hold the prefill engine's rows."""
     prefill, decode = pair
