@@ -89,9 +89,11 @@ def serve(engine: LLMEngine, prompts=PROMPTS, logprobs=None, check=None, max_tok
     return toks, lps
 
 
-@pytest.mark.parametrize("dtype,k", [("bfloat16", 1), ("bfloat16", 3), ("fp8", 1), ("fp8", 3)])
+@pytest.mark.parametrize("dtype,k", [("bfloat16", 1), ("bfloat16", 3), ("fp8", 3)])
 def test_greedy_streams_equal_with_and_without_mtp(dtype, k):
-    """k = 1 and 3 on the bf16 and the fp8 cache."""
+    """k = 1 and 3 on the bf16 cache, k = 3 on the fp8 cache (fp8 with k = 1 would add an engine
+    and its compiles to the suite and no code path: the cache dtype and k meet nowhere but in the
+    row counts k = 3 already exercises)."""
     ref, ref_lps = plain_run(dtype)
     lm = api.load(cache_dtype=dtype)
     e = shared_engine(k, dtype)
