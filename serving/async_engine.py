@@ -65,8 +65,16 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         done = asyncio.get_running_loop().create_future()
+        precompile = getattr(self.engine, "precompile_constraint", None)
+        if params.structured_outputs is not None and precompile is not None:
+            with self._cv:
+                if request_id in self._queues:
+                    raise ValueError(f"duplicate request id {request_id!r}")
+            # The grammar compiles in a worker thread: the engine keeps stepping meanwhile.
+            await loop.run_in_executor(None, precompile, request_id, params)
         with self._cv:
             if request_id in self._queues:
+                self._discard_precompiled(request_id)
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._queues[request_id] = (loop, q)
             self._inbox.append(("add", request_id, prompt_token_ids, params, done))
@@ -114,6 +122,11 @@ class AsyncEngine:
     def _only_waiting_for_kv(self) -> bool:
         return getattr(self.engine, "is_waiting_for_remote_kv", _noop)()
 
+    def _discard_precompiled(self, request_id: str) -> None:
+        structured = getattr(self.engine, "structured", None)
+        if structured is not None:
+            structured.discard_precompiled(request_id)
+
     def _wake(self) -> None:
         with self._cv:
             self._cv.notify()
@@ -140,6 +153,7 @@ class AsyncEngine:
                     err = None
                 except ValueError as e:
                     err = e
+                    self._discard_precompiled(rid)
                     with self._cv:
                         self._queues.pop(rid, None)
                 loop = done.get_loop()

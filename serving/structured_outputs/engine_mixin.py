@@ -1,8 +1,11 @@
 """The engine's side of structured outputs (`LLMEngine` and `DataParallelEngine` mix it in).
 
+* `precompile_constraint(request_id, params)`, from the server's worker thread before the request
+  is submitted: the checks below and the compile, off the engine thread;
 * `_structured_check(params)` in `add_request`'s validation: combinations refused (400) and the
-  constraint compiled (`StructuredOutputsError` when it does not); `_structured_admission` wraps
-  it around the queueing, dropping the matcher again when the request is refused after it;
+  constraint compiled (`StructuredOutputsError` when it does not) unless it was precompiled;
+  `_structured_admission` wraps it around the queueing, dropping the matcher again when the
+  request is refused after it;
 * `_structured_masks(scheds)` after scheduling: each `SchedulerOutput.grammar_bitmask`;
 * `_structured_advance(outs)` after every step's tokens were applied (and on aborts and failed
   steps): matchers consume the new tokens; finished requests are forgotten.
@@ -38,10 +41,27 @@ class StructuredOutputsMixin:
 
     def _structured_check(self, request_id: str, params) -> None:
         """Refuse what cannot run under a constraint, then compile it (ValueError / its subclass
-        `StructuredOutputsError`, both 400s). Call last in validation: the matcher is kept."""
+        `StructuredOutputsError`, both 400s), unless `precompile_constraint` did. Call last in
+        validation: the matcher is kept."""
+        so = self._structured_prepare(params)
+        if so is not None:
+            self.structured.add(request_id, so)
+
+    def precompile_constraint(self, request_id: str, params) -> None:
+        """Check and compile a request's constraint before it is submitted, from any thread (the
+        server's `AsyncEngine.generate` runs it in a worker thread, so the engine thread never
+        waits for a grammar compile); `add_request` then takes the matcher. Raises what
+        `add_request` would for the constraint (StructuredOutputsError / ValueError: 400s)."""
+        so = self._structured_prepare(params)
+        if so is not None:
+            self.structured.precompile(request_id, so)
+
+    def _structured_prepare(self, params):
+        """The request's constraint with the server's `--structured-outputs-config` defaults
+        applied (idempotent), or None; refuses combinations that cannot run (ValueError)."""
         so = params.structured_outputs
         if so is None:
-            return
+            return None
         if params.ignore_eos:
             raise StructuredOutputsError("ignore_eos cannot be combined with structured outputs (the grammar ends the "
                                          "output)", "ignore_eos")
@@ -50,7 +70,7 @@ class StructuredOutputsMixin:
         so.disable_additional_properties |= cfg.disable_additional_properties
         if cfg.enable_in_reasoning:
             so.reasoning_end_token_id = None
-        self.structured.add(request_id, so)
+        return so
 
     @contextlib.contextmanager
     def _structured_admission(self, request_id: str, params):

@@ -1,10 +1,13 @@
 """`StructuredOutputManager`: the engine's grammar state per constrained request, and each
 step's token bitmask.
 
-Lifecycle (all on the engine's thread):
+Lifecycle (on the engine's thread, except `precompile`):
 
-* `add(request_id, params)` when the request is queued: its constraint compiles into an
-  `llguidance.LLMatcher` (`StructuredOutputsError`, a 400, when it does not);
+* `precompile(request_id, params)`, from any thread before the request reaches the engine (the
+  server's `AsyncEngine.generate` runs it in a worker thread, so a large schema never stalls the
+  engine's steps): the constraint compiles into an `llguidance.LLMatcher`, kept for `add`;
+* `add(request_id, params)` when the request is queued: it takes the precompiled matcher, or
+  compiles the constraint now (`StructuredOutputsError`, a 400, when it does not);
 * `bitmask(sched, rows, positions)` after scheduling: one packed int32 row of allowed ids per
   sampled position of a constrained request (all ones elsewhere), or None when no scheduled
   request samples under a constraint — the step then runs the program without a mask;
@@ -24,6 +27,7 @@ and including that token (`</think>`), then applies from the next token on.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -60,13 +64,26 @@ class StructuredOutputManager:
         self.mask_seconds_total = 0.0
         self.num_masked_steps = 0
         self._executor = None
+        self._lock = threading.Lock()  # the backend is built once, whichever thread asks first
+        self._precompiled: dict[str, object] = {}  # request id → its matcher, compiled off the engine thread
 
     @property
     def backend(self):
-        """The grammar backend (built on first use)."""
+        """The grammar backend (built on first use, from any thread)."""
         if self._backend is None:
-            self._backend = self._factory()
+            with self._lock:
+                if self._backend is None:
+                    self._backend = self._factory()
         return self._backend
+
+    def precompile(self, request_id: str, params: StructuredOutputsParams) -> None:
+        """Compile the constraint of a request not queued yet, from any thread; `add` takes the
+        matcher. Raises StructuredOutputsError (a ValueError) as `add` would."""
+        self._precompiled[request_id] = self.backend.matcher(params)
+
+    def discard_precompiled(self, request_id: str) -> None:
+        """Drop a precompiled matcher whose request never reached `add` (refused first)."""
+        self._precompiled.pop(request_id, None)
 
     @property
     def executor(self):
@@ -78,14 +95,18 @@ class StructuredOutputManager:
         return self._executor
 
     def add(self, request_id: str, params: StructuredOutputsParams) -> None:
-        """Compile the request's constraint. Raises StructuredOutputsError (a ValueError)."""
-        m = self.backend.matcher(params)
+        """Track the request's constraint: its `precompile`d matcher, or compiled now. Raises
+        StructuredOutputsError (a ValueError)."""
+        m = self._precompiled.pop(request_id, None)
+        if m is None:
+            m = self.backend.matcher(params)
         self.requests[request_id] = _Constrained(m, params.reasoning_end_token_id)
         self.num_requests_total += 1
 
     def remove(self, request_id: str) -> None:
-        """Forget a finished, aborted or failed request (no-op for an unknown id)."""
+        """Forget a finished, aborted, failed or refused request (no-op for an unknown id)."""
         self.requests.pop(request_id, None)
+        self._precompiled.pop(request_id, None)
 
     def __len__(self) -> int:
         return len(self.requests)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import jsonschema
 import openai
@@ -179,3 +181,40 @@ def test_bad_constraints_are_400s_naming_the_field_and_the_server_serves_on(serv
     r = chat(client, extra_body={"structured_outputs": {"choice": CHOICES}}, temperature=1.0, seed=0)
     assert r.choices[0].message.content in CHOICES
     assert not engine.structured.requests
+
+
+def test_a_slow_grammar_compile_does_not_stall_other_streams(served):
+    """Constraints compile in a worker thread before the request reaches the engine
+    (`AsyncEngine.generate` → `precompile_constraint`): while one takes 1.5 s, an unconstrained
+    stream keeps receiving tokens (compiled on the engine thread, it would receive none)."""
+    client, e = served
+    backend = e.structured.backend
+    real, window = backend.matcher, {}
+
+    def slow(params):
+        window["start"] = time.monotonic()
+        time.sleep(1.5)
+        window["end"] = time.monotonic()
+        return real(params)
+
+    stamps = []
+
+    def stream():
+        for _ in client.completions.create(model=MODEL, prompt="Hello there!", max_tokens=500, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}):
+            stamps.append(time.monotonic())
+
+    backend.matcher = slow
+    try:
+        t = threading.Thread(target=stream)
+        t.start()
+        while len(stamps) < 3 and t.is_alive():
+            time.sleep(0.01)
+        r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=MAX_TOKENS,
+                                      extra_body={"structured_outputs": {"choice": CHOICES}})
+        t.join()
+    finally:
+        backend.matcher = real
+    assert r.choices[0].text in CHOICES
+    during = [x for x in stamps if window["start"] + 0.2 < x < window["end"]]
+    assert len(during) >= 5, (len(stamps), window)
