@@ -19,6 +19,7 @@ loopback, the leader serving HTTP through the openai client, the follower `--hea
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -230,8 +231,20 @@ def test_a_follower_with_other_engine_flags_is_refused_by_name_before_any_collec
 
 
 def test_mtp_k2_across_two_processes_of_two_devices_serves_the_one_process_streams():
+    """Then structured outputs across the processes: the leader computes each step's masks (k + 1
+    rows per request under MTP) and sends them with the step's inputs; sampled at temperature 1,
+    the random-weight model's outputs match the regex and are among the choices only through
+    the mask."""
     with multihost_engine(ENGINE + MTP_TP4, devices_per_process=2) as mh:
         check_equal(MTP_TP4, mh.url)
+        for so, ok in (({"regex": r"[a-z]{2,5}-[0-9]{3}"}, lambda t: re.fullmatch(r"[a-z]{2,5}-[0-9]{3}", t)),
+                       ({"choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue"))):
+            r = httpx.post(mh.url + "/v1/completions", timeout=300, json={
+                "model": MODEL, "prompt": PROMPTS["b"], "max_tokens": 24, "temperature": 1.0, "seed": 7, "n": 2,
+                "structured_outputs": so})
+            assert r.status_code == 200, f"{r.text}\n{mh.logs()}"
+            for c in r.json()["choices"]:
+                assert c["finish_reason"] == "stop" and ok(c["text"]), c
 
 
 HS_PROMPTS = {f"r{i}": [(17 * i + 31 * j) % 450 + 5 for j in range(400)] for i in range(4)}
