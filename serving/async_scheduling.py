@@ -67,8 +67,6 @@ from __future__ import annotations
 
 import time
 
-import jax
-
 from serving.hisparse.truncation import truncate_step
 from serving.metrics import StepRecord
 
@@ -78,8 +76,6 @@ def sync_reason(engine) -> str | None:
     naming its flag), or None when it can."""
     if engine.drafts is not None:
         return "MTP speculation (--speculative-config) decides the next positions on the device"
-    if jax.process_count() > 1:
-        return "a multi-process engine sends each step's inputs to its followers"
     return None
 
 

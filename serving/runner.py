@@ -25,24 +25,24 @@ from tqdm import tqdm
 from glm53.batch import ForwardBatch
 from glm53.kv_layout import KVCacheLayout
 from glm53.model import GlmForCausalLM
-from kernels.mode import KERNEL_MODE_ENV, kernel_mode, use_kernels
 from glm53.parallel_batch import (
     empty_parallel_arena,
     pcp_reorder,
     shard_batch,
     stack_replicas,
 )
+from kernels.mode import KERNEL_MODE_ENV, kernel_mode, use_kernels
 from serving.arena_pages import ArenaPageIO
 from serving.faults import FaultInjection, InjectedFault
 from serving.hisparse.device_state import HiSparseDeviceState
 from serving.kv_cache import KVCacheManager
-from serving.scheduler_output import SchedulerOutput
 from serving.runner_replicas import ReplicaStepsMixin
+from serving.scheduler_output import SchedulerOutput
 from serving.spec_decode.inputs import build_spec_batch, empty_spec_batch
 from serving.step_buckets import default_cuda_graph_sizes, token_buckets
 from serving.step_inputs import StepInputs
-from serving.step_stats import InFlightStep, StepStats
 from serving.step_program import build_step_programs
+from serving.step_stats import InFlightStep, StepStats
 from serving.types import TokenLogprobs
 from sharding.context_parallel import pcp_chunk_order
 from sharding.mesh import ParallelLayout
@@ -158,7 +158,8 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
         # "stores": HiSparse's copy lists); every process places host inputs as global arrays
         # replicated over the mesh (one value, the same on every process).
         self.step_sink = None
-        self.step_in_flight = False
+        self.steps_in_flight = 0  # the leader's steps sent to the followers and not read back yet
+        self._last_sampled = None  # the sampled tokens of the step dispatched last (the token feed)
         if jax.process_count() > 1:
             if parallel is None or parallel.mesh.size != jax.device_count():
                 raise ValueError(f"a multi-process engine needs a parallel layout over all {jax.device_count()} "
@@ -263,7 +264,7 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
     def _may_feed_tokens(self) -> bool:
         """Whether this runner's engine may schedule asynchronously (`serving.async_scheduling.
         sync_reason`; the runner's share of it): then `compile` also compiles the token feed."""
-        return not self.spec_k and jax.process_count() == 1
+        return not self.spec_k
 
     def run_stores(self, jobs, wait: bool = False) -> None:
         """HiSparse: dispatch the write-through copies `jobs` (`serving.hisparse.host_pool.CopyJob`,
@@ -427,7 +428,7 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
         sampling request of `prev`."""
         t0 = time.perf_counter()
         batch, extra = self.prepare(sched, kv)
-        feed = self._feed(prev, [sched], batch.input_ids_T.shape[0])
+        feed_src = self._feed(prev, [sched], batch.input_ids_T.shape[0])
         self._dispatch_stores()
         self._maybe_fault()
         if self.offload is not None:
@@ -437,7 +438,7 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
             sp = build_spec_batch(sched, batch.input_ids_T.shape[0], self.max_num_seqs + 1, self.spec_k,
                                   sched.num_draft_steps)
         t1 = time.perf_counter()
-        out, hs = self.run_inputs(StepInputs(batch, extra, sp, self._step_bitmask([sched])), feed)
+        out, hs = self.run_inputs(StepInputs(batch, extra, sp, self._step_bitmask([sched]), feed_src))
         want_lp = bool(extra[4])
         if not want_lp:
             out = out[:3] + (None,) * 3 if self.spec_k else out[:1] + (None,) * 3
@@ -450,20 +451,23 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
                             batch.input_ids_T.shape[0], t1 - t0, t1)
 
     def _feed(self, prev: InFlightStep | None, scheds: list[SchedulerOutput], num_tokens: int):
-        """The token feed of a step dispatched while `prev` is in flight: None, or (src int32
-        [dp · num_tokens] in the placed token order, `prev`'s sampled tokens on the device).
-        `num_tokens` is one replica's bucket; replica r's rows are the r-th slice (`stack_replicas`)
-        and under PCP each slice is in the load-balanced order the step's tokens are placed in
-        (`glm53.parallel_batch.pcp_reorder`)."""
+        """The token feed of a step dispatched while `prev` is in flight (`StepInputs.feed_src`):
+        None, or int32 [dp · num_tokens] in the placed token order, the row of `prev`'s sampled
+        tokens each placeholder row takes (−1 elsewhere). `num_tokens` is one replica's bucket;
+        replica r's rows are the r-th slice (`stack_replicas`) and under PCP each slice is in the
+        load-balanced order the step's tokens are placed in (`glm53.parallel_batch.pcp_reorder`).
+        Raises RuntimeError when `prev` is not the step dispatched last (the feed reads the
+        outputs of that one)."""
         if prev is None:
             return None
         srcs = [self.feed_sources(s, num_tokens, prev.rows) for s in scheds]
         if all(src is None for src in srcs):
             return None
+        if prev.out[0] is not self._last_sampled:
+            raise RuntimeError("the token feed must read the step dispatched last")
         pcp = self.parallel.pcp if self.parallel is not None else 1
         order = pcp_chunk_order(num_tokens, pcp) if pcp > 1 else slice(None)
-        src = np.concatenate([np.full(num_tokens, -1, np.int32) if x is None else x[order] for x in srcs])
-        return src, prev.out[0]
+        return np.concatenate([np.full(num_tokens, -1, np.int32) if x is None else x[order] for x in srcs])
 
     @staticmethod
     def feed_sources(sched: SchedulerOutput, num_tokens: int, prev_rows: dict) -> np.ndarray | None:
@@ -500,7 +504,7 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
         else:
             acc = drafts = None
             toks, tok_lp, top_ids, top_lp = out
-        self.step_in_flight = False
+        self._read_back()
         self.last_truncated = {}
         if self.hisparse is not None:
             self.hisparse.record(stats[0] if stats is not None else (0, 0, 0, 0))
@@ -516,15 +520,16 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
             return self._collect_spec(sched, toks, acc, drafts, tok_lp, top_ids, top_lp)
         return self._collect(sched, toks, tok_lp, top_ids, top_lp)
 
-    def run_inputs(self, inputs: StepInputs, feed=None):
+    def run_inputs(self, inputs: StepInputs):
         """Dispatch the jitted step on prepared host inputs → (sampler outputs, HiSparse state or
         None), both still on the device. The engine's `execute` / `execute_replicas` call it after
         `prepare`; a multi-host follower calls it with the inputs the leader sent
         (`serving.multihost`). With `step_sink` set (the multi-host leader), the inputs are sent
-        to the followers first, and `step_in_flight` stays True until the caller has read the
-        outputs back: a step that fails in between leaves the processes in unknown states.
-        feed: None, or (src int32 [T], the previous step's sampled tokens on the device): the
-        input ids of rows with src ≥ 0 are taken from the latter (`_feed_tokens`)."""
+        to the followers first, and the step counts in `steps_in_flight` until the caller has
+        read its outputs back: a step that fails in between leaves the processes in unknown
+        states. `inputs.feed_src` (asynchronous scheduling): the input ids of rows with src ≥ 0
+        are taken on the device from the sampled tokens of the step this process dispatched
+        last (`_feed_tokens`; every process keeps its own copy, `_last_sampled`)."""
         batch, extra, sp = inputs.batch, inputs.extra, inputs.spec
         # HiSparse without a hot lease in the step (no pressure): the plain program, which is the
         # non-HiSparse step (no resolver, no hot state, no host pool), so the engine performs as
@@ -537,12 +542,14 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
         else:
             self.num_hot_steps += 1
         if self.step_sink is not None:
-            self.step_in_flight = True
+            self.steps_in_flight += 1
             self.step_sink("step", inputs)
         put = self._put
         placed = self._place(batch)
-        if feed is not None:
-            placed.input_ids_T = self._feed_tokens(placed.input_ids_T, put(feed[0]), feed[1])
+        if inputs.feed_src is not None:
+            if self._last_sampled is None:
+                raise RuntimeError("a fed step needs a previous step's outputs")
+            placed.input_ids_T = self._feed_tokens(placed.input_ids_T, put(inputs.feed_src), self._last_sampled)
         bitmask = None if inputs.bitmask is None else put(inputs.bitmask)
         first = bitmask is not None and (batch.input_ids_T.shape[0], hs_args is None) not in self._masked_programs
         t0 = time.perf_counter()
@@ -557,6 +564,7 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
             logger.info("structured outputs: the masked step of bucket %d was compiled on first use in %.1f s",
                         batch.input_ids_T.shape[0], time.perf_counter() - t0)
         self._keep_hisparse(hs)
+        self._last_sampled = out[0]
         return out, hs
 
     def _step_bitmask(self, scheds: list[SchedulerOutput]) -> np.ndarray | None:
@@ -609,6 +617,15 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
         if self.hisparse is not None:
             bufs += [x for x in jax.tree.leaves(self._hisparse_args()) if isinstance(x, jax.Array)]
         return bufs
+
+    @property
+    def step_in_flight(self) -> bool:
+        """A multi-host step went to the followers and was not read back yet."""
+        return self.steps_in_flight > 0
+
+    def _read_back(self) -> None:
+        """A step's outputs are on the host (the multi-host leader: one step fewer in flight)."""
+        self.steps_in_flight = max(0, self.steps_in_flight - 1)
 
     def device_state_lost(self) -> bool:
         """True when a donated buffer was deleted (a step failed after donating it), or when a

@@ -48,7 +48,7 @@ class ReplicaStepsMixin:
         t0 = time.perf_counter()
         T = self.bucket(max(s.num_scheduled_tokens for s in scheds))
         parts = [self.prepare(s, kv, T, r) for r, (s, kv) in enumerate(zip(scheds, kvs))]
-        feed = self._feed(prev, scheds, T)
+        feed_src = self._feed(prev, scheds, T)
         self._dispatch_stores()
         batch = stack_replicas([b for b, _ in parts], self.parallel.pcp)
         cat = lambda k: np.concatenate([e[k] for _, e in parts])
@@ -59,7 +59,7 @@ class ReplicaStepsMixin:
         extra = (cat(0), cat(1), cat(2), cat(3), want_lp, *copies)
         self._maybe_fault()
         t1 = time.perf_counter()
-        out, hs = self.run_inputs(StepInputs(batch, extra, None, self._step_bitmask(scheds)), feed)
+        out, hs = self.run_inputs(StepInputs(batch, extra, None, self._step_bitmask(scheds), feed_src))
         if not want_lp:
             out = out[:1] + (None,) * 3
         stats = (hs[0].stats_4, hs[0].first_drop_S) if hs is not None else None
@@ -77,7 +77,7 @@ class ReplicaStepsMixin:
         scheds = step.scheds
         t1 = time.perf_counter()
         (toks, tok_lp, top_ids, top_lp), stats = jax.device_get((step.out, step.stats))
-        self.step_in_flight = False
+        self._read_back()
         self.last_truncated = [{} for _ in scheds]
         if self.hisparse is not None:
             self.hisparse.record(stats[0] if stats is not None else (0, 0, 0, 0))

@@ -17,10 +17,14 @@ class StepInputs:
     copy_src int32 [C], copy_dst int32 [C]) as `prepare` returns them. spec: the
     `serving.spec_decode.inputs.SpecBatch` under MTP speculation, else None. bitmask: structured
     outputs' allowed-token masks, int32 [B, W] (or [B, k + 1, W] under MTP speculation), or None
-    when no row of the step is constrained.
+    when no row of the step is constrained. feed_src: asynchronous scheduling's placeholder rows,
+    int32 [T] in the placed token order: row i's input id is the previous step's sampled token
+    of request row feed_src[i] where ≥ 0 (`ModelRunner._feed`), taken on the device by every
+    process from its own copy of that step's outputs; None when no row is fed.
     """
 
     batch: ForwardBatch
     extra: tuple
     spec: object = None
     bitmask: object = None
+    feed_src: object = None

@@ -142,6 +142,9 @@ def health(url: str) -> int | None:
 def test_dp2_ep_fp8_across_processes_serves_the_one_process_streams_and_sigterm_exits_zero():
     with multihost_engine(ENGINE + DP2_EP_FP8 + ["--shutdown-timeout", "600"]) as mh:
         check_equal(DP2_EP_FP8, mh.url)
+        # Asynchronous scheduling across the processes (the server's default): every process
+        # feeds the placeholder rows from its own copy of the previous step's sampled tokens.
+        assert "asynchronous scheduling: step n+1 is scheduled" in mh.leader_log()
         # SIGTERM while a stream runs: it finishes, then every process exits 0.
         it = stream_tokens(mh.url, PROMPTS["b"], 24)
         ids, _ = next(it)
@@ -237,6 +240,7 @@ def test_mtp_k2_across_two_processes_of_two_devices_serves_the_one_process_strea
     the mask."""
     with multihost_engine(ENGINE + MTP_TP4, devices_per_process=2) as mh:
         check_equal(MTP_TP4, mh.url)
+        assert "schedules synchronously: MTP speculation" in mh.leader_log()
         for so, ok in (({"regex": r"[a-z]{2,5}-[0-9]{3}"}, lambda t: re.fullmatch(r"[a-z]{2,5}-[0-9]{3}", t)),
                        ({"choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue"))):
             r = httpx.post(mh.url + "/v1/completions", timeout=300, json={
