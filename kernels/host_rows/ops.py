@@ -169,7 +169,10 @@ def copy_host_rows(kv_arena: jax.Array, pool, host_rows_X: jax.Array, slots_X: j
 
         def body(i, arena):
             row = lax.dynamic_slice(pool, (host_rows_X[i], col0), (1, ncols))  # contiguous host slice
-            row = jax.device_put(row, jax.memory.Space.Device).reshape(num_layers, W)
+            # The barrier keeps the row one read: without it XLA sinks the per-layer slices below
+            # into the host read, one host slice of the whole row per layer (a host round trip per
+            # layer per missed row on a GPU).
+            row = lax.optimization_barrier(jax.device_put(row, jax.memory.Space.Device)).reshape(num_layers, W)
             slot = jnp.where(slots_X[i] >= tpp, slots_X[i], 0)  # an invalid slot writes the null block
             for li in range(num_layers):
                 block, (start, *_) = row_location(slot, layout, component, first_layer + li)

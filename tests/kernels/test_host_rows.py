@@ -193,3 +193,21 @@ def test_callback_stores_take_a_row_offset_and_can_be_disabled():
     want = arena[3].reshape(L, TPP, W).transpose(1, 0, 2).reshape(TPP, L * W)
     np.testing.assert_array_equal(store.rows[5 * TPP:6 * TPP], want)
     assert not store.rows[:5 * TPP].any() and not store.rows[6 * TPP:].any()
+
+
+def test_memory_kind_reads_each_missed_row_once_for_all_its_layers():
+    """A missed row of a group of n layers is one contiguous host run: the compiled copy reads it
+    with one slice (the optimization barrier in `copy_host_rows`), not one slice per layer — on a
+    GPU each host slice is a host round trip. (Without the barrier XLA:CPU compiled three
+    `u32[1, 3W]` host slices per row here, one per layer's update.)"""
+    lay = GroupLayout("mla", TPP, (CacheComponent("mla", L, 12, "float32"),))
+    W = lay.components[0].row_words
+    pool = make_pool("memory_kind", 32, L * W)
+    arena = jnp.zeros((10, lay.words_per_page), jnp.uint32)
+    rows, slots = jnp.asarray([9, 25, 16, -1], jnp.int32), jnp.asarray([34, 36, 39, -1], jnp.int32)
+    copy = jax.jit(lambda a, p, r, s: copy_host_rows(a, p, r, s, lay, "mla", 2, 3, mechanism="memory_kind"))
+    hlo = copy.lower(arena, pool, rows, slots).compile().as_text()
+    reads = [line for line in hlo.splitlines() if "dynamic-slice(" in line and line.split("=")[1].strip().startswith("u32[1,")]
+    assert len(reads) == 1 and f"u32[1,{3 * W}]" in reads[0], reads
+    out = np.asarray(copy(arena, pool, rows, slots))  # and the copy itself still lands (all zeros here)
+    assert out.shape == arena.shape
