@@ -45,14 +45,18 @@ def test_pcp2_dcp2_prefill_to_dp2_hisparse_decode_lands_in_the_host_pool():
     """The reference decode layout, scaled: DP2 replicas with Hybrid HiSparse on a device pool far
     too small for the prompts (9 usable pages per replica; the longest prompt needs 11). What does not fit lands straight in the
     replica's host pool; nobody is preempted; the hot buffer really reads host rows; streams equal
-    the colocated single-device run."""
+    the colocated single-device run. Both engines schedule asynchronously (as the server does by
+    default): host landings and page writes go before the step they feed; the synchronous
+    landing is tested in tests/serving/test_pd_engine.py."""
     from tests.serving.test_pd_engine import _colocated
 
     _, ref, ref_lp = _colocated(LONG, max_model_len=1024, num_gpu_blocks_override=96)
-    prefill = build(connector("kv_producer"), parallel=PCP2_DCP2, max_model_len=1024, num_gpu_blocks_override=96)
+    prefill = build(connector("kv_producer"), parallel=PCP2_DCP2, max_model_len=1024, num_gpu_blocks_override=96,
+                    async_scheduling=True)
     decode = build(connector("kv_consumer"), parallel=ParallelConfig(data_parallel_size=2, enable_expert_parallel=True),
-                   max_model_len=1024, num_gpu_blocks_override=10,
+                   max_model_len=1024, num_gpu_blocks_override=10, async_scheduling=True,
                    attention_config={"hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 128}})
+    assert prefill.async_scheduling and decode.async_scheduling
     params = prefill_all(prefill, LONG)
     streams, outs = decode_all(prefill, decode, LONG, params)
     compare_streams(ref, streams, ref_lp, LONG)
