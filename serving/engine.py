@@ -129,6 +129,8 @@ class LLMEngine(PDEngineMixin, AsyncStepMixin, StructuredOutputsMixin):
         `serving.async_scheduling.sync_reason`)."""
         self.async_scheduling = False
         if args.async_scheduling is False:
+            logger.info("asynchronous scheduling is off: each step's tokens are read before the next step is "
+                        "scheduled (--async-scheduling, or EngineArgs(async_scheduling=True), turns it on)")
             return False
         reason = sync_reason(self)
         if reason is not None:
