@@ -28,8 +28,10 @@ placeholder's token the same way (a preempted request recomputes it, determinist
 and returns it (the step donates it), so the device runs them in dispatch order. A page freed on
 the host while step n+1 still writes it (a request finished by step n's update) can only be handed
 to a step dispatched later, which runs after step n+1: nothing reads a page an in-flight step
-still writes, nor writes one it still reads. The offloading connector's transfers are in the same chain: its store program reads the
-arena (a later program that donates the arena waits for that read) and its load program donates
+still writes, nor writes one it still reads. DP replicas own disjoint arena shards within the
+one donated arena, so the rule holds for each of them as for one engine.
+
+The offloading connector's transfers are in the same chain: its store program reads the arena (a later program that donates the arena waits for that read) and its load program donates
 the arena to the step, and with the `memory_kind` mechanism the host store array is threaded
 through both. So a store dispatched before step n+1 runs before every load that a later
 admission plans from its block, and a load runs before any later store can overwrite its
@@ -52,10 +54,10 @@ them (decode, plain-program steps) overlap as usual.
 P/D transfers are in the chain as well: the prefill side stages a finished request's pages with
 a gather program over the current arena (the output of the step in flight, so it waits for it),
 and the decode side lands pulled pages with a program that donates the arena to the next step.
-A multi-host step's channel is host state outside the chain, and MTP speculation decides the
-next step's positions on the device; those configurations run synchronously and say so at
-start-up (`sync_reason`). DP replicas own disjoint arena shards
-within the one donated arena, so the rule holds for each of them as for one engine.
+A multi-process engine sends each step's inputs to its followers with the feed's source rows
+(`StepInputs.feed_src`); every process feeds from its own copy of the previous step's sampled
+tokens (`ModelRunner._last_sampled`). MTP speculation decides the next step's positions on the
+device: it runs synchronously and says so at start-up (`sync_reason`).
 
 **Exposed host time.** The device idles when step n finished before step n+1 was dispatched.
 `LLMEngine.host_overhead_s` and the `host` of the stats line add, per step, the host time between
