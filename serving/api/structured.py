@@ -24,7 +24,7 @@ from typing import Any
 from serving.api.errors import bad_request
 from serving.structured_outputs import StructuredOutputsParams
 
-_LEGACY = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+REFUSED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
            "guided_whitespace_pattern", "guided_json_object")
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _OPTIONS = ("disable_any_whitespace", "disable_additional_properties")
@@ -79,7 +79,7 @@ def request_constraint(body: Any, tool_grammar: str | None = None,
     reasoning block (the constraint then starts after it), else None.
     Raises APIError (400) naming the field."""
     extra = body.model_extra or {}
-    for name in _LEGACY:
+    for name in REFUSED_FIELDS:
         if name in extra:
             raise bad_request(f"{name} is not supported; use structured_outputs (vLLM's current field) or "
                               "response_format.", name)

@@ -16,6 +16,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from serving.api.errors import APIError, bad_request, validation_error
+from serving.api.structured import REFUSED_FIELDS
 from serving.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -71,7 +72,8 @@ async def parse_body(request: Request, model_cls: type[BaseModel], max_bytes: in
         body = model_cls.model_validate(obj)
     except ValidationError as e:
         raise validation_error(e) from None
-    new_extra = set(body.model_extra or ()) - _warned_extra_fields
+    # (The removed guided_* fields are refused with a 400 by the structured-outputs check.)
+    new_extra = set(body.model_extra or ()) - _warned_extra_fields - set(REFUSED_FIELDS)
     if new_extra:
         _warned_extra_fields.update(new_extra)
         logger.warning("Ignoring unsupported request fields: %s", sorted(new_extra))
