@@ -16,11 +16,11 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from serving.api.errors import APIError, bad_request, validation_error
-from serving.api.structured import REFUSED_FIELDS
 from serving.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from serving.api.structured import REFUSED_FIELDS
 from serving.pd.params import KVTransferParamsError, parse_kv_transfer_params
 from serving.types import SamplingParams
 
