@@ -32,11 +32,17 @@ def run_follower(engine, channel: FollowerChannel, config: MultiHostConfig) -> i
     runner = engine.runner
     timeout = config.join_timeout_s  # the leader may still be compiling when this one is ready
     steps = 0
+    # The outputs of the step dispatched last, waited for only after the next one is dispatched:
+    # with the leader scheduling asynchronously (step n+1 sent while step n runs), the devices
+    # never idle while this process reads and places the next step's inputs. A step that failed
+    # is found one step later, or at STOP.
+    pending = None
     try:
         while True:
             kind, body = channel.recv(timeout)
             timeout = None
             if kind == "stop":
+                jax.block_until_ready(pending)
                 logger.info("process %d: the leader stopped the engine after %d steps; exiting", pid, steps)
                 return 0
             if kind == "abort":
@@ -46,7 +52,8 @@ def run_follower(engine, channel: FollowerChannel, config: MultiHostConfig) -> i
             op, inputs = codec.decode(body)
             if op == "step":
                 out, _ = runner.run_inputs(inputs)
-                jax.block_until_ready(out)
+                jax.block_until_ready(pending)
+                pending = out
                 steps += 1
             elif op == "stores":
                 src, dst, wait = inputs
