@@ -437,18 +437,27 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
         if self.spec_k:
             sp = build_spec_batch(sched, batch.input_ids_T.shape[0], self.max_num_seqs + 1, self.spec_k,
                                   sched.num_draft_steps)
+        return self._launch([sched], StepInputs(batch, extra, sp, self._step_bitmask([sched]), feed_src), t0)
+
+    def _launch(self, scheds: list[SchedulerOutput], inputs: StepInputs, t0: float) -> InFlightStep:
+        """Dispatch prepared inputs (`run_inputs`) → the `InFlightStep` of `scheds` (one per DP
+        replica; replica r's request rows start at r · (max_num_seqs + 1)). The outputs' device →
+        host copies start as soon as the step ends; logprob outputs are dropped when no request
+        asked for them. t0: when preparing the step began."""
         t1 = time.perf_counter()
-        out, hs = self.run_inputs(StepInputs(batch, extra, sp, self._step_bitmask([sched]), feed_src))
-        want_lp = bool(extra[4])
+        num_tokens = inputs.batch.input_ids_T.shape[0]
+        out, hs = self.run_inputs(inputs)
+        want_lp = bool(inputs.extra[4])
         if not want_lp:
             out = out[:3] + (None,) * 3 if self.spec_k else out[:1] + (None,) * 3
         stats = (hs[0].stats_4, hs[0].first_drop_S) if hs is not None else None
         if self.step_sink is None and jax.process_count() == 1:  # the device → host copies start when the step ends
             for x in jax.tree.leaves((out, stats)):
                 x.copy_to_host_async()
-        rows = {sr.request_id: i for i, sr in enumerate(sched.scheduled) if sr.sample}
-        return InFlightStep([sched], out, stats, want_lp, rows, sched.num_scheduled_tokens,
-                            batch.input_ids_T.shape[0], t1 - t0, t1)
+        B = self.max_num_seqs + 1
+        rows = {sr.request_id: r * B + i for r, s in enumerate(scheds) for i, sr in enumerate(s.scheduled) if sr.sample}
+        return InFlightStep(list(scheds), out, stats, want_lp, rows, sum(s.num_scheduled_tokens for s in scheds),
+                            num_tokens, t1 - t0, t1)
 
     def _feed(self, prev: InFlightStep | None, scheds: list[SchedulerOutput], num_tokens: int):
         """The token feed of a step dispatched while `prev` is in flight (`StepInputs.feed_src`):
@@ -497,28 +506,36 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
         until the outputs were on the host, or with `overlapped` (the host did other work since
         the dispatch: asynchronous scheduling) the time this call waited for them."""
         sched = step.sched
-        t1 = time.perf_counter()
-        out, stats = jax.device_get((step.out, step.stats))
+        out, truncated = self._fetch_outputs(step, overlapped)
+        self.last_truncated = truncated[0]
         if self.spec_k:
             toks, acc, drafts, tok_lp, top_ids, top_lp = out
         else:
             acc = drafts = None
             toks, tok_lp, top_ids, top_lp = out
+        if self.spec_k:
+            return self._collect_spec(sched, toks, acc, drafts, tok_lp, top_ids, top_lp)
+        return self._collect(sched, toks, tok_lp, top_ids, top_lp)
+
+    def _fetch_outputs(self, step: InFlightStep, overlapped: bool) -> tuple[tuple, list[dict[str, int]]]:
+        """Wait for `step` and read its sampler outputs back → (them, as numpy; each replica's
+        HiSparse truncations, request id → valid positions). Records HiSparse's counters and
+        sets `last` (see `finish`) and an empty `last_logprobs`."""
+        t1 = time.perf_counter()
+        out, stats = jax.device_get((step.out, step.stats))
         self._read_back()
-        self.last_truncated = {}
+        truncated = [{} for _ in step.scheds]
         if self.hisparse is not None:
             self.hisparse.record(stats[0] if stats is not None else (0, 0, 0, 0))
             if stats is not None:
-                self.last_truncated = self.hisparse.truncations(sched, stats[1])
-                self.hisparse.check_drops(stats[0], [self.last_truncated])
+                truncated = [self.hisparse.truncations(s, stats[1], r) for r, s in enumerate(step.scheds)]
+                self.hisparse.check_drops(stats[0], truncated)
         t2 = time.perf_counter()
         # Synchronous: dispatch → outputs on the host. Asynchronous: the wait for them.
         self.last = StepStats(step.num_tokens, step.padded_tokens, step.prepare_s,
                               t2 - (t1 if overlapped else step.dispatched))
         self.last_logprobs = {}
-        if self.spec_k:
-            return self._collect_spec(sched, toks, acc, drafts, tok_lp, top_ids, top_lp)
-        return self._collect(sched, toks, tok_lp, top_ids, top_lp)
+        return out, truncated
 
     def run_inputs(self, inputs: StepInputs):
         """Dispatch the jitted step on prepared host inputs → (sampler outputs, HiSparse state or

@@ -1,20 +1,19 @@
 """The model runner's data-parallel steps (`--data-parallel-size`, serving/dp_engine.py): one
 jitted step for every attention replica, their batches stacked replica-major
 (`glm53.parallel_batch.stack_replicas`). A mixin of `serving.runner.ModelRunner`, whose
-`prepare`, `_feed`, `run_inputs` and `_collect` it uses."""
+`prepare`, `_feed`, `_launch`, `_fetch_outputs` and `_collect` it uses."""
 
 from __future__ import annotations
 
 import time
 
-import jax
 import numpy as np
 
 from glm53.parallel_batch import stack_replicas
 from serving.kv_cache import KVCacheManager
 from serving.scheduler_output import SchedulerOutput
 from serving.step_inputs import StepInputs
-from serving.step_stats import InFlightStep, StepStats
+from serving.step_stats import InFlightStep
 
 
 class ReplicaStepsMixin:
@@ -58,35 +57,11 @@ class ReplicaStepsMixin:
         copies[:, : valid.shape[1]] = valid  # valid entries first (copy_pages stops at the first −1)
         extra = (cat(0), cat(1), cat(2), cat(3), want_lp, *copies)
         self._maybe_fault()
-        t1 = time.perf_counter()
-        out, hs = self.run_inputs(StepInputs(batch, extra, None, self._step_bitmask(scheds), feed_src))
-        if not want_lp:
-            out = out[:1] + (None,) * 3
-        stats = (hs[0].stats_4, hs[0].first_drop_S) if hs is not None else None
-        if self.step_sink is None and jax.process_count() == 1:  # the device → host copies start when the step ends
-            for x in jax.tree.leaves((out, stats)):
-                x.copy_to_host_async()
-        B = self.max_num_seqs + 1
-        rows = {sr.request_id: r * B + i for r, s in enumerate(scheds) for i, sr in enumerate(s.scheduled) if sr.sample}
-        return InFlightStep(list(scheds), out, stats, bool(want_lp), rows, sum(s.num_scheduled_tokens for s in scheds),
-                            batch.input_ids_T.shape[0], t1 - t0, t1)
+        return self._launch(scheds, StepInputs(batch, extra, None, self._step_bitmask(scheds), feed_src), t0)
 
     def finish_replicas(self, step: InFlightStep, overlapped: bool = False) -> list[dict[str, list[int]]]:
         """Wait for a `dispatch_replicas` step and read it back → the sampled tokens per replica
         (as `finish`: `last`, `last_logprobs`, and `last_truncated` as one dict per replica)."""
-        scheds = step.scheds
-        t1 = time.perf_counter()
-        (toks, tok_lp, top_ids, top_lp), stats = jax.device_get((step.out, step.stats))
-        self._read_back()
-        self.last_truncated = [{} for _ in scheds]
-        if self.hisparse is not None:
-            self.hisparse.record(stats[0] if stats is not None else (0, 0, 0, 0))
-            if stats is not None:
-                self.last_truncated = [self.hisparse.truncations(s, stats[1], r) for r, s in enumerate(scheds)]
-                self.hisparse.check_drops(stats[0], self.last_truncated)
-        t2 = time.perf_counter()
-        self.last = StepStats(step.num_tokens, step.padded_tokens, step.prepare_s,
-                              t2 - (t1 if overlapped else step.dispatched))
-        self.last_logprobs = {}
+        (toks, tok_lp, top_ids, top_lp), self.last_truncated = self._fetch_outputs(step, overlapped)
         B = self.max_num_seqs + 1
-        return [self._collect(s, toks, tok_lp, top_ids, top_lp, r * B) for r, s in enumerate(scheds)]
+        return [self._collect(s, toks, tok_lp, top_ids, top_lp, r * B) for r, s in enumerate(step.scheds)]

@@ -252,13 +252,15 @@ def test_without_pressure_every_step_is_the_plain_program(bf16_ample, bf16_hispa
     prompts = [rng.integers(10, 490, 700).tolist() for _ in range(3)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
-    def run(e):
+    def run(e, audit_each_step=False):
         for i, p in enumerate(prompts):
             e.add_request(f"p{i}", p, params)
         outs = {}
         while e.has_unfinished_requests():
             for o in e.step():
                 outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if audit_each_step:
+                assert e.audit() == []
         return outs
 
     base = run(bf16_ample)
@@ -274,13 +276,7 @@ def test_without_pressure_every_step_is_the_plain_program(bf16_ample, bf16_hispa
     small.set_async_scheduling(True)
     try:
         before = small.runner.num_hot_steps
-        for i, p in enumerate(prompts):
-            small.add_request(f"p{i}", p, params)
-        outs = {}
-        while small.has_unfinished_requests():
-            for o in small.step():
-                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
-            assert small.audit() == []
+        outs = run(small, audit_each_step=True)
     finally:
         small.set_async_scheduling(False)
     assert outs == sync and small.runner.num_hot_steps > before
