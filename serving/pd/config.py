@@ -17,7 +17,11 @@ prefill response's `remote_port` says which), `abort_request_timeout` (seconds a
 keeps a finished request's KV for its decode engine to pull, default 480 as vLLM's
 VLLM_NIXL_ABORT_REQUEST_TIMEOUT), `kv_load_timeout` (seconds a decode engine waits for one pull
 before the failure policy applies, default 60), `num_transfer_sockets` (the transfer server's
-transport sockets, default 2). Anything else is refused naming the key.
+transport sockets, default 2), `transfer_chunk_tokens` (ours: the most tokens one staged transfer
+carries, default 16,384; a decode engine pulls a longer prompt in chunks of this many tokens, one
+after another, so the staging buffers on both sides hold one chunk at a time — at GLM-5.3 sizes
+16,384 tokens of every group are 0.84 GiB with the fp8 cache (54,728 B per token), where a whole
+1M-token request would be 53 GiB on one device). Anything else is refused naming the key.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from serving.kv_transfer_config import FLAG, KVTransferConfigError
 TOP_KEYS = ("kv_connector", "kv_role", "engine_id", "kv_load_failure_policy", "kv_buffer_device",
             "kv_connector_extra_config")
 EXTRA_KEYS = ("side_channel_host", "side_channel_port", "abort_request_timeout", "kv_load_timeout",
-              "num_transfer_sockets", "kv_load_failure_policy")
+              "num_transfer_sockets", "kv_load_failure_policy", "transfer_chunk_tokens")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 FAILURE_POLICIES = ("recompute", "fail")
 
@@ -61,6 +65,7 @@ class PDConfig:
     abort_request_timeout: float = 480.0
     kv_load_timeout: float = 60.0
     num_transfer_sockets: int = 2
+    transfer_chunk_tokens: int = 16384
 
     @property
     def is_producer(self) -> bool:
@@ -104,11 +109,16 @@ class PDConfig:
         socks = extra.get("num_transfer_sockets", 2)
         if isinstance(socks, bool) or not isinstance(socks, int) or not 1 <= socks <= 64:
             raise PDConfigError(f"{FLAG} kv_connector_extra_config.num_transfer_sockets must be in 1…64, got {socks!r}")
+        chunk = extra.get("transfer_chunk_tokens", 16384)
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise PDConfigError(f"{FLAG} kv_connector_extra_config.transfer_chunk_tokens must be a positive number of "
+                                f"tokens, got {chunk!r}")
         engine_id = d.get("engine_id")
         if engine_id is not None and (not isinstance(engine_id, str) or not engine_id):
             raise PDConfigError(f"{FLAG} engine_id must be a non-empty string, got {engine_id!r}")
         return cls(role, d.get("kv_connector"), engine_id or uuid.uuid4().hex[:16], policy, host, port,
-                   _seconds(extra, "abort_request_timeout", 480.0), _seconds(extra, "kv_load_timeout", 60.0), socks)
+                   _seconds(extra, "abort_request_timeout", 480.0), _seconds(extra, "kv_load_timeout", 60.0), socks,
+                   chunk)
 
 
 def pd_config(kv_transfer_config: dict | None) -> PDConfig | None:

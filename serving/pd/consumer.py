@@ -2,8 +2,10 @@
 
 A request whose `kv_transfer_params` say `do_remote_prefill` is checked (prompt hash, token count,
 KV row format) and parked here, not in the scheduler: a background thread asks the prefill
-engine's side channel to stage the tokens and starts the pull (`jax.experimental.transfer`,
-asynchronous). Each engine step `poll` hands the requests whose bytes arrived to the scheduler
+engine's side channel to stage the tokens and pulls them (`jax.experimental.transfer`), in chunks
+of at most `transfer_chunk_tokens` tokens, one after another (each chunk copied to host memory
+and its staging released before the next is asked for, so neither side stages more than one
+chunk). Each engine step `poll` hands the requests whose bytes arrived to the scheduler
 with their canonical rows attached (`Request.remote_kv`); admission then allocates the request's
 pages as for any request, counts the transferred tokens as computed (vLLM's
 `get_num_new_matched_tokens`: all prompt tokens but the last, which is computed again for its
@@ -15,6 +17,7 @@ is in flight drops it and tells the prefill side.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -85,8 +88,9 @@ class PendingPull:
     num_tokens: int
     deadline: float
     started: float
-    arrays: list | None = None
-    reply: dict | None = None
+    rows: dict[str, np.ndarray] | None = None  # canonical rows per group, once every chunk arrived
+    reply: dict | None = None  # the last stage reply (its uuid is the staging a release drops)
+    num_chunks: int = 0
     error: str | None = None
     aborted: bool = False
     start: int = 0
@@ -158,27 +162,62 @@ class KVConsumer:
             return
         threading.Thread(target=self._start_pull, args=(p,), name=f"pd-pull-{rid}", daemon=True).start()
 
+    def chunks(self, start: int, end: int) -> list[tuple[int, int]]:
+        """Token ranges [a, b) of one pull: `transfer_chunk_tokens` rounded down to whole pages of
+        the narrowest group (at least one). A page of a wider group (indexer keys, MTP rows) that
+        straddles two chunks is read for both, each taking its own tokens."""
+        span = min(g.tokens_per_page for g in self.layout.groups) * self.dcp
+        step = max(span, self.config.transfer_chunk_tokens // span * span)
+        cuts = list(range(start, end, step)) + [end]
+        return list(itertools.pairwise(cuts))
+
     def _start_pull(self, p: PendingPull) -> None:
+        """The pull thread: stage and pull each chunk in turn, copy it to host memory and let the
+        prefill side drop its staging; `p.rows` when all arrived, `p.error` on failure."""
         r = p.remote
+        parts: dict[str, list[np.ndarray]] = {name: [] for name in self.groups}
         try:
-            reply = side_channel.request(r.remote_host, r.remote_port, {
-                "op": "stage", "request_id": r.remote_request_id, "start": p.start, "num_tokens": p.num_tokens,
-                "groups": self.groups, "kv_layout": self.descriptor}, timeout_s=self.config.kv_load_timeout)
-            shapes = [tuple(s) for s in reply["shapes"]]
-            for name, shape in zip(self.groups, shapes):  # the runtime checks byte sizes only
-                want = (p.num_tokens - p.start, words_per_token(self.layout.group(name)))
-                if shape != want:
-                    raise ValueError(f"the prefill engine staged {shape} for group {name!r}, expected {want}")
-            p.reply = reply
-            if p.aborted:
-                self._release(p)
-                return
-            p.arrays = self.endpoint.pull(reply["transfer_address"], int(reply["uuid"]), shapes)
+            ranges = self.chunks(p.start, p.num_tokens)
+            for i, (a, b) in enumerate(ranges):
+                reply = side_channel.request(r.remote_host, r.remote_port, {
+                    "op": "stage", "request_id": r.remote_request_id, "start": a, "num_tokens": b,
+                    "last": i + 1 == len(ranges), "groups": self.groups, "kv_layout": self.descriptor},
+                    timeout_s=self.config.kv_load_timeout)
+                p.reply = reply
+                shapes = [tuple(s) for s in reply["shapes"]]
+                for name, shape in zip(self.groups, shapes):  # the runtime checks byte sizes only
+                    want = (b - a, words_per_token(self.layout.group(name)))
+                    if shape != want:
+                        raise ValueError(f"the prefill engine staged {shape} for group {name!r}, expected {want}")
+                if p.aborted:
+                    self._release(p)
+                    return
+                arrays = self.endpoint.pull(reply["transfer_address"], int(reply["uuid"]), shapes)
+                for name, arr in zip(self.groups, arrays):
+                    parts[name].append(np.asarray(arr))  # waits for the bytes
+                    arr.delete()
+                p.num_chunks += 1
+                if p.aborted:
+                    self._release(p)
+                    return
+                if i + 1 < len(ranges):  # the last chunk's staging is released with the request (poll)
+                    self._release_chunk(p, reply["uuid"])
+            p.rows = {name: v[0] if len(v) == 1 else np.concatenate(v) for name, v in parts.items()}
         except Exception as e:  # noqa: BLE001 - the failure policy decides
             p.error = f"{type(e).__name__}: {e}"
         finally:
             if self.wake is not None:
                 self.wake()
+
+    def _release_chunk(self, p: PendingPull, uuid) -> None:
+        """Tell the prefill side one chunk of a pull still going on was pulled (it forgets that
+        staging; the request's pages stay held until the last chunk is staged)."""
+        r = p.remote
+        try:
+            side_channel.request(r.remote_host, r.remote_port, {"op": "release", "uuid": uuid, "pulled": True},
+                                 timeout_s=10)
+        except Exception as e:  # noqa: BLE001 - only bookkeeping: the staging expires on its own
+            logger.info("release of a chunk of %s on the prefill engine failed: %s", r.remote_request_id, e)
 
     def _release(self, p: PendingPull, pulled: bool = False) -> None:
         """Tell the prefill side we are done with (`pulled`) or gave up on the request, so it drops
@@ -202,17 +241,8 @@ class KVConsumer:
         ready, failed = [], []
         now = self.clock()
         for rid, p in list(self.pending.items()):
-            if p.arrays is not None:
-                try:
-                    if not all(a.is_ready() for a in p.arrays):
-                        if now > p.deadline:
-                            failed.append((p, f"the pull did not complete within {self.config.kv_load_timeout:.0f} s "
-                                              "(kv_load_timeout)"))
-                        continue
-                    rows = {name: np.asarray(a) for name, a in zip(self.groups, p.arrays)}
-                except Exception as e:  # noqa: BLE001
-                    failed.append((p, f"the pull failed: {type(e).__name__}: {e}"))
-                    continue
+            if p.rows is not None:
+                rows = p.rows
                 nbytes = sum(r.nbytes for r in rows.values())
                 p.request.remote_kv = RemoteKV(p.start, p.num_tokens - p.start, rows, nbytes,
                                                local_pages={g: n for g, n in p.local_pages.items() if n})
@@ -220,14 +250,16 @@ class KVConsumer:
                 self.bytes_transferred += nbytes
                 self.xfer_time.observe(now - p.started)
                 self.xfer_bytes.observe(nbytes)
-                logger.debug("request %s: %d tokens of KV (%.2f MiB) pulled from engine %s in %.1f ms", rid,
-                             p.num_tokens - p.start, nbytes / 2**20, p.remote.remote_engine_id, 1e3 * (now - p.started))
+                logger.debug("request %s: %d tokens of KV (%.2f MiB, %d chunk(s)) pulled from engine %s in %.1f ms",
+                             rid, p.num_tokens - p.start, nbytes / 2**20, p.num_chunks, p.remote.remote_engine_id,
+                             1e3 * (now - p.started))
                 del self.pending[rid]
                 self._release(p, pulled=True)
                 ready.append(p.request)
             elif p.error is not None or now > p.deadline:
                 failed.append((p, p.error or f"no KV within {self.config.kv_load_timeout:.0f} s (kv_load_timeout)"))
         for p, _ in failed:
+            p.aborted = True  # a pull thread still going stops at its next chunk
             self.pending.pop(p.request.request_id, None)
             if p.error != "nothing to pull":
                 self.num_failed_transfers += 1

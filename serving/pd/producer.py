@@ -6,7 +6,9 @@ keeps them, and its response carries the `kv_transfer_params` the decode engine 
 (`serving/pd/params.py`). The decode engine then asks over the side channel to `stage` the tokens
 it lacks: on the engine thread, the pages are read (one gather program), re-laid out into
 canonical rows (`serving/pd/relayout.py`), staged on the device and offered to the transfer
-server under a fresh uuid; the pages are released at once (the staged copy owns the data). A
+server under a fresh uuid. A long prompt is staged in chunks (`transfer_chunk_tokens`, one stage
+request each, the decode engine asking for the next after pulling one); the pages are released when
+the last chunk is staged (the staged copy owns the data). A
 request nobody stages within `abort_request_timeout` seconds is released (vLLM's
 VLLM_NIXL_ABORT_REQUEST_TIMEOUT); staged rows nobody pulls within the same time are deleted.
 
@@ -168,7 +170,8 @@ class KVProducer:
     # ------------------------------------------------------------------ operations (engine thread)
     def stage(self, msg: dict) -> dict:
         """Stage tokens `msg["start"]` … `msg["num_tokens"]` − 1 of `msg["request_id"]`'s groups
-        `msg["groups"]` and offer them; release the pages. Returns the side channel's reply."""
+        `msg["groups"]` and offer them; release the pages unless `msg["last"]` is False (a chunk
+        of a chunked pull before its last). Returns the side channel's reply."""
         rid = msg.get("request_id")
         held = self.held.get(rid)
         if held is None:
@@ -186,7 +189,8 @@ class KVProducer:
         uuid = self.endpoint.new_uuid()
         arrays = self.endpoint.offer(uuid, rows)
         nbytes = sum(r.nbytes for r in rows)
-        self._release_pages(held)
+        if msg.get("last", True):
+            self._release_pages(held)
         self.staged[uuid] = StagedKV(rid, arrays, nbytes, self.clock() + self.config.abort_request_timeout)
         self.num_staged += 1
         self.bytes_staged += nbytes
@@ -206,7 +210,8 @@ class KVProducer:
 
     def release(self, request_id: str | None, uuid=None, pulled: bool = False) -> dict:
         """The decode side is done with (`pulled`: the transfer table released the staged rows) or
-        gave up on a request: drop its pages, and delete staged rows nobody will pull."""
+        gave up on a request: drop its pages, and delete staged rows nobody will pull. Without
+        `request_id` only the staged chunk `uuid` is concerned (a chunk of a pull still going on)."""
         held = self.held.get(request_id)
         if held is not None:
             self._release_pages(held)

@@ -100,9 +100,17 @@ def reference():
     return streams, lps
 
 
+CHUNK = 64  # the pair's decode engine pulls in chunks of one MLA page (prompt "b": 149 tokens, 3 chunks)
+
+
 @pytest.fixture(scope="module")
 def pair():
-    return build(connector("kv_producer")), build(connector("kv_consumer"))
+    """A prefill engine and a decode engine that pulls long prompts in chunks (`transfer_chunk_tokens`;
+    the fault pair and the variants below pull in one piece, the default for these prompts)."""
+    prefill, decode = build(connector("kv_producer")), build(connector("kv_consumer", transfer_chunk_tokens=CHUNK))
+    prefill.runner.max_pages_per_program = 2  # page reads and writes of more than 2 rows run in pieces
+    decode.runner.max_pages_per_program = 2
+    return prefill, decode
 
 
 def test_pd_streams_equal_colocated_and_decode_computes_only_the_last_prompt_token(pair, reference):
@@ -122,10 +130,13 @@ def test_pd_streams_equal_colocated_and_decode_computes_only_the_last_prompt_tok
         return orig(sched, kv)
 
     decode.runner.execute = spy
+    staged = prefill.pd.producer.num_staged
     try:
         streams, outs = decode_all(prefill, decode, PROMPTS, params)
     finally:
         decode.runner.execute = orig
+    # Chunked pulls: each prompt's len − 1 tokens came in ceil(n / 64) staged pieces (2 + 3 + 1).
+    assert prefill.pd.producer.num_staged - staged == sum(-(-(len(p) - 1) // CHUNK) for p in PROMPTS.values())
     ref, ref_lp = reference
     compare_streams(ref, streams, ref_lp, PROMPTS)
     for rid, p in PROMPTS.items():
@@ -322,6 +333,9 @@ def test_engine_refuses_roles_and_configs_it_cannot_serve():
         pd_config({"kv_connector": "JaxTransferConnector", "kv_role": "kv_sender"})
     with pytest.raises(KVTransferConfigError, match="unknown key"):
         pd_config(connector("kv_producer", side_chanel_port=1))
+    for bad in (0, -64, 1.5, True):
+        with pytest.raises(KVTransferConfigError, match="transfer_chunk_tokens"):
+            pd_config(connector("kv_consumer", transfer_chunk_tokens=bad))
     with pytest.raises(KVTransferConfigError, match="kv_connector"):
         pd_config({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})
     with pytest.raises(KVTransferConfigError, match="second"):
@@ -449,7 +463,7 @@ def test_multiturn_pulls_only_what_the_decode_engine_lacks():
     colocated run of each turn's full prompt."""
     kw = dict(max_model_len=1024, num_gpu_blocks_override=96, enable_prefix_caching=True)
     prefill = build(connector("kv_producer"), **kw)
-    decode = build(connector("kv_consumer"), **kw)
+    decode = build(connector("kv_consumer", transfer_chunk_tokens=256), **kw)  # turn 1 in 4 chunks, turn 2 from 768
     turn1 = [(7 * i) % 300 + 4 for i in range(900)]
     params = prefill_all(prefill, {"t1": turn1})
     streams, _ = decode_all(prefill, decode, {"t1": turn1}, params)
