@@ -13,7 +13,9 @@ warm-up round each (the warm-up compiles the masked step variant of each bucket)
 
 All three run with synchronous scheduling (`LLMEngine.set_async_scheduling(False)`), the engine's
 setting for the comparison, and once more with asynchronous scheduling (`--async-scheduling`),
-where a step that sampled for a constrained request is waited for before the next is scheduled.
+where the step after one that sampled for a constrained request is dispatched as its forward pass
+while that step runs, and sampled once its tokens are applied and the masks computed
+(`ModelRunner.sample_deferred`).
 Reported per batch and workload: decode tokens/s (steady phase: every row has its first token),
 the ratio to `plain`, mean step time, and mask ms per step (`StructuredOutputManager.
 mask_seconds_total` over the masked steps). Every constrained output is checked to be a prefix of

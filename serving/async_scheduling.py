@@ -59,6 +59,14 @@ A multi-process engine sends each step's inputs to its followers with the feed's
 tokens (`ModelRunner._last_sampled`). MTP speculation decides the next step's positions on the
 device: it runs synchronously and says so at start-up (`sync_reason`).
 
+**Structured outputs.** A constrained request's next mask needs the token the step in flight
+samples for it. So after a step with a constrained row, step n+1 is dispatched as its forward pass
+alone (its logits stay on the device, `ModelRunner.dispatch(defer_sampling=True)`); step n is read
+back and applied, which advances the grammar matchers; the masks of step n+1 are computed and its
+sampler runs on the logits (`ModelRunner.sample_deferred`), all while the device runs step n+1's
+forward pass. Forward then sampler computes what the one-program step computes. A multi-process
+engine (whose followers run whole steps) waits for the step in flight instead.
+
 **Exposed host time.** The device idles when step n finished before step n+1 was dispatched.
 `LLMEngine.host_overhead_s` and the `host` of the stats line add, per step, the host time between
 the end of the previous wait and the next dispatch when the step in flight was already done at
@@ -99,21 +107,28 @@ class AsyncStepMixin:
         pd_outs = self._pd_tick()
         prev = self._in_flight
         preempted_before = self._preemptions()
+        defer = False
         if prev is not None and any(self.structured.constrains(s) for s in prev.scheds):
-            # Structured outputs: the next masks need the tokens of the step in flight.
-            pd_outs = pd_outs + self._complete(prev, 0.0, preempted_before)
-            self._in_flight = prev = None
-            preempted_before = self._preemptions()
+            # Structured outputs: the next masks need the tokens of the step in flight. Dispatch
+            # the next forward pass now and its sampler once those tokens are applied (one
+            # process, no speculation), else wait for the step in flight first.
+            defer = self.runner.can_defer_sampling
+            if not defer:
+                pd_outs = pd_outs + self._complete(prev, 0.0, preempted_before)
+                self._in_flight = prev = None
+                preempted_before = self._preemptions()
         schedulers = self._schedulers()
         scheds = [s.schedule() for s in schedulers]
         exposed = 0.0
+        step = None
         if not all(s.is_empty for s in scheds):
             try:
-                self._structured_masks(scheds)
+                if not defer:
+                    self._structured_masks(scheds)
                 self._pd_writes()  # pulled P/D pages land before the step (a program on the arena)
                 # The device idled if the step in flight (or none) was done before this dispatch.
                 idle = prev is None or prev.out[0].is_ready()
-                step = self._dispatch_step(scheds, prev)
+                step = self._dispatch_step(scheds, prev, defer)
                 if idle and self._last_wait_end is not None:
                     exposed = step.dispatched - self._last_wait_end
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
@@ -135,6 +150,8 @@ class AsyncStepMixin:
             self._end_step()
         else:
             outs = outs + self._complete(prev, exposed, preempted_before)
+        if step is not None and step.deferred is not None and self._in_flight is step:
+            outs = outs + self._sample_deferred(step)
         if self._in_flight is not None and any(self._in_flight.scheds[r].not_marked_in_flight
                                                for r in range(len(schedulers))):
             # A chunk of this step may come back shorter (HiSparse): read it back before the
@@ -142,6 +159,18 @@ class AsyncStepMixin:
             step, self._in_flight = self._in_flight, None
             outs = outs + self._complete(step, 0.0, self._preemptions())
         return outs
+
+    def _sample_deferred(self, step):
+        """The masks of `step` (dispatched without its sampler while a constrained step was in
+        flight), from the matchers that step's tokens advanced, and its sampler → [] (or the
+        failed requests' outputs when the sampler cannot be dispatched)."""
+        try:
+            self._structured_masks(step.scheds)
+            self.runner.sample_deferred(step)
+        except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
+            self._in_flight = None
+            return self._fail_step(list(zip(self._schedulers(), step.scheds)), e)
+        return []
 
     def _complete(self, prev, exposed: float, preempted_before: int):
         """Wait for the step `prev`, apply its tokens, emit its statistics → its outputs."""

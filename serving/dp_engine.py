@@ -287,8 +287,8 @@ class DataParallelEngine(LLMEngine):
     def _schedulers(self) -> list:
         return [r.scheduler for r in self.replicas]
 
-    def _dispatch_step(self, scheds, prev):
-        return self.runner.dispatch_replicas(scheds, [r.kv for r in self.replicas], prev)
+    def _dispatch_step(self, scheds, prev, defer_sampling: bool = False):
+        return self.runner.dispatch_replicas(scheds, [r.kv for r in self.replicas], prev, defer_sampling)
 
     def _finish_step(self, step) -> list[dict[str, list[int]]]:
         return self.runner.finish_replicas(step, overlapped=True)

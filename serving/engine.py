@@ -158,8 +158,8 @@ class LLMEngine(PDEngineMixin, AsyncStepMixin, StructuredOutputsMixin):
     def _schedulers(self) -> list:
         return [self.scheduler]
 
-    def _dispatch_step(self, scheds, prev):
-        return self.runner.dispatch(scheds[0], self.kv, prev)
+    def _dispatch_step(self, scheds, prev, defer_sampling: bool = False):
+        return self.runner.dispatch(scheds[0], self.kv, prev, defer_sampling)
 
     def _finish_step(self, step) -> list[dict[str, list[int]]]:
         return [self.runner.finish(step, overlapped=True)]

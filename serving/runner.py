@@ -198,8 +198,10 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
         self._ids_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         # The step gets the state's leaves, flattened once here (`build_step_programs`).
         self._state_leaves, state_def = jax.tree.flatten(self.state)
-        self._step, self._store_only = build_step_programs(
+        self._step, self._store_only, self._forward, self._sample = build_step_programs(
             self.graphdef, layout, parallel, hisparse, self.spec_k, reachable, k, state_def)
+        self._forward_programs: set = set()  # (bucket, plain program): forward-only programs compiled so far
+        self.num_deferred_samples = 0  # steps whose sampler ran after the previous step was read back
 
     # ------------------------------------------------------------------ compile
     def _dummy(self, T: int):
@@ -419,13 +421,15 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
         to the requested number), one per token."""
         return self.finish(self.dispatch(sched, kv))
 
-    def dispatch(self, sched: SchedulerOutput, kv: KVCacheManager, prev: InFlightStep | None = None) -> InFlightStep:
+    def dispatch(self, sched: SchedulerOutput, kv: KVCacheManager, prev: InFlightStep | None = None,
+                 defer_sampling: bool = False) -> InFlightStep:
         """Prepare and dispatch one step without waiting for it (`finish` reads its outputs).
 
         prev: the step still in flight (asynchronous scheduling): a scheduled request with an
         output placeholder gets, as its input token, what `prev` samples for it, taken on the
-        device (`feed_sources`). Raises ValueError when a placeholder's request is not a
-        sampling request of `prev`."""
+        device (`feed_sources`). defer_sampling: dispatch the forward pass only; the sampler runs
+        at `sample_deferred` (structured outputs' masks computed after `prev` was read back).
+        Raises ValueError when a placeholder's request is not a sampling request of `prev`."""
         t0 = time.perf_counter()
         batch, extra = self.prepare(sched, kv)
         feed_src = self._feed(prev, [sched], batch.input_ids_T.shape[0])
@@ -437,27 +441,66 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
         if self.spec_k:
             sp = build_spec_batch(sched, batch.input_ids_T.shape[0], self.max_num_seqs + 1, self.spec_k,
                                   sched.num_draft_steps)
-        return self._launch([sched], StepInputs(batch, extra, sp, self._step_bitmask([sched]), feed_src), t0)
+        return self._launch([sched], StepInputs(batch, extra, sp, self._step_bitmask([sched]), feed_src), t0,
+                            defer_sampling)
 
-    def _launch(self, scheds: list[SchedulerOutput], inputs: StepInputs, t0: float) -> InFlightStep:
+    def _launch(self, scheds: list[SchedulerOutput], inputs: StepInputs, t0: float,
+                defer_sampling: bool = False) -> InFlightStep:
         """Dispatch prepared inputs (`run_inputs`) → the `InFlightStep` of `scheds` (one per DP
         replica; replica r's request rows start at r · (max_num_seqs + 1)). The outputs' device →
         host copies start as soon as the step ends; logprob outputs are dropped when no request
-        asked for them. t0: when preparing the step began."""
+        asked for them. t0: when preparing the step began. defer_sampling: the forward pass
+        only (the step's `out` is None until `sample_deferred`)."""
         t1 = time.perf_counter()
         num_tokens = inputs.batch.input_ids_T.shape[0]
-        out, hs = self.run_inputs(inputs)
         want_lp = bool(inputs.extra[4])
-        if not want_lp:
-            out = out[:3] + (None,) * 3 if self.spec_k else out[:1] + (None,) * 3
-        stats = (hs[0].stats_4, hs[0].first_drop_S) if hs is not None else None
-        if self.step_sink is None and jax.process_count() == 1:  # the device → host copies start when the step ends
-            for x in jax.tree.leaves((out, stats)):
-                x.copy_to_host_async()
         B = self.max_num_seqs + 1
         rows = {sr.request_id: r * B + i for r, s in enumerate(scheds) for i, sr in enumerate(s.scheduled) if sr.sample}
-        return InFlightStep(list(scheds), out, stats, want_lp, rows, sum(s.num_scheduled_tokens for s in scheds),
+        if defer_sampling:
+            logits, hs = self.run_inputs(inputs, forward_only=True)
+            out = None
+        else:
+            out, hs = self.run_inputs(inputs)
+        stats = (hs[0].stats_4, hs[0].first_drop_S) if hs is not None else None
+        step = InFlightStep(list(scheds), None, stats, want_lp, rows, sum(s.num_scheduled_tokens for s in scheds),
                             num_tokens, t1 - t0, t1)
+        if defer_sampling:
+            step.deferred = (logits, inputs.extra)
+        else:
+            self._keep_outputs(step, out)
+        return step
+
+    def _keep_outputs(self, step: InFlightStep, out: tuple) -> None:
+        """Set `step.out` (logprob outputs dropped when no request asked for them) and start the
+        device → host copies of its outputs, which run as soon as the step ends."""
+        if not step.want_lp:
+            out = out[:3] + (None,) * 3 if self.spec_k else out[:1] + (None,) * 3
+        step.out = out
+        if self.step_sink is None and jax.process_count() == 1:
+            for x in jax.tree.leaves((out, step.stats)):
+                x.copy_to_host_async()
+
+    @property
+    def can_defer_sampling(self) -> bool:
+        """True when a step can be dispatched without its sampler (`dispatch(defer_sampling=True)`):
+        one process (a multi-process leader sends whole steps) and no speculation."""
+        return self._forward is not None and self.step_sink is None and jax.process_count() == 1
+
+    def sample_deferred(self, step: InFlightStep) -> None:
+        """Run the sampler of a step dispatched with `defer_sampling` on its logits (still on the
+        device), with structured outputs' masks as its schedules hold them now
+        (`SchedulerOutput.grammar_bitmask`) → `step.out`. The next step's token feed reads these
+        outputs. Raises RuntimeError for a step that was not deferred or was sampled already."""
+        if step.deferred is None:
+            raise RuntimeError("sample_deferred: the step was dispatched with its sampler")
+        logits, extra = step.deferred
+        step.deferred = None
+        bitmask = self._step_bitmask(step.scheds)
+        put = self._put
+        out = self._sample(logits, *map(put, extra[:5]), *(() if bitmask is None else (put(bitmask),)))
+        self._last_sampled = out[0]
+        self.num_deferred_samples += 1
+        self._keep_outputs(step, out)
 
     def _feed(self, prev: InFlightStep | None, scheds: list[SchedulerOutput], num_tokens: int):
         """The token feed of a step dispatched while `prev` is in flight (`StepInputs.feed_src`):
@@ -537,9 +580,10 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
         self.last_logprobs = {}
         return out, truncated
 
-    def run_inputs(self, inputs: StepInputs):
+    def run_inputs(self, inputs: StepInputs, forward_only: bool = False):
         """Dispatch the jitted step on prepared host inputs → (sampler outputs, HiSparse state or
-        None), both still on the device. The engine's `execute` / `execute_replicas` call it after
+        None), both still on the device; with `forward_only` (one process, no speculation) the
+        forward pass alone → (its logits, HiSparse state or None), for `sample_deferred`. The engine's `execute` / `execute_replicas` call it after
         `prepare`; a multi-host follower calls it with the inputs the leader sent
         (`serving.multihost`). With `step_sink` set (the multi-host leader), the inputs are sent
         to the followers first, and the step counts in `steps_in_flight` until the caller has
@@ -558,6 +602,8 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
             batch.hot = None
         else:
             self.num_hot_steps += 1
+        if forward_only and (self.step_sink is not None or self._forward is None):
+            raise RuntimeError("a forward-only step needs one process and no speculation")
         if self.step_sink is not None:
             self.steps_in_flight += 1
             self.step_sink("step", inputs)
@@ -567,8 +613,21 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
             if self._last_sampled is None:
                 raise RuntimeError("a fed step needs a previous step's outputs")
             placed.input_ids_T = self._feed_tokens(placed.input_ids_T, put(inputs.feed_src), self._last_sampled)
+        key = (batch.input_ids_T.shape[0], hs_args is None)
+        if forward_only:
+            first = key not in self._forward_programs
+            t0 = time.perf_counter()
+            with use_kernels(self.kernel_mode):
+                logits, self.kv_arena, hs = self._forward(self._state_leaves, placed, self.kv_arena, put(inputs.extra[5]),
+                                                          put(inputs.extra[6]), hs_args)
+            if first:
+                self._forward_programs.add(key)
+                logger.info("structured outputs: the forward-only step of bucket %d (asynchronous scheduling) was "
+                            "compiled on first use in %.1f s", key[0], time.perf_counter() - t0)
+            self._keep_hisparse(hs)
+            return logits, hs
         bitmask = None if inputs.bitmask is None else put(inputs.bitmask)
-        first = bitmask is not None and (batch.input_ids_T.shape[0], hs_args is None) not in self._masked_programs
+        first = bitmask is not None and key not in self._masked_programs
         t0 = time.perf_counter()
         # (The mask is passed only when there is one: the programs compiled at start-up, and every
         # unconstrained step, keep the signature without it.)

@@ -26,7 +26,7 @@ class ReplicaStepsMixin:
         return self.finish_replicas(self.dispatch_replicas(scheds, kvs))
 
     def dispatch_replicas(self, scheds: list[SchedulerOutput], kvs: list[KVCacheManager],
-                          prev: InFlightStep | None = None) -> InFlightStep:
+                          prev: InFlightStep | None = None, defer_sampling: bool = False) -> InFlightStep:
         """Data parallel: prepare and dispatch one step for all `dp` replicas without waiting
         (`finish_replicas` reads it back).
 
@@ -37,7 +37,8 @@ class ReplicaStepsMixin:
         the r-th slices and its slots/block ids address its own arena shards. Page copies of all
         replicas run first, each in its replica's shards.
         prev: the step in flight (asynchronous scheduling): placeholder rows take their input
-        token from it on the device, as in `dispatch`.
+        token from it on the device, as in `dispatch`. defer_sampling: the forward pass only, as
+        in `dispatch`.
 
         Raises ValueError when `len(scheds) != dp`, a replica's step exceeds the largest bucket,
         or a placeholder's request is not a sampling request of `prev`.
@@ -57,7 +58,8 @@ class ReplicaStepsMixin:
         copies[:, : valid.shape[1]] = valid  # valid entries first (copy_pages stops at the first −1)
         extra = (cat(0), cat(1), cat(2), cat(3), want_lp, *copies)
         self._maybe_fault()
-        return self._launch(scheds, StepInputs(batch, extra, None, self._step_bitmask(scheds), feed_src), t0)
+        return self._launch(scheds, StepInputs(batch, extra, None, self._step_bitmask(scheds), feed_src), t0,
+                            defer_sampling)
 
     def finish_replicas(self, step: InFlightStep, overlapped: bool = False) -> list[dict[str, list[int]]]:
         """Wait for a `dispatch_replicas` step and read it back → the sampled tokens per replica

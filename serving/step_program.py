@@ -10,6 +10,12 @@ pool)` (donated) or None, the `SpecBatch` under MTP speculation or None, and str
 token bitmask or None (`serving.structured_outputs`; jit keeps the two variants apart, so steps
 without constrained rows run the program without the mask). It returns the sampler's
 outputs, the arena and HiSparse's state.
+
+The step without speculation also comes split in two (`forward`, `sample`) for asynchronous
+scheduling with structured outputs: the forward pass is dispatched while the previous step is in
+flight and keeps its logits on the device; the masks, which need the previous step's tokens, are
+computed on the host meanwhile and the sampler runs on the logits afterwards. Forward then sample
+gives the outputs of the one-program step.
 """
 
 from __future__ import annotations
@@ -32,8 +38,11 @@ from sharding.mesh import ParallelLayout
 
 def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayout | None,
                         hisparse: HiSparseDeviceState | None, spec_k: int, reachable: int, k: int, state_def=None):
-    """→ (step, store_only): the jitted step, and HiSparse's jitted store program (None without
-    HiSparse).
+    """→ (step, store_only, forward, sample): the jitted step, HiSparse's jitted store program
+    (None without HiSparse), and the step split in two (None under speculation): `forward(state,
+    batch, kv_arena, copy_src, copy_dst, hs)` → (the logits of the request rows [B, V], the unreachable ids
+    masked, the arena, HiSparse's state), and `sample(logits, temperature, top_p, seeds, steps,
+    want_logprobs, bitmask=None)` → the sampler's outputs.
 
     Args:
       graphdef: the model's `nnx` graph definition (the state is the step's first argument).
@@ -79,24 +88,37 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
             if hs is None:
                 return out, kv, None
             return out, kv.arena, (kv.hot, host.pool, host.after)
+        logits, kv_arena, hs_out = model_logits(model, batch, kv_arena, hs, host)
+        return _sample(logits, temperature, top_p, seeds, steps, want_logprobs, bitmask), kv_arena, hs_out
+
+    def model_logits(model, batch, kv_arena, hs, host):
+        """The forward pass without speculation → (logits with the unreachable ids masked, the
+        arena, HiSparse's state or None)."""
         if hs is None:
             logits, _, kv_arena = model(batch, kv_arena, layout, parallel)
-            logits = mask_unreachable(logits, reachable)
-            if bitmask is not None:
-                logits = apply_token_bitmask(logits, bitmask)
-            out = sample_with_logprobs(logits, temperature, top_p, seeds, steps, want_logprobs, k)
-            if replicate is not None:
-                out = jax.lax.with_sharding_constraint(out, replicate)
-            return out, kv_arena, None
-        kv = PagedKV(kv_arena, hot.for_step())
+            return mask_unreachable(logits, reachable), kv_arena, None
+        kv = PagedKV(kv_arena, hs[0].for_step())
         logits, _, kv = model(batch, kv, layout, parallel, host)
-        logits = mask_unreachable(logits, reachable)
+        return mask_unreachable(logits, reachable), kv.arena, (kv.hot, host.pool, host.after)
+
+    def _sample(logits, temperature, top_p, seeds, steps, want_logprobs, bitmask=None):
         if bitmask is not None:
             logits = apply_token_bitmask(logits, bitmask)
         out = sample_with_logprobs(logits, temperature, top_p, seeds, steps, want_logprobs, k)
         if replicate is not None:
             out = jax.lax.with_sharding_constraint(out, replicate)
-        return out, kv.arena, (kv.hot, host.pool, host.after)
+        return out
+
+    forward = sample = None
+    if not spec_k:
+        @functools.partial(jax.jit, donate_argnums=(2, 5))
+        def forward(state, batch: ForwardBatch, kv_arena, copy_src, copy_dst, hs):
+            host = None if hs is None else HostAccess(hs[1], mechanism, after=hs[2], narrow_rows=narrow_rows)
+            kv_arena = copy_pages(kv_arena, copy_src, copy_dst)
+            model = nnx.merge(graphdef, state if state_def is None else jax.tree.unflatten(state_def, state))
+            return model_logits(model, batch, kv_arena, hs, host)
+
+        sample = jax.jit(_sample)
 
     store_only = None
     if hisparse is not None:
@@ -110,4 +132,4 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
             return store_host_pages(pool, kv_arena, store_src, store_dst, layout, "mla", mechanism=mechanism,
                                     parallel=parallel)
 
-    return step, store_only
+    return step, store_only, forward, sample

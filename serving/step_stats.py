@@ -32,9 +32,11 @@ class InFlightStep:
     tokens and bucket (all replicas). prepare_s: host seconds to build its inputs; dispatched: the
     `time.perf_counter()` of its dispatch. policy_rows: Hybrid HiSparse's query rows per request
     of the step, one dict per replica (`HiSparsePolicy.step_rows`, set by the engine), or None.
+    deferred: a step dispatched without its sampler (`ModelRunner.sample_deferred`): (its logits
+    on the device, its `StepInputs.extra`); `out` is None until then.
     """
     scheds: list
-    out: tuple
+    out: tuple | None
     stats: tuple | None
     want_lp: bool
     rows: dict
@@ -43,6 +45,7 @@ class InFlightStep:
     prepare_s: float
     dispatched: float
     policy_rows: list | None = None
+    deferred: tuple | None = None
 
     @property
     def sched(self) -> SchedulerOutput:

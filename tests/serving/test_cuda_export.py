@@ -1,7 +1,8 @@
 """Every device program an engine runs, exported for CUDA from this CPU machine (`jax.export`,
 `platforms=("cuda",)`, an abstract H200 — `kernels/mode.py`'s "triton" mode picks the Pallas
 kernels without interpret mode): the step (plain, HiSparse's hot program, MTP's verify step, under
-TP2 × DCP2), HiSparse's store program and the offloading connector's store and load programs.
+TP2 × DCP2), HiSparse's store program, the offloading connector's store and load programs, and the
+step split in forward and sample programs (asynchronous scheduling with structured outputs).
 
 Each export fails the test if an op has no CUDA lowering; the Pallas kernels expected on a GPU
 must be lowered into the exported step (their Triton modules are recorded as the lowering builds
@@ -90,6 +91,12 @@ def test_every_program_exports_for_cuda_with_its_kernels(name, lowered_kernels):
         programs["plain step"] = (r._step, step_args(r, False))
         src, dst = r.hisparse.store_lists([])
         programs["store"] = (r._store_only, (r.hisparse.pool, r.kv_arena, src, dst))
+    if r._forward is not None:  # asynchronous scheduling with structured outputs: the step split in two
+        args = step_args(r, hot)
+        programs["forward"] = (r._forward, (*args[:3], args[8], args[9], args[10]))
+        logits = jax.eval_shape(r._forward, *programs["forward"][1])[0]
+        bitmask = jax.ShapeDtypeStruct((logits.shape[0], -(-logits.shape[1] // 32)), jax.numpy.int32)
+        programs["sample"] = (r._sample, (logits, *args[3:8], bitmask))
     if r.offload is not None:
         t = r.offload.transfer
         src, dst = next(iter(t._lists([(1, 1)])))

@@ -199,17 +199,48 @@ def test_unconstrained_neighbours_are_unaffected(engine, tok):
 
 
 def test_asynchronous_scheduling_gives_the_synchronous_streams(engine, tok):
-    """Constrained requests make the engine wait for the step in flight before scheduling the
-    next (their masks need its tokens); the streams equal the synchronous ones, unconstrained
+    """With constrained requests in flight the next step's forward pass is still dispatched before
+    the step in flight is read back; its sampler runs after, with the masks of the tokens just
+    applied. Streams, finish reasons and logprobs equal the synchronous ones, unconstrained
     neighbours included."""
-    reqs, checks = sampled_requests(tok, 2)
+    reqs, checks = sampled_requests(tok, 2, logprobs=2)
     prompt = tok.encode(PROMPT)
-    reqs.update({f"plain{i}": (prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=30)) for i in range(2)})
+    # The unconstrained requests outlive the constrained ones: the step after the last constrained
+    # one is sampled late without a mask.
+    reqs.update({f"plain{i}": (prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS + 8,
+                                                      ignore_eos=True, logprobs=2)) for i in range(2)})
     sync = run(engine, reqs, async_scheduling=False)
-    asyn = run(engine, reqs, async_scheduling=True)
+    r = engine.runner
+    events, dispatch, finish = [], r.dispatch, r.finish
+
+    def spy_dispatch(*a, **kw):
+        step = dispatch(*a, **kw)
+        events.append(("dispatch", step))
+        return step
+
+    def spy_finish(step, *a, **kw):
+        events.append(("finish", step))
+        return finish(step, *a, **kw)
+
+    deferred = r.num_deferred_samples
+    r.dispatch, r.finish = spy_dispatch, spy_finish
+    try:
+        asyn = run(engine, reqs, async_scheduling=True)
+    finally:
+        del r.dispatch, r.finish
     assert asyn[0] == sync[0] and asyn[1] == sync[1]
+    for rid in reqs:
+        assert [lp.token_id for lp in asyn[2][rid]] == [lp.token_id for lp in sync[2][rid]]
+        for a, b in zip(asyn[2][rid], sync[2][rid]):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
     for rid, (kind, spec) in checks.items():
         check_output(kind, spec, text_of(tok, engine, asyn[0][rid]))
+    # Overlap: every step is read back after the next one was dispatched, but at the tail (nothing
+    # left to schedule); the steps that followed a constrained one were sampled late.
+    finishes = [i for i, (kind, _) in enumerate(events) if kind == "finish"]
+    overlapped = [i for i in finishes if events[i - 1][0] == "dispatch" and events[i - 1][1] is not events[i][1]]
+    assert len(finishes) > 10 and len(overlapped) >= len(finishes) - 3, events
+    assert r.num_deferred_samples - deferred > 10
 
 
 def test_prefix_cached_prompt_gives_the_same_constrained_stream(engine, tok):

@@ -197,12 +197,13 @@ def test_a_slow_grammar_compile_does_not_stall_other_streams(served):
         window["end"] = time.monotonic()
         return real(params)
 
-    stamps = []
+    stamps, finish = [], []
 
     def stream():
-        for _ in client.completions.create(model=MODEL, prompt="Hello there!", max_tokens=500, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True}):
+        for chunk in client.completions.create(model=MODEL, prompt="Hello there!", max_tokens=500, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True}):
             stamps.append(time.monotonic())
+            finish.extend(c.finish_reason for c in chunk.choices if c.finish_reason)
 
     backend.matcher = slow
     try:
@@ -216,5 +217,6 @@ def test_a_slow_grammar_compile_does_not_stall_other_streams(served):
     finally:
         backend.matcher = real
     assert r.choices[0].text in CHOICES
+    assert finish == ["length"], finish  # the stream ran to its end (an error would stop it early)
     during = [x for x in stamps if window["start"] + 0.2 < x < window["end"]]
     assert len(during) >= 5, (len(stamps), window)

@@ -1,7 +1,7 @@
 """Structured outputs under data parallelism (DP2 with expert parallelism, 8 simulated devices):
 each replica's request rows get their own masks in the stacked step. Constrained requests pinned
 to both replicas at temperature 1 all validate, and the same greedy constrained request gives the
-same stream on either replica."""
+same stream on either replica; asynchronous scheduling gives the same streams."""
 
 from __future__ import annotations
 
@@ -57,3 +57,9 @@ def test_constrained_requests_on_both_replicas(engine):
         assert reasons[rid] == "stop", rid
         check_output(kind, spec, text_of(tok, e, toks[rid]))
     assert toks["g0"] == toks["g1"]
+    # Asynchronous scheduling: the stacked step's forward pass is dispatched while the constrained
+    # step is in flight and sampled after (`ModelRunner.sample_deferred`); the same streams.
+    deferred = e.runner.num_deferred_samples
+    atoks, areasons, _ = run(e, {rid: (prompt, params) for rid, params in reqs.items()}, async_scheduling=True)
+    assert atoks == toks and areasons == reasons
+    assert e.runner.num_deferred_samples - deferred > 5
