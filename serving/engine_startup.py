@@ -98,6 +98,9 @@ def log_engine_plan(engine, layout: KVCacheLayout, nblocks: int, args: EngineArg
     if engine.hisparse is not None:
         logger.info("%s", engine.hisparse.summary(nblocks, args.max_model_len, args.max_num_seqs,
                                                   args.max_num_batched_tokens))
+        note = engine.hisparse.policy.admission_note(args.max_model_len)
+        if note is not None:
+            logger.warning("%s", note)
     if engine.spec_config is not None:
         sc, mtp = engine.spec_config, layout.group("mtp")
         mode = (f"adaptive, min acceptance {sc.adaptive_min_acceptance}" if sc.adaptive else "static") + (

@@ -225,7 +225,24 @@ class HiSparsePolicy(DeviceResidentPolicy):
 
     def capacity_note(self) -> str:
         """Names HiSparse's bound on one request: the device pages its indexer keys (and other
-        groups) need next to the prefill lease and the in-flight window, or the host pool."""
+        groups) need next to the prefill lease and the in-flight window, or the host pool (the
+        text the scheduler appends to its refusal)."""
+        cap, why, fix = self.admission_bound()
+        return f"; the largest prompt this engine admits is {cap} tokens: {why}; it needs {fix}"
+
+    def admission_note(self, max_model_len: int) -> str | None:
+        """The start-up warning when HiSparse admits shorter prompts than `max_model_len` (its
+        bound, the largest prompt, the setting to change); None when every prompt up to it fits."""
+        cap, why, fix = self.admission_bound()
+        if cap >= max_model_len:
+            return None
+        return (f"HiSparse: prompts longer than {cap} tokens will be refused although --max-model-len is "
+                f"{max_model_len}: {why}; admitting them needs {fix}")
+
+    def admission_bound(self) -> tuple[int, str, str]:
+        """(the largest prompt in tokens one request may have, what bounds it, what would admit
+        more): fully resident on the device, the device pages of the other groups next to the
+        prefill lease and the in-flight window, or the host pool."""
         resident, offloaded, host_bound = self._capacities()
         usable = self.kv.pool.num_usable_blocks
         others = [g for g in self.kv.groups if g.name != self.group]
@@ -244,7 +261,7 @@ class HiSparsePolicy(DeviceResidentPolicy):
             why = (f"its MLA pages must fit the host pool (hisparse_config.host_pool_gib: "
                    f"{self.host.num_usable} blocks of {self.tpp} tokens)")
             fix = "a larger hisparse_config.host_pool_gib"
-        return f"; the largest prompt this engine admits is {cap} tokens: {why}; it needs {fix}"
+        return cap, why, fix
 
     # ------------------------------------------------------------------ lease sizing
     def _lease_pages(self, rid: str, rows: int, off: int | None = None) -> int:

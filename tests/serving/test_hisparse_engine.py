@@ -280,3 +280,21 @@ def test_without_pressure_every_step_is_the_plain_program(bf16_ample, bf16_hispa
     finally:
         small.set_async_scheduling(False)
     assert outs == sync and small.runner.num_hot_steps > before
+
+
+def test_start_up_warns_when_hisparse_admits_shorter_prompts_than_max_model_len(caplog):
+    """A pool too small for --max-model-len under HiSparse says so at start-up, naming the bound
+    and the largest prompt admitted; a prompt one token longer is refused with the same figure."""
+    import logging
+    import re
+
+    with caplog.at_level(logging.WARNING, logger="serving.engine"):
+        e = engine(25, "bfloat16", {"hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 640}},
+                   max_model_len=9216)
+    notes = [r.getMessage() for r in caplog.records if "will be refused" in r.getMessage()]
+    assert len(notes) == 1 and "hisparse_config.prefill_buffer_size" in notes[0], notes
+    largest = int(re.search(r"longer than (\d+) tokens", notes[0]).group(1))
+    assert 0 < largest < 9216
+    with pytest.raises(ValueError, match=f"largest prompt this engine admits is {largest} tokens"):
+        e.add_request("long", [5] * (largest + 1), SamplingParams(max_tokens=1))
+    assert not e.has_unfinished_requests() and e.audit() == []

@@ -253,3 +253,7 @@ def test_a_prompt_too_long_for_hisparse_is_refused_naming_the_bound(num_blocks, 
     e.add("fits", prompt(6, largest), max_tokens=1)
     with pytest.raises(ValueError, match="does not fit the KV cache"):
         e.add("one more", prompt(7, largest + 1), max_tokens=1)
+    # The start-up warning says the same: the bound and the largest prompt (none when it is enough).
+    note = e.policy.admission_note(4000)
+    assert note is not None and f"longer than {largest} tokens" in note and bound in note
+    assert e.policy.admission_note(largest) is None
