@@ -6,7 +6,9 @@
 * vLLM's `structured_outputs` (both endpoints): exactly one of `json`, `regex`, `choice`,
   `grammar`, `json_object`, with the options `disable_any_whitespace` and
   `disable_additional_properties`; any other key (`structural_tag`, `whitespace_pattern`, ...)
-  is a 400, never a silently unconstrained answer;
+  is a 400, never a silently unconstrained answer. Next to `response_format`, a
+  `structured_outputs` with options only applies them to the format's constraint (as vLLM merges
+  the two);
 * chat `tool_choice` "required" or a named function: the glm47 tool-call grammar
   (`serving.api.chat_output.PreparedChat.tool_grammar`).
 
@@ -30,7 +32,8 @@ _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _OPTIONS = ("disable_any_whitespace", "disable_additional_properties")
 
 
-def _from_structured_outputs(so: Any) -> StructuredOutputsParams:
+def _options(so: Any) -> tuple[list[str], dict[str, bool]]:
+    """Check a `structured_outputs` object's keys → (the constraint kinds it sets, its options)."""
     if not isinstance(so, dict):
         raise bad_request("structured_outputs must be an object.", "structured_outputs")
     unknown = sorted(set(so) - set(_KINDS) - set(_OPTIONS) - {"backend"})
@@ -41,19 +44,24 @@ def _from_structured_outputs(so: Any) -> StructuredOutputsParams:
     if backend not in (None, "auto", "guidance"):
         raise bad_request(f"structured_outputs.backend {backend!r} is not available; this server uses llguidance "
                           '("guidance").', "structured_outputs.backend")
-    kinds = [k for k in _KINDS if so.get(k) not in (None, False)]
-    if len(kinds) != 1:
-        raise bad_request(f"structured_outputs needs exactly one of {', '.join(_KINDS)}"
-                          f"{'' if not kinds else ', got ' + ', '.join(kinds)}.", "structured_outputs")
     for opt in _OPTIONS:
         if not isinstance(so.get(opt, False), bool):
             raise bad_request(f"structured_outputs.{opt} must be a boolean.", f"structured_outputs.{opt}")
+    return [k for k in _KINDS if so.get(k) not in (None, False)], {o: bool(so.get(o, False)) for o in _OPTIONS}
+
+
+def _from_structured_outputs(so: Any) -> StructuredOutputsParams:
+    kinds, options = _options(so)
+    if len(kinds) != 1:
+        raise bad_request(f"structured_outputs needs exactly one of {', '.join(_KINDS)}"
+                          f"{'' if not kinds else ', got ' + ', '.join(kinds)} (its options alone constrain "
+                          "nothing; next to response_format they apply to it).", "structured_outputs")
     kind = kinds[0]
     if kind == "json_object" and so[kind] is not True:
         raise bad_request("structured_outputs.json_object must be true.", "structured_outputs.json_object")
     # The value's type and content are checked where it compiles (StructuredOutputsParams.grammar_text
     # and the engine's backend), which name the same field.
-    return StructuredOutputsParams(**{kind: so[kind]}, **{o: bool(so.get(o, False)) for o in _OPTIONS})
+    return StructuredOutputsParams(**{kind: so[kind]}, **options)
 
 
 def _from_response_format(fmt: dict) -> StructuredOutputsParams | None:
@@ -88,12 +96,18 @@ def request_constraint(body: Any, tool_grammar: str | None = None,
         # (Its compile errors come from the tools' parameter schemas.)
         found.append(StructuredOutputsParams(grammar=tool_grammar, param="tools"))
     fmt = getattr(body, "response_format", None)
-    if fmt:
-        p = _from_response_format(fmt)
-        if p is not None:
-            found.append(p)
-    if body.structured_outputs is not None:
-        found.append(_from_structured_outputs(body.structured_outputs))
+    from_format = _from_response_format(fmt) if fmt else None
+    if from_format is not None:
+        found.append(from_format)
+    so = body.structured_outputs
+    if so is not None:
+        kinds, options = _options(so)
+        if not kinds and from_format is not None:
+            # vLLM's merge: options without a constraint of their own apply to response_format's.
+            for o, v in options.items():
+                setattr(from_format, o, v)
+        else:
+            found.append(_from_structured_outputs(so))
     if len(found) > 1:
         raise bad_request(f"{found[1].param} cannot be combined with {found[0].param}: a request has one output "
                           "constraint.", found[1].param)

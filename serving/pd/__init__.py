@@ -62,9 +62,13 @@ class PDConnector:
             sc = self.producer.side_channel
             where = f"; side channel tcp://{sc.host}:{sc.port}"
         alias = " (vLLM's NixlConnector name; the transport is JAX's)" if c.connector == "NixlConnector" else ""
+        pulls = ""
+        if self.consumer is not None:
+            pulls = f", pulls in chunks of {self.consumer.chunk_tokens} tokens (transfer_chunk_tokens)"
         return (f"P/D connector {c.connector}{alias}: {c.kv_role}, engine id {c.engine_id}, transport "
                 f"jax.experimental.transfer{where}; kv_load_failure_policy {c.kv_load_failure_policy}, "
-                f"abort_request_timeout {c.abort_request_timeout:.0f} s, kv_load_timeout {c.kv_load_timeout:.0f} s")
+                f"abort_request_timeout {c.abort_request_timeout:.0f} s, kv_load_timeout {c.kv_load_timeout:.0f} s"
+                f"{pulls}")
 
 
 class SchedulerConnector:

@@ -162,12 +162,18 @@ class KVConsumer:
             return
         threading.Thread(target=self._start_pull, args=(p,), name=f"pd-pull-{rid}", daemon=True).start()
 
-    def chunks(self, start: int, end: int) -> list[tuple[int, int]]:
-        """Token ranges [a, b) of one pull: `transfer_chunk_tokens` rounded down to whole pages of
-        the narrowest group (at least one). A page of a wider group (indexer keys, MTP rows) that
-        straddles two chunks is read for both, each taking its own tokens."""
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens per pulled chunk: `transfer_chunk_tokens` rounded down to whole pages of the
+        narrowest group (an engine page: 64 tokens × DCP), at least one page."""
         span = min(g.tokens_per_page for g in self.layout.groups) * self.dcp
-        step = max(span, self.config.transfer_chunk_tokens // span * span)
+        return max(span, self.config.transfer_chunk_tokens // span * span)
+
+    def chunks(self, start: int, end: int) -> list[tuple[int, int]]:
+        """Token ranges [a, b) of one pull, `chunk_tokens` each (the last shorter). A page of a
+        wider group (indexer keys, MTP rows) that straddles two chunks is read for both, each
+        taking its own tokens."""
+        step = self.chunk_tokens
         cuts = list(range(start, end, step)) + [end]
         return list(itertools.pairwise(cuts))
 

@@ -166,9 +166,9 @@ def test_pd_with_asynchronous_scheduling_on_both_sides(pair, reference):
         computed = []
         orig = decode.runner.dispatch
 
-        def spy(sched, kv, prev=None):
+        def spy(sched, kv, *args, **kw):
             computed.extend((sr.request_id, sr.num_new_tokens) for sr in sched.scheduled)
-            return orig(sched, kv, prev)
+            return orig(sched, kv, *args, **kw)
 
         decode.runner.dispatch = spy
         try:
@@ -187,6 +187,21 @@ def test_pd_with_asynchronous_scheduling_on_both_sides(pair, reference):
     assert prefill.pd.producer.held == {} and prefill.audit() == [] and decode.audit() == []
     assert prefill.pool.num_free == prefill.pool.num_usable_blocks
     assert decode.pool.num_free == decode.pool.num_usable_blocks
+
+
+def test_chunk_size_is_whole_engine_pages_and_logged(pair):
+    """`transfer_chunk_tokens` rounds down to whole 64-token pages, at least one; the start-up
+    summary gives the size used."""
+    from serving.pd.config import PDConfig
+    from serving.pd.consumer import KVConsumer
+
+    _, decode = pair
+    sizes = {n: KVConsumer(PDConfig("kv_consumer", transfer_chunk_tokens=n), None, decode.layout, {}, 1, 1, 8).chunk_tokens
+             for n in (1, 32, 64, 100, 130, 16384)}
+    assert sizes == {1: 64, 32: 64, 64: 64, 100: 64, 130: 128, 16384: 16384}
+    assert KVConsumer(PDConfig("kv_consumer", transfer_chunk_tokens=130), None, decode.layout, {}, 2, 1, 8).chunks(
+        0, 300) == [(0, 128), (128, 256), (256, 300)]  # DCP 2: an engine page holds 128 tokens
+    assert f"pulls in chunks of {CHUNK} tokens" in decode.pd.summary()
 
 
 def test_landed_pages_equal_an_independent_relayout_of_the_prefill_pages(pair):

@@ -27,7 +27,7 @@ from serving.async_engine import AsyncEngine
 from serving.engine import EngineArgs
 from serving.engine_factory import build_engine
 from tests.helpers.live_server import live_server
-from tests.serving.test_structured_outputs import CHOICES, MAX_TOKENS, PERSON
+from tests.serving.test_structured_outputs import CHOICES, MAX_TOKENS, PERSON, POINT
 
 MODEL = "tiny-structured"
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -75,6 +75,23 @@ def test_response_format_json_schema_validates_in_every_choice(served):
     stream = chat(client, response_format=fmt, temperature=1.0, seed=5, stream=True)
     text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
     jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_structured_outputs_options_apply_to_response_format(served):
+    """As vLLM merges them: `structured_outputs` with options only, next to `response_format`,
+    applies its options to the format's schema (here no properties beyond the schema's); options
+    alone, without a constraint, are a 400 that says so."""
+    client, _ = served
+    fmt = {"type": "json_schema", "json_schema": {"name": "point", "schema": POINT}}
+    r = chat(client, response_format=fmt, n=4, temperature=1.0, seed=21,
+             extra_body={"structured_outputs": {"disable_additional_properties": True}})
+    closed = {**POINT, "additionalProperties": False}
+    for c in r.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), closed)
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(client, extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    assert err.value.body["param"] == "structured_outputs" and "options alone" in err.value.body["message"]
 
 
 def test_response_format_json_object_gives_objects(served):
