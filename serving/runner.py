@@ -194,13 +194,14 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
         self.max_page_copies = max_num_seqs * len(layout.groups) * self.arena_shards
 
         self._feeds: dict = {}  # sharding → the jitted token feed (`_feed_tokens`)
-        self._masked_programs: set = set()  # (bucket, plain program): masked step variants compiled so far
+        # (variant, bucket, plain program): step variants compiled on first use so far ("masked": the
+        # step with structured outputs' mask; "forward-only": the step without its sampler).
+        self._first_use_programs: set = set()
         self._ids_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         # The step gets the state's leaves, flattened once here (`build_step_programs`).
         self._state_leaves, state_def = jax.tree.flatten(self.state)
         self._step, self._store_only, self._forward, self._sample = build_step_programs(
             self.graphdef, layout, parallel, hisparse, self.spec_k, reachable, k, state_def)
-        self._forward_programs: set = set()  # (bucket, plain program): forward-only programs compiled so far
         self.num_deferred_samples = 0  # steps whose sampler ran after the previous step was read back
 
     # ------------------------------------------------------------------ compile
@@ -602,7 +603,7 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
             batch.hot = None
         else:
             self.num_hot_steps += 1
-        if forward_only and (self.step_sink is not None or self._forward is None):
+        if forward_only and not self.can_defer_sampling:
             raise RuntimeError("a forward-only step needs one process and no speculation")
         if self.step_sink is not None:
             self.steps_in_flight += 1
@@ -613,34 +614,27 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
             if self._last_sampled is None:
                 raise RuntimeError("a fed step needs a previous step's outputs")
             placed.input_ids_T = self._feed_tokens(placed.input_ids_T, put(inputs.feed_src), self._last_sampled)
-        key = (batch.input_ids_T.shape[0], hs_args is None)
-        if forward_only:
-            first = key not in self._forward_programs
-            t0 = time.perf_counter()
-            with use_kernels(self.kernel_mode):
-                logits, self.kv_arena, hs = self._forward(self._state_leaves, placed, self.kv_arena, put(inputs.extra[5]),
-                                                          put(inputs.extra[6]), hs_args)
-            if first:
-                self._forward_programs.add(key)
-                logger.info("structured outputs: the forward-only step of bucket %d (asynchronous scheduling) was "
-                            "compiled on first use in %.1f s", key[0], time.perf_counter() - t0)
-            self._keep_hisparse(hs)
-            return logits, hs
         bitmask = None if inputs.bitmask is None else put(inputs.bitmask)
-        first = bitmask is not None and key not in self._masked_programs
+        variant = "forward-only" if forward_only else "masked" if bitmask is not None else None
+        key = (variant, batch.input_ids_T.shape[0], hs_args is None)
         t0 = time.perf_counter()
-        # (The mask is passed only when there is one: the programs compiled at start-up, and every
-        # unconstrained step, keep the signature without it.)
         with use_kernels(self.kernel_mode):  # a program traced now uses the engine's kernels
-            out, self.kv_arena, hs = self._step(self._state_leaves, placed, self.kv_arena, *map(put, extra),
-                                                hs_args, None if sp is None else jax.tree.map(put, sp),
-                                                *(() if bitmask is None else (bitmask,)))
-        if first:  # structured outputs: the masked variant of this bucket was compiled just now (once)
-            self._masked_programs.add((batch.input_ids_T.shape[0], hs_args is None))
-            logger.info("structured outputs: the masked step of bucket %d was compiled on first use in %.1f s",
-                        batch.input_ids_T.shape[0], time.perf_counter() - t0)
+            if forward_only:
+                out, self.kv_arena, hs = self._forward(self._state_leaves, placed, self.kv_arena, put(extra[5]),
+                                                       put(extra[6]), hs_args)
+            else:
+                # (The mask is passed only when there is one: the programs compiled at start-up, and
+                # every unconstrained step, keep the signature without it.)
+                out, self.kv_arena, hs = self._step(self._state_leaves, placed, self.kv_arena, *map(put, extra),
+                                                    hs_args, None if sp is None else jax.tree.map(put, sp),
+                                                    *(() if bitmask is None else (bitmask,)))
+        if variant is not None and key not in self._first_use_programs:  # compiled just now (once per key)
+            self._first_use_programs.add(key)
+            logger.info("structured outputs: the %s step of bucket %d was compiled on first use in %.1f s",
+                        variant, key[1], time.perf_counter() - t0)
         self._keep_hisparse(hs)
-        self._last_sampled = out[0]
+        if not forward_only:
+            self._last_sampled = out[0]
         return out, hs
 
     def _step_bitmask(self, scheds: list[SchedulerOutput]) -> np.ndarray | None:

@@ -50,8 +50,8 @@ def _options(so: Any) -> tuple[list[str], dict[str, bool]]:
     return [k for k in _KINDS if so.get(k) not in (None, False)], {o: bool(so.get(o, False)) for o in _OPTIONS}
 
 
-def _from_structured_outputs(so: Any) -> StructuredOutputsParams:
-    kinds, options = _options(so)
+def _from_structured_outputs(so: dict, kinds: list[str], options: dict[str, bool]) -> StructuredOutputsParams:
+    """The constraint of a `structured_outputs` object whose keys `_options` checked."""
     if len(kinds) != 1:
         raise bad_request(f"structured_outputs needs exactly one of {', '.join(_KINDS)}"
                           f"{'' if not kinds else ', got ' + ', '.join(kinds)} (its options alone constrain "
@@ -107,7 +107,7 @@ def request_constraint(body: Any, tool_grammar: str | None = None,
             for o, v in options.items():
                 setattr(from_format, o, v)
         else:
-            found.append(_from_structured_outputs(so))
+            found.append(_from_structured_outputs(so, kinds, options))
     if len(found) > 1:
         raise bad_request(f"{found[1].param} cannot be combined with {found[0].param}: a request has one output "
                           "constraint.", found[1].param)
