@@ -20,8 +20,8 @@ before the failure policy applies, default 60), `num_transfer_sockets` (the tran
 transport sockets, default 2), `transfer_chunk_tokens` (ours: the most tokens one staged transfer
 carries, default 16,384; a decode engine pulls a longer prompt in chunks of this many tokens, one
 after another, so the staging buffers on both sides hold one chunk at a time — at GLM-5.3 sizes
-16,384 tokens of every group are 0.84 GiB with the fp8 cache (54,728 B per token), where a whole
-1M-token request would be 53 GiB on one device). Anything else is refused naming the key.
+16,384 tokens of every group are 0.84 GiB with the fp8 cache (54,728 B per token,
+docs/results/capacity.txt), where a whole 1M-token request would be 53.4 GiB on one device). Anything else is refused naming the key.
 """
 
 from __future__ import annotations
