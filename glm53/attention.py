@@ -44,7 +44,8 @@ from jax.sharding import PartitionSpec
 from glm53.batch import ForwardBatch
 from glm53.hot_cache import NO_DROP, HostAccess, HotState, PagedKV
 from glm53.kv_layout import KVCacheLayout
-from kernels.host_rows import (copy_host_rows, join_column_parts, read_host_rows, rows_moved, scatter_host_rows,
+from kernels.host_rows import (copy_host_rows, host_reads, join_column_parts, read_host_rows, rows_moved,
+                               scatter_host_rows, sort_misses,
                                 split_words, store_pages)
 from kernels.hot_resolve import dropped_selections, hot_resolve
 from kernels.indexer_topk import indexer_topk
@@ -333,9 +334,10 @@ def hot_slot_spec(par: ParallelLayout) -> PartitionSpec:
     return PartitionSpec(kv_shard_axes(par), None)
 
 
-def _resolve_rows(topk_TK, req_idx_T, bt, hb, row_S, rank_S, tpp: int, narrow_rows: int | None):
+def _resolve_rows(topk_TK, req_idx_T, bt, hb, row_S, rank_S, tpp: int, narrow_rows: int | None, sort_misses_: bool):
     """The resolver over one shard (or the one device): `(slots, miss_rows, miss_slots, stats [3],
-    row_S, rank_S)`; skipped (plain block-table lookup) when `hb.active` is False."""
+    row_S, rank_S)`; skipped (plain block-table lookup) when `hb.active` is False. With
+    `sort_misses_` the miss list comes in host-row order (`kernels.host_rows.sort_misses`)."""
     N = topk_TK.shape[0] * topk_TK.shape[1]
     M = row_S.shape[1]
 
@@ -346,6 +348,11 @@ def _resolve_rows(topk_TK, req_idx_T, bt, hb, row_S, rank_S, tpp: int, narrow_ro
                 topk_TK, req_idx_T, bt, hb.host_table_BP, hb.hot_table_BH[:, :m // tpp], hb.state_row_B,
                 jnp.minimum(hb.reset_from_B, m), row_S[:, :m], rank_S[:, :m], hb.num_host_blocks,
                 tokens_per_page=tpp)
+            if sort_misses_:
+                # Misses in host-row order: adjacent rows (neighbouring positions of a page)
+                # become consecutive entries, which the memory-kind copy reads with one host
+                # slice per run piece. (A callback chunk is one transfer in any order: unsorted.)
+                mr, ms = sort_misses(mr, ms)
             # (dynamic_update_slice, not `.at[:, :m].set`: that scatter inside a cond inside a
             # shard_map crashes XLA:CPU's compiler in jax 0.11.2.)
             return (slots, mr, ms, st, jax.lax.dynamic_update_slice(row_S, r, (0, 0)),
@@ -452,7 +459,7 @@ def _resolve_parallel(topk_TK, kv: PagedKV, batch: ForwardBatch, g: GroupLayout,
         row_S = jax.lax.dynamic_index_in_dim(row_SGM, ig, axis=1, keepdims=False)
         rank_S = jax.lax.dynamic_index_in_dim(rank_SGM, ig, axis=1, keepdims=False)
         slots, miss_rows, miss_slots, stats, row_S, rank_S = _resolve_rows(topk, req, bt, hbl, row_S, rank_S, tpp,
-                                                                           host.narrow_rows)
+                                                                           host.narrow_rows, not callback)
         if callback:
             shard = jax.lax.axis_index(shard_axes)
             per_shard = store.shape[0] // num_kv_shards(par)
@@ -467,10 +474,15 @@ def _resolve_parallel(topk_TK, kv: PagedKV, batch: ForwardBatch, g: GroupLayout,
         row_SGM = jax.lax.dynamic_update_index_in_dim(row_SGM, row_S, ig, axis=1)
         rank_SGM = jax.lax.dynamic_update_index_in_dim(rank_SGM, rank_S, ig, axis=1)
         moved = rows_moved(miss_rows, "callback" if callback else host.mechanism)  # per shard, padding included
-        stats = jax.lax.psum(jnp.concatenate([stats, moved[None] * num_layers]), shard_axes)
+        # Per shard, gathered (replicated, so a multi-process leader reads every shard locally):
+        # the host sums them in 64-bit; a psum in int32 could wrap on wide layouts.
+        reads = host_reads(miss_rows, "callback" if callback else host.mechanism)
+        stats = col.all_gather_tiled(jnp.concatenate([stats, moved[None] * num_layers, reads[None]])[None],
+                                     shard_axes)
         drop = jnp.zeros((0,), jnp.int32)
         if record:  # this shard's state rows, gathered shard-major over the KV shards (replicated)
-            local = _record_drops(jnp.full(row_SGM.shape[0], NO_DROP, jnp.int32), stats[2], topk, slots, req, pos,
+            local = _record_drops(jnp.full(row_SGM.shape[0], NO_DROP, jnp.int32), jnp.max(stats[:, 2]), topk, slots,
+                                  req, pos,
                                   bt, hbl, tpp)
             drop = col.all_gather_tiled(local, shard_axes)
         return slots, arena, row_SGM, rank_SGM, stats, drop
@@ -490,7 +502,7 @@ def _resolve_parallel(topk_TK, kv: PagedKV, batch: ForwardBatch, g: GroupLayout,
         hb.host_table_BP, hb.hot_table_BH, hb.state_row_B, hb.reset_from_B, hot.host_row_SGM, hot.rank_SGM,
         hb.active, hb.num_host_blocks, hb.narrow, first_layer, index_group)
     drop = jnp.minimum(hot.first_drop_S, drop) if record else None
-    return slots, PagedKV(arena, HotState(row_SGM, rank_SGM, hot.stats_4 + stats, drop))
+    return slots, PagedKV(arena, HotState(row_SGM, rank_SGM, hot.stats_Z5 + stats, drop))
 
 
 def resolve_hot(topk_TK: jax.Array, kv: PagedKV, batch: ForwardBatch, layout: KVCacheLayout, group: str,
@@ -507,9 +519,10 @@ def resolve_hot(topk_TK: jax.Array, kv: PagedKV, batch: ForwardBatch, layout: KV
     (`positions_to_slots`, exactly the non-HiSparse read) and no host row is read.
 
     Returns `(slots [T, K] int32, kv)` with the arena and hot state updated and this group's
-    `[hits, misses, dropped, layer rows moved]` added to `kv.hot.stats_4` (summed over the KV
-    shards; layer rows moved = `kernels.host_rows.rows_moved` · num_layers: the missed rows for the
-    memory-kind copies, whole callback chunks with their padding for the callback path). Under a
+    `[hits, misses, dropped, layer rows moved, host reads]` added to `kv.hot.stats_Z5` (one row per
+    KV shard; layer rows moved = `kernels.host_rows.rows_moved` · num_layers: the missed rows for
+    the memory-kind copies, whole callback chunks with their padding for the callback path; host
+    reads = `kernels.host_rows.host_reads`: host slices of the runs, or callbacks). Under a
     parallel layout (`_resolve_parallel`) the slots are per KV shard,
     `[shards · T_replica, K]` (`hot_slot_spec`), and `sparse_attention` takes them as they are.
     """
@@ -523,7 +536,8 @@ def resolve_hot(topk_TK: jax.Array, kv: PagedKV, batch: ForwardBatch, layout: KV
     row_S = jax.lax.dynamic_index_in_dim(hot.host_row_SGM, index_group, axis=1, keepdims=False)
     rank_S = jax.lax.dynamic_index_in_dim(hot.rank_SGM, index_group, axis=1, keepdims=False)
     slots, miss_rows, miss_slots, stats, row_S, rank_S = _resolve_rows(topk_TK, batch.req_idx_T, bt, hb, row_S,
-                                                                       rank_S, tpp, host.narrow_rows)
+                                                                       rank_S, tpp, host.narrow_rows,
+                                                                       host.mechanism == "memory_kind")
     # Outside the cond: the host pool is only ever read by the copy loop (zero trips when skipped).
     arena = copy_host_rows(kv.arena, host.pool, miss_rows, miss_slots, g, "mla", first_layer, num_layers,
                            mechanism=host.mechanism, after=host.after)
@@ -532,7 +546,8 @@ def resolve_hot(topk_TK: jax.Array, kv: PagedKV, batch: ForwardBatch, layout: KV
         drop = _record_drops(drop, stats[2], topk_TK, slots, batch.req_idx_T, batch.positions_T, bt, hb, tpp)
     hot = HotState(jax.lax.dynamic_update_index_in_dim(hot.host_row_SGM, row_S, index_group, axis=1),
                    jax.lax.dynamic_update_index_in_dim(hot.rank_SGM, rank_S, index_group, axis=1),
-                   hot.stats_4 + jnp.concatenate([stats, rows_moved(miss_rows, host.mechanism)[None] * num_layers]),
+                   hot.stats_Z5 + jnp.concatenate([stats, rows_moved(miss_rows, host.mechanism)[None] * num_layers,
+                                                    host_reads(miss_rows, host.mechanism)[None]])[None],
                    drop)
     return slots, PagedKV(arena, hot)
 

@@ -63,9 +63,13 @@ class HotState:
     """Per-request hot state of every IndexShare group (int32; donated between steps).
 
     host_row_SGM: `[S, G, M]` host row held by hot slot j of state row s in index group g (−1 =
-    empty). rank_SGM: `[S, G, M]` its LRU rank (0 = least recently used). stats_4: this step's
-    `[hits, misses, dropped, layer rows copied]` summed over the groups (a miss of a group of n
-    layers copies n layer rows; zeroed by the caller per step). first_drop_S: int32 `[S]`, this
+    empty). rank_SGM: `[S, G, M]` its LRU rank (0 = least recently used). stats_Z5: int32 `[Z, 5]`,
+    this step's `[hits, misses, dropped, layer rows copied, host reads]` per KV shard (Z = replicas × DCP ranks
+    under a parallel layout, gathered replicated; 1 on one device), summed over the groups (a miss
+    of a group of n layers copies n layer rows; host reads: the host transfers that moved them, see
+    `kernels.host_rows.host_reads`; zeroed by the caller per step). The host sums the
+    shards in 64-bit (`serving.hisparse.device_state`): one shard's step stays far inside int32
+    where a sum over 64 shards of a GLM-5.3 prefill step would not. first_drop_S: int32 `[S]`, this
     step's smallest request-local position of a query row with a dropped selection, per state row
     (`NO_DROP` = none; min over the groups and, under a parallel layout, over the KV shards, whose
     state rows it lists shard-major and replicated; reset by the caller per step; None: not
@@ -75,21 +79,21 @@ class HotState:
 
     host_row_SGM: jax.Array
     rank_SGM: jax.Array
-    stats_4: jax.Array
+    stats_Z5: jax.Array
     first_drop_S: jax.Array | None = None
 
     @classmethod
-    def empty(cls, num_state_rows: int, num_index_groups: int, hot_rows: int) -> "HotState":
+    def empty(cls, num_state_rows: int, num_index_groups: int, hot_rows: int, num_kv_shards: int = 1) -> "HotState":
         """A fresh state: every slot empty, ranks 0 … M−1 (slot order), nothing dropped."""
         shape = (num_state_rows, num_index_groups, hot_rows)
         return cls(jnp.full(shape, -1, jnp.int32),
                    jnp.broadcast_to(jnp.arange(hot_rows, dtype=jnp.int32), shape),
-                   jnp.zeros(4, jnp.int32), jnp.full(num_state_rows, NO_DROP, jnp.int32))
+                   jnp.zeros((num_kv_shards, 5), jnp.int32), jnp.full(num_state_rows, NO_DROP, jnp.int32))
 
     def for_step(self) -> "HotState":
         """The state a step starts from: counters zeroed, no drop recorded."""
         drop = None if self.first_drop_S is None else jnp.full_like(self.first_drop_S, NO_DROP)
-        return HotState(self.host_row_SGM, self.rank_SGM, jnp.zeros(4, jnp.int32), drop)
+        return HotState(self.host_row_SGM, self.rank_SGM, jnp.zeros_like(self.stats_Z5), drop)
 
 
 @jax.tree_util.register_dataclass

@@ -24,7 +24,9 @@ are neither; each IndexShare group's full layer resolves its own top-k, so a row
 per group), the hit rate hits / (hits + misses), misses per decode row and index group (out of
 index_topk), host → device bytes per decoded token (the copy's bytes as the engine counts them:
 missed rows × layers × row bytes), and the share of a row's selections served from host memory
-((hits + misses) / selections, selections = index groups × min(index_topk, context) per row). Prefill steps are reported apart (their lookups include the
+((hits + misses) / selections, selections = index groups × min(index_topk, context) per row), and
+missed rows per host read (the memory-kind copy reads a run of adjacent host rows with one slice
+per 64 / 16 / 4 / 1-row piece: `kernels.host_rows.host_reads`). Prefill steps are reported apart (their lookups include the
 chunk's own pages). The answers are compared with the same model's run with an ample pool (no
 HiSparse pressure) under the project's equality rule (glm53/equality.py): streams equal, first
 divergences accepted as near-ties of the ample run, and unexplained ones (a bug).
@@ -91,8 +93,10 @@ class DecodeLocality:
     def __init__(self, engine, index_topk: int, index_groups: int):
         self.topk, self.groups = index_topk, index_groups
         self.pending: list[tuple[bool, int, int]] = []
-        self.decode = dict(steps=0, rows=0, selections=0, hits=0, misses=0, h2d_bytes=0)
-        self.prefill = dict(steps=0, rows=0, hits=0, misses=0, h2d_bytes=0)
+        self.decode = dict(steps=0, rows=0, selections=0, hits=0, misses=0, h2d_bytes=0, host_reads=0)
+        self.prefill = dict(steps=0, rows=0, hits=0, misses=0, h2d_bytes=0, host_reads=0)
+        self.device = engine.hisparse.device
+        self.reads_seen = 0
         runner = engine.runner
         inner = runner.execute
 
@@ -119,6 +123,8 @@ class DecodeLocality:
         d["hits"] += rec.hisparse_hits or 0
         d["misses"] += rec.hisparse_misses or 0
         d["h2d_bytes"] += rec.hisparse_h2d_bytes or 0
+        d["host_reads"] += self.device.host_reads - self.reads_seen  # host slices (memory_kind) or callbacks
+        self.reads_seen = self.device.host_reads
 
 
 def make_llm(path: str, **kw):
@@ -192,6 +198,8 @@ def run_model(name: str, path: str, samples, args) -> list[dict]:
                    misses_per_decode_row=round(d["misses"] / d["rows"] / groups, 2) if d["rows"] else None,
                    h2d_bytes_per_decoded_token=round(d["h2d_bytes"] / d["rows"]) if d["rows"] else None,
                    host_share_of_selections=round(lookups / d["selections"], 4) if d["selections"] else None,
+                   misses_per_host_read=round(d["misses"] / d["host_reads"], 2) if d["host_reads"] else None,
+                   prefill_misses_per_host_read=round(p["misses"] / p["host_reads"], 2) if p["host_reads"] else None,
                    decode=d, prefill=p,
                    prefill_hit_rate=round(p["hits"] / (p["hits"] + p["misses"]), 4) if p["hits"] + p["misses"] else None,
                    preemptions=eng.scheduler.num_preemptions_total,
@@ -238,7 +246,8 @@ def main(args) -> int:
                    pages=args.pages, results=results, seconds=round(time.time() - t0, 1))
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     cols = ["model", "multiple", "device_buffer_size", "decode_steps", "decode_rows", "hit_rate", "miss_rate", "misses_per_decode_row",
-            "h2d_bytes_per_decoded_token", "host_share_of_selections", "prefill_hit_rate", "preemptions",
+            "h2d_bytes_per_decoded_token", "host_share_of_selections", "misses_per_host_read",
+            "prefill_misses_per_host_read", "prefill_hit_rate", "preemptions",
             "streams_equal", "divergences_accepted", "divergences_unexplained", "streams", "seconds"]
     with open(out / "locality.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")

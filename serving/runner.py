@@ -462,7 +462,7 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
             out = None
         else:
             out, hs = self.run_inputs(inputs)
-        stats = (hs[0].stats_4, hs[0].first_drop_S) if hs is not None else None
+        stats = (hs[0].stats_Z5, hs[0].first_drop_S) if hs is not None else None
         step = InFlightStep(list(scheds), None, stats, want_lp, rows, sum(s.num_scheduled_tokens for s in scheds),
                             num_tokens, t1 - t0, t1)
         if defer_sampling:
@@ -570,7 +570,7 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
         self._read_back()
         truncated = [{} for _ in step.scheds]
         if self.hisparse is not None:
-            self.hisparse.record(stats[0] if stats is not None else (0, 0, 0, 0))
+            self.hisparse.record(stats[0] if stats is not None else (0, 0, 0, 0, 0))
             if stats is not None:
                 truncated = [self.hisparse.truncations(s, stats[1], r) for r, s in enumerate(step.scheds)]
                 self.hisparse.check_drops(stats[0], truncated)

@@ -26,7 +26,7 @@ class InFlightStep:
     scheds: its `SchedulerOutput`s, one per DP replica (one for an engine without
     `--data-parallel-size`; `sched` is the first). out: the sampler's outputs, on the device
     (`out[0]`: the sampled token per request row, int32 [dp · B], replica-major). stats:
-    HiSparse's (stats_4, first_drop_S) on the device, or None. rows: request id → its row of `out`
+    HiSparse's (stats_Z5, first_drop_S) on the device, or None. rows: request id → its row of `out`
     (sampling requests only: what the next step feeds from the device for a request with an
     output placeholder; ids are unique across replicas). num_tokens / padded_tokens: the step's
     tokens and bucket (all replicas). prepare_s: host seconds to build its inputs; dispatched: the

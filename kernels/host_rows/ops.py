@@ -19,11 +19,13 @@ Two mechanisms implement the same contract (`MECHANISMS`; `api.py` chooses per b
   (`jax.device_put(..., jax.memory.Space.Device)`), or a device value moved to host memory and
   written with `dynamic_update_slice`. No gather, scatter or arithmetic ever reads a host value
   (on a GPU those are rejected or become slow host compute: openxla/xla#34565, #47362,
-  jax#34041). One loop iteration per row (gather) or per page (store), over the valid entries
-  only.
+  jax#34041). A gather sorts its miss list by host row and reads runs of adjacent host rows
+  with one slice each (`HOST_RUN_SIZES`: a run of 70 rows is 64 + 4 + 1 + 1, four slices); a
+  store is one loop iteration per page; loops run over the valid entries only.
 * "callback": the pool is a numpy array owned by a `HostRowStore`; the step gathers and stores
   through `jax.experimental.io_callback` (supported on GPU), in chunks of `CALLBACK_CHUNK` rows
-  (a chunk of GLM-5.3's 4-layer group rows is 2.6 MB). The callbacks are unordered; a read is
+  (a chunk of GLM-5.3's 4-layer group rows is 2.6 MB; a chunk is one transfer whatever its
+  rows' order, so runs change nothing there). The callbacks are unordered; a read is
   ordered after the stores through a data dependency: `store_pages` returns an int32 `done`
   computed from the stores' callback results, and the caller passes it to `copy_host_rows` as
   `after` (an operand of every read callback; the serving step takes the last store program's
@@ -45,6 +47,10 @@ from kernels.paged.ops import row_location
 
 MECHANISMS = ("memory_kind", "callback")
 CALLBACK_CHUNK = 1024
+# Rows one memory-kind host slice moves, largest first: a run of adjacent host rows is read in
+# the fewest such slices (greedy), so a run of 64 adjacent missed rows is one host transfer
+# instead of 64 (on a GPU each is a host round trip: latency-bound at a few KiB).
+HOST_RUN_SIZES = (64, 16, 4, 1)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -105,6 +111,78 @@ def rows_moved(host_rows_X: jax.Array, mechanism: str) -> jax.Array:
     return (n + C - 1) // C * C
 
 
+def sort_misses(host_rows_X: jax.Array, slots_X: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A miss list ordered by host row (valid entries ascending, then the −1 padding), each slot
+    kept with its row: adjacent host rows become consecutive entries, which `copy_host_rows`
+    and `read_host_rows` read as runs. The copy's result does not depend on the order (each
+    entry writes its own slot)."""
+    big = jnp.iinfo(jnp.int32).max
+    key, slots = lax.sort((jnp.where(host_rows_X >= 0, host_rows_X, big), slots_X), num_keys=1)
+    return jnp.where(key == big, -1, key), slots
+
+
+def run_left(host_rows_X: jax.Array) -> jax.Array:
+    """int32 `[X]`: how many consecutive entries from i on continue entry i's run of adjacent
+    host rows (`rows[j+1] == rows[j] + 1`), itself included; 0 past the valid entries."""
+    X = host_rows_X.shape[0]
+    valid = host_rows_X >= 0
+    nxt = jnp.concatenate([host_rows_X[1:], jnp.full((1,), -1, host_rows_X.dtype)])
+    cont = valid & (nxt == host_rows_X + 1)
+    i = jnp.arange(X, dtype=jnp.int32)
+    end = lax.cummin(jnp.where(cont, X - 1, i), reverse=True)  # the run's last entry
+    return jnp.where(valid, end - i + 1, 0).astype(jnp.int32)
+
+
+
+
+def host_reads(host_rows_X: jax.Array, mechanism: str) -> jax.Array:
+    """Host transfers `copy_host_rows` issues for this miss list (int32 scalar, traced): for
+    "memory_kind" the slices of its runs of adjacent host rows in consecutive entries (each run
+    split greedily into `HOST_RUN_SIZES`), for "callback" its chunks."""
+    n = jnp.sum(host_rows_X >= 0).astype(jnp.int32)
+    if mechanism == "callback":
+        C = _callback_chunk_rows(host_rows_X.shape[0])
+        return (n + C - 1) // C
+    rows = host_rows_X
+    left = run_left(rows)
+    prev = jnp.concatenate([jnp.full((1,), -2, rows.dtype), rows[:-1]])
+    start = (rows >= 0) & (prev + 1 != rows)
+    count, rem = jnp.zeros_like(left), jnp.where(start, left, 0)
+    for size in HOST_RUN_SIZES:
+        count, rem = count + rem // size, rem % size
+    return jnp.sum(count).astype(jnp.int32)
+
+
+def _read_runs(pool, rows_X: jax.Array, n, col0, num_cols: int, init, land):
+    """The memory-kind read loop over the first `n` entries of `rows_X`: each iteration reads
+    the next `size` entries' host rows with one contiguous host slice, `size` the largest of
+    `HOST_RUN_SIZES` that the run at the current entry still covers, moves them to device memory
+    and calls `land(i, size, rows_sW, acc)` (entries i … i+size−1)."""
+    left = run_left(rows_X)
+    # A run is never longer than the list or the pool: larger sizes could never be chosen (and
+    # their slices would not fit the operands).
+    sizes = tuple(n for n in HOST_RUN_SIZES if n <= min(rows_X.shape[0], pool.shape[0]))
+
+    def read(size):
+        def f(i, acc):
+            blk = lax.dynamic_slice(pool, (rows_X[i], col0), (size, num_cols))  # contiguous host slice
+            # The barrier keeps the slice one read: without it XLA sinks the consumers' slices
+            # (one per layer) into the host read, a host round trip per layer per row on a GPU.
+            blk = lax.optimization_barrier(jax.device_put(blk, jax.memory.Space.Device))
+            return land(i, size, blk, acc)
+        return f
+
+    branches = [read(size) for size in sizes]
+    sizes_a = jnp.asarray(sizes, jnp.int32)
+
+    def body(c):
+        i, acc = c
+        b = jnp.sum(sizes_a[:-1] > left[i]).astype(jnp.int32)  # the largest size ≤ the run's rest
+        return i + sizes_a[b], lax.switch(b, branches, i, acc)
+
+    return lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(0), init))[1]
+
+
 def _one_segment(layout: GroupLayout, component: str):
     base, comp = layout.component(component)
     if len(comp.segments) != 1:
@@ -145,6 +223,9 @@ def copy_host_rows(kv_arena: jax.Array, pool, host_rows_X: jax.Array, slots_X: j
     """`gather_host_rows` into the arena: for each valid i (entries with `host_rows_X[i] ≥ 0`
     come first; the first −1 ends the list), copy host row `host_rows_X[i]`'s words of layers
     `[first_layer, first_layer + num_layers)` into arena slot `slots_X[i]` of those layers.
+    "memory_kind" reads each run of consecutive entries with adjacent host rows with one slice
+    per `HOST_RUN_SIZES` piece (`host_reads` counts them): order the list with `sort_misses`
+    (the HiSparse resolver's lists are) to make adjacent rows consecutive.
 
     Args:
       kv_arena: `uint32[num_blocks, page_words]` (donate it). pool: the host pool (a pinned_host
@@ -166,20 +247,20 @@ def copy_host_rows(kv_arena: jax.Array, pool, host_rows_X: jax.Array, slots_X: j
     ncols = num_layers * W
     if mechanism == "memory_kind":
         tpp = layout.tokens_per_page
+        rows_s, slots_s = host_rows_X, slots_X
 
-        def body(i, arena):
-            row = lax.dynamic_slice(pool, (host_rows_X[i], col0), (1, ncols))  # contiguous host slice
-            # The barrier keeps the row one read: without it XLA sinks the per-layer slices below
-            # into the host read, one host slice of the whole row per layer (a host round trip per
-            # layer per missed row on a GPU).
-            row = lax.optimization_barrier(jax.device_put(row, jax.memory.Space.Device)).reshape(num_layers, W)
-            slot = jnp.where(slots_X[i] >= tpp, slots_X[i], 0)  # an invalid slot writes the null block
+        def land(i, size, blk, arena):
+            if size > 1:  # a run: one scatter per layer
+                return _scatter_layers(arena, lax.dynamic_slice(slots_s, (i,), (size,)), blk, layout, component,
+                                       first_layer, num_layers)
+            row = blk.reshape(num_layers, W)
+            slot = jnp.where(slots_s[i] >= tpp, slots_s[i], 0)  # an invalid slot writes the null block
             for li in range(num_layers):
                 block, (start, *_) = row_location(slot, layout, component, first_layer + li)
                 arena = lax.dynamic_update_slice(arena, row[li][None, :], (block, start))
             return arena
 
-        return lax.fori_loop(0, n, body, kv_arena)
+        return _read_runs(pool, rows_s, n, col0, ncols, kv_arena, land)
     if mechanism == "callback":
         X = host_rows_X.shape[0]
         C = _callback_chunk_rows(X)
@@ -248,11 +329,15 @@ def read_host_rows(pool, host_rows_X: jax.Array, col_start, num_cols: int, num_o
     col0 = jnp.asarray(col_start, jnp.int32)
     buf = jnp.zeros((num_out, num_cols), jnp.uint32)
     if mechanism == "memory_kind":
-        def body(i, b):
-            row = lax.dynamic_slice(pool, (host_rows_X[i], col0), (1, num_cols))  # contiguous host slice
-            return lax.dynamic_update_slice(b, jax.device_put(row, jax.memory.Space.Device), (i, 0))
+        # Runs of adjacent host rows among consecutive entries are read with one slice each
+        # (the caller orders the list with `sort_misses` to make them consecutive). A run is cut
+        # at `num_out`: the slice never runs past the buffer.
+        rows = jnp.where(jnp.arange(host_rows_X.shape[0]) < n, host_rows_X, -1)
 
-        return lax.fori_loop(0, n, body, buf)
+        def land(i, size, blk, b):
+            return lax.dynamic_update_slice(b, blk, (i, 0))
+
+        return _read_runs(pool, rows, n, col0, num_cols, buf, land)
     if mechanism == "callback":
         rows = jnp.where(jnp.arange(host_rows_X.shape[0]) < n, host_rows_X, -1)[:num_out]
         rows = jnp.where(rows >= 0, rows + row_offset, -1)

@@ -122,7 +122,7 @@ class HiSparseDeviceState:
             shards = self.num_kv_shards = num_kv_shards(parallel)
             st = NamedSharding(parallel.mesh, hot_state_spec(parallel))
             scalar = NamedSharding(parallel.mesh, PartitionSpec())
-            self.hot = jax.device_put(HotState.empty(shards * max_num_seqs, num_index_groups, self.hot_rows),
+            self.hot = jax.device_put(HotState.empty(shards * max_num_seqs, num_index_groups, self.hot_rows, shards),
                                       HotState(st, st, scalar, scalar))
         # The completion value of the last store program (`store_host_pages`' `done`), which the
         # step passes to its host reads as an operand: with the callback mechanism the reads then
@@ -136,6 +136,8 @@ class HiSparseDeviceState:
         self.drops_outside_truncation = 0  # steps with dropped selections but no truncated request (a bug)
         self.h2d_bytes = 0  # host → device bytes moved for hot rows since start-up (callback: chunk padding included)
         self.last_stats = (0, 0, 0, 0)  # the last step's hits, misses, dropped, host → device bytes
+        self.misses_per_shard = np.zeros(self.num_kv_shards, np.int64)  # misses per KV shard since start-up
+        self.host_reads = 0  # host transfers of missed rows since start-up (memory_kind: slices; callback: chunks)
 
     @property
     def row_bytes(self) -> int:
@@ -203,23 +205,36 @@ class HiSparseDeviceState:
     def check_drops(self, stats, truncations: list[dict[str, int]]) -> None:
         """A step whose resolver dropped selections must have truncated some request there (a
         dropped selection in a kept row would be a wrong read): counts and logs the steps where
-        it did not (`drops_outside_truncation`, 0 unless the engine has a bug)."""
-        if int(stats[2]) > 0 and not any(truncations):
+        it did not (`drops_outside_truncation`, 0 unless the engine has a bug). stats: the step's
+        `HotState.stats_Z5` (or its `[5]` sum)."""
+        dropped = int(sum_shard_stats(stats)[2])
+        if dropped > 0 and not any(truncations):
             self.drops_outside_truncation += 1
-            logger.error("HiSparse: the resolver dropped %d selections in a step that truncated no request",
-                         int(stats[2]))
+            logger.error("HiSparse: the resolver dropped %d selections in a step that truncated no request", dropped)
 
     def record(self, stats) -> None:
-        """Accumulate one step's `[hits, misses, dropped, layer rows moved]` (`glm53.attention.resolve_hot`:
-        the callback path's rows include the padding of its last chunk, so `h2d_bytes` counts the
-        bytes that cross from the host, not misses × row bytes)."""
-        h, m, d, rows = (int(x) for x in stats)
+        """Accumulate one step's `[hits, misses, dropped, layer rows moved, host reads]` per KV
+        shard (`HotState.stats_Z5`, or their `[5]` sum; `glm53.attention.resolve_hot`), summed
+        here in 64-bit. The callback path's rows include the padding of its last chunk, so
+        `h2d_bytes` counts the bytes that cross from the host, not misses × row bytes."""
+        per_shard = np.asarray(stats, np.int64).reshape(-1, 5)
+        if per_shard.shape[0] == self.num_kv_shards:
+            self.misses_per_shard += per_shard[:, 1]
+        h, m, d, rows, reads = sum_shard_stats(per_shard)
+        self.host_reads += reads
         nbytes = rows * self.layer_row_bytes
         self.last_stats = (h, m, d, nbytes)
         self.hits += h
         self.misses += m
         self.dropped += d
         self.h2d_bytes += nbytes
+
+
+def sum_shard_stats(stats) -> tuple[int, int, int, int, int]:
+    """`[hits, misses, dropped, layer rows moved, host reads]` summed over the KV shards in Python
+    integers: `stats` is a step's int32 `[Z, 5]` (one row per shard) or an already summed `[5]`."""
+    a = np.asarray(stats, np.int64).reshape(-1, 5)
+    return tuple(int(x) for x in a.sum(axis=0))
 
 
 def max_stores_per_step(max_num_batched_tokens: int, max_num_seqs: int, tokens_per_page: int) -> int:

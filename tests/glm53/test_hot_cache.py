@@ -77,21 +77,24 @@ def test_hot_path_step_is_bit_identical_to_the_resident_step(setup, mechanism):
     pool = host_pool(mechanism, host)
     got, _, kv = fwd(hot_batch(lay, pages, tok, 0), kv, HostAccess(pool, mechanism))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    hits, misses, dropped, layer_rows = np.asarray(kv.hot.stats_4).tolist()
+    hits, misses, dropped, layer_rows, reads = np.asarray(kv.hot.stats_Z5)[0].tolist()
     assert hits == 0 and misses > 0 and dropped == 0
     if mechanism == "memory_kind":
-        # each miss copies the layers of its IndexShare group (1 to 4 on the tiny model)
+        # each miss copies the layers of its IndexShare group (1 to 4 on the tiny model); a run of
+        # adjacent host rows is read with one host slice per run piece
         assert misses <= layer_rows <= max(cfg.index_group_size(i) for i in cfg.full_layers) * misses
+        assert len(cfg.full_layers) <= reads <= misses
     else:
         # the callback path moves whole chunks: the counter is what the host store handed over
         # (its own count of words gathered), padding included, not misses x row
         words_per_layer_row = lay.group("mla").component("mla")[1].row_words
         assert layer_rows * words_per_layer_row == pool.words_gathered > misses * words_per_layer_row
+        assert reads == len(cfg.full_layers)  # one chunk per IndexShare group
     # Again, nothing stale: every off-device row the indexer picks is a hot hit, nothing is copied.
-    kv = PagedKV(kv.arena, HotState(kv.hot.host_row_SGM, kv.hot.rank_SGM, jnp.zeros(4, jnp.int32)))
+    kv = PagedKV(kv.arena, HotState(kv.hot.host_row_SGM, kv.hot.rank_SGM, jnp.zeros((1, 5), jnp.int32)))
     got2, _, kv2 = fwd(hot_batch(lay, pages, tok, 128), kv, HostAccess(pool, mechanism))
     np.testing.assert_array_equal(np.asarray(got2), np.asarray(want))
-    assert np.asarray(kv2.hot.stats_4).tolist()[:3] == [misses, 0, 0]
+    assert np.asarray(kv2.hot.stats_Z5)[0].tolist()[:3] == [misses, 0, 0]
 
 
 def test_inactive_hot_batch_reads_exactly_as_without_hisparse(setup):
@@ -104,7 +107,7 @@ def test_inactive_hot_batch_reads_exactly_as_without_hisparse(setup):
     kv = PagedKV(jnp.asarray(arena), HotState.empty(2, len(lm.config.full_layers), 128))
     got, _, kv = fwd(hb, kv, HostAccess(host_pool("memory_kind", host), "memory_kind"))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    assert np.asarray(kv.hot.stats_4).tolist() == [0, 0, 0, 0]
+    assert np.asarray(kv.hot.stats_Z5)[0].tolist() == [0, 0, 0, 0, 0]
 
 
 def test_the_traced_step_reads_host_memory_only_through_slices_and_moves(setup):

@@ -255,6 +255,11 @@ def test_streams_equal_the_single_device_ample_run(name, lm):
         assert preemptions(engine) == 0
     compare_streams(want, run.outputs, reference.logprobs, reference.prompts, lm)
     assert engine.runner.num_hot_steps > 0 and d.misses > 0 and d.drops_outside_truncation == 0  # rows came from the host
+    # The counters come back per KV shard, replica-major (summed on the host in 64-bit): every
+    # DCP rank of a replica that missed rows missed rows of its own positions.
+    per_replica = d.misses_per_shard.reshape(par.data_parallel_size, dcp)
+    assert int(per_replica.sum()) == d.misses
+    assert all((r > 0).all() for r in per_replica if r.any()), per_replica
     if name in SMALL_PREFILL_LEASE:
         assert sum(p.num_truncated_chunks for p in engine.hisparse.policies) > 0 and d.dropped > 0
     assert sum(checked) > 0
