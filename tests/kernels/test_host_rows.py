@@ -278,7 +278,7 @@ def test_read_host_rows_reads_runs_and_stops_at_its_buffer():
     pool = jax.device_put(host, SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
     rows = jnp.asarray(list(range(10, 30)) + [50, 3, -1, -1], jnp.int32)
     for num_out in (24, 18):
-        got = np.asarray(jax.jit(lambda p: read_host_rows(p, rows, 2, 3, num_out, mechanism="memory_kind"))(pool))
+        got = np.asarray(jax.jit(lambda p, k=num_out: read_host_rows(p, rows, 2, 3, k, mechanism="memory_kind"))(pool))
         want = np.zeros((num_out, 3), np.uint32)
         valid = [r for r in np.asarray(rows).tolist() if r >= 0][:num_out]
         want[:len(valid)] = host[valid, 2:5]

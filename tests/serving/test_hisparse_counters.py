@@ -17,5 +17,6 @@ def test_a_wide_layouts_step_is_counted_exactly():
     stats = np.tile(np.array([[7, 16 * 32_768 * 20, 0, per_shard, 3]], np.int32), (64, 1))
     hits, misses, dropped, rows, reads = sum_shard_stats(stats)
     assert rows == 64 * per_shard > 2**31 and misses == 64 * 16 * 32_768 * 20 and hits == 7 * 64
+    assert (dropped, reads) == (0, 3 * 64)
     assert int(stats.sum(axis=0, dtype=np.int32)[3]) != rows  # an int32 sum over the shards wraps
     assert sum_shard_stats(np.array([1, 2, 3, 4, 5], np.int32)) == (1, 2, 3, 4, 5)  # an already summed [5]
