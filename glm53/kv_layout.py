@@ -2,9 +2,17 @@
 
 Groups (each draws pages from the same arena; a block id names the page in every layer):
 
-* `mla`     — the MLA latent rows `[c_kv | k_pe]` (A+R wide) of every backbone layer; 64 tokens/page.
-* `indexer` — the indexer keys (Dk wide) of the full (indexer-owning) layers only.
-* `mtp`     — the MTP layer's own latent rows and indexer keys (present when the model has MTP).
+* `mla`     — the MLA latent rows `[c_kv | k_pe]` (A+R wide) of every sparse-MLA layer: the
+              backbone's layers 0 … L−1, then, with MTP, the MTP layers' (layer L …); 64 tokens/page.
+* `indexer` — the indexer keys (Dk wide) of the full (indexer-owning) layers, then, with MTP, the
+              MTP layers' keys (layer F = len(full_layers) …).
+
+The MTP layers are one more layer of each group (`mtp_mla_layer`, `mtp_index_layer`), as the
+reference keeps them: Hybrid HiSparse moves a page's MTP latent rows with its backbone rows (the
+host pool row of a token holds all L + 1 layers, and the MTP layer resolves its top-k through
+the hot buffer as index group F), and prefix caching, offloading and P/D move them with their
+pages. (A group of their own would hold one layer's keys per page: a page of thousands of
+tokens, which would set the prefix-cache hit unit.)
 
 The arena page is sized for the `mla` group (64 tokens × all layers); the other groups pick the
 largest multiple of 64 tokens per page that fits, as vLLM's hybrid allocator does.
@@ -83,12 +91,26 @@ def build_kv_layout(cfg: GlmConfig, cache_dtype: str = "float32", with_mtp: bool
     def index_keys(n):
         return CacheComponent("indexer", n, cfg.index_head_dim, idx_rd)
 
-    mla = mla_rows(cfg.num_hidden_layers)
-    page_words = cfg.num_hidden_layers * MLA_TOKENS_PER_PAGE * mla.row_words
+    n_mtp = cfg.num_mtp_layers if with_mtp else 0
+    mla = mla_rows(cfg.num_hidden_layers + n_mtp)
+    page_words = mla.num_layers * MLA_TOKENS_PER_PAGE * mla.row_words
     groups = [GroupLayout("mla", MLA_TOKENS_PER_PAGE, (mla,))]
-    idx = (index_keys(len(cfg.full_layers)),)
+    idx = (index_keys(len(cfg.full_layers) + n_mtp),)
     groups.append(GroupLayout("indexer", fit_tokens_per_page(page_words, idx), idx))
-    if with_mtp and cfg.num_mtp_layers > 0:
-        comps = (mla_rows(cfg.num_mtp_layers), index_keys(cfg.num_mtp_layers))
-        groups.append(GroupLayout("mtp", fit_tokens_per_page(page_words, comps), comps))
     return KVCacheLayout(page_words=page_words, groups=tuple(groups))
+
+
+def mtp_mla_layer(cfg: GlmConfig, i: int = 0) -> int:
+    """Layer index, in the `mla` group, of MTP layer `i`'s latent rows (after the backbone's L)."""
+    return cfg.num_hidden_layers + i
+
+
+def mtp_index_layer(cfg: GlmConfig, i: int = 0) -> int:
+    """Layer index, in the `indexer` group, of MTP layer `i`'s keys (after the F full layers'); also
+    its HiSparse hot-state index group."""
+    return len(cfg.full_layers) + i
+
+
+def layout_has_mtp(layout: KVCacheLayout, cfg: GlmConfig) -> bool:
+    """True when `layout` holds the MTP layers' rows (built with `with_mtp`)."""
+    return cfg.num_mtp_layers > 0 and layout.group("mla").component("mla")[1].num_layers > cfg.num_hidden_layers

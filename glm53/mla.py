@@ -143,6 +143,13 @@ class MLAttention(nnx.Module):
                 slots, kv = attention.resolve_hot(topk, kv, ctx.batch, ctx.layout, ctx.group, mla_layer, group_layers,
                                                   index_layer, ctx.host, ctx.parallel)
             sel = (topk, slots)
+        elif ctx.reuse_topk and ctx.hisparse and prev_sel[1] is None:
+            # MTP draft steps ≥ 1 sharing draft step 0's top-k under HiSparse: the same positions,
+            # resolved again through the layer's hot buffer (hits: step 0 filled it).
+            kv = kv.with_arena(arena)
+            slots, kv = attention.resolve_hot(prev_sel[0], kv, ctx.batch, ctx.layout, ctx.group, mla_layer,
+                                              group_layers, index_layer, ctx.host, ctx.parallel)
+            sel = (prev_sel[0], slots)
         else:
             kv = kv.with_arena(arena)
             sel = prev_sel

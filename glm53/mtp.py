@@ -29,20 +29,26 @@ import jax.numpy as jnp
 from jax import lax
 
 from glm53.batch import ForwardBatch
-from glm53.hot_cache import PagedKV
-from glm53.kv_layout import KVCacheLayout
+from glm53.hot_cache import HostAccess, PagedKV
+from glm53.kv_layout import KVCacheLayout, mtp_index_layer, mtp_mla_layer
 from glm53.layers import rope_cos_sin
 from glm53.mla import LayerContext
 from sharding.mesh import TOKENS, ParallelLayout, constrain
 
 
 def mtp_forward(model, batch: ForwardBatch, hidden_TD: jax.Array, kv, layout: KVCacheLayout,
-                parallel: ParallelLayout | None = None, prev_sel=None, zero_embed_pos0: bool = True):
-    """One application of the MTP layer over `batch` (KV group `mtp`).
+                parallel: ParallelLayout | None = None, prev_sel=None, zero_embed_pos0: bool = True,
+                host: HostAccess | None = None):
+    """One application of the MTP layer over `batch`: its latent rows are layer L of the `mla`
+    group, its indexer keys layer F of the `indexer` group (`glm53.kv_layout.mtp_mla_layer`,
+    `mtp_index_layer`).
 
     Row i pairs token `batch.input_ids_T[i]` (the token AFTER position `batch.positions_T[i]`) with
     `hidden_TD[i]` (the hidden state of position i). With `prev_sel` (top-k positions `[T, K]`,
-    None) the layer's indexer does not run and that selection is used.
+    None) the layer's indexer does not run and that selection is used. With `host` (Hybrid
+    HiSparse: `batch.hot` and a `PagedKV` with hot state) the layer resolves its top-k through
+    the hot buffer as a full layer of its own, hot-state index group F, so its rows of pages off
+    the device come from the host pool like the backbone's.
 
     Returns `(h_TD, kv, sel)`: `h_TD = shared_head.norm(block output)` (what `lm_head` reads and
     what the next draft step carries), the cache in the form given (arena or `PagedKV`), and the
@@ -53,15 +59,16 @@ def mtp_forward(model, batch: ForwardBatch, hidden_TD: jax.Array, kv, layout: KV
         raise ValueError("this checkpoint has no MTP layer (num_nextn_predict_layers = 0)")
     cfg, m = model.cfg, model.mtp
     cos, sin = rope_cos_sin(batch.positions_T, cfg.qk_rope_head_dim, cfg.rope_theta)
-    ctx = LayerContext(batch=batch, layout=layout, cos=cos, sin=sin, group="mtp", index_group="mtp",
-                       parallel=parallel, reuse_topk=prev_sel is not None)
+    hot = host is not None and batch.hot is not None
+    ctx = LayerContext(batch=batch, layout=layout, cos=cos, sin=sin, parallel=parallel,
+                       reuse_topk=prev_sel is not None, host=host if hot else None)
     emb = constrain(model.embed_tokens(batch.input_ids_T), parallel, TOKENS, None)
     if zero_embed_pos0:
         emb = jnp.where((batch.positions_T == 0)[:, None], jnp.zeros_like(emb), emb)
     e = m.enorm(emb)
     u = m.eh_proj(jnp.concatenate([e, m.hnorm(hidden_TD.astype(e.dtype))], axis=-1))
     wrapped = isinstance(kv, PagedKV)
-    x, kv, sel = m.block(u, kv if wrapped else PagedKV(kv), ctx, 0, 0, prev_sel)
+    x, kv, sel = m.block(u, kv if wrapped else PagedKV(kv), ctx, mtp_mla_layer(cfg), mtp_index_layer(cfg), prev_sel)
     return m.shared_head_norm(x), (kv if wrapped else kv.arena), sel
 
 
@@ -74,11 +81,11 @@ def _argmax_reachable(logits_BV: jax.Array, reachable: int) -> jax.Array:
 def propose_drafts(model, batch: ForwardBatch, next_ids_T: jax.Array, hidden_TD: jax.Array, kv,
                    layout: KVCacheLayout, *, last_row_B: jax.Array, valid_B: jax.Array, num_steps: jax.Array,
                    k: int, reachable: int, parallel: ParallelLayout | None = None,
-                   zero_embed_pos0: bool = True):
+                   zero_embed_pos0: bool = True, host: HostAccess | None = None):
     """Draft `k` tokens per request with the MTP layer, inside the jitted step.
 
-    Step 0 runs over every row of the step's `batch` (positions, `mtp` slots and block tables as
-    the target used): row i pairs `next_ids_T[i]` (the token after row i: the next scheduled
+    Step 0 runs over every row of the step's `batch` (positions, slots and block tables as the
+    target used; `host`: HiSparse host access, as `mtp_forward`): row i pairs `next_ids_T[i]` (the token after row i: the next scheduled
     token, the next prompt token at the end of a prefill chunk, or the token just accepted at a
     request's last accepted row) with the target's final-normed `hidden_TD[i]`, and writes the
     MTP KV of every row; rows past a request's last accepted one hold rejected drafts, and their
@@ -103,7 +110,8 @@ def propose_drafts(model, batch: ForwardBatch, next_ids_T: jax.Array, hidden_TD:
     """
     cfg = model.cfg
     b0 = dataclasses.replace(batch, input_ids_T=next_ids_T)
-    h_T, kv, sel = mtp_forward(model, b0, hidden_TD, kv, layout, parallel, zero_embed_pos0=zero_embed_pos0)
+    h_T, kv, sel = mtp_forward(model, b0, hidden_TD, kv, layout, parallel, zero_embed_pos0=zero_embed_pos0,
+                               host=host)
     h_B = h_T[last_row_B]
     d_B = _argmax_reachable(model.logits(h_B), reachable)
     drafts = jnp.zeros((d_B.shape[0], k), jnp.int32).at[:, 0].set(d_B)
@@ -113,26 +121,32 @@ def propose_drafts(model, batch: ForwardBatch, next_ids_T: jax.Array, hidden_TD:
     topk0_BK = sel[0][last_row_B]
     B = last_row_B.shape[0]
     q_B = batch.positions_T[last_row_B]
-    bt = batch.block_tables["mtp"]
-    req_B = jnp.where(valid_B, jnp.arange(B, dtype=jnp.int32), bt.shape[0] - 1)  # the last table row is all null
-    tpp = layout.group("mtp").tokens_per_page * (parallel.dcp if parallel is not None else 1)
+    n_rows = batch.block_tables["mla"].shape[0]
+    req_B = jnp.where(valid_B, jnp.arange(B, dtype=jnp.int32), n_rows - 1)  # the last table row is all null
+    dcp = parallel.dcp if parallel is not None else 1
+
+    def slots_of(g, pos):
+        """Slot of position `pos` [B] in group g (−1 where the request's pages do not reach)."""
+        bt = batch.block_tables[g]
+        tpp = layout.group(g).tokens_per_page * dcp
+        page = pos // tpp
+        blk = bt[req_B, jnp.minimum(page, bt.shape[1] - 1)]
+        return jnp.where(valid_B & (page < bt.shape[1]) & (blk > 0), blk * tpp + pos % tpp, -1).astype(jnp.int32)
 
     def body(s, carry):
         drafts, h_B, kv = carry
         pos = q_B + s
-        if share:
-            slots = jnp.full((B,), -1, jnp.int32)
-        else:
-            page = pos // tpp
-            blk = bt[req_B, jnp.minimum(page, bt.shape[1] - 1)]
-            slots = jnp.where(valid_B & (page < bt.shape[1]) & (blk > 0), blk * tpp + pos % tpp, -1)
         none = jnp.full((B,), -1, jnp.int32)
+        # Under index sharing a draft step writes nothing; otherwise its latent row and its
+        # indexer key (the MTP layer's layers of the `mla` and `indexer` groups).
+        written = () if share else ("mla", "indexer")
         bs = ForwardBatch(input_ids_T=drafts[:, s - 1], positions_T=pos.astype(jnp.int32), req_idx_T=req_B,
-                          slot_mapping={g: (slots.astype(jnp.int32) if g == "mtp" else none)
-                                        for g in batch.slot_mapping},
-                          block_tables=batch.block_tables, logits_indices_B=jnp.arange(B, dtype=jnp.int32))
+                          slot_mapping={g: (slots_of(g, pos) if g in written else none) for g in batch.slot_mapping},
+                          block_tables=batch.block_tables, logits_indices_B=jnp.arange(B, dtype=jnp.int32),
+                          hot=batch.hot)
         h_new, kv, _ = mtp_forward(model, bs, h_B, kv, layout, parallel,
-                                   prev_sel=(topk0_BK, None) if share else None, zero_embed_pos0=zero_embed_pos0)
+                                   prev_sel=(topk0_BK, None) if share else None, zero_embed_pos0=zero_embed_pos0,
+                                   host=host)
         d = _argmax_reachable(model.logits(h_new), reachable)
         drafts = drafts.at[:, s].set(d)
         return drafts, h_new.astype(h_B.dtype), kv

@@ -2,7 +2,8 @@
 
 The scaled analog of `scripts/capacity.py`'s "HiSparse across layouts" table on the CPU (8
 simulated devices, the shipped tiny checkpoint): the same small device pool (pages per arena
-shard) and an ample host pool under TP2, TP2 × DCP2 and DP2 + EP, with --max-model-len L (default
+shard) and an ample host pool on one device, under TP2, TP2 × DCP2 and DP2 + EP, and on one device
+with MTP speculation (k = 2: the MTP layer's rows move with their pages), with --max-model-len L (default
 32 × index_topk). Each layout gets 2 × (the planner's count) requests of L − 128 prompt tokens and
 128 output tokens (a request decodes longer than the next one prefills, so the running set is
 bounded by memory, not by the token budget), submitted at once; the script records the running requests after every step and
@@ -39,7 +40,11 @@ LAYOUTS = {
     "TP2": ParallelConfig(tensor_parallel_size=2),
     "TP2 x DCP2": ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2),
     "DP2 + EP": ParallelConfig(data_parallel_size=2, enable_expert_parallel=True),
+    # MTP speculation: the MTP layer's latent rows go to the host pool with their pages (one more
+    # layer of the `mla` group), its keys stay on the device; the decode lease is (k + 2) × top-k.
+    "1 device + MTP k=2": None,
 }
+SPECULATIVE_TOKENS = {"1 device + MTP k=2": 2}
 OUTPUT_TOKENS = 128  # decodes outlast a prefill (8 steps at 256 tokens), so admissions accumulate
 
 
@@ -48,7 +53,9 @@ def measure(name: str, par, args) -> dict:
                        max_num_batched_tokens=args.max_num_batched_tokens, cuda_graph_sizes=[],
                        num_gpu_blocks_override=args.num_blocks, kv_cache_dtype="bfloat16", compile_progress=False,
                        disable_log_stats=True, parallel=par,
-                       attention_config={"hisparse_config": {"host_pool_gib": args.host_pool_gib}})
+                       attention_config={"hisparse_config": {"host_pool_gib": args.host_pool_gib}},
+                       speculative_config=({"method": "mtp", "num_speculative_tokens": SPECULATIVE_TOKENS[name]}
+                                           if name in SPECULATIVE_TOKENS else None))
     engine = build_engine(eargs)
     hs = engine.hisparse
     dp = par.data_parallel_size if par is not None else 1

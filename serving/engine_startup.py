@@ -102,14 +102,18 @@ def log_engine_plan(engine, layout: KVCacheLayout, nblocks: int, args: EngineArg
         if note is not None:
             logger.warning("%s", note)
     if engine.spec_config is not None:
-        sc, mtp = engine.spec_config, layout.group("mtp")
+        sc, mla, idx = engine.spec_config, layout.group("mla"), layout.group("indexer")
+        mtp_rows = mla.bytes_per_token // mla.component("mla")[1].num_layers  # one layer's latent row
+        mtp_key = idx.bytes_per_token // idx.component("indexer")[1].num_layers
         mode = (f"adaptive, min acceptance {sc.adaptive_min_acceptance}" if sc.adaptive else "static") + (
             f"; none while more than {sc.disable_by_batch_size} requests run" if sc.disable_by_batch_size else "")
         logger.info("MTP speculative decoding: %d draft tokens per request per step (%s), %d verification rows per "
-                    "decoding request; the MTP layer's own KV group adds %d B/token (%d tokens/page)%s",
+                    "decoding request; the MTP layer's KV adds %d B/token (one more layer of the mla and indexer "
+                    "groups: a %d B latent row and a %d B key)%s",
                     sc.num_speculative_tokens, mode,
-                    sc.num_speculative_tokens + 1, mtp.bytes_per_token, mtp.tokens_per_page,
-                    "; the HiSparse hot buffer is sized for the verification rows" if engine.hisparse else "")
+                    sc.num_speculative_tokens + 1, mtp_rows + mtp_key, mtp_rows, mtp_key,
+                    "; the HiSparse hot buffer is sized for the verification rows, and the MTP rows of pages off "
+                    "the device are read from the host pool like the backbone's" if engine.hisparse else "")
     if engine.prefix_cache is not None:
         logger.info("prefix caching on: hits in steps of %d tokens (the hash unit); pages a hit covers in "
                     "part are copied on write", engine.prefix_cache.unit)

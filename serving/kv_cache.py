@@ -36,7 +36,7 @@ _INT32_MAX = 2**31 - 1
 class KVCacheGroupSpec:
     """One KV cache group: a set of layers whose caches share block ids.
 
-    name: the group's key (e.g. "mla", "indexer", "mtp").
+    name: the group's key (e.g. "mla", "indexer").
     tokens_per_page: logical token positions covered by one page of this group. 64 for the MLA
         latent group; larger for groups with smaller per-token records (indexer keys). Under DCP
         with N ranks a page may span 64 x N logical tokens (each rank storing its round-robin

@@ -23,7 +23,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from glm53.batch import ForwardBatch
-from glm53.kv_layout import KVCacheLayout
+from glm53.kv_layout import KVCacheLayout, layout_has_mtp
 from glm53.model import GlmForCausalLM
 from glm53.parallel_batch import (
     empty_parallel_arena,
@@ -99,8 +99,8 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
                  offload=None, num_speculative_tokens: int = 0):
         self.layout = layout
         self.spec_k = num_speculative_tokens
-        if self.spec_k and "mtp" not in [g.name for g in layout.groups]:
-            raise ValueError("MTP speculation needs the KV layout's `mtp` group (build_kv_layout(with_mtp=True))")
+        if self.spec_k and not layout_has_mtp(layout, model.cfg):
+            raise ValueError("MTP speculation needs a KV layout holding the MTP layer's rows (build_kv_layout(with_mtp=True))")
         if self.spec_k and parallel is not None and (parallel.pcp > 1 or parallel.dp > 1):
             raise ValueError("--speculative-config runs with tensor / expert / decode context parallelism; drop "
                              "--prefill-context-parallel-size / --data-parallel-size")

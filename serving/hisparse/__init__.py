@@ -135,7 +135,9 @@ def build_hisparse(config: HiSparseConfig, kv, layout, model_cfg, args, on_host_
     `OffloadStore`, is given) over `kv` for an engine with `args`. With MTP speculation
     (`num_speculative_tokens` k > 0) the hot buffer defaults to (k + 2) × index_topk rows per
     decoding request (k + 1 verification rows may each miss all of their top-k); the MTP layer's
-    own KV (`mtp` group) stays device-resident like the indexer keys.
+    latent rows are one more layer of the `mla` group, so they go to the host pool with their
+    pages and the MTP layer resolves its top-k through the hot buffer as one more index group
+    (its keys stay on the device with the backbone's).
 
     Parallel layouts (`parallel`, a `sharding.mesh.ParallelLayout`): `kv` and `on_host_reuse` may
     be lists, one per data-parallel replica — each replica gets its own host pool of
@@ -167,7 +169,10 @@ def build_hisparse(config: HiSparseConfig, kv, layout, model_cfg, args, on_host_
         hosts.append(host)
         caches.append(prefix_cache)
         policies.append(HiSparsePolicy(kv_r, host, resolved, model_cfg.index_topk, prefix_cache, hot_tpp=tpp))
-    groups = len(model_cfg.full_layers)
+    # One hot-state index group per full layer, and one per MTP layer when the layout holds its
+    # rows (`glm53.mtp.mtp_forward` resolves through group F = len(full_layers)).
+    n_mtp = max(0, mla.component("mla")[1].num_layers - model_cfg.num_hidden_layers)
+    groups = len(model_cfg.full_layers) + n_mtp
     device = HiSparseDeviceState(resolved, mla, num_host, args.max_num_seqs, groups,
                                  max_stores_per_step(args.max_num_batched_tokens, args.max_num_seqs, tpp * dcp),
                                  policies, parallel=parallel)

@@ -36,7 +36,11 @@ def layout_mismatch(remote: dict, local: dict, groups) -> str | None:
         if name not in remote["groups"]:
             return (f"the prefill engine has no {name!r} KV group (its groups: {sorted(remote['groups'])}); "
                     "run both engines with the same --speculative-config")
-        if [list(c) for c in remote["groups"][name]] != local["groups"][name]:
-            return (f"KV group {name!r} rows differ: {remote['groups'][name]} there, {local['groups'][name]} here "
-                    "(--kv-cache-dtype must match)")
+        there, here = [list(c) for c in remote["groups"][name]], local["groups"][name]
+        if there != here:
+            only_layers = len(there) == len(here) and all(
+                a[:1] + a[2:] == b[:1] + b[2:] for a, b in zip(there, here))
+            why = ("the MTP layer's rows are one more layer of each group on one side only: run both engines "
+                   "with the same --speculative-config" if only_layers else "--kv-cache-dtype must match")
+            return f"KV group {name!r} rows differ: {there} there, {here} here ({why})"
     return None

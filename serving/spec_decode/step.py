@@ -71,6 +71,7 @@ def spec_decode_forward(model, batch, kv, host, temperature_B, top_p_B, seed_B, 
     emitted_B = jnp.take_along_axis(tokens_BS, acc_B[:, None], axis=1)[:, 0]  # the token after the last accepted row
     mtp_ids = sp.mtp_ids_T.at[jnp.where(sp.valid_B, last_row_B, T)].set(emitted_B, mode="drop")
     drafts_BK, kv = propose_drafts(model, batch, mtp_ids, h, kv, layout, last_row_B=last_row_B, valid_B=sp.valid_B,
-                                   num_steps=sp.num_draft_steps, k=k, reachable=reachable, parallel=parallel)
+                                   num_steps=sp.num_draft_steps, k=k, reachable=reachable, parallel=parallel,
+                                   host=host)
     pad = lambda x: jnp.pad(x, [(0, B_all - B)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
     return tuple(pad(x) for x in (tokens_BS, acc_B, drafts_BK, *lp)), kv

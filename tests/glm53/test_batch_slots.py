@@ -20,7 +20,8 @@ def test_page_slots_in_range_and_at_the_int32_limit():
 
 def test_batch_builders_refuse_a_slot_past_int32_instead_of_wrapping():
     lay = build_kv_layout(preset("glm-5.3"), "fp8")
-    big = {g.name: [70_000] for g in lay.groups}  # block 70,000 × 32,768-token engine pages under DCP 8
+    widest = max(g.tokens_per_page for g in lay.groups) * 8  # the widest engine page under DCP 8 (the indexer's)
+    big = {g.name: [2**31 // widest + 1] for g in lay.groups}
     with pytest.raises(ValueError, match="does not fit int32"):
         replica_batch(lay, [([1, 2], 0, big)], 4, 2, dcp=8)
     with pytest.raises(ValueError, match="does not fit int32"):

@@ -253,7 +253,8 @@ def test_library_bytes_agree_with_the_arena_layout():
             lay = build_kv_layout(cfg, row, with_mtp=True)
             kv = cap.kv_bytes_per_token(cfg, kvd, with_mtp=True)
             got = {g.name: g.bytes_per_token for g in lay.groups}
-            assert got == {"mla": kv.mla, "indexer": kv.indexer, "mtp": kv.mtp}
+            assert got == {"mla": kv.mla + kv.mtp_mla, "indexer": kv.indexer + kv.mtp_indexer}
+            assert sum(got.values()) == kv.total
 
 
 def test_engine_unit_predictions():

@@ -40,11 +40,14 @@ NEAR_TIE = 1e-4  # docs/design.md §10 equality rule: a divergence is allowed on
 
 def test_fp8_layout_bytes_match_the_design():
     full = build_kv_layout(preset("glm-5.3"), "fp8", with_mtp=True)
-    mla, idx, mtp = (full.group(n) for n in ("mla", "indexer", "mtp"))
+    assert full.group_names == ("mla", "indexer")  # the MTP layer is one more layer of each
+    mla, idx = full.group("mla"), full.group("indexer")
     assert mla.components[0].row_words * 4 == 656 and idx.components[0].row_words * 4 == 132
-    assert mla.bytes_per_token + idx.bytes_per_token + mtp.bytes_per_token == 78 * 656 + 21 * 132 + 788 == 54_728
+    assert (mla.components[0].num_layers, idx.components[0].num_layers) == (79, 22)
+    assert mla.bytes_per_token + idx.bytes_per_token == 78 * 656 + 21 * 132 + 788 == 54_728
     want = kv_bytes_per_token(preset("glm-5.3"), "fp8", with_mtp=True)
-    assert (mla.bytes_per_token, idx.bytes_per_token, mtp.bytes_per_token) == (want.mla, want.indexer, want.mtp)
+    # under HiSparse: the host pool holds every sparse-MLA row, the device every key
+    assert (mla.bytes_per_token, idx.bytes_per_token) == (want.sparse_mla, want.device_indexer) == (51_824, 2_904)
     tiny = build_kv_layout(preset("tiny"), "fp8").group("mla").components[0]
     assert tiny.row_words * 4 == 128 + 4 + 2 * 16  # one 128-tile at kv_lora_rank 128
     assert build_kv_layout(preset("tiny"), "fp8", indexer_hadamard=False).group("indexer").components[0].row_dtype \

@@ -384,20 +384,21 @@ def test_pd_with_fp8_cache(kv_cache_dtype):
 
 
 def test_pd_with_mtp_speculation_on_both_sides():
-    """MTP k = 2 on both engines: the MTP layer's KV group moves too, and the decode engine's
+    """MTP k = 2 on both engines: the MTP layer's rows (one more layer of each group) move too, and the decode engine's
     drafts are verified as in the colocated run (greedy streams equal; drafts accepted)."""
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     colocated, ref, ref_lp = _colocated(PROMPTS, speculative_config=spec)
     prefill = build(connector("kv_producer"), speculative_config=spec)
     decode = build(connector("kv_consumer"), speculative_config=spec)
     params = prefill_all(prefill, PROMPTS)
-    assert "mtp" in params["a"]["kv_layout"]["groups"]
+    groups = params["a"]["kv_layout"]["groups"]  # the MTP layer: one more layer of each group
+    assert set(groups) == {"mla", "indexer"} and groups["mla"][0][1] == decode.config.num_hidden_layers + 1
     streams, outs = decode_all(prefill, decode, PROMPTS, params)
     compare_streams(ref, streams, ref_lp, PROMPTS)
     # The same drafts verified and accepted as colocated (the random tiny model accepts few).
     assert decode.spec_stats.num_draft_tokens > 0
     assert decode.spec_stats.num_accepted_tokens == colocated.spec_stats.num_accepted_tokens
-    # Without MTP on the prefill side, a decode engine with MTP cannot get the mtp group: refused.
+    # Without MTP on the prefill side, a decode engine with MTP cannot get the MTP layer's rows: refused.
     plain = build(connector("kv_producer"))
     more = prefill_all(plain, {"c": PROMPTS["c"]})
     with pytest.raises(ValueError, match="speculative-config"):

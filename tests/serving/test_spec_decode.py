@@ -506,6 +506,71 @@ def test_hisparse_with_mtp_streams_equal_the_ample_run():
     assert e.hisparse.host.blocks.num_free == e.hisparse.host.num_usable
 
 
+def test_mtp_rows_go_to_the_host_pool_and_the_drafts_read_them_back():
+    """The MTP layer's latent rows are one more layer of the `mla` group: under Hybrid HiSparse
+    they are copied to the host pool with their pages and released with them, and the MTP layer
+    resolves its top-k through the hot buffer (its own index group F = len(full_layers)). With the
+    real drafter (k = 2) on a pool far too small, the HiSparse engine's streams equal the ample
+    MTP engine's (equality rule), its drafts for a request at a given length are the ample
+    engine's (the MTP layer read the same rows: ≥ 95 % of the (request, length) draft lists
+    equal, the rest allowed for near-ties of another batch composition), the MTP index group held
+    host rows, clean host pages equal their device copies byte for byte (the MTP layer
+    included), and nothing leaks."""
+    from glm53.kv_layout import mtp_index_layer
+    from kernels.host_rows import page_to_rows
+    from tests.helpers.conversations import run_conversations
+    from tests.serving.test_hisparse_engine import AMPLE, HISPARSE, SMALL
+    from tests.serving.test_hisparse_engine import engine as hs_engine
+
+    conv = dict(conversations=3, turns=2, first_tokens=700, new_tokens=24, max_tokens=12)
+    lm = api.load(cache_dtype="bfloat16")
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    F = mtp_index_layer(lm.config)
+    checked, mtp_hot = [0], [False]
+
+    def recorder(drafts, hisparse):
+        def on_step(e, i):
+            for rid, d in e.runner.last_drafts.items():
+                req = e.scheduler.get_request(rid)
+                if req is not None and d:
+                    drafts[(rid, req.num_tokens)] = tuple(d)
+            if not hisparse:
+                return
+            mtp_hot[0] |= bool((np.asarray(e.hisparse.device.hot.host_row_SGM)[:, F, :] >= 0).any())
+            if i % 8 == 7:  # clean host pages equal their device copies, every layer incl. the MTP one
+                pol, dev = e.hisparse.policy, e.hisparse.device
+                arena = np.asarray(e.runner.kv_arena)
+                pool = dev.pool.rows if dev.mechanism == "callback" else np.asarray(dev.pool)
+                g = e.layout.group("mla")
+                for rid, rec in pol.records.items():
+                    t = e.kv.table(rid, "mla")
+                    for j, hb in rec.host_blocks.items():
+                        if j in rec.pending or not t.is_owned(j):
+                            continue
+                        want = np.asarray(page_to_rows(jnp.asarray(arena[t.blocks[j]]), g, "mla"))
+                        np.testing.assert_array_equal(pool[hb * 64:(hb + 1) * 64], want)
+                        checked[0] += 1
+        return on_step
+
+    ref_drafts, hs_drafts = {}, {}
+    ample_e = hs_engine(AMPLE, "bfloat16", speculative_config=spec)
+    ample = run_conversations(ample_e, logprobs=2, on_step=recorder(ref_drafts, False), **conv)
+    e = hs_engine(SMALL, "bfloat16", HISPARSE, speculative_config=spec)
+    assert e.layout.group("mla").component("mla")[1].num_layers == lm.config.num_hidden_layers + 1
+    run = run_conversations(e, on_step=recorder(hs_drafts, True), **conv)
+    compare_streams(ample.outputs, run.outputs, ample.logprobs, ample.prompts, lm)
+    common = ref_drafts.keys() & hs_drafts.keys()
+    same = sum(ref_drafts[k] == hs_drafts[k] for k in common)
+    d = e.hisparse.device
+    print(f"\nMTP rows on the host: drafts equal {same}/{len(common)}; hot hits {d.hits}, misses {d.misses}; "
+          f"{checked[0]} clean host pages checked; pages released {e.hisparse.policy.num_released}")
+    assert len(common) > 20 and same >= 0.95 * len(common)
+    assert mtp_hot[0] and d.misses > 0 and e.hisparse.policy.num_released > 0 and checked[0] > 0
+    assert e.scheduler.num_preemptions_total == 0 and d.drops_outside_truncation == 0
+    assert e.pool.num_free == e.pool.num_usable_blocks
+    assert e.hisparse.host.blocks.num_free == e.hisparse.host.num_usable
+
+
 def test_checkpoint_without_mtp_layer_is_refused_naming_the_flag(tmp_path):
     import json
     import shutil
@@ -524,25 +589,33 @@ def test_checkpoint_without_mtp_layer_is_refused_naming_the_flag(tmp_path):
 
 
 def test_offloading_connector_with_mtp_brings_back_every_group():
-    """The connector stores and loads the MTP group's pages like the others: a prefix evicted from
-    the device comes back from the host (its hit ends at the largest page of any group, the MTP
-    group's 704 tokens), the warm run's tokens equal the cold run's, and nothing leaks."""
+    """The connector stores and loads the MTP layer's rows with their pages (one more layer of the
+    `mla` and `indexer` groups): a prefix evicted from the device comes back from the host (its
+    hit ends at the largest page of any group, the indexer group's), the warm run's
+    tokens equal the cold run's (drafts included: the MTP rows came back too), and nothing leaks."""
     from tests.serving.test_hisparse_engine import SMALL
     from tests.serving.test_hisparse_engine import engine as hs_engine
     from tests.serving.test_offload import assert_clean, offload_flag, run_one
 
     e = hs_engine(SMALL, "bfloat16", kv_transfer_config=offload_flag(),
                   speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    mtp_tpp = e.kv.group("mtp").tokens_per_page
+    idx_tpp = e.kv.group("indexer").tokens_per_page
     rng = np.random.default_rng(0)
     prompt = rng.integers(10, 490, 900).tolist()
+    assert {g.name for g in e.kv.groups} == {"mla", "indexer"} and idx_tpp < len(prompt)
+    st = e.spec_stats
+    a0 = (st.num_draft_tokens, st.num_accepted_tokens)
     cold = run_one(e, "cold", prompt)
+    cold_spec = (st.num_draft_tokens - a0[0], st.num_accepted_tokens - a0[1])
     for i in range(3):  # other prompts take the device pages back
         run_one(e, f"evict{i}", rng.integers(10, 490, 900).tolist())
     loaded0 = e.offload.store.num_loaded
+    a0 = (st.num_draft_tokens, st.num_accepted_tokens)
     warm = run_one(e, "warm", prompt)
-    assert warm[2] == mtp_tpp and warm[3] == len(prompt) - mtp_tpp  # the hit was loaded, not recomputed
-    assert e.offload.store.num_loaded - loaded0 == mtp_tpp // 64 + 2  # MLA pages + 1 indexer + 1 MTP page
+    # The drafts read the loaded MTP rows: the same drafts accepted as in the cold run
+    assert (st.num_draft_tokens - a0[0], st.num_accepted_tokens - a0[1]) == cold_spec
+    assert warm[2] == idx_tpp and warm[3] == len(prompt) - idx_tpp  # the hit was loaded, not recomputed
+    assert e.offload.store.num_loaded - loaded0 == idx_tpp // 64 + 1  # MLA pages + 1 indexer page
     assert warm[0] == cold[0] and e.spec_stats.num_draft_tokens > 0
     assert_clean(e)
 

@@ -292,8 +292,9 @@ def test_hisparse_dcp_and_mtp_serve_the_single_device_non_speculative_streams(lm
     covered by tests/sharding/test_engine_parallel.py.)"""
     par = ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2)
     reference = reference_for(2)
-    # The MTP group's pages and a 4-page hot lease per request: 6 more pages than without MTP.
-    engine = build(SMALL[2] + 6, par, hisparse("memory_kind"), speculative_config={"method": "mtp",
+    # A 4-page hot lease per decoding request (2 without MTP): 4 more pages than without MTP. (The
+    # MTP layer's rows are one more layer of each group: no pages of their own.)
+    engine = build(SMALL[2] + 4, par, hisparse("memory_kind"), speculative_config={"method": "mtp",
                                                                                  "num_speculative_tokens": 2})
     assert engine.hisparse.config.device_buffer_rows == 4 * 64  # (k + 2) × index_topk rows per rank
 
