@@ -453,19 +453,47 @@ def test_draft_controller_rule():
     assert static.num_drafts(100) == 3
 
 
-def test_hisparse_with_mtp_streams_equal_the_ample_run():
-    """Hybrid HiSparse + MTP (k = 3, the reference deployment's pairing) under KV pressure: verify
-    rows resolve through the hot buffer of (k + 2) × index_topk rows, nobody is preempted, and the
-    streams equal the ample run without speculation (equality rule). The oracle drafter makes every
-    decode step verify 4 rows, so the resolver serves k + 1 rows per request."""
+HS_CONV = dict(conversations=3, turns=2, first_tokens=700, new_tokens=24, max_tokens=12)
+HS_SPEC = {"method": "mtp", "num_speculative_tokens": 3}
+
+
+def record_drafts(drafts: dict):
+    """An `on_step` hook recording each request's next drafts by (request id, its length then)."""
+    def on_step(e, i):
+        for rid, d in e.runner.last_drafts.items():
+            req = e.scheduler.get_request(rid)
+            if req is not None and d:
+                drafts[(rid, req.num_tokens)] = tuple(d)
+    return on_step
+
+
+@pytest.fixture(scope="module")
+def ample_mtp_run():
+    """`HS_CONV` on an ample pool with MTP k = 3 (the real drafter), no HiSparse: the streams (the
+    target's, as without speculation) and the drafts, shared by the HiSparse + MTP tests."""
     from tests.helpers.conversations import run_conversations
-    from tests.serving.test_hisparse_engine import AMPLE, HISPARSE, SMALL
+    from tests.serving.test_hisparse_engine import AMPLE
     from tests.serving.test_hisparse_engine import engine as hs_engine
 
-    conv = dict(conversations=3, turns=2, first_tokens=700, new_tokens=24, max_tokens=12)
+    drafts = {}
+    run = run_conversations(hs_engine(AMPLE, "bfloat16", speculative_config=HS_SPEC), logprobs=2,
+                            on_step=record_drafts(drafts), **HS_CONV)
+    return run, drafts
+
+
+def test_hisparse_with_mtp_streams_equal_the_ample_run(ample_mtp_run):
+    """Hybrid HiSparse + MTP (k = 3, the reference deployment's pairing) under KV pressure: verify
+    rows resolve through the hot buffer of (k + 2) × index_topk rows, nobody is preempted, and the
+    streams equal the ample run's (equality rule). The oracle drafter makes every decode step
+    verify 4 rows, so the resolver serves k + 1 rows per request."""
+    from tests.helpers.conversations import run_conversations
+    from tests.serving.test_hisparse_engine import HISPARSE, SMALL
+    from tests.serving.test_hisparse_engine import engine as hs_engine
+
+    conv = HS_CONV
     lm = api.load(cache_dtype="bfloat16")
-    ample = run_conversations(hs_engine(AMPLE, "bfloat16"), logprobs=2, **conv)
-    e = hs_engine(SMALL, "bfloat16", HISPARSE, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    ample = ample_mtp_run[0]
+    e = hs_engine(SMALL, "bfloat16", HISPARSE, speculative_config=HS_SPEC)
     assert e.hisparse.config.device_buffer_rows == 5 * lm.config.index_topk  # (k + 2) × index_topk
     rid_key = {}
     orig_add = e.add_request
@@ -506,11 +534,11 @@ def test_hisparse_with_mtp_streams_equal_the_ample_run():
     assert e.hisparse.host.blocks.num_free == e.hisparse.host.num_usable
 
 
-def test_mtp_rows_go_to_the_host_pool_and_the_drafts_read_them_back():
+def test_mtp_rows_go_to_the_host_pool_and_the_drafts_read_them_back(ample_mtp_run):
     """The MTP layer's latent rows are one more layer of the `mla` group: under Hybrid HiSparse
     they are copied to the host pool with their pages and released with them, and the MTP layer
     resolves its top-k through the hot buffer (its own index group F = len(full_layers)). With the
-    real drafter (k = 2) on a pool far too small, the HiSparse engine's streams equal the ample
+    real drafter (k = 3) on a pool far too small, the HiSparse engine's streams equal the ample
     MTP engine's (equality rule), its drafts for a request at a given length are the ample
     engine's (the MTP layer read the same rows: ≥ 95 % of the (request, length) draft lists
     equal, the rest allowed for near-ties of another batch composition), the MTP index group held
@@ -519,45 +547,36 @@ def test_mtp_rows_go_to_the_host_pool_and_the_drafts_read_them_back():
     from glm53.kv_layout import mtp_index_layer
     from kernels.host_rows import page_to_rows
     from tests.helpers.conversations import run_conversations
-    from tests.serving.test_hisparse_engine import AMPLE, HISPARSE, SMALL
+    from tests.serving.test_hisparse_engine import HISPARSE, SMALL
     from tests.serving.test_hisparse_engine import engine as hs_engine
 
-    conv = dict(conversations=3, turns=2, first_tokens=700, new_tokens=24, max_tokens=12)
     lm = api.load(cache_dtype="bfloat16")
-    spec = {"method": "mtp", "num_speculative_tokens": 2}
     F = mtp_index_layer(lm.config)
     checked, mtp_hot = [0], [False]
+    hs_drafts = {}
+    record = record_drafts(hs_drafts)
 
-    def recorder(drafts, hisparse):
-        def on_step(e, i):
-            for rid, d in e.runner.last_drafts.items():
-                req = e.scheduler.get_request(rid)
-                if req is not None and d:
-                    drafts[(rid, req.num_tokens)] = tuple(d)
-            if not hisparse:
-                return
-            mtp_hot[0] |= bool((np.asarray(e.hisparse.device.hot.host_row_SGM)[:, F, :] >= 0).any())
-            if i % 8 == 7:  # clean host pages equal their device copies, every layer incl. the MTP one
-                pol, dev = e.hisparse.policy, e.hisparse.device
-                arena = np.asarray(e.runner.kv_arena)
-                pool = dev.pool.rows if dev.mechanism == "callback" else np.asarray(dev.pool)
-                g = e.layout.group("mla")
-                for rid, rec in pol.records.items():
-                    t = e.kv.table(rid, "mla")
-                    for j, hb in rec.host_blocks.items():
-                        if j in rec.pending or not t.is_owned(j):
-                            continue
-                        want = np.asarray(page_to_rows(jnp.asarray(arena[t.blocks[j]]), g, "mla"))
-                        np.testing.assert_array_equal(pool[hb * 64:(hb + 1) * 64], want)
-                        checked[0] += 1
-        return on_step
+    def on_step(e, i):
+        record(e, i)
+        mtp_hot[0] |= bool((np.asarray(e.hisparse.device.hot.host_row_SGM)[:, F, :] >= 0).any())
+        if i % 8 == 7:  # clean host pages equal their device copies, every layer incl. the MTP one
+            pol, dev = e.hisparse.policy, e.hisparse.device
+            arena = np.asarray(e.runner.kv_arena)
+            pool = dev.pool.rows if dev.mechanism == "callback" else np.asarray(dev.pool)
+            g = e.layout.group("mla")
+            for rid, rec in pol.records.items():
+                t = e.kv.table(rid, "mla")
+                for j, hb in rec.host_blocks.items():
+                    if j in rec.pending or not t.is_owned(j):
+                        continue
+                    want = np.asarray(page_to_rows(jnp.asarray(arena[t.blocks[j]]), g, "mla"))
+                    np.testing.assert_array_equal(pool[hb * 64:(hb + 1) * 64], want)
+                    checked[0] += 1
 
-    ref_drafts, hs_drafts = {}, {}
-    ample_e = hs_engine(AMPLE, "bfloat16", speculative_config=spec)
-    ample = run_conversations(ample_e, logprobs=2, on_step=recorder(ref_drafts, False), **conv)
-    e = hs_engine(SMALL, "bfloat16", HISPARSE, speculative_config=spec)
+    ample, ref_drafts = ample_mtp_run
+    e = hs_engine(SMALL, "bfloat16", HISPARSE, speculative_config=HS_SPEC)
     assert e.layout.group("mla").component("mla")[1].num_layers == lm.config.num_hidden_layers + 1
-    run = run_conversations(e, on_step=recorder(hs_drafts, True), **conv)
+    run = run_conversations(e, on_step=on_step, **HS_CONV)
     compare_streams(ample.outputs, run.outputs, ample.logprobs, ample.prompts, lm)
     common = ref_drafts.keys() & hs_drafts.keys()
     same = sum(ref_drafts[k] == hs_drafts[k] for k in common)
