@@ -334,10 +334,10 @@ def hot_slot_spec(par: ParallelLayout) -> PartitionSpec:
     return PartitionSpec(kv_shard_axes(par), None)
 
 
-def _resolve_rows(topk_TK, req_idx_T, bt, hb, row_S, rank_S, tpp: int, narrow_rows: int | None, sort_misses_: bool):
+def _resolve_rows(topk_TK, req_idx_T, bt, hb, row_S, rank_S, tpp: int, narrow_rows: int | None, sort_by_host_row: bool):
     """The resolver over one shard (or the one device): `(slots, miss_rows, miss_slots, stats [3],
     row_S, rank_S)`; skipped (plain block-table lookup) when `hb.active` is False. With
-    `sort_misses_` the miss list comes in host-row order (`kernels.host_rows.sort_misses`)."""
+    `sort_by_host_row` the miss list comes in host-row order (`kernels.host_rows.sort_misses`)."""
     N = topk_TK.shape[0] * topk_TK.shape[1]
     M = row_S.shape[1]
 
@@ -348,7 +348,7 @@ def _resolve_rows(topk_TK, req_idx_T, bt, hb, row_S, rank_S, tpp: int, narrow_ro
                 topk_TK, req_idx_T, bt, hb.host_table_BP, hb.hot_table_BH[:, :m // tpp], hb.state_row_B,
                 jnp.minimum(hb.reset_from_B, m), row_S[:, :m], rank_S[:, :m], hb.num_host_blocks,
                 tokens_per_page=tpp)
-            if sort_misses_:
+            if sort_by_host_row:
                 # Misses in host-row order: adjacent rows (neighbouring positions of a page)
                 # become consecutive entries, which the memory-kind copy reads with one host
                 # slice per run piece. (A callback chunk is one transfer in any order: unsorted.)

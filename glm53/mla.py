@@ -118,7 +118,8 @@ class MLAttention(nnx.Module):
         when `ctx.hisparse`, copying missed rows for its whole IndexShare group of `group_layers`
         layers), and a shared layer reuses `prev_sel`, the one of the group's full layer. With
         `ctx.reuse_topk` a full layer reuses `prev_sel` too (its indexer does not run and writes no
-        key): MTP draft steps ≥ 1 under `index_share_for_mtp_iteration`."""
+        key): MTP draft steps ≥ 1 under `index_share_for_mtp_iteration`; under HiSparse a `prev_sel`
+        without slots is resolved again through the layer's hot buffer (index group `index_layer`)."""
         cfg = self.cfg
         T = h_TD.shape[0]
         N, A, dn = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
