@@ -85,9 +85,10 @@ def propose_drafts(model, batch: ForwardBatch, next_ids_T: jax.Array, hidden_TD:
     """Draft `k` tokens per request with the MTP layer, inside the jitted step.
 
     Step 0 runs over every row of the step's `batch` (positions, slots and block tables as the
-    target used; `host`: HiSparse host access, as `mtp_forward`): row i pairs `next_ids_T[i]` (the token after row i: the next scheduled
-    token, the next prompt token at the end of a prefill chunk, or the token just accepted at a
-    request's last accepted row) with the target's final-normed `hidden_TD[i]`, and writes the
+    target used; `host`: HiSparse host access, as `mtp_forward`): row i pairs `next_ids_T[i]`
+    (the token after row i: the next scheduled token, the next prompt token at the end of a
+    prefill chunk, or the token just accepted at a request's last accepted row) with the
+    target's final-normed `hidden_TD[i]`, and writes the
     MTP KV of every row; rows past a request's last accepted one hold rejected drafts, and their
     KV is overwritten when those positions are computed again. The logits of row `last_row_B[b]`
     give draft 1. Steps 1 … `num_steps` − 1 (a traced scalar ≤ k: adaptive drafting runs fewer) run
