@@ -473,10 +473,11 @@ def _resolve_parallel(topk_TK, kv: PagedKV, batch: ForwardBatch, g: GroupLayout,
                                      host.mechanism)
         row_SGM = jax.lax.dynamic_update_index_in_dim(row_SGM, row_S, ig, axis=1)
         rank_SGM = jax.lax.dynamic_update_index_in_dim(rank_SGM, rank_S, ig, axis=1)
-        moved = rows_moved(miss_rows, "callback" if callback else host.mechanism)  # per shard, padding included
+        mech = "callback" if callback else host.mechanism
+        moved = rows_moved(miss_rows, mech)  # per shard, padding included
         # Per shard, gathered (replicated, so a multi-process leader reads every shard locally):
         # the host sums them in 64-bit; a psum in int32 could wrap on wide layouts.
-        reads = host_reads(miss_rows, "callback" if callback else host.mechanism)
+        reads = host_reads(miss_rows, mech)
         stats = col.all_gather_tiled(jnp.concatenate([stats, moved[None] * num_layers, reads[None]])[None],
                                      shard_axes)
         drop = jnp.zeros((0,), jnp.int32)

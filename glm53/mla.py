@@ -138,22 +138,16 @@ class MLAttention(nnx.Module):
                                        index_layer, parallel=ctx.parallel)
             topk = attention.select_topk(qI, w, arena, ctx.batch, ctx.layout, ctx.index_group, index_layer,
                                          cfg.index_topk, parallel=ctx.parallel)
-            kv = kv.with_arena(arena)
-            slots = None
-            if ctx.hisparse:
-                slots, kv = attention.resolve_hot(topk, kv, ctx.batch, ctx.layout, ctx.group, mla_layer, group_layers,
-                                                  index_layer, ctx.host, ctx.parallel)
-            sel = (topk, slots)
-        elif ctx.reuse_topk and ctx.hisparse and prev_sel[1] is None:
-            # MTP draft steps ≥ 1 sharing draft step 0's top-k under HiSparse: the same positions,
-            # resolved again through the layer's hot buffer (hits: step 0 filled it).
-            kv = kv.with_arena(arena)
-            slots, kv = attention.resolve_hot(prev_sel[0], kv, ctx.batch, ctx.layout, ctx.group, mla_layer,
-                                              group_layers, index_layer, ctx.host, ctx.parallel)
-            sel = (prev_sel[0], slots)
+            sel = (topk, None)
         else:
-            kv = kv.with_arena(arena)
             sel = prev_sel
+        kv = kv.with_arena(arena)
+        if ctx.hisparse and self.indexer is not None and sel[1] is None:
+            # A full layer's top-k (its own, or under `ctx.reuse_topk` MTP draft step 0's, which
+            # its hot buffer already holds) resolved through the hot buffer.
+            slots, kv = attention.resolve_hot(sel[0], kv, ctx.batch, ctx.layout, ctx.group, mla_layer, group_layers,
+                                              index_layer, ctx.host, ctx.parallel)
+            sel = (sel[0], slots)
         # Absorb W_UK into the queries (fp32 accumulation): q_abs = [W_UK^T q_nope | q_pe].
         w_uk, w_uv = self.absorbed_weights(q_nope.dtype)
         if q_nope.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":

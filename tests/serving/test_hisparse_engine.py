@@ -9,16 +9,15 @@ only through slices and memory-kind moves; aborts free everything in every resid
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from glm53 import api
-from kernels.host_rows import page_to_rows
 from serving.engine import EngineArgs
 from serving.engine_factory import build_engine
 from serving.types import SamplingParams
 from tests.helpers.conversations import run_conversations, user_tokens
+from tests.helpers.hisparse_pool import check_host_pool_bytes
 from glm53.equality import compare_streams
 from tests.helpers.host_memory import host_memory_reads
 
@@ -95,18 +94,7 @@ def test_clean_pages_in_the_host_pool_equal_their_device_copies(bf16_hisparse):
     checked = 0
     for _ in range(60):  # prefill, then decode steps that seal and copy more pages
         e.step()
-        pol, dev = e.hisparse.policy, e.hisparse.device
-        arena = np.asarray(e.runner.kv_arena)
-        pool = dev.pool.rows if dev.mechanism == "callback" else np.asarray(dev.pool)
-        g = e.layout.group("mla")
-        for rid, rec in pol.records.items():
-            t = e.kv.table(rid, "mla")
-            for i, hb in rec.host_blocks.items():
-                if i in rec.pending or not t.is_owned(i):
-                    continue
-                want = np.asarray(page_to_rows(jnp.asarray(arena[t.blocks[i]]), g, "mla"))
-                np.testing.assert_array_equal(pool[hb * 64:(hb + 1) * 64], want)
-                checked += 1
+        checked += check_host_pool_bytes(e)
     while e.has_unfinished_requests():
         e.step()
     assert checked > 20

@@ -545,8 +545,8 @@ def test_mtp_rows_go_to_the_host_pool_and_the_drafts_read_them_back(ample_mtp_ru
     host rows, clean host pages equal their device copies byte for byte (the MTP layer
     included), and nothing leaks."""
     from glm53.kv_layout import mtp_index_layer
-    from kernels.host_rows import page_to_rows
     from tests.helpers.conversations import run_conversations
+    from tests.helpers.hisparse_pool import check_host_pool_bytes
     from tests.serving.test_hisparse_engine import HISPARSE, SMALL
     from tests.serving.test_hisparse_engine import engine as hs_engine
 
@@ -560,18 +560,7 @@ def test_mtp_rows_go_to_the_host_pool_and_the_drafts_read_them_back(ample_mtp_ru
         record(e, i)
         mtp_hot[0] |= bool((np.asarray(e.hisparse.device.hot.host_row_SGM)[:, F, :] >= 0).any())
         if i % 8 == 7:  # clean host pages equal their device copies, every layer incl. the MTP one
-            pol, dev = e.hisparse.policy, e.hisparse.device
-            arena = np.asarray(e.runner.kv_arena)
-            pool = dev.pool.rows if dev.mechanism == "callback" else np.asarray(dev.pool)
-            g = e.layout.group("mla")
-            for rid, rec in pol.records.items():
-                t = e.kv.table(rid, "mla")
-                for j, hb in rec.host_blocks.items():
-                    if j in rec.pending or not t.is_owned(j):
-                        continue
-                    want = np.asarray(page_to_rows(jnp.asarray(arena[t.blocks[j]]), g, "mla"))
-                    np.testing.assert_array_equal(pool[hb * 64:(hb + 1) * 64], want)
-                    checked[0] += 1
+            checked[0] += check_host_pool_bytes(e)
 
     ample, ref_drafts = ample_mtp_run
     e = hs_engine(SMALL, "bfloat16", HISPARSE, speculative_config=HS_SPEC)

@@ -28,13 +28,12 @@ import numpy as np
 import pytest
 
 from glm53 import api
-from glm53.attention import num_host_parts
 from glm53.equality import compare_streams
-from kernels.host_rows import page_to_rows, split_words
 from serving.engine import EngineArgs, LLMEngine
 from serving.engine_factory import build_engine
 from sharding.mesh import ParallelConfig
 from tests.helpers.conversations import run_conversations
+from tests.helpers.hisparse_pool import check_host_pool_bytes, replicas
 from tests.helpers.host_memory import host_memory_reads
 
 AMPLE = 160
@@ -94,54 +93,6 @@ def reference_for(dcp: int):
 @pytest.fixture(scope="module")
 def lm():
     return api.load(dtype=jnp.float32, cache_dtype="float32")
-
-
-def replicas(engine) -> list:
-    """(kv manager, HiSparse policy) per data-parallel replica."""
-    kvs = [r.kv for r in engine.replicas] if hasattr(engine, "replicas") else [engine.kv]
-    return list(zip(kvs, engine.hisparse.policies))
-
-
-def host_rows_of(engine) -> np.ndarray:
-    """The whole host pool as full rows `[shards · rows, L · W]` (column parts joined)."""
-    dev = engine.hisparse.device
-    _, comp = engine.layout.group("mla").component("mla")
-    L, W = comp.num_layers, comp.row_words
-    if dev.mechanism == "callback":
-        return dev.pool.rows
-    pool = np.asarray(dev.pool)
-    par = engine.runner.parallel
-    R = num_host_parts(par) if par is not None else 1
-    wp = split_words(W, R)
-    n = pool.shape[0]
-    return pool.reshape(n, R, L, wp).transpose(0, 2, 1, 3).reshape(n, L, R * wp)[:, :, :W].reshape(n, L * W)
-
-
-def check_host_pool_bytes(engine) -> int:
-    """Every clean host block of every replica and DCP rank equals the device page it copies
-    (that rank's share of the engine page). → the number of (block, rank) pairs checked."""
-    dev, runner = engine.hisparse.device, engine.runner
-    g = engine.layout.group("mla")
-    tpp, nb = g.tokens_per_page, runner.num_blocks
-    dcp = runner.parallel.dcp if runner.parallel is not None else 1
-    arena = np.asarray(runner.kv_arena)
-    pool = host_rows_of(engine)
-    rows = dev.num_host_blocks * tpp
-    assert pool.shape[0] == rows * len(replicas(engine)) * dcp
-    checked = 0
-    for rep, (kv, pol) in enumerate(replicas(engine)):
-        for rid, rec in pol.records.items():
-            t = kv.table(rid, "mla")
-            for i, hb in rec.host_blocks.items():
-                if i in rec.pending or not t.is_owned(i):
-                    continue
-                for d in range(dcp):
-                    s = rep * dcp + d
-                    want = np.asarray(page_to_rows(jnp.asarray(arena[s * nb + t.blocks[i]]), g, "mla"))
-                    np.testing.assert_array_equal(pool[s * rows + hb * tpp: s * rows + (hb + 1) * tpp], want,
-                                                  err_msg=f"replica {rep} rank {d} request {rid} page {i}")
-                    checked += 1
-    return checked
 
 
 def preemptions(engine) -> int:
