@@ -28,3 +28,11 @@ def test_capacity_results_match_the_script():
     got = _run_script("capacity", [])
     assert got == want, ("docs/results/capacity.txt is stale: regenerate it with "
                          "`PYTHONPATH=. .venv/bin/python scripts/capacity.py > docs/results/capacity.txt`")
+
+
+def test_kv_layout_results_match_the_script():
+    """docs/results/kv_layout/groups.txt == `python scripts/kv_layout_table.py`."""
+    want = (ROOT / "docs" / "results" / "kv_layout" / "groups.txt").read_text()
+    got = _run_script("kv_layout_table", [])
+    assert got == want, ("docs/results/kv_layout/groups.txt is stale: regenerate it with "
+                         "`PYTHONPATH=. .venv/bin/python scripts/kv_layout_table.py > docs/results/kv_layout/groups.txt`")
