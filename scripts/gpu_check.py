@@ -15,7 +15,9 @@ others with it; each gets a share of what is left of `--budget-s` and is killed 
                    streams compared under the equality rule (`glm53.equality.compare_streams`,
                    divergences listed, not raised): default (bf16 cache), FP8 cache, HiSparse on a
                    pool far too small with each host mechanism (`memory_kind`, `callback`), MTP
-                   k = 2. Also tokens / s of each run and the compile seconds. (The tiny model reaches
+                   k = 2. Also tokens / s of each run, the compile seconds and the Pallas kernels
+                   the kernel run's step program calls (`kernels.introspect`: a silent fallback to
+                   a reference shows as a missing name). (The tiny model reaches
                    only sparse MLA and the HiSparse resolver on a GPU: docs/gpu_deployment.md.)
 3. `kernels`     — `scripts/bench_kernels.py` (the Pallas kernels at GLM-5.3 shapes against their
                    HBM rooflines; `--smoke` with `--dry-run`).
@@ -112,6 +114,10 @@ def _serve_once(mode: str, overrides: dict, prompts: dict, max_tokens: int) -> d
     out = {"mode": mode, "compile_s": round(compile_s, 2), "run_s": round(run_s, 3), "steps": steps,
            "tokens_per_s": round(sum(map(len, streams.values())) / run_s, 1) if run_s else None,
            "audit": e.audit()}
+    if mode != "reference":  # the Pallas kernels the step program calls (a silent fallback shows here)
+        from kernels.introspect import pallas_kernels
+
+        out["pallas_kernels"] = sorted(pallas_kernels(e.runner.trace_step(hot=e.hisparse is not None)))
     if e.hisparse is not None:
         out.update(hot_steps=e.runner.num_hot_steps, misses=e.hisparse.device.misses,
                    h2d_bytes=e.hisparse.device.h2d_bytes, mechanism=e.hisparse.device.mechanism)

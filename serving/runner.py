@@ -223,6 +223,24 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
         return batch, (z, np.ones(B, np.float32), np.zeros(B, np.uint32), np.zeros(B, np.int32), np.bool_(False),
                        *copies)
 
+    def example_step_args(self, hot: bool = False) -> tuple:
+        """Arguments of the jitted step for the first bucket, as the start-up compile builds them:
+        padding rows that write nothing; with `hot`, HiSparse's hot program (ValueError without
+        HiSparse), else the plain one. For tracing and export (`trace_step`, the CUDA export test)."""
+        if hot and self.hisparse is None:
+            raise ValueError("hot=True needs an engine with Hybrid HiSparse")
+        batch, extra = self._dummy(self.buckets[0])
+        if not hot:
+            batch.hot = None
+        return (self._state_leaves, self._place(batch), self.kv_arena, *extra,
+                self._hisparse_args() if hot else None, self._dummy_spec)
+
+    def trace_step(self, hot: bool = False):
+        """The step program's jaxpr (`jax.make_jaxpr`) for the first bucket, under the kernel mode
+        the runner was built with: what the compiled step calls (`kernels.introspect`)."""
+        with use_kernels(self.kernel_mode):
+            return jax.make_jaxpr(self._step)(*self.example_step_args(hot))
+
     def compile(self, progress: bool = True) -> float:
         """Compile every bucket (runs each once on padding rows, which write nothing). → seconds.
 

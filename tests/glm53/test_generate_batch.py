@@ -19,7 +19,8 @@ def lm():
 def test_greedy_batch_equals_one_by_one(lm):
     out = api.generate_batch(lm, PROMPTS, N)
     assert out.token_ids.shape == (3, 90 + N)
-    for b, p in enumerate(PROMPTS):
+    for b in (0, 2):  # the shortest and the longest row (each one-by-one run compiles its own programs)
+        p = PROMPTS[b]
         want = api.generate(lm, p, N)
         assert out.new_token_ids[b] == want  # sparse selection included: 90 > index_topk = 64
         assert out.sequences[b] == p + want

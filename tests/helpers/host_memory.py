@@ -12,7 +12,8 @@ every nested jaxpr (jit, while/fori, scan, cond bodies).
 from __future__ import annotations
 
 import jax
-import jax.extend  # noqa: F401 - jax.extend.core below (not imported by `import jax`)
+
+from kernels.introspect import subjaxprs
 
 # Reading a host value is allowed only for these: a slice (then moved), the move itself, and
 # writing a moved value into a host array. Control flow passes values through; its bodies are
@@ -23,16 +24,6 @@ ALLOWED = {"dynamic_slice", "slice", "device_put", "dynamic_update_slice"}
 def _is_host(v) -> bool:
     aval = getattr(v, "aval", None)
     return getattr(aval, "memory_space", None) == jax.memory.Space.Host
-
-
-def subjaxprs(eqn):
-    """The jaxprs nested in an equation's parameters (jit, scan, while, cond, shard_map, custom_vjp)."""
-    for p in eqn.params.values():
-        for x in (p if isinstance(p, (tuple, list)) else (p,)):
-            if isinstance(x, jax.extend.core.ClosedJaxpr):
-                yield x.jaxpr
-            elif isinstance(x, jax.extend.core.Jaxpr):
-                yield x
 
 
 def host_memory_reads(jaxpr) -> list[tuple[str, str]]:

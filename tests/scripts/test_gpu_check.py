@@ -1,8 +1,10 @@
 """scripts/gpu_check.py --dry-run: every part runs on CPU at tiny sizes (interpret-mode kernels;
 the serve part on its most involved configuration only, to keep the suite short),
 so the first GPU call cannot die on a typo; the summary has every part, the serve part compares
-the Pallas-kernel engine with the reference engine (HiSparse with the callback mechanism under
-pressure included) and their streams are equal; a part killed at its budget is reported as such."""
+the Pallas-kernel engine with the reference engine on HiSparse with the callback mechanism under
+pressure — the engine-through-the-kernels check of the HiSparse step, which
+tests/serving/test_engine_kernels.py leaves to this test: the streams are equal and the hot step
+calls the resolver's Pallas kernels; a part killed at its budget is reported as such."""
 
 from __future__ import annotations
 
@@ -34,6 +36,11 @@ def test_dry_run_runs_every_part_and_the_kernel_engine_serves_the_reference_stre
         assert r["kernels"]["audit"] == [] and r["reference"]["audit"] == []
     hs = serve["hisparse_callback"]["kernels"]
     assert hs["mechanism"] == "callback" and hs["hot_steps"] > 0 and hs["misses"] > 0
+    # The hot step program calls the Pallas kernels (traced: a silent fallback to a reference
+    # would leave a name out), the hot-buffer resolver's four included.
+    assert {"sparse_mla", "indexer_scores", "hot_resolve_validate", "hot_resolve_lookup", "hot_resolve_rank",
+            "hot_resolve_assign"} <= set(hs["pallas_kernels"]), hs["pallas_kernels"]
+    assert "pallas_kernels" not in serve["hisparse_callback"]["reference"]
     for part in ("kernels", "host_gather"):
         assert (tmp_path / part / f"{'bench_kernels' if part == 'kernels' else 'probe_host_gather'}.json").exists()
     assert "summary.json" in p.stdout and "hisparse_callback: ok, equal" in p.stdout

@@ -33,7 +33,6 @@ from serving.engine import EngineArgs
 from serving.engine_factory import build_engine
 from sharding.mesh import ParallelConfig
 from tests.helpers.host_memory import host_memory_reads
-from tests.helpers.jaxpr_ops import step_args
 from tests.helpers.triton_lowering import (
     TRITON_CALL,
     export_cuda,
@@ -83,17 +82,17 @@ def test_every_program_exports_for_cuda_with_its_kernels(name, lowered_kernels):
     r = e.runner
     devices = 1 if r.parallel is None else r.parallel.mesh.size
     hot = r.hisparse is not None
-    text = export_cuda(r._step, *step_args(r, hot), devices=devices)
+    text = export_cuda(r._step, *r.example_step_args(hot), devices=devices)
     assert text.count(TRITON_CALL) >= len(kernels) and (kernels or TRITON_CALL not in text)
     assert kernels <= set(lowered_kernels), f"Pallas kernels missing from the exported step: {kernels - set(lowered_kernels)}"
-    programs = {"step": (r._step, step_args(r, hot))}
+    programs = {"step": (r._step, r.example_step_args(hot))}
     if hot:
-        programs["plain step"] = (r._step, step_args(r, False))
+        programs["plain step"] = (r._step, r.example_step_args(False))
         src, dst = r.hisparse.store_lists([])
         programs["store"] = (r._store_only, (r.hisparse.pool, r.kv_arena, src, dst))
     if name in ("default", "hisparse"):  # the step split in two (async with structured outputs): its ops are
         # the step's, so the layouts' step exports cover them; exported on one device, plain and hot
-        args = step_args(r, hot)
+        args = r.example_step_args(hot)
         programs["forward"] = (r._forward, (*args[:3], args[8], args[9], args[10]))
         logits = jax.eval_shape(r._forward, *programs["forward"][1])[0]
         bitmask = jax.ShapeDtypeStruct((logits.shape[0], -(-logits.shape[1] // 32)), jax.numpy.int32)
@@ -117,6 +116,6 @@ def test_host_callback_programs_cannot_be_exported_without_a_gpu():
     e = build(**{**HISPARSE, "attention_config": {"hisparse_config": {
         "host_pool_gib": 0.05, "prefill_buffer_size": 1024, "host_gather": "callback"}}})
     r = e.runner
-    export_cuda(r._step, *step_args(r, False))  # the plain step has no callback: it exports
+    export_cuda(r._step, *r.example_step_args(False))  # the plain step has no callback: it exports
     with pytest.raises(ValueError, match="platform for the specified backend cpu is different from the lowering platform cuda"):
-        export_cuda(r._step, *step_args(r, True))
+        export_cuda(r._step, *r.example_step_args(True))

@@ -1,10 +1,12 @@
 """The engine's own jitted step programs through the Pallas kernels (kernels/mode.py, mode
 "interpret": the GPU code path run on CPU), against the same engine on the pure-JAX references.
 
-For each configuration — one device with FP8 weights, TP2 × DCP2, Hybrid HiSparse on a pool far
-too small (the hot-buffer resolver), MTP speculation — the traced step calls the expected Pallas
-kernels (checked on its jaxpr, so a silent fallback fails the test), and the greedy streams equal
-the reference engine's under the equality rule (docs/design.md §10, `glm53.equality`). On the FP8
+For each configuration — one device with FP8 weights, TP2 × DCP2, MTP speculation — the traced
+step calls the expected Pallas kernels (checked on its jaxpr, so a silent fallback fails the test),
+and the greedy streams equal the reference engine's under the equality rule (docs/design.md §10,
+`glm53.equality`). Hybrid HiSparse on a pool far too small (the hot-buffer resolver's kernels,
+the callback host mechanism) is the same comparison in `scripts/gpu_check.py`'s serve part, which
+tests/scripts/test_gpu_check.py runs in interpret mode. On the FP8
 KV cache each sparse-MLA call of the step is checked against the reference on its own inputs
 instead (the cache's rounding makes streams the wrong check there: see that test). Interpret mode is slow on CPU: few requests, few tokens, one step bucket.
 Kernel configurations the Pallas kernels cannot take (the tiny model's K = 64 / 96 FP8 matmuls:
@@ -22,15 +24,14 @@ import pytest
 
 from glm53 import api
 from glm53.equality import compare_streams
+from kernels.introspect import pallas_kernels
 from kernels.mode import use_kernels
 from serving.engine import EngineArgs
 from serving.engine_factory import build_engine
 from serving.types import SamplingParams
 from sharding.mesh import ParallelConfig
-from tests.helpers.jaxpr_ops import pallas_kernels, step_args
 
 SHORT = {"a": list(range(5, 100)), "b": [(7 * i) % 300 + 4 for i in range(40)]}
-LONG = {"a": [(7 * i) % 300 + 4 for i in range(400)], "b": [(13 * i) % 400 + 4 for i in range(400)]}
 
 CASES = {
     # name: (EngineArgs overrides, prompts, Pallas kernels the step must call)
@@ -38,10 +39,6 @@ CASES = {
                                {"sparse_mla", "indexer_scores", "fp8_matmul", "fp8_grouped_matmul"}),
     "tp2_dcp2": (dict(parallel=ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2)), SHORT,
                  {"sparse_mla", "indexer_scores"}),
-    "hisparse": (dict(num_gpu_blocks_override=10, max_model_len=512, attention_config={"hisparse_config": {
-        "host_pool_gib": 0.05, "prefill_buffer_size": 1024, "host_gather": "memory_kind"}}), LONG,
-        {"sparse_mla", "indexer_scores", "hot_resolve_validate", "hot_resolve_lookup", "hot_resolve_rank",
-         "hot_resolve_assign"}),
     "mtp": (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}), SHORT,
             {"sparse_mla", "indexer_scores"}),
 }
@@ -67,11 +64,8 @@ def serve(mode: str, overrides: dict, prompts: dict):
 
 
 def step_kernels(e) -> set[str]:
-    """The Pallas kernels the engine's step program calls (the hot program under HiSparse)."""
-    r = e.runner
-    with use_kernels(r.kernel_mode):
-        jaxpr = jax.make_jaxpr(r._step)(*step_args(r, hot=r.hisparse is not None))
-    return set(pallas_kernels(jaxpr))
+    """The Pallas kernels the engine's step program calls."""
+    return set(pallas_kernels(e.runner.trace_step(hot=e.hisparse is not None)))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -87,8 +81,6 @@ def test_the_step_through_the_pallas_kernels_serves_the_reference_streams(name, 
     print(f"\n{name}: Pallas kernels in the step: {sorted(used)}; fallbacks: "
           f"{[r.getMessage() for r in caplog.records]}")
     assert kernels <= used, f"expected Pallas kernels missing from the step: {kernels - used}"
-    if name == "hisparse":
-        assert e.runner.num_hot_steps > 0 and e.hisparse.device.misses > 0  # the resolver really ran
     if name == "one_device_fp8_weights":  # the tiny model's partial-K FP8 matmuls fall back, saying so
         assert any("partial K block" in r.getMessage() for r in caplog.records)
     compare_streams(ref, got, ref_lp, prompts, api.load(cache_dtype="bfloat16"))

@@ -1,8 +1,8 @@
 """Hybrid HiSparse in the real engine (tiny checkpoint, CPU): under KV pressure every request keeps
 decoding with nobody preempted, and the greedy streams equal those of a run whose device pool is
 large enough for everything (docs/design.md §10's equality rule; the preemption baseline, run on the
-bf16 cache, is held to the same rule) — on a multi-turn workload whose contexts are many times index_topk, with the bf16 and
-the fp8 cache; a request of about three times the device pool's token capacity is served; clean
+bf16 cache, is held to the same rule) — on a multi-turn workload whose contexts are many times index_topk
+(the fp8 cache under HiSparse: tests/sharding/test_multihost.py); a request of about three times the device pool's token capacity is served; clean
 pages in the host pool equal their device copies byte for byte; the compiled step reads host memory
 only through slices and memory-kind moves; aborts free everything in every residency state."""
 
@@ -27,6 +27,9 @@ from tests.helpers.host_memory import host_memory_reads
 # preempts); the ample pool holds everything.
 CONV = dict(conversations=3, turns=3, first_tokens=950, new_tokens=24, max_tokens=12)
 SMALL, AMPLE = 36, 160
+# The ample engines take the 3×-pool test's prompt too: one ample engine (one compile) serves every
+# test of this module and tests/serving/test_offload.py.
+AMPLE_MAX_MODEL_LEN = 4700
 HISPARSE = {"hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 1024}}
 
 
@@ -45,34 +48,29 @@ def mean_running(run):
 @pytest.fixture(scope="module")
 def bf16_ample():
     """The ample bf16 engine without HiSparse, shared by the tests of this module (one compile)."""
-    return engine(AMPLE, "bfloat16")
+    return engine(AMPLE, "bfloat16", max_model_len=AMPLE_MAX_MODEL_LEN)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8"])
-def test_multiturn_streams_match_the_ample_run_and_nobody_is_preempted(kv_cache_dtype, request):
-    lm = api.load(cache_dtype=kv_cache_dtype)
-    ample_engine = request.getfixturevalue("bf16_ample") if kv_cache_dtype == "bfloat16" else engine(AMPLE, "fp8")
-    ample = run_conversations(ample_engine, logprobs=2, **CONV)
-    # The preemption baseline runs once, on the bf16 cache: pages hold the same tokens in either
-    # dtype, so the same pool is under the same pressure with fp8 (a second baseline engine
-    # would only add a compile and a preempting run to the suite).
-    base_engine = engine(SMALL, kv_cache_dtype) if kv_cache_dtype == "bfloat16" else None
-    base = run_conversations(base_engine, **CONV) if base_engine is not None else None
-    hs_engine = engine(SMALL, kv_cache_dtype, HISPARSE)
+def test_multiturn_streams_match_the_ample_run_and_nobody_is_preempted(bf16_ample):
+    """On the bf16 cache; the fp8 cache's rows go through the host pool and the hot buffer in
+    tests/sharding/test_multihost.py's HiSparse engine (two processes, streams equal the one-device
+    ample fp8 run) and tests/kernels/test_host_rows.py (byte-exact copies of fp8 rows)."""
+    lm = api.load(cache_dtype="bfloat16")
+    ample = run_conversations(bf16_ample, logprobs=2, **CONV)
+    base_engine = engine(SMALL, "bfloat16")
+    base = run_conversations(base_engine, **CONV)
+    hs_engine = engine(SMALL, "bfloat16", HISPARSE)
     hs = run_conversations(hs_engine, **CONV)
     d = hs_engine.hisparse.device
-    preemption = (f"{mean_running(base):.2f} ({base_engine.scheduler.num_preemptions_total} preemptions)"
-                  if base is not None else "not run")
-    print(f"\n{kv_cache_dtype}: mean running ample {mean_running(ample):.2f}, preemption {preemption}, "
-          f"hisparse {mean_running(hs):.2f}; hot hits {d.hits}, misses {d.misses}, {d.h2d_bytes} B "
-          f"host->device, {hs_engine.hisparse.policy.num_released} pages released")
+    print(f"\nmean running ample {mean_running(ample):.2f}, preemption {mean_running(base):.2f} "
+          f"({base_engine.scheduler.num_preemptions_total} preemptions), hisparse {mean_running(hs):.2f}; hot hits "
+          f"{d.hits}, misses {d.misses}, {d.h2d_bytes} B host->device, {hs_engine.hisparse.policy.num_released} "
+          "pages released")
     for name, run in (("preemption", base), ("hisparse", hs)):
-        if run is not None:
-            print(name, end=": ")
-            compare_streams(ample.outputs, run.outputs, ample.logprobs, ample.prompts, lm)
-    if base is not None:
-        assert base_engine.scheduler.num_preemptions_total > 0  # the pressure is real
-        assert mean_running(hs) > mean_running(base)
+        print(name, end=": ")
+        compare_streams(ample.outputs, run.outputs, ample.logprobs, ample.prompts, lm)
+    assert base_engine.scheduler.num_preemptions_total > 0  # the pressure is real
+    assert mean_running(hs) > mean_running(base)
     assert hs_engine.scheduler.num_preemptions_total == 0
     assert d.misses > 0 and d.drops_outside_truncation == 0  # rows really came from the host pool
     assert hs_engine.prefix_cache.host_hits > 0  # later turns reused their prefix from the host tier
@@ -151,7 +149,7 @@ def test_aborts_free_every_page_in_every_residency_state(bf16_hisparse, async_sc
     assert e.hisparse.host.blocks.num_free == e.hisparse.host.num_usable and not e.hisparse.host.queue
 
 
-def test_a_request_three_times_the_device_pool_is_served():
+def test_a_request_three_times_the_device_pool_is_served(bf16_ample):
     """24 usable pages hold 1,536 MLA tokens; the prompt has 4,600. It is admitted with an in-flight
     window, its earlier chunks are copied to the host and released as the prefill proceeds, and later
     chunks read them through the hot buffer. Its chunks are sized by what their selections fill
@@ -168,20 +166,24 @@ def test_a_request_three_times_the_device_pool_is_served():
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     outs = {}
     peak = 0
-    for name, e in (("ample", engine(120, "bfloat16", max_model_len=4700)), ("hisparse", engine(25, "bfloat16", {
-            "hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 640}}, max_model_len=4700,
+    for name, e in (("ample", bf16_ample), ("hisparse", engine(25, "bfloat16", {
+            "hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 640}}, max_model_len=AMPLE_MAX_MODEL_LEN,
             async_scheduling=True))):
         e.add_request("long", prompt, params)
         toks, lps = [], []
+        schedule = e.scheduler.schedule
         rows = count_prompt_rows(e, len(prompt))
-        while e.has_unfinished_requests():
-            for o in e.step():
-                toks += o.new_token_ids
-                lps += o.new_logprobs or []
-            assert e.audit() == []
-            if e.hisparse is not None and e.kv.has_request("long"):
-                peak = max(peak, device_pages(e, "long") - len(e.hisparse.policy.releasable(
-                    e.scheduler.get_request("long"))))
+        try:
+            while e.has_unfinished_requests():
+                for o in e.step():
+                    toks += o.new_token_ids
+                    lps += o.new_logprobs or []
+                assert e.audit() == []
+                if e.hisparse is not None and e.kv.has_request("long"):
+                    peak = max(peak, device_pages(e, "long") - len(e.hisparse.policy.releasable(
+                        e.scheduler.get_request("long"))))
+        finally:
+            e.scheduler.schedule = schedule  # the shared ample engine goes on unwrapped
         outs[name] = (toks, lps, e, rows[0])
     e = outs["hisparse"][2]
     pol = e.hisparse.policy
@@ -195,7 +197,7 @@ def test_a_request_three_times_the_device_pool_is_served():
     assert pol.num_truncated_chunks > 0 and e.hisparse.device.dropped > 0  # chunks really overflowed
     sure = 640 // 64
     assert e.runner.num_hot_steps < (4600 - 1536) / sure  # fewer hot steps than the worst-case bound's
-    plan = e.hisparse.plan(25, 4700, 64)
+    plan = e.hisparse.plan(25, AMPLE_MAX_MODEL_LEN, 64)
     assert 0 < peak <= plan.first_pages, (peak, plan)
     lm = api.load(cache_dtype="bfloat16")
     compare_streams({"long": outs["ample"][0]}, {"long": outs["hisparse"][0]}, {"long": outs["ample"][1]},
@@ -252,7 +254,7 @@ def test_without_pressure_every_step_is_the_plain_program(bf16_ample, bf16_hispa
         return outs
 
     base = run(bf16_ample)
-    hs = engine(AMPLE, "bfloat16", HISPARSE)
+    hs = engine(AMPLE, "bfloat16", HISPARSE, max_model_len=AMPLE_MAX_MODEL_LEN)
     assert run(hs) == base
     assert hs.runner.num_hot_steps == 0 and hs.hisparse.device.misses == 0
     small = bf16_hisparse  # the module's small-pool HiSparse engine

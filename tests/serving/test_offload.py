@@ -18,6 +18,7 @@ from serving.types import SamplingParams
 from tests.helpers.conversations import run_conversations
 from tests.serving.test_hisparse_engine import (
     AMPLE,
+    AMPLE_MAX_MODEL_LEN,
     CONV,
     HISPARSE,
     SMALL,
@@ -157,10 +158,16 @@ def test_kv_events_announce_the_offload_tier(small):
     assert_clean(e)
 
 
+@pytest.fixture(scope="module")
+def ample_agentic():
+    """The agentic workload on the ample pool (the reference of both modes below), run once."""
+    return run_conversations(engine(AMPLE, "bfloat16", max_model_len=AMPLE_MAX_MODEL_LEN), logprobs=2, **CONV)
+
+
 @pytest.mark.parametrize("mode", ["offload", "hisparse+offload"])
-def test_agentic_streams_equal_the_ample_run(mode):
+def test_agentic_streams_equal_the_ample_run(mode, ample_agentic):
     lm = api.load(cache_dtype="bfloat16")
-    ample = run_conversations(engine(AMPLE, "bfloat16"), logprobs=2, **CONV)
+    ample = ample_agentic
     hs = HISPARSE if mode == "hisparse+offload" else None
     e = engine(SMALL, "bfloat16", hs, kv_transfer_config=offload_flag())
     run = run_conversations(e, **CONV)

@@ -470,7 +470,7 @@ def record_drafts(drafts: dict):
 @pytest.fixture(scope="module")
 def ample_mtp_run():
     """`HS_CONV` on an ample pool with MTP k = 3 (the real drafter), no HiSparse: the streams (the
-    target's, as without speculation) and the drafts, shared by the HiSparse + MTP tests."""
+    target's, as without speculation) and the drafts."""
     from tests.helpers.conversations import run_conversations
     from tests.serving.test_hisparse_engine import AMPLE
     from tests.serving.test_hisparse_engine import engine as hs_engine
@@ -481,69 +481,19 @@ def ample_mtp_run():
     return run, drafts
 
 
-def test_hisparse_with_mtp_streams_equal_the_ample_run(ample_mtp_run):
-    """Hybrid HiSparse + MTP (k = 3, the reference deployment's pairing) under KV pressure: verify
-    rows resolve through the hot buffer of (k + 2) × index_topk rows, nobody is preempted, and the
-    streams equal the ample run's (equality rule). The oracle drafter makes every decode step
-    verify 4 rows, so the resolver serves k + 1 rows per request."""
-    from tests.helpers.conversations import run_conversations
-    from tests.serving.test_hisparse_engine import HISPARSE, SMALL
-    from tests.serving.test_hisparse_engine import engine as hs_engine
-
-    conv = HS_CONV
-    lm = api.load(cache_dtype="bfloat16")
-    ample = ample_mtp_run[0]
-    e = hs_engine(SMALL, "bfloat16", HISPARSE, speculative_config=HS_SPEC)
-    assert e.hisparse.config.device_buffer_rows == 5 * lm.config.index_topk  # (k + 2) × index_topk
-    rid_key = {}
-    orig_add = e.add_request
-
-    def add(rid, prompt, params):  # remember each request's conversation turn for the oracle
-        c, t = int(rid[1:rid.index("t")]), int(rid[rid.index("t") + 1:])
-        rid_key[rid] = (c, t)
-        orig_add(rid, prompt, params)
-
-    e.add_request = add
-    hot_verify_steps = []
-    orig_exec = e.runner.execute
-
-    def execute(sched, kv):  # count steps that verified drafts through the hot path
-        n = e.runner.num_hot_steps
-        out = orig_exec(sched, kv)
-        if e.runner.num_hot_steps > n and sched.num_spec_tokens:
-            hot_verify_steps.append(sched.num_spec_tokens)
-        return out
-
-    e.runner.execute = execute
-    def half_right(req, n):
-        want = (ample.outputs[rid_key[req.request_id]][req.num_output_tokens:] + [0] * n)[:n]
-        return want[:1] + [(t + 1) % VOCAB for t in want[1:]]
-
-    e.drafter_override = half_right
-    run = run_conversations(e, **conv)
-    compare_streams(ample.outputs, run.outputs, ample.logprobs, ample.prompts, lm)
-    d, s = e.hisparse.device, e.spec_stats
-    print(f"\nhisparse+mtp: hot hits {d.hits}, misses {d.misses}; drafts {s.num_drafts}, accepted "
-          f"{s.num_accepted_tokens}/{s.num_draft_tokens}; hot steps {e.runner.num_hot_steps}")
-    assert e.scheduler.num_preemptions_total == 0
-    assert d.misses > 0 and d.drops_outside_truncation == 0  # rows came from the host pool
-    assert hot_verify_steps  # verification rows were resolved through the hot buffer
-    assert 0 < s.num_accepted_tokens < s.num_draft_tokens
-    assert s.accepted_per_pos[0] == s.num_accepted_tokens  # only first drafts were accepted
-    assert e.pool.num_free == e.pool.num_usable_blocks
-    assert e.hisparse.host.blocks.num_free == e.hisparse.host.num_usable
-
-
-def test_mtp_rows_go_to_the_host_pool_and_the_drafts_read_them_back(ample_mtp_run):
-    """The MTP layer's latent rows are one more layer of the `mla` group: under Hybrid HiSparse
-    they are copied to the host pool with their pages and released with them, and the MTP layer
-    resolves its top-k through the hot buffer (its own index group F = len(full_layers)). With the
-    real drafter (k = 3) on a pool far too small, the HiSparse engine's streams equal the ample
-    MTP engine's (equality rule), its drafts for a request at a given length are the ample
-    engine's (the MTP layer read the same rows: ≥ 95 % of the (request, length) draft lists
-    equal, the rest allowed for near-ties of another batch composition), the MTP index group held
-    host rows, clean host pages equal their device copies byte for byte (the MTP layer
-    included), and nothing leaks."""
+def test_hisparse_with_mtp_streams_equal_the_ample_run_and_the_drafts_read_host_rows(ample_mtp_run):
+    """Hybrid HiSparse + MTP (k = 3, the reference deployment's pairing) under KV pressure, with the
+    real drafter. Verification: each decode step verifies k + 1 rows per request, resolved
+    through a hot buffer of (k + 2) × index_topk rows; the random-weight drafter's drafts are
+    rejected and their KV rolled back (every draft accepted under HiSparse: the TP2 × DCP2 oracle
+    test in tests/sharding/test_hisparse_parallel.py); nobody is preempted, and the streams equal the ample MTP
+    engine's (equality rule). The MTP layer: its latent rows are one more layer of the `mla`
+    group, copied to the host pool with their pages and released with them, and it resolves its
+    top-k through the hot buffer (its own index group F = len(full_layers)); its drafts for a
+    request at a given length are the ample engine's (it read the same rows: ≥ 95 % of the
+    (request, length) draft lists equal, the rest allowed for near-ties of another batch
+    composition), the MTP index group held host rows, clean host pages equal their device copies
+    byte for byte (the MTP layer included), and nothing leaks."""
     from glm53.kv_layout import mtp_index_layer
     from tests.helpers.conversations import run_conversations
     from tests.helpers.hisparse_pool import check_host_pool_bytes
@@ -565,13 +515,28 @@ def test_mtp_rows_go_to_the_host_pool_and_the_drafts_read_them_back(ample_mtp_ru
     ample, ref_drafts = ample_mtp_run
     e = hs_engine(SMALL, "bfloat16", HISPARSE, speculative_config=HS_SPEC)
     assert e.layout.group("mla").component("mla")[1].num_layers == lm.config.num_hidden_layers + 1
+    assert e.hisparse.config.device_buffer_rows == 5 * lm.config.index_topk  # (k + 2) × index_topk
+    hot_verify_steps = []
+    orig_exec = e.runner.execute
+
+    def execute(sched, kv):  # steps that verified drafts through the hot path
+        n = e.runner.num_hot_steps
+        out = orig_exec(sched, kv)
+        if e.runner.num_hot_steps > n and sched.num_spec_tokens:
+            hot_verify_steps.append(sched.num_spec_tokens)
+        return out
+
+    e.runner.execute = execute
     run = run_conversations(e, on_step=on_step, **HS_CONV)
     compare_streams(ample.outputs, run.outputs, ample.logprobs, ample.prompts, lm)
     common = ref_drafts.keys() & hs_drafts.keys()
     same = sum(ref_drafts[k] == hs_drafts[k] for k in common)
-    d = e.hisparse.device
-    print(f"\nMTP rows on the host: drafts equal {same}/{len(common)}; hot hits {d.hits}, misses {d.misses}; "
+    d, s = e.hisparse.device, e.spec_stats
+    print(f"\nhisparse+mtp: drafts equal {same}/{len(common)}; accepted {s.num_accepted_tokens}/{s.num_draft_tokens} "
+          f"{s.accepted_per_pos}; {len(hot_verify_steps)} hot verify steps; hot hits {d.hits}, misses {d.misses}; "
           f"{checked[0]} clean host pages checked; pages released {e.hisparse.policy.num_released}")
+    assert hot_verify_steps  # verification rows were resolved through the hot buffer
+    assert s.num_accepted_tokens < s.num_draft_tokens  # rejected drafts, their KV rolled back
     assert len(common) > 20 and same >= 0.95 * len(common)
     assert mtp_hot[0] and d.misses > 0 and e.hisparse.policy.num_released > 0 and checked[0] > 0
     assert e.scheduler.num_preemptions_total == 0 and d.drops_outside_truncation == 0

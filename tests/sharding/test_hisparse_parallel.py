@@ -3,8 +3,8 @@
 A multi-turn workload (3 conversations × 2 turns, first turn 400 tokens = 6 × index_topk — 900
 under DCP2 —, 24 new user tokens and 8 output tokens per turn) on a device pool far too small for it
 (`SMALL`), served with
-HiSparse under TP2 (one host copy per replica: the pool's columns split over the TP ranks), DP2 +
-EP (a host pool, policy and hot state per replica), TP2 × DCP2, PCP2 × DCP2 and DP2 × TP2 × DCP2
+HiSparse under DP2 × TP2 + EP (a host pool, policy and hot state per replica; one host copy per
+replica, the pool's columns split over its TP ranks), TP2 × DCP2, PCP2 × DCP2 and DP2 × TP2 × DCP2
 (each DCP rank's host pool holds its token share of every page; each rank resolves the merged
 top-k for the positions it owns). Every run is checked against the single-device run on an
 ample pool without HiSparse (docs/design.md §10's equality rule, `glm53.equality`), with nobody
@@ -101,8 +101,10 @@ def preemptions(engine) -> int:
 
 
 LAYOUTS = {
-    "tp2": (ParallelConfig(tensor_parallel_size=2), "memory_kind"),
-    "dp2_ep": (ParallelConfig(data_parallel_size=2, enable_expert_parallel=True), "memory_kind"),
+    # TP2 inside each of two DP replicas, experts over both (one host copy per replica, its columns
+    # split over the TP ranks; a host pool, policy and hot state per replica).
+    "dp2_tp2_ep": (ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True),
+                   "memory_kind"),
     "tp2_dcp2": (ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2), "callback"),
     "pcp2_dcp2": (ParallelConfig(prefill_context_parallel_size=2, decode_context_parallel_size=2), "memory_kind"),
     "dp2_tp2_dcp2": (ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, decode_context_parallel_size=2),
@@ -166,7 +168,7 @@ class Interference:
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_streams_equal_the_single_device_ample_run(name, lm):
-    """Under DP2 + EP one replica also sees an abort and the other a preemption
+    """Under DP2 × TP2 + EP one replica also sees an abort and the other a preemption
     (`Interference`): every other stream — the preempted one included — still equals the
     reference, the aborted one is its prefix."""
     par, mechanism = LAYOUTS[name]

@@ -8,11 +8,12 @@ loopback, the leader serving HTTP through the openai client, the follower `--hea
   for DP2 + EP with the fp8 cache (one attention replica per process, experts over both),
   PCP2 × DCP2 × TP4 with the CPU offloading connector storing pages (the context-parallel groups
   span the processes), MTP k = 2 on 2 × 2
-  devices (TP4), and Hybrid HiSparse on a device pool far too small under DP2 + EP (each
-  process's replica has its own host pool).
+  devices (TP4), and Hybrid HiSparse on a device pool far too small under DP2 + EP with the fp8
+  cache (each process's replica has its own host pool; the suite's engine-level check of fp8 rows
+  through the host pool and the hot buffer).
 * SIGTERM on the leader: the running stream finishes, every process exits 0.
-* A killed follower, a frozen one (SIGSTOP, past --peer-timeout) and a corrupt step message each
-  stop the engine: the open stream ends in an error without a wrong token, /health answers 503
+* A killed follower (after the PCP2 × DCP2 checks), a frozen one (SIGSTOP past --peer-timeout,
+  after the MTP checks) and a corrupt step message each stop the engine: the open stream ends in an error without a wrong token, /health answers 503
   (or the port is closed), every process exits non-zero.
 """
 
@@ -190,24 +191,6 @@ def test_pcp2_dcp2_offload_across_processes_serves_the_one_process_streams_and_a
         assert "the engine died" in mh.leader_log()
 
 
-def test_a_frozen_follower_stops_the_engine_within_the_peer_timeout():
-    with multihost_engine(ENGINE + DP2_EP_FP8 + ["--peer-timeout", "3"]) as mh:
-        it = stream_tokens(mh.url, PROMPTS["b"], 60)
-        next(it)
-        mh.followers[0].send_signal(signal.SIGSTOP)
-        t0 = time.monotonic()
-        items = list(it)
-        assert items and isinstance(items[-1], Exception), items
-        waited = time.monotonic() - t0
-        assert 2.0 < waited < 20, waited  # bounded by --peer-timeout (3 s) plus the heartbeat period
-        codes = [health(mh.url)]
-        assert codes[0] in (503, None)
-        assert mh.leader.wait(30) == 1, mh.logs()
-        assert "sent no heartbeat" in mh.leader_log()
-        mh.followers[0].send_signal(signal.SIGCONT)
-        assert mh.followers[0].wait(30) not in (0, None), mh.logs()
-
-
 def test_a_corrupt_step_message_stops_the_engine_without_a_wrong_token():
     ref, lps, dtype = reference(DP2_EP_FP8)
     with multihost_engine(ENGINE + DP2_EP_FP8, leader_env={CORRUPT_ENV: "4"}) as mh:
@@ -233,12 +216,14 @@ def test_a_follower_with_other_engine_flags_is_refused_by_name_before_any_collec
     assert "server exited with 1" in str(err.value)
 
 
-def test_mtp_k2_across_two_processes_of_two_devices_serves_the_one_process_streams():
+def test_mtp_k2_across_two_processes_of_two_devices_serves_the_one_process_streams_then_a_frozen_follower_stops_all():
     """Then structured outputs across the processes: the leader computes each step's masks (k + 1
     rows per request under MTP) and sends them with the step's inputs; sampled at temperature 1,
     the random-weight model's outputs match the regex and are among the choices only through
-    the mask."""
-    with multihost_engine(ENGINE + MTP_TP4, devices_per_process=2) as mh:
+    the mask. Then the follower is frozen (SIGSTOP) mid-stream: the stream ends in an error within
+    --peer-timeout (3 s) plus a heartbeat period, /health answers 503 (or the port is closed), the
+    leader exits 1 naming the silent process, and the follower, resumed, exits non-zero."""
+    with multihost_engine(ENGINE + MTP_TP4 + ["--peer-timeout", "3"], devices_per_process=2) as mh:
         check_equal(MTP_TP4, mh.url)
         assert "schedules synchronously: MTP speculation" in mh.leader_log()
         for so, ok in (({"regex": r"[a-z]{2,5}-[0-9]{3}"}, lambda t: re.fullmatch(r"[a-z]{2,5}-[0-9]{3}", t)),
@@ -250,11 +235,26 @@ def test_mtp_k2_across_two_processes_of_two_devices_serves_the_one_process_strea
             for c in r.json()["choices"]:
                 assert c["finish_reason"] == "stop" and ok(c["text"]), c
 
+        it = stream_tokens(mh.url, PROMPTS["b"], 60)
+        next(it)
+        mh.followers[0].send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        items = list(it)
+        assert items and isinstance(items[-1], Exception), items
+        waited = time.monotonic() - t0
+        assert 2.0 < waited < 20, waited  # bounded by --peer-timeout (3 s) plus the heartbeat period
+        assert health(mh.url) in (503, None)
+        assert mh.leader.wait(30) == 1, mh.logs()
+        assert "sent no heartbeat" in mh.leader_log()
+        mh.followers[0].send_signal(signal.SIGCONT)
+        assert mh.followers[0].wait(30) not in (0, None), mh.logs()
+
 
 HS_PROMPTS = {f"r{i}": [(17 * i + 31 * j) % 450 + 5 for j in range(400)] for i in range(4)}
 HS_MAX_TOKENS = 8
 HS_ENGINE = ["--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
-             "--cuda-graph-sizes", "--precompile-token-paddings", "--disable-log-stats", "--enable-prefix-caching"]
+             "--cuda-graph-sizes", "--precompile-token-paddings", "--disable-log-stats", "--enable-prefix-caching",
+             "--kv-cache-dtype", "fp8"]
 HS_LAYOUT = ["-tp", "4", "-dp", "2", "--enable-expert-parallel", "--num-gpu-blocks-override", "10", "--attention-config",
              json.dumps({"hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 1024,
                                              "host_gather": "memory_kind"}})]
@@ -262,9 +262,10 @@ HS_LAYOUT = ["-tp", "4", "-dp", "2", "--enable-expert-parallel", "--num-gpu-bloc
 
 def test_hisparse_on_a_pool_far_too_small_spans_both_processes():
     """DP2 + EP with one replica per process, 9 usable pages per replica, two 400-token requests
-    pinned to each replica (16 pages each pair): both replicas' host pools — one per process — hold
-    released pages and feed the hot buffers; the streams equal the one-device ample run without
-    HiSparse, and nobody is preempted."""
+    pinned to each replica (16 pages each pair), on the fp8 cache (`fp8_ds_mla` rows with their
+    scales, fp8 indexer keys): both replicas' host pools — one per process — hold released pages
+    and feed the hot buffers; the streams equal the one-device ample fp8 run without HiSparse, and
+    nobody is preempted."""
     args = make_arg_parser().parse_args(HS_ENGINE + ["--num-gpu-blocks-override", "160"])
     validate_args(args)
     ref, lps = greedy_streams(build_engine(engine_args(args, None)), HS_PROMPTS, HS_MAX_TOKENS)
@@ -285,6 +286,6 @@ def test_hisparse_on_a_pool_far_too_small_spans_both_processes():
             t.join()
             misses = metric(mh.url, "vllm:hisparse_cache_misses_total")
         preemptions = metric(mh.url, "vllm:num_preemptions_total")
-    compare_streams(ref, got, lps, HS_PROMPTS, api.load(cache_dtype="bfloat16"))
+    compare_streams(ref, got, lps, HS_PROMPTS, api.load(cache_dtype="fp8"))
     assert misses > 0  # rows really came from the host pools
     assert preemptions == 0

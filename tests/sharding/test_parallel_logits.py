@@ -16,20 +16,19 @@ from kernels.paged import read_cache
 from sharding.mesh import ParallelConfig, ParallelLayout
 from tests.sharding.conftest import S, TOL, run_layout
 
-# Each size of each axis at least once, alone and combined (TP 4 and PCP 4 appear inside the
-# DCP / PCP combinations; the a2a backend at DCP 2 and 8).
+# Each size of each axis at least once (TP 2, TP 4, PCP 2 and PCP 4 inside the combinations; TP8
+# and DP8 + EP8 also alone; the a2a backend at DCP 8, alone and under PCP2 × TP4). Each layout is a
+# compile and a run of the model under it: a smaller axis alone adds little that its combinations
+# do not check.
 LAYOUTS = {
-    "tp2": ParallelConfig(tensor_parallel_size=2),
     "tp8": ParallelConfig(tensor_parallel_size=8),
     "dp8_ep8": ParallelConfig(data_parallel_size=8, enable_expert_parallel=True),
     "tp2_dp4_ep8": ParallelConfig(tensor_parallel_size=2, data_parallel_size=4, enable_expert_parallel=True),
     "dcp2_ag_rs": ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2),
-    "dcp2_a2a": ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2, dcp_comm_backend="a2a"),
     "dcp4_ag_rs_i2": ParallelConfig(tensor_parallel_size=4, decode_context_parallel_size=4,
                                     dcp_kv_cache_interleave_size=2),
     "dcp8_ag_rs": ParallelConfig(tensor_parallel_size=8, decode_context_parallel_size=8),
     "dcp8_a2a": ParallelConfig(tensor_parallel_size=8, decode_context_parallel_size=8, dcp_comm_backend="a2a"),
-    "pcp2": ParallelConfig(prefill_context_parallel_size=2),
     "pcp4_dcp4": ParallelConfig(prefill_context_parallel_size=4, decode_context_parallel_size=4),
     "dp2_pcp2_tp2_dcp2": ParallelConfig(data_parallel_size=2, prefill_context_parallel_size=2, tensor_parallel_size=2,
                                         decode_context_parallel_size=2),  # DCP over TP (TP wins a tie with PCP)
