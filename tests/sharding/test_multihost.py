@@ -2,13 +2,14 @@
 loopback, the leader serving HTTP through the openai client, the follower `--headless`.
 
 * Greedy streams equal those of the one-device, non-speculative engine with the same engine flags
-  in this process (docs/design.md §10's rule: identical, or a divergence at a near-tie of the
+  (cache dtype, weight quantisation) in this process (docs/design.md §10's rule: identical, or a divergence at a near-tie of the
   reference; the one-process 8-device run of a layout is held to the same rule by
   tests/sharding/test_engine_parallel.py and test_hisparse_parallel.py),
   for DP2 + EP with the fp8 cache (one attention replica per process, experts over both),
   PCP2 × DCP2 × TP4 with the CPU offloading connector storing pages (the context-parallel groups
   span the processes), MTP k = 2 on 2 × 2
-  devices (TP4), and Hybrid HiSparse on a device pool far too small under DP2 + EP with the fp8
+  devices (TP4) with the connector's loads (a prefix evicted from the device comes back from the
+  host store in a load program both processes run), and Hybrid HiSparse on a device pool far too small under DP2 + EP with the fp8
   cache (each process's replica has its own host pool; the suite's engine-level check of fp8 rows
   through the host pool and the hot buffer).
 * SIGTERM on the leader: the running stream finishes, every process exits 0.
@@ -49,6 +50,11 @@ PCP2_DCP2_OFFLOAD = ["-tp", "4", "-pcp", "2", "-dcp", "2", "--enable-prefix-cach
                      json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                                  "kv_connector_extra_config": {"cpu_bytes_to_use": 2**26}})]
 MTP_TP4 = ["-tp", "4", "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
+# With the CPU offloading connector too, and room for prompts past one indexer page (704 tokens with
+# the MTP layer), the unit a prefix hit — and so a load from the host store — comes in.
+MTP_TP4_OFFLOAD = MTP_TP4 + ["--enable-prefix-caching", "--max-model-len", "832", "--kv-transfer-config", json.dumps(
+    {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": 2**26}})]
+LONG_PROMPTS = {k: [(m * j + 11) % 480 + 5 for j in range(760)] for k, m in (("A", 23), ("B", 29))}
 MODEL = "glm-5.3-tiny"
 
 
@@ -68,15 +74,19 @@ def greedy_streams(engine, prompts: dict, max_tokens: int) -> tuple[dict, dict]:
 
 
 def reference(flags: list[str]) -> tuple[dict, dict, str]:
-    """The one-device, non-speculative engine with the same engine flags and cache dtype as
-    `flags` (layout, MTP and connector flags dropped; built by `serving.run.engine_args`), computed
-    once per cache dtype → (streams, their top logprobs, the cache dtype)."""
-    dtype = "fp8" if "fp8" in flags else "bfloat16"
-    if dtype not in _REFERENCES:
-        args = make_arg_parser().parse_args(ENGINE + (["--kv-cache-dtype", "fp8"] if dtype == "fp8" else []))
+    """The one-device, non-speculative engine with the same engine flags, cache dtype and weight
+    quantisation as `flags` (layout, MTP and connector flags dropped; built by
+    `serving.run.engine_args`), computed once per (cache dtype, quantisation) → (streams, their top
+    logprobs, the cache dtype)."""
+    dtype = "fp8" if "--kv-cache-dtype" in flags and flags[flags.index("--kv-cache-dtype") + 1] == "fp8" else "bfloat16"
+    quant = flags[flags.index("--quantization") + 1] if "--quantization" in flags else None
+    if (dtype, quant) not in _REFERENCES:
+        args = make_arg_parser().parse_args(ENGINE + (["--kv-cache-dtype", "fp8"] if dtype == "fp8" else [])
+                                            + (["--quantization", quant] if quant else []))
         validate_args(args)
-        _REFERENCES[dtype] = (*greedy_streams(build_engine(engine_args(args, None)), PROMPTS, MAX_TOKENS), dtype)
-    return _REFERENCES[dtype]
+        _REFERENCES[dtype, quant] = (*greedy_streams(build_engine(engine_args(args, None)), PROMPTS, MAX_TOKENS),
+                                     dtype)
+    return _REFERENCES[dtype, quant]
 
 
 def served(url: str) -> dict:
@@ -164,9 +174,9 @@ def test_dp2_ep_fp8_across_processes_serves_the_one_process_streams_and_sigterm_
 def test_pcp2_dcp2_offload_across_processes_serves_the_one_process_streams_and_a_killed_follower_stops_all():
     """PCP2 × DCP2 × TP4 with the CPU offloading connector: the streams equal the one-device
     engine's and the sealed pages are stored to the host store. (A later turn loaded back from it
-    needs a full 768-token indexer page, beyond this engine's 192-token limit: the loads are
-    covered in one process by tests/sharding/test_pd_parallel.py.) Then a follower is killed
-    mid-stream."""
+    needs a full 1,536-token indexer page under DCP2, beyond this engine's 192-token limit: the
+    loads across processes are checked under TP4 in the MTP test below, and under PCP2 × DCP2 in
+    one process by tests/sharding/test_pd_parallel.py.) Then a follower is killed mid-stream."""
     with multihost_engine(ENGINE + PCP2_DCP2_OFFLOAD) as mh:
         _, _, got = check_equal(PCP2_DCP2_OFFLOAD, mh.url)
         # A prompt with a full 128-token unit (64 x DCP2): its sealed pages go to the host store, on
@@ -216,14 +226,19 @@ def test_a_follower_with_other_engine_flags_is_refused_by_name_before_any_collec
     assert "server exited with 1" in str(err.value)
 
 
-def test_mtp_k2_across_two_processes_of_two_devices_serves_the_one_process_streams_then_a_frozen_follower_stops_all():
-    """Then structured outputs across the processes: the leader computes each step's masks (k + 1
-    rows per request under MTP) and sends them with the step's inputs; sampled at temperature 1,
-    the random-weight model's outputs match the regex and are among the choices only through
-    the mask. Then the follower is frozen (SIGSTOP) mid-stream: the stream ends in an error within
-    --peer-timeout (3 s) plus a heartbeat period, /health answers 503 (or the port is closed), the
-    leader exits 1 naming the silent process, and the follower, resumed, exits non-zero."""
-    with multihost_engine(ENGINE + MTP_TP4 + ["--peer-timeout", "3"], devices_per_process=2) as mh:
+def test_mtp_k2_and_offload_loads_across_two_processes_then_a_frozen_follower_stops_all():
+    """MTP k = 2 under TP4 over 2 × 2 devices (the TP group spans the processes) with the CPU
+    offloading connector: the streams equal the one-process engine's. Then structured outputs
+    across the processes: the leader computes each step's masks (k + 1 rows per request under MTP)
+    and sends them with the step's inputs; sampled at temperature 1, the random-weight model's
+    outputs match the regex and are among the choices only through the mask. Then the connector's
+    loads: a 760-token prompt, another that evicts its pages from the 23-page device pool, and the
+    first again — its prefix comes back from the host store (every process loads its own copy of
+    the pages, in the load program both run) and it answers as the first time. Then the follower
+    is frozen (SIGSTOP) mid-stream: the stream ends in an error within --peer-timeout (3 s) plus a
+    heartbeat period, /health answers 503 (or the port is closed), the leader exits 1 naming the
+    silent process, and the follower, resumed, exits non-zero."""
+    with multihost_engine(ENGINE + MTP_TP4_OFFLOAD + ["--peer-timeout", "3"], devices_per_process=2) as mh:
         check_equal(MTP_TP4, mh.url)
         assert "schedules synchronously: MTP speculation" in mh.leader_log()
         for so, ok in (({"regex": r"[a-z]{2,5}-[0-9]{3}"}, lambda t: re.fullmatch(r"[a-z]{2,5}-[0-9]{3}", t)),
@@ -234,6 +249,23 @@ def test_mtp_k2_across_two_processes_of_two_devices_serves_the_one_process_strea
             assert r.status_code == 200, f"{r.text}\n{mh.logs()}"
             for c in r.json()["choices"]:
                 assert c["finish_reason"] == "stop" and ok(c["text"]), c
+
+        def complete(prompt):
+            r = httpx.post(mh.url + "/v1/completions", timeout=300, json={
+                "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True})
+            assert r.status_code == 200, f"{r.text}\n{mh.logs()}"
+            return r.json()["choices"][0]["token_ids"], r.json()["usage"]
+
+        first, _ = complete(LONG_PROMPTS["A"])
+        complete(LONG_PROMPTS["B"])
+        again, usage = complete(LONG_PROMPTS["A"])
+        loaded = sum(float(line.split()[-1]) for line in httpx.get(mh.url + "/metrics").text.splitlines()
+                     if line.startswith("vllm:kv_offload_total_bytes_total") and 'transfer_type="cpu_to_gpu"' in line)
+        # The hit is one indexer page (704 tokens): the pages B evicted come from the host store.
+        assert (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) >= 704, usage
+        assert metric(mh.url, "vllm:external_prefix_cache_hits_total") > 0 and loaded > 0, mh.leader_log()[-3000:]
+        assert again == first
 
         it = stream_tokens(mh.url, PROMPTS["b"], 60)
         next(it)
