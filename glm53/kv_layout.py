@@ -111,6 +111,12 @@ def mtp_index_layer(cfg: GlmConfig, i: int = 0) -> int:
     return len(cfg.full_layers) + i
 
 
+def mtp_layers_in(layout: KVCacheLayout, cfg: GlmConfig) -> int:
+    """How many MTP layers' rows `layout` holds (0 unless built with `with_mtp`): the `mla` group's
+    layers past the backbone's L."""
+    return max(0, layout.group("mla").component("mla")[1].num_layers - cfg.num_hidden_layers)
+
+
 def layout_has_mtp(layout: KVCacheLayout, cfg: GlmConfig) -> bool:
     """True when `layout` holds the MTP layers' rows (built with `with_mtp`)."""
-    return cfg.num_mtp_layers > 0 and layout.group("mla").component("mla")[1].num_layers > cfg.num_hidden_layers
+    return mtp_layers_in(layout, cfg) > 0

@@ -148,6 +148,7 @@ def build_hisparse(config: HiSparseConfig, kv, layout, model_cfg, args, on_host_
     Raises HiSparseConfigError (a ValueError) naming the `hisparse_config` key: a device buffer
     below (spec + 1) × index_topk, a host pool that cannot hold one --max-model-len request or
     that exceeds the available host memory."""
+    from glm53.kv_layout import mtp_layers_in
     from serving.prefix_cache import PrefixCache
 
     kvs = list(kv) if isinstance(kv, (list, tuple)) else [kv]
@@ -171,8 +172,7 @@ def build_hisparse(config: HiSparseConfig, kv, layout, model_cfg, args, on_host_
         policies.append(HiSparsePolicy(kv_r, host, resolved, model_cfg.index_topk, prefix_cache, hot_tpp=tpp))
     # One hot-state index group per full layer, and one per MTP layer when the layout holds its
     # rows (`glm53.mtp.mtp_forward` resolves through group F = len(full_layers)).
-    n_mtp = max(0, mla.component("mla")[1].num_layers - model_cfg.num_hidden_layers)
-    groups = len(model_cfg.full_layers) + n_mtp
+    groups = len(model_cfg.full_layers) + mtp_layers_in(layout, model_cfg)
     device = HiSparseDeviceState(resolved, mla, num_host, args.max_num_seqs, groups,
                                  max_stores_per_step(args.max_num_batched_tokens, args.max_num_seqs, tpp * dcp),
                                  policies, parallel=parallel)

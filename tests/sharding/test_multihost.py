@@ -123,9 +123,10 @@ def check_equal(flags, url):
     return ref, lps, got
 
 
-def metric(url: str, name: str) -> float:
+def metric(url: str, name: str, label: str = "") -> float:
+    """The sum of the leader's /metrics samples named `name…` (and holding `label`, e.g. 'k="v"')."""
     text = httpx.get(url + "/metrics").text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name) and label in line)
 
 
 def stream_tokens(url: str, prompt, max_tokens: int):
@@ -260,8 +261,7 @@ def test_mtp_k2_and_offload_loads_across_two_processes_then_a_frozen_follower_st
         first, _ = complete(LONG_PROMPTS["A"])
         complete(LONG_PROMPTS["B"])
         again, usage = complete(LONG_PROMPTS["A"])
-        loaded = sum(float(line.split()[-1]) for line in httpx.get(mh.url + "/metrics").text.splitlines()
-                     if line.startswith("vllm:kv_offload_total_bytes_total") and 'transfer_type="cpu_to_gpu"' in line)
+        loaded = metric(mh.url, "vllm:kv_offload_total_bytes_total", 'transfer_type="cpu_to_gpu"')
         # The hit is one indexer page (704 tokens): the pages B evicted come from the host store.
         assert (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) >= 704, usage
         assert metric(mh.url, "vllm:external_prefix_cache_hits_total") > 0 and loaded > 0, mh.leader_log()[-3000:]
