@@ -1,7 +1,11 @@
 """Whole-page reads and writes of the KV arena outside the step (P/D staging and landing).
 
 A mixin of `serving.runner.ModelRunner`: it uses the runner's `kv_arena` (uint32
-`[rows, page_words]`, donated by the write program).
+`[rows, page_words]`, donated by the write program), its `_put` (host inputs as the programs take
+them) and its `step_sink`. In a multi-process engine (serving/multihost) the leader sends each
+program's inputs to the followers first (`("read_pages", rows)`, `("write_pages", (rows, data))`:
+every process runs the same program over its own arena shards), and the read's output is
+replicated over the mesh, so the leader gets every process's pages from its own devices.
 """
 
 from __future__ import annotations
@@ -26,7 +30,11 @@ class ArenaPageIO:
         if kind not in progs:
             sharding = self.kv_arena.sharding
             if kind == "read":
-                progs[kind] = jax.jit(lambda arena, rows: jnp.take(arena, rows, axis=0, mode="clip"))
+                replicated = None
+                if jax.process_count() > 1:  # the pages of other processes' devices, on every process
+                    replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+                progs[kind] = jax.jit(lambda arena, rows: jnp.take(arena, rows, axis=0, mode="clip"),
+                                      out_shardings=replicated)
             else:
                 progs[kind] = jax.jit(lambda arena, rows, data: arena.at[rows].set(data, mode="drop"),
                                       donate_argnums=(0,), out_shardings=sharding)
@@ -48,7 +56,9 @@ class ArenaPageIO:
             return np.concatenate([self.read_pages(rows[i:i + cap]) for i in range(0, len(rows), cap)])
         padded = np.zeros(self._page_bucket(len(rows)), np.int32)
         padded[:len(rows)] = rows
-        return np.asarray(self._page_program("read")(self.kv_arena, jnp.asarray(padded)))[:len(rows)]
+        if self.step_sink is not None:
+            self.step_sink("read_pages", padded)
+        return np.asarray(jax.device_get(self._page_program("read")(self.kv_arena, self._put(padded))))[:len(rows)]
 
     def write_pages(self, rows, data) -> None:
         """Arena rows `rows` (int32[n]) ← `data` (uint32[n, page_words]), before the next step (P/D
@@ -64,4 +74,6 @@ class ArenaPageIO:
         padded[:len(rows)] = rows
         buf = np.zeros((n, self.kv_arena.shape[1]), np.uint32)
         buf[:len(rows)] = data
-        self.kv_arena = self._page_program("write")(self.kv_arena, jnp.asarray(padded), jnp.asarray(buf))
+        if self.step_sink is not None:
+            self.step_sink("write_pages", (padded, buf))
+        self.kv_arena = self._page_program("write")(self.kv_arena, self._put(padded), self._put(buf))

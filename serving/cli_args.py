@@ -329,9 +329,8 @@ def _check_speculative_config(args: argparse.Namespace) -> None:
 def _check_multihost(args: argparse.Namespace) -> None:
     """A multi-process engine (serving/multihost): process 0 serves HTTP and schedules, the others
     run `--headless`. Sets `args.multihost` (a `serving.multihost.MultiHostConfig`, or None for one
-    process). What does not span processes yet (the P/D connectors) is refused here, naming the
-    flag; the host mechanism "callback" of HiSparse and the offloading connector is refused when
-    the engine is built (`serving.runner.ModelRunner`)."""
+    process). The host mechanism "callback" of HiSparse and the offloading connector is refused
+    when the engine is built (`serving.runner.ModelRunner`): it keeps one numpy store per process."""
     args.multihost = None
     if args.headless and args.num_processes < 2:
         raise ArgumentError("--headless runs a follower of a multi-process engine: it needs --num-processes >= 2 "
@@ -342,17 +341,6 @@ def _check_multihost(args: argparse.Namespace) -> None:
         raise ArgumentError("--headless is for --process-id > 0: process 0 is the leader (it serves HTTP)")
     if not args.peer_timeout > 0:
         raise ArgumentError(f"--peer-timeout must be > 0, got {args.peer_timeout}")
-    if args.kv_transfer_config is not None:
-        from serving.kv_transfer_config import KVTransferConfigError
-        from serving.pd import pd_config
-
-        try:
-            pd = pd_config(args.kv_transfer_config)
-        except KVTransferConfigError as e:
-            raise ArgumentError(str(e)) from None
-        if pd is not None:
-            raise _not_yet(f"--kv-transfer-config with a P/D connector (kv_role {pd.kv_role}) and --num-processes "
-                           f"{args.num_processes}: a P/D engine runs in one process")
     from serving.multihost import MultiHostConfig
 
     host, _, port = args.distributed_config.coordinator_address.rpartition(":")

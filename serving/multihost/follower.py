@@ -61,6 +61,10 @@ def run_follower(engine, channel: FollowerChannel, config: MultiHostConfig) -> i
             elif op == "offload":
                 stores, loads, wait = inputs
                 runner.run_offload_lists(stores.tolist(), loads.tolist(), bool(wait))
+            elif op == "read_pages":  # P/D staging on the leader: the gather spans every process
+                runner.read_pages(inputs)
+            elif op == "write_pages":  # P/D landing: the rows the leader pulled, on every process
+                runner.write_pages(*inputs)
             else:
                 raise ValueError(f"unknown operation {op!r} from the leader")
     except Exception as e:  # noqa: BLE001 - any failure stops this process and the engine

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
+import jax
 import numpy as np
 
 from serving.metrics import StepRecord
@@ -36,6 +37,11 @@ class PDEngineMixin:
         (naming the flag) for a combination this build does not serve."""
         config = pd_config(self.args.kv_transfer_config)
         if config is None:
+            return None
+        if jax.process_index() != 0:
+            # A follower of a multi-process engine: the leader owns the connector (side channel,
+            # transfer server, held and pulled KV); this process runs its page reads and writes
+            # as the leader sends them (serving/multihost, `serving/arena_pages.py`).
             return None
         if self.hisparse is not None and config.is_producer:
             raise ValueError("--kv-transfer-config kv_role kv_producer / kv_both with Hybrid HiSparse: a prefill engine "

@@ -1,4 +1,5 @@
-"""The P/D data plane: one `jax.experimental.transfer` server per engine process.
+"""The P/D data plane: one `jax.experimental.transfer` server per engine (in a multi-process
+engine, the leader's: it stages and pulls on its first local device).
 
 The runtime (jax 0.11.2) moves raw shard bytes: the producer offers arrays under a uint64 uuid
 (`await_pull`), the consumer pulls them into arrays of the shapes it names (`pull`), pairing
@@ -46,7 +47,7 @@ class TransferEndpoint:
             if self._server is None:
                 from jax.experimental import transfer
 
-                dev = jax.devices()[0]
+                dev = jax.local_devices()[0]
                 self._server = transfer.start_transfer_server(dev.client, f"{self.host}:0",
                                                               [f"{self.host}:0"] * self.num_sockets)
                 logger.info("KV transfer server (jax.experimental.transfer) at %s", self._server.address())
@@ -63,7 +64,7 @@ class TransferEndpoint:
         """Stage `rows` (host arrays) on the first device and offer them under `uuid`. Returns the
         staged arrays (keep them to `.delete()` them at a deadline; dropping the reference is
         enough once pulled: the transfer table owns them until then)."""
-        dev = jax.devices()[0]
+        dev = jax.local_devices()[0]  # (jax.devices()[0] may be another process's device)
         staged = [jax.device_put(r, dev) for r in rows]
         jax.block_until_ready(staged)
         self.server.await_pull(uuid, staged)
@@ -79,6 +80,6 @@ class TransferEndpoint:
             conn = self.server.connect(address)
             with self._lock:
                 conn = self._conns.setdefault(address, conn)
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         specs = [jax.ShapeDtypeStruct(tuple(s), jnp.uint32, sharding=sharding) for s in shapes]
         return conn.pull(uuid, specs)

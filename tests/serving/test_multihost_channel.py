@@ -176,11 +176,9 @@ def test_a_missing_follower_times_out_naming_it():
 @pytest.mark.parametrize("argv, flag", [
     (["--headless"], "--headless runs a follower"),
     (["--num-processes", "2", "--coordinator-address", "h:1", "--headless"], "--headless is for --process-id > 0"),
-    (["--num-processes", "2", "--coordinator-address", "h:1", "--kv-transfer-config",
-      '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'], "P/D connector"),
     (["--num-processes", "2", "--coordinator-address", "h:1", "--peer-timeout", "0"], "--peer-timeout"),
 ])
-def test_the_cli_refuses_what_does_not_span_processes_yet(argv, flag):
+def test_the_cli_refuses_bad_multi_process_flags(argv, flag):
     args = make_arg_parser().parse_args(argv)
     with pytest.raises(ArgumentError, match=flag):
         validate_args(args)

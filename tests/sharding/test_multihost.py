@@ -5,7 +5,8 @@ loopback, the leader serving HTTP through the openai client, the follower `--hea
   (cache dtype, weight quantisation) in this process (docs/design.md §10's rule: identical, or a divergence at a near-tie of the
   reference; the one-process 8-device run of a layout is held to the same rule by
   tests/sharding/test_engine_parallel.py and test_hisparse_parallel.py),
-  for DP2 + EP with the fp8 cache (one attention replica per process, experts over both),
+  for DP2 + EP with the fp8 cache (one attention replica per process, experts over both; also a
+  P/D engine, kv_both, handing KV to and taking KV from the one-device engine on either replica),
   PCP2 × DCP2 × TP4 with the CPU offloading connector storing pages (the context-parallel groups
   span the processes), MTP k = 2 on 2 × 2
   devices (TP4) with the connector's loads (a prefix evicted from the device comes back from the
@@ -46,6 +47,11 @@ ENGINE = ["--max-model-len", "192", "--max-num-seqs", "4", "--max-num-batched-to
           "--num-gpu-blocks-override", "24", "--cuda-graph-sizes", "--precompile-token-paddings",
           "--disable-log-stats"]
 DP2_EP_FP8 = ["-tp", "4", "-dp", "2", "--enable-expert-parallel", "--kv-cache-dtype", "fp8"]
+# P/D in both directions between the multi-process engine and the one-device reference engine
+# (both kv_both; a failed pull is an error, not a silent local prefill).
+PD_BOTH = ["--kv-transfer-config", json.dumps({"kv_connector": "JaxTransferConnector", "kv_role": "kv_both",
+                                                "kv_load_failure_policy": "fail"})]
+DP2_EP_FP8_PD = DP2_EP_FP8 + PD_BOTH
 PCP2_DCP2_OFFLOAD = ["-tp", "4", "-pcp", "2", "-dcp", "2", "--enable-prefix-caching", "--kv-transfer-config",
                      json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                                  "kv_connector_extra_config": {"cpu_bytes_to_use": 2**26}})]
@@ -61,32 +67,46 @@ MODEL = "glm-5.3-tiny"
 _REFERENCES: dict = {}
 
 
-def greedy_streams(engine, prompts: dict, max_tokens: int) -> tuple[dict, dict]:
-    """Run `prompts` greedily (ignore_eos, top-2 logprobs) to the end → (streams, logprobs)."""
+def greedy_streams(engine, prompts: dict, max_tokens: int, params: dict | None = None) -> tuple[dict, dict, dict]:
+    """Run `prompts` greedily (ignore_eos, top-2 logprobs; `params[rid]`: more sampling
+    parameters of one request) to the end → (streams, logprobs, final outputs)."""
+    params = params or {}
     for rid, p in prompts.items():
-        engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2))
+        engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2,
+                                                  **params.get(rid, {})))
     streams, lps = {rid: [] for rid in prompts}, {rid: [] for rid in prompts}
+    finals = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             streams[out.request_id] += out.new_token_ids
             lps[out.request_id] += out.new_logprobs or []
-    return streams, lps
+            if out.finished:
+                finals[out.request_id] = out
+    return streams, lps, finals
+
+
+def reference_engine(flags: list[str]):
+    """The one-device, non-speculative engine with the same engine flags, cache dtype, weight
+    quantisation and P/D connector as `flags` (layout, MTP and offloading flags dropped; built by
+    `serving.run.engine_args`), built and run on PROMPTS once per (cache dtype, quantisation, P/D)
+    → (the engine, kept only with a P/D connector, else None; streams; their top logprobs; the
+    cache dtype)."""
+    dtype = "fp8" if "--kv-cache-dtype" in flags and flags[flags.index("--kv-cache-dtype") + 1] == "fp8" else "bfloat16"
+    quant = flags[flags.index("--quantization") + 1] if "--quantization" in flags else None
+    pd = next((f for f in flags if "JaxTransferConnector" in f), None)
+    if (dtype, quant, pd) not in _REFERENCES:
+        args = make_arg_parser().parse_args(ENGINE + (["--kv-cache-dtype", "fp8"] if dtype == "fp8" else [])
+                                            + (["--quantization", quant] if quant else [])
+                                            + (["--kv-transfer-config", pd] if pd else []))
+        validate_args(args)
+        engine = build_engine(engine_args(args, None))
+        _REFERENCES[dtype, quant, pd] = (engine if pd else None, *greedy_streams(engine, PROMPTS, MAX_TOKENS)[:2], dtype)
+    return _REFERENCES[dtype, quant, pd]
 
 
 def reference(flags: list[str]) -> tuple[dict, dict, str]:
-    """The one-device, non-speculative engine with the same engine flags, cache dtype and weight
-    quantisation as `flags` (layout, MTP and connector flags dropped; built by
-    `serving.run.engine_args`), computed once per (cache dtype, quantisation) → (streams, their top
-    logprobs, the cache dtype)."""
-    dtype = "fp8" if "--kv-cache-dtype" in flags and flags[flags.index("--kv-cache-dtype") + 1] == "fp8" else "bfloat16"
-    quant = flags[flags.index("--quantization") + 1] if "--quantization" in flags else None
-    if (dtype, quant) not in _REFERENCES:
-        args = make_arg_parser().parse_args(ENGINE + (["--kv-cache-dtype", "fp8"] if dtype == "fp8" else [])
-                                            + (["--quantization", quant] if quant else []))
-        validate_args(args)
-        _REFERENCES[dtype, quant] = (*greedy_streams(build_engine(engine_args(args, None)), PROMPTS, MAX_TOKENS),
-                                     dtype)
-    return _REFERENCES[dtype, quant]
+    """`reference_engine(flags)` → (streams, their top logprobs, the cache dtype)."""
+    return reference_engine(flags)[1:]
 
 
 def served(url: str) -> dict:
@@ -151,12 +171,80 @@ def health(url: str) -> int | None:
         return None  # the port is closed: the leader is gone
 
 
-def test_dp2_ep_fp8_across_processes_serves_the_one_process_streams_and_sigterm_exits_zero():
-    with multihost_engine(ENGINE + DP2_EP_FP8 + ["--shutdown-timeout", "600"]) as mh:
-        check_equal(DP2_EP_FP8, mh.url)
+# P/D requests go to a chosen replica of the DP2 engine: "a" to the leader's devices, "b" and "c"
+# to the follower's (vLLM's X-data-parallel-rank header).
+PD_RANK = {"a": 0, "b": 1, "c": 1}
+
+
+def pd_from_multihost(url: str, engine) -> dict:
+    """The multi-process engine prefills PROMPTS (max_tokens 1, do_remote_decode), the one-device
+    `engine` pulls their KV (staged by a page gather both processes run) and decodes → streams."""
+    params = {}
+    for rid, p in PROMPTS.items():
+        r = httpx.post(url + "/v1/completions", timeout=300, headers={"X-data-parallel-rank": str(PD_RANK[rid])}, json={
+            "model": MODEL, "prompt": p, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True}})
+        r.raise_for_status()
+        params[rid] = {"kv_transfer_params": r.json()["kv_transfer_params"]}
+    streams, _, _ = greedy_streams(engine, PROMPTS, MAX_TOKENS, params)
+    return streams
+
+
+def pd_into_multihost(url: str, engine) -> dict:
+    """The one-device `engine` prefills PROMPTS; the multi-process engine pulls their KV (its
+    leader pulls, both processes write the pages) and decodes them, concurrently, while `engine`
+    keeps stepping to answer the stage requests → streams."""
+    _, _, finals = greedy_streams(engine, {f"{rid}-p": p for rid, p in PROMPTS.items()}, 1,
+                                  {f"{rid}-p": {"kv_transfer_params": {"do_remote_decode": True}} for rid in PROMPTS})
+    got, errors = {}, []
+
+    def one(rid):
+        try:
+            r = httpx.post(url + "/v1/completions", timeout=300, headers={"X-data-parallel-rank": str(PD_RANK[rid])},
+                           json={"model": MODEL, "prompt": PROMPTS[rid], "max_tokens": MAX_TOKENS, "temperature": 0,
+                                 "ignore_eos": True, "return_token_ids": True,
+                                 "kv_transfer_params": finals[f"{rid}-p"].kv_transfer_params})
+            r.raise_for_status()
+            got[rid] = r.json()["choices"][0]["token_ids"]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"{rid}: {e!r} {getattr(getattr(e, 'response', None), 'text', '')}")
+
+    threads = [threading.Thread(target=one, args=(rid,)) for rid in PROMPTS]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        engine.step()  # runs the side channel's stage jobs
+        time.sleep(0.01)
+    assert not errors, errors
+    return got
+
+
+def test_dp2_ep_fp8_across_processes_serves_the_one_process_streams_pd_both_ways_and_sigterm_exits_zero():
+    """The DP2 + EP engine (a replica per process) with the fp8 cache serves the one-device
+    streams; as a P/D engine (kv_both) it hands KV to the one-device engine and takes KV from it,
+    on either replica, with the same streams (the P/D connector lives in the leader; the page
+    gather of the staging and the page writes of the landing run on both processes)."""
+    with multihost_engine(ENGINE + DP2_EP_FP8_PD + ["--shutdown-timeout", "600"]) as mh:
+        check_equal(DP2_EP_FP8_PD, mh.url)
         # Asynchronous scheduling across the processes (the server's default): every process
         # feeds the placeholder rows from its own copy of the previous step's sampled tokens.
         assert "asynchronous scheduling: step n+1 is scheduled" in mh.leader_log()
+
+        engine, ref, lps, dtype = reference_engine(DP2_EP_FP8_PD)
+        consumer = engine.pd.consumer
+        pulled, landed = consumer.num_transfers, consumer.num_remote_tokens
+        got = pd_from_multihost(mh.url, engine)
+        compare_streams(ref, got, lps, PROMPTS, api.load(cache_dtype=dtype))
+        # Every prompt token but the last came from the multi-process engine, none failed.
+        assert consumer.num_failed_transfers == 0
+        assert consumer.num_transfers - pulled == len(PROMPTS)
+        assert consumer.num_remote_tokens - landed == sum(len(p) - 1 for p in PROMPTS.values())
+
+        got = pd_into_multihost(mh.url, engine)
+        compare_streams(ref, got, lps, PROMPTS, api.load(cache_dtype=dtype))
+        assert metric(mh.url, "vllm:kv_transfer_remote_prompt_tokens_total") == sum(len(p) - 1 for p in PROMPTS.values())
+        assert metric(mh.url, "vllm:nixl_num_failed_transfers_total") == 0
+        assert not engine.audit()
         # SIGTERM while a stream runs: it finishes, then every process exits 0.
         it = stream_tokens(mh.url, PROMPTS["b"], 24)
         ids, _ = next(it)
@@ -203,7 +291,7 @@ def test_pcp2_dcp2_offload_across_processes_serves_the_one_process_streams_and_a
 
 
 def test_a_corrupt_step_message_stops_the_engine_without_a_wrong_token():
-    ref, lps, dtype = reference(DP2_EP_FP8)
+    ref, lps, dtype = reference(DP2_EP_FP8_PD)  # (the streams of the P/D test's reference)
     with multihost_engine(ENGINE + DP2_EP_FP8, leader_env={CORRUPT_ENV: "4"}) as mh:
         items = list(stream_tokens(mh.url, PROMPTS["a"], MAX_TOKENS))
         assert items and isinstance(items[-1], Exception), items
@@ -300,7 +388,7 @@ def test_hisparse_on_a_pool_far_too_small_spans_both_processes():
     nobody is preempted."""
     args = make_arg_parser().parse_args(HS_ENGINE + ["--num-gpu-blocks-override", "160"])
     validate_args(args)
-    ref, lps = greedy_streams(build_engine(engine_args(args, None)), HS_PROMPTS, HS_MAX_TOKENS)
+    ref, lps, _ = greedy_streams(build_engine(engine_args(args, None)), HS_PROMPTS, HS_MAX_TOKENS)
     with multihost_engine(HS_ENGINE + HS_LAYOUT) as mh:
         got = {}
 
