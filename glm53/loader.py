@@ -457,5 +457,17 @@ def load_model(path: str, *, dtype=jnp.float32, with_mtp: bool = True, progress:
     if reader.num_quantized_online:
         logger.info("quantised %d linear weights to FP8 at load (%s blocks)", reader.num_quantized_online,
                     "x".join(map(str, quant.block)))
+    if jax.process_count() > 1:
+        mine = sum(_local_shard_bytes(tuple(p.shape), p.dtype, targets[n]) for n, p in params.items())
+        logger.info("process %d read %.2f MiB of the %.2f MiB of parameters (its devices' distinct shards)",
+                    jax.process_index(), mine / 2**20, total / 2**20)
     return model
+
+
+def _local_shard_bytes(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding) -> int:
+    """Bytes of the distinct shards of a `shape` parameter that this process's devices hold (what
+    `_from_shards` reads for it)."""
+    distinct = {tuple((sl.start, sl.stop) for sl in index)
+                for index in sharding.addressable_devices_indices_map(shape).values()}
+    return len(distinct) * math.prod(sharding.shard_shape(shape)) * np.dtype(dtype).itemsize
 

@@ -5,7 +5,8 @@ loopback, the leader serving HTTP through the openai client, the follower `--hea
   (cache dtype, weight quantisation) in this process (docs/design.md §10's rule: identical, or a divergence at a near-tie of the
   reference; the one-process 8-device run of a layout is held to the same rule by
   tests/sharding/test_engine_parallel.py and test_hisparse_parallel.py),
-  for DP2 + EP with the fp8 cache (one attention replica per process, experts over both; also a
+  for DP2 + EP with the fp8 cache and FP8 weights (one device and one attention replica per
+  process, experts over both, each process loading only its weight shards; also a
   P/D engine, kv_both, handing KV to and taking KV from the one-device engine on either replica),
   PCP2 × DCP2 × TP4 with the CPU offloading connector storing pages (the context-parallel groups
   span the processes), MTP k = 2 on 2 × 2
@@ -46,7 +47,10 @@ MAX_TOKENS = 6
 ENGINE = ["--max-model-len", "192", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
           "--num-gpu-blocks-override", "24", "--cuda-graph-sizes", "--precompile-token-paddings",
           "--disable-log-stats"]
-DP2_EP_FP8 = ["-tp", "4", "-dp", "2", "--enable-expert-parallel", "--kv-cache-dtype", "fp8"]
+# One device per process (the tiny checkpoint's q_b_proj, 192 wide, splits into whole 128-wide FP8
+# scale blocks under no TP): each process holds one attention replica and half the experts, and
+# loads only those shards of the FP8 weights.
+DP2_EP_FP8 = ["-dp", "2", "--enable-expert-parallel", "--kv-cache-dtype", "fp8", "--quantization", "fp8"]
 # P/D in both directions between the multi-process engine and the one-device reference engine
 # (both kv_both; a failed pull is an error, not a silent local prefill).
 PD_BOTH = ["--kv-transfer-config", json.dumps({"kv_connector": "JaxTransferConnector", "kv_role": "kv_both",
@@ -220,12 +224,18 @@ def pd_into_multihost(url: str, engine) -> dict:
 
 
 def test_dp2_ep_fp8_across_processes_serves_the_one_process_streams_pd_both_ways_and_sigterm_exits_zero():
-    """The DP2 + EP engine (a replica per process) with the fp8 cache serves the one-device
-    streams; as a P/D engine (kv_both) it hands KV to the one-device engine and takes KV from it,
-    on either replica, with the same streams (the P/D connector lives in the leader; the page
-    gather of the staging and the page writes of the landing run on both processes)."""
-    with multihost_engine(ENGINE + DP2_EP_FP8_PD + ["--shutdown-timeout", "600"]) as mh:
+    """The DP2 + EP engine (one device and replica per process) with the fp8 cache and FP8
+    weights serves the one-device streams (same cache dtype and weights), each process loading
+    only its shards; as a P/D engine (kv_both) it hands KV to the one-device engine and takes KV
+    from it, on either replica, with the same streams (the P/D connector lives in the leader; the
+    page gather of the staging and the page writes of the landing run on both processes)."""
+    with multihost_engine(ENGINE + DP2_EP_FP8_PD + ["--shutdown-timeout", "600"], devices_per_process=1) as mh:
         check_equal(DP2_EP_FP8_PD, mh.url)
+        # FP8 weights, each process reading only its own shards (the experts are split between them).
+        for log in (mh.leader_log(), mh.follower_log()):
+            assert "quantised" in log and "linear weights to FP8 at load" in log
+            mine, total = map(float, re.search(r"read ([\d.]+) MiB of the ([\d.]+) MiB of parameters", log).groups())
+            assert 0 < mine < 0.9 * total, (mine, total)
         # Asynchronous scheduling across the processes (the server's default): every process
         # feeds the placeholder rows from its own copy of the previous step's sampled tokens.
         assert "asynchronous scheduling: step n+1 is scheduled" in mh.leader_log()
@@ -292,7 +302,7 @@ def test_pcp2_dcp2_offload_across_processes_serves_the_one_process_streams_and_a
 
 def test_a_corrupt_step_message_stops_the_engine_without_a_wrong_token():
     ref, lps, dtype = reference(DP2_EP_FP8_PD)  # (the streams of the P/D test's reference)
-    with multihost_engine(ENGINE + DP2_EP_FP8, leader_env={CORRUPT_ENV: "4"}) as mh:
+    with multihost_engine(ENGINE + DP2_EP_FP8, leader_env={CORRUPT_ENV: "4"}, devices_per_process=1) as mh:
         items = list(stream_tokens(mh.url, PROMPTS["a"], MAX_TOKENS))
         assert items and isinstance(items[-1], Exception), items
         ids = [t for item in items[:-1] for t in item[0]]
@@ -309,7 +319,7 @@ def test_a_follower_with_other_engine_flags_is_refused_by_name_before_any_collec
     --max-model-len stops start-up with the differing key named; every process exits 1 at once."""
     flags = [f for f in ENGINE if f not in ("--num-gpu-blocks-override", "24")]
     with pytest.raises(RuntimeError) as err, multihost_engine(
-            flags + DP2_EP_FP8, follower_flags=["--max-model-len", "128"], startup_timeout_s=120):
+            flags + DP2_EP_FP8, follower_flags=["--max-model-len", "128"], startup_timeout_s=120, devices_per_process=1):
         pass
     assert "max_model_len: leader 192, process 1 128" in str(err.value)
     assert "server exited with 1" in str(err.value)
