@@ -25,7 +25,8 @@ probe = _load("probe_host_gather")
 
 
 def test_smoke_measures_both_mechanisms_with_byte_exact_checks(tmp_path):
-    out = probe.main(["--smoke", "--out", str(tmp_path), "--repeats", "2"])
+    # (the arguments scripts/gpu_check.py's host_gather part passes, and --repeats)
+    out = probe.main(["--smoke", "--out", str(tmp_path), "--budget-s", "200", "--repeats", "2"])
     doc = json.loads((tmp_path / "probe_host_gather.json").read_text())
     assert out["all_correct"] and doc["all_correct"] and doc["failures"] == []
     meta = doc["meta"]

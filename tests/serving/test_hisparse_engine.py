@@ -1,7 +1,6 @@
 """Hybrid HiSparse in the real engine (tiny checkpoint, CPU): under KV pressure every request keeps
 decoding with nobody preempted, and the greedy streams equal those of a run whose device pool is
-large enough for everything (docs/design.md §10's equality rule; the preemption baseline, run on the
-bf16 cache, is held to the same rule) — on a multi-turn workload whose contexts are many times index_topk
+large enough for everything (docs/design.md §10's equality rule) — on a multi-turn workload whose contexts are many times index_topk
 (the fp8 cache under HiSparse: tests/sharding/test_multihost.py); a request of about three times the device pool's token capacity is served; clean
 pages in the host pool equal their device copies byte for byte; the compiled step reads host memory
 only through slices and memory-kind moves; aborts free everything in every residency state."""
@@ -23,8 +22,8 @@ from tests.helpers.host_memory import host_memory_reads
 
 # A multi-turn workload: 3 conversations x 3 turns, first turn 950 tokens (15x index_topk = 64),
 # 24 new user tokens and 12 output tokens per turn. A first turn needs 15 MLA + 2 indexer pages: the
-# small pool (35 usable pages) admits two of them, which then cannot both grow (the baseline
-# preempts); the ample pool holds everything.
+# small pool (35 usable pages) admits two of them, which then cannot both grow (a preemption
+# engine preempts); the ample pool holds everything.
 CONV = dict(conversations=3, turns=3, first_tokens=950, new_tokens=24, max_tokens=12)
 SMALL, AMPLE = 36, 160
 # The ample engines take the 3×-pool test's prompt too: one ample engine (one compile) serves every
@@ -54,23 +53,23 @@ def bf16_ample():
 def test_multiturn_streams_match_the_ample_run_and_nobody_is_preempted(bf16_ample):
     """On the bf16 cache; the fp8 cache's rows go through the host pool and the hot buffer in
     tests/sharding/test_multihost.py's HiSparse engine (two processes, streams equal the one-device
-    ample fp8 run) and tests/kernels/test_host_rows.py (byte-exact copies of fp8 rows)."""
+    ample fp8 run) and tests/kernels/test_host_rows.py (byte-exact copies of fp8 rows). The
+    pressure is real: two first turns need more pages than the small pool has once they grow (a
+    preemption engine preempts there: `scripts/bench_agentic.py`'s baseline; preemption's own
+    streams are checked in tests/serving/test_async_scheduling.py), so HiSparse runs them both
+    only by releasing pages to the host pool."""
     lm = api.load(cache_dtype="bfloat16")
     ample = run_conversations(bf16_ample, logprobs=2, **CONV)
-    base_engine = engine(SMALL, "bfloat16")
-    base = run_conversations(base_engine, **CONV)
-    hs_engine = engine(SMALL, "bfloat16", HISPARSE)
+    hs_engine = engine(SMALL, "bfloat16", HISPARSE)  # (its own: the tests below start from an empty engine)
     hs = run_conversations(hs_engine, **CONV)
     d = hs_engine.hisparse.device
-    print(f"\nmean running ample {mean_running(ample):.2f}, preemption {mean_running(base):.2f} "
-          f"({base_engine.scheduler.num_preemptions_total} preemptions), hisparse {mean_running(hs):.2f}; hot hits "
-          f"{d.hits}, misses {d.misses}, {d.h2d_bytes} B host->device, {hs_engine.hisparse.policy.num_released} "
-          "pages released")
-    for name, run in (("preemption", base), ("hisparse", hs)):
-        print(name, end=": ")
-        compare_streams(ample.outputs, run.outputs, ample.logprobs, ample.prompts, lm)
-    assert base_engine.scheduler.num_preemptions_total > 0  # the pressure is real
-    assert mean_running(hs) > mean_running(base)
+    released = hs_engine.hisparse.policy.num_released
+    print(f"\nmean running ample {mean_running(ample):.2f}, hisparse {mean_running(hs):.2f}; hot hits "
+          f"{d.hits}, misses {d.misses}, {d.h2d_bytes} B host->device, {released} pages released")
+    compare_streams(ample.outputs, hs.outputs, ample.logprobs, ample.prompts, lm)
+    # Two 950-token first turns (15 MLA + 2 indexer pages each, growing) ran side by side in a
+    # 35-page pool with 3 conversations' prefixes cached: pages went to the host pool.
+    assert max(hs.running) >= 2 and released > 0
     assert hs_engine.scheduler.num_preemptions_total == 0
     assert d.misses > 0 and d.drops_outside_truncation == 0  # rows really came from the host pool
     assert hs_engine.prefix_cache.host_hits > 0  # later turns reused their prefix from the host tier
