@@ -143,14 +143,34 @@ def wait_healthy(proc: subprocess.Popen, base: str, timeout_s: float, log_path: 
 
 
 class Server:
-    """`python -m serving.run` in a subprocess on a free loopback port."""
+    """`python -m serving.run` in a subprocess on a free loopback port. With `num_processes` > 1,
+    one engine over that many processes (serving/multihost): this process's leader serves HTTP and
+    the followers run `--headless`, each with `devices_per_process` simulated CPU devices (their
+    logs: `log_path` with `.follower<i>` appended)."""
 
-    def __init__(self, flags: list[str], log_path: Path, timeout_s: float = 900):
+    def __init__(self, flags: list[str], log_path: Path, timeout_s: float = 900, num_processes: int = 1,
+                 devices_per_process: int | None = None):
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         if any(f.endswith("-parallel-size") for f in flags) and "XLA_FLAGS" not in os.environ:
             env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"  # a parallel layout on the CPU
+        if devices_per_process is not None:
+            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
+        self.followers: list[subprocess.Popen] = []
+        self._follower_logs = []
+        if num_processes > 1:
+            from sharding.distributed import free_port_pair
+
+            flags = ["--coordinator-address", f"127.0.0.1:{free_port_pair()}", "--master-port", str(free_port_pair()),
+                     "--num-processes", str(num_processes), *flags]
+            for pid in range(1, num_processes):
+                log = open(f"{log_path}.follower{pid}", "w")
+                self._follower_logs.append(log)
+                self.followers.append(subprocess.Popen(
+                    [sys.executable, "-m", "serving.run", "--headless", "--process-id", str(pid), "--log-level",
+                     "warning", *flags], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+            flags = ["--process-id", "0", *flags]
         self.log = open(log_path, "w")
         cmd = [sys.executable, "-m", "serving.run", "--port", str(self.port), "--served-model-name", MODEL,
                "--log-level", "warning", *flags]
@@ -178,13 +198,18 @@ class Server:
         return out
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
+        """SIGTERM (the leader stops its followers), then kill what is left after 30 s."""
+        for p in [self.proc, *self.followers]:
+            if p.poll() is None:
+                if p is self.proc:
+                    p.terminate()
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(10)
+        for f in [self.log, *self._follower_logs]:
+            f.close()
 
 
 # ----------------------------------------------------------------------------------- clients

@@ -12,7 +12,11 @@ sweep by c client threads over 2·c conversations. Rows:
 * `pd-pcp2xdcp2`: a prefill server with `--prefill-context-parallel-size 2
   --decode-context-parallel-size 2` (the reference prefill layout, scaled) and the decode server;
 * `pd-dp2`: a prefill server with `--data-parallel-size 2` and the same decode server (the
-  reference's comparison, DP prefill).
+  reference's comparison, DP prefill);
+* `pd-dp2-2proc` (not in the default `--modes`): the `pd-dp2` pair with the decode engine spread
+  over two processes of one device each (serving/multihost: one replica per process; its P/D
+  connector in the leader, which pulls every request's KV and sends the followers' page writes
+  over the step channel), the same layout as the one-process decode server.
 
 P/D rows go through a real `vllm-router --vllm-pd-disaggregation` (cache_aware prefill policy,
 round_robin decode). Each server process gets 4 simulated CPU devices, so all of them share the
@@ -30,6 +34,7 @@ instead of computed), `landed_host` (pulls landed in the HiSparse host pool), `f
 
     PYTHONPATH=. .venv/bin/python scripts/bench_pd.py --out /tmp/pd            # quick: scale 64, 4 turns, c = 1, 4
     PYTHONPATH=. .venv/bin/python scripts/bench_pd.py --scale 32 --turns 13 --concurrency 1,4,8 --out DIR
+    PYTHONPATH=. .venv/bin/python scripts/bench_pd.py --modes colocated,pd-dp2,pd-dp2-2proc --out DIR
 
 Writes OUT/summary.json, OUT/summary.csv, OUT/server_*.log and prints the table.
 """
@@ -55,7 +60,8 @@ from scripts.bench_agentic import Server, Workload, _free_port, run_point, summa
 
 DECODE = ["--data-parallel-size", "2", "--enable-expert-parallel"]
 PREFILL = {"pd-pcp2xdcp2": ["--prefill-context-parallel-size", "2", "--decode-context-parallel-size", "2"],
-           "pd-dp2": ["--data-parallel-size", "2", "--enable-expert-parallel"]}
+           "pd-dp2": ["--data-parallel-size", "2", "--enable-expert-parallel"],
+           "pd-dp2-2proc": ["--data-parallel-size", "2", "--enable-expert-parallel"]}
 COLUMNS = ["mode", "concurrency", "requests", "errors", "ttft_p50_s", "ttft_p90_s", "interactivity",
            "logical_throughput_tok_s", "mean_running", "preemptions", "hot_hit_rate", "kv_bytes_per_request",
            "xfer_ms_per_request", "remote_prompt_tokens", "landed_host", "failed_transfers", "greedy_identical",
@@ -146,7 +152,8 @@ def main(argv=None) -> list[dict]:
                     return ["--kv-transfer-config", json.dumps(pd)]
 
                 offload = args.prefill_offload_gib if mode == "pd-pcp2xdcp2" else 0.0
-                decode = Server(decode_flags + role("kv_consumer"), args.out / f"server_{mode}_decode.log")
+                spread = {"num_processes": 2, "devices_per_process": 1} if mode.endswith("-2proc") else {}
+                decode = Server(decode_flags + role("kv_consumer"), args.out / f"server_{mode}_decode.log", **spread)
                 prefill = Server(common + PREFILL[mode] + ["--cuda-graph-sizes"] + role("kv_producer", offload),
                                  args.out / f"server_{mode}_prefill.log")
                 target = Router(prefill, decode, args.out / f"router_{mode}.log")
