@@ -1,23 +1,25 @@
-"""One engine over two processes (serving/multihost): 2 processes × 4 simulated CPU devices on
-loopback, the leader serving HTTP through the openai client, the follower `--headless`.
+"""One engine over two processes (serving/multihost): 2 processes with one simulated CPU device
+each (the one-process, one-device engine being the reference, one device per process is the
+cheapest layout whose every axis spans the processes), on loopback, the leader serving HTTP
+through the openai client, the follower `--headless`.
 
 * Greedy streams equal those of the one-device, non-speculative engine with the same engine flags
-  (cache dtype, weight quantisation) in this process (docs/design.md §10's rule: identical, or a divergence at a near-tie of the
-  reference; the one-process 8-device run of a layout is held to the same rule by
-  tests/sharding/test_engine_parallel.py and test_hisparse_parallel.py),
-  for DP2 + EP with the fp8 cache and FP8 weights (one device and one attention replica per
-  process, experts over both, each process loading only its weight shards; also a
-  P/D engine, kv_both, handing KV to and taking KV from the one-device engine on either replica),
-  PCP2 × DCP2 × TP4 with the CPU offloading connector storing pages (the context-parallel groups
-  span the processes), MTP k = 2 on 2 × 2
-  devices (TP4) with the connector's loads (a prefix evicted from the device comes back from the
-  host store in a load program both processes run), and Hybrid HiSparse on a device pool far too small under DP2 + EP with the fp8
-  cache (each process's replica has its own host pool; the suite's engine-level check of fp8 rows
-  through the host pool and the hot buffer).
+  (cache dtype, weight quantisation) in this process (docs/design.md §10's rule: identical, or a
+  divergence at a near-tie of the reference; the one-process multi-device run of a layout is held
+  to the same rule by tests/sharding/test_engine_parallel.py and test_hisparse_parallel.py), for:
+  DP2 + EP with the fp8 cache and FP8 weights (an attention replica per process, experts over
+  both, each process loading only its weight shards; also a P/D engine, kv_both, handing KV to
+  and taking KV from the one-device engine on either replica); PCP2 × DCP2 with the CPU offloading
+  connector storing pages (the context-parallel groups span the processes); MTP k = 2 under TP2
+  with the connector's loads (a prefix evicted from the device comes back from the host store in
+  a load program both processes run); Hybrid HiSparse on a device pool far too small under DP2 +
+  EP with the fp8 cache (each process's replica has its own host pool; the suite's engine-level
+  check of fp8 rows through the host pool and the hot buffer).
 * SIGTERM on the leader: the running stream finishes, every process exits 0.
 * A killed follower (after the PCP2 × DCP2 checks), a frozen one (SIGSTOP past --peer-timeout,
-  after the MTP checks) and a corrupt step message each stop the engine: the open stream ends in an error without a wrong token, /health answers 503
-  (or the port is closed), every process exits non-zero.
+  after the MTP checks) and a corrupt step message each stop the engine: the open stream ends in
+  an error without a wrong token, /health answers 503 (or the port is closed), every process
+  exits non-zero.
 """
 
 from __future__ import annotations
@@ -56,13 +58,13 @@ DP2_EP_FP8 = ["-dp", "2", "--enable-expert-parallel", "--kv-cache-dtype", "fp8",
 PD_BOTH = ["--kv-transfer-config", json.dumps({"kv_connector": "JaxTransferConnector", "kv_role": "kv_both",
                                                 "kv_load_failure_policy": "fail"})]
 DP2_EP_FP8_PD = DP2_EP_FP8 + PD_BOTH
-PCP2_DCP2_OFFLOAD = ["-tp", "4", "-pcp", "2", "-dcp", "2", "--enable-prefix-caching", "--kv-transfer-config",
+PCP2_DCP2_OFFLOAD = ["-pcp", "2", "-dcp", "2", "--enable-prefix-caching", "--kv-transfer-config",
                      json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                                  "kv_connector_extra_config": {"cpu_bytes_to_use": 2**26}})]
-MTP_TP4 = ["-tp", "4", "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
+MTP_TP2 = ["-tp", "2", "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
 # With the CPU offloading connector too, and room for prompts past one indexer page (704 tokens with
 # the MTP layer), the unit a prefix hit — and so a load from the host store — comes in.
-MTP_TP4_OFFLOAD = MTP_TP4 + ["--enable-prefix-caching", "--max-model-len", "832", "--kv-transfer-config", json.dumps(
+MTP_TP2_OFFLOAD = MTP_TP2 + ["--enable-prefix-caching", "--max-model-len", "832", "--kv-transfer-config", json.dumps(
     {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": 2**26}})]
 LONG_PROMPTS = {k: [(m * j + 11) % 480 + 5 for j in range(760)] for k, m in (("A", 23), ("B", 29))}
 MODEL = "glm-5.3-tiny"
@@ -271,12 +273,12 @@ def test_dp2_ep_fp8_across_processes_serves_the_one_process_streams_pd_both_ways
 
 
 def test_pcp2_dcp2_offload_across_processes_serves_the_one_process_streams_and_a_killed_follower_stops_all():
-    """PCP2 × DCP2 × TP4 with the CPU offloading connector: the streams equal the one-device
+    """PCP2 × DCP2 over 2 × 1 devices with the CPU offloading connector: the streams equal the one-device
     engine's and the sealed pages are stored to the host store. (A later turn loaded back from it
     needs a full 1,536-token indexer page under DCP2, beyond this engine's 192-token limit: the
-    loads across processes are checked under TP4 in the MTP test below, and under PCP2 × DCP2 in
+    loads across processes are checked under TP2 in the MTP test below, and under PCP2 × DCP2 in
     one process by tests/sharding/test_pd_parallel.py.) Then a follower is killed mid-stream."""
-    with multihost_engine(ENGINE + PCP2_DCP2_OFFLOAD) as mh:
+    with multihost_engine(ENGINE + PCP2_DCP2_OFFLOAD, devices_per_process=1) as mh:
         _, _, got = check_equal(PCP2_DCP2_OFFLOAD, mh.url)
         # A prompt with a full 128-token unit (64 x DCP2): its sealed pages go to the host store, on
         # both processes (the store program spans them).
@@ -326,7 +328,7 @@ def test_a_follower_with_other_engine_flags_is_refused_by_name_before_any_collec
 
 
 def test_mtp_k2_and_offload_loads_across_two_processes_then_a_frozen_follower_stops_all():
-    """MTP k = 2 under TP4 over 2 × 2 devices (the TP group spans the processes) with the CPU
+    """MTP k = 2 under TP2 over 2 × 1 devices (the TP group spans the processes) with the CPU
     offloading connector: the streams equal the one-process engine's. Then structured outputs
     across the processes: the leader computes each step's masks (k + 1 rows per request under MTP)
     and sends them with the step's inputs; sampled at temperature 1, the random-weight model's
@@ -337,8 +339,8 @@ def test_mtp_k2_and_offload_loads_across_two_processes_then_a_frozen_follower_st
     is frozen (SIGSTOP) mid-stream: the stream ends in an error within --peer-timeout (3 s) plus a
     heartbeat period, /health answers 503 (or the port is closed), the leader exits 1 naming the
     silent process, and the follower, resumed, exits non-zero."""
-    with multihost_engine(ENGINE + MTP_TP4_OFFLOAD + ["--peer-timeout", "3"], devices_per_process=2) as mh:
-        check_equal(MTP_TP4, mh.url)
+    with multihost_engine(ENGINE + MTP_TP2_OFFLOAD + ["--peer-timeout", "3"], devices_per_process=1) as mh:
+        check_equal(MTP_TP2, mh.url)
         assert "schedules synchronously: MTP speculation" in mh.leader_log()
         for so, ok in (({"regex": r"[a-z]{2,5}-[0-9]{3}"}, lambda t: re.fullmatch(r"[a-z]{2,5}-[0-9]{3}", t)),
                        ({"choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue"))):
@@ -385,13 +387,13 @@ HS_MAX_TOKENS = 8
 HS_ENGINE = ["--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
              "--cuda-graph-sizes", "--precompile-token-paddings", "--disable-log-stats", "--enable-prefix-caching",
              "--kv-cache-dtype", "fp8"]
-HS_LAYOUT = ["-tp", "4", "-dp", "2", "--enable-expert-parallel", "--num-gpu-blocks-override", "10", "--attention-config",
+HS_LAYOUT = ["-dp", "2", "--enable-expert-parallel", "--num-gpu-blocks-override", "10", "--attention-config",
              json.dumps({"hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 1024,
                                              "host_gather": "memory_kind"}})]
 
 
 def test_hisparse_on_a_pool_far_too_small_spans_both_processes():
-    """DP2 + EP with one replica per process, 9 usable pages per replica, two 400-token requests
+    """DP2 + EP with one device and replica per process, 9 usable pages per replica, two 400-token requests
     pinned to each replica (16 pages each pair), on the fp8 cache (`fp8_ds_mla` rows with their
     scales, fp8 indexer keys): both replicas' host pools — one per process — hold released pages
     and feed the hot buffers; the streams equal the one-device ample fp8 run without HiSparse, and
@@ -399,7 +401,7 @@ def test_hisparse_on_a_pool_far_too_small_spans_both_processes():
     args = make_arg_parser().parse_args(HS_ENGINE + ["--num-gpu-blocks-override", "160"])
     validate_args(args)
     ref, lps, _ = greedy_streams(build_engine(engine_args(args, None)), HS_PROMPTS, HS_MAX_TOKENS)
-    with multihost_engine(HS_ENGINE + HS_LAYOUT) as mh:
+    with multihost_engine(HS_ENGINE + HS_LAYOUT, devices_per_process=1) as mh:
         got = {}
 
         def one(i, rid):
