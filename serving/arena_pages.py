@@ -22,6 +22,18 @@ class ArenaPageIO:
     the device; at GLM-5.3 sizes 256 fp8 pages are 0.8 GiB)."""
 
     max_pages_per_program = 256
+    # A multi-process leader sends each landed piece's pages to the followers in one step-channel
+    # message: at most this many bytes of pages per piece (at GLM-5.3 fp8 sizes, 3.3 MB pages: 16
+    # per piece instead of 256, so a message never holds 0.8 GiB).
+    max_step_message_bytes = 64 << 20
+
+    def _pages_per_call(self) -> int:
+        """Rows per page program: `max_pages_per_program`, and for a multi-process leader's writes
+        the largest power of two (at least 8) whose pages fit `max_step_message_bytes`."""
+        if self.step_sink is None:
+            return self.max_pages_per_program
+        fit = max(1, self.max_step_message_bytes // (4 * self.kv_arena.shape[1]))
+        return min(self.max_pages_per_program, max(8, 1 << (fit.bit_length() - 1)))
 
     def _page_program(self, kind: str):
         """The jitted page gather ("read") or donated page scatter ("write") over the arena's rows
@@ -64,7 +76,7 @@ class ArenaPageIO:
         """Arena rows `rows` (int32[n]) ← `data` (uint32[n, page_words]), before the next step (P/D
         landing); the arena is donated. Padding rows point past the arena and are dropped."""
         rows = np.asarray(rows, np.int32)
-        cap = self.max_pages_per_program
+        cap = self._pages_per_call()
         if len(rows) > cap:
             for i in range(0, len(rows), cap):
                 self.write_pages(rows[i:i + cap], data[i:i + cap])

@@ -193,3 +193,25 @@ def test_the_channel_address_defaults_to_the_coordinator_port_plus_one():
                                          "--master-addr", "10.0.0.9", "--master-port", "4000"])
     validate_args(args)
     assert args.multihost.address == "10.0.0.9:4000" and args.multihost.is_leader
+
+
+def test_a_leader_lands_pd_pages_in_step_messages_of_bounded_size():
+    """P/D landing in a multi-process engine: the leader sends the pulled pages to the followers
+    in the step channel, so its page writes are cut to pieces of at most
+    `max_step_message_bytes` of pages (a power of two of at least 8 rows); one process keeps
+    `max_pages_per_program`."""
+    from types import SimpleNamespace
+
+    from serving.arena_pages import ArenaPageIO
+
+    def per_call(page_bytes, leader=True):
+        io = ArenaPageIO()
+        io.kv_arena = SimpleNamespace(shape=(1024, page_bytes // 4))
+        io.step_sink = (lambda op, inputs: None) if leader else None
+        return io._pages_per_call()
+
+    glm_page = 3_320_000  # about a GLM-5.3 fp8 page of every group's rows
+    assert per_call(glm_page) == 16 and 16 * glm_page <= ArenaPageIO.max_step_message_bytes < 32 * glm_page
+    assert per_call(glm_page, leader=False) == ArenaPageIO.max_pages_per_program
+    assert per_call(4096) == ArenaPageIO.max_pages_per_program  # small pages: the usual bound
+    assert per_call(100 << 20) == 8  # never fewer than the smallest page program
