@@ -23,13 +23,14 @@ class ArenaPageIO:
 
     max_pages_per_program = 256
     # A multi-process leader sends each landed piece's pages to the followers in one step-channel
-    # message: at most this many bytes of pages per piece (at GLM-5.3 fp8 sizes, 3.3 MB pages: 16
-    # per piece instead of 256, so a message never holds 0.8 GiB).
+    # message, and a staged piece's gather output is replicated on every device: at most this many
+    # bytes of pages per piece (at GLM-5.3 fp8 sizes, 3.3 MB pages: 16 per piece instead of 256,
+    # so neither a message nor a device's copy holds 0.8 GiB).
     max_step_message_bytes = 64 << 20
 
     def _pages_per_call(self) -> int:
-        """Rows per page program: `max_pages_per_program`, and for a multi-process leader's writes
-        the largest power of two (at least 8) whose pages fit `max_step_message_bytes`."""
+        """Rows per page program: `max_pages_per_program`, and for a multi-process leader the
+        largest power of two (at least 8) whose pages fit `max_step_message_bytes`."""
         if self.step_sink is None:
             return self.max_pages_per_program
         fit = max(1, self.max_step_message_bytes // (4 * self.kv_arena.shape[1]))
@@ -63,7 +64,7 @@ class ArenaPageIO:
         """Contents of arena rows `rows` (int32[n]) as numpy `uint32[n, page_words]` (P/D staging;
         one gather program per power-of-two row count)."""
         rows = np.asarray(rows, np.int32)
-        cap = self.max_pages_per_program
+        cap = self._pages_per_call()
         if len(rows) > cap:
             return np.concatenate([self.read_pages(rows[i:i + cap]) for i in range(0, len(rows), cap)])
         padded = np.zeros(self._page_bucket(len(rows)), np.int32)
