@@ -416,7 +416,7 @@ def test_hisparse_on_a_pool_far_too_small_spans_both_processes():
             t.start()
         for t in threads:
             t.join()
-            misses = metric(mh.url, "vllm:hisparse_cache_misses_total")
+        misses = metric(mh.url, "vllm:hisparse_cache_misses_total")
         preemptions = metric(mh.url, "vllm:num_preemptions_total")
     compare_streams(ref, got, lps, HS_PROMPTS, api.load(cache_dtype="fp8"))
     assert misses > 0  # rows really came from the host pools
