@@ -356,15 +356,21 @@ def _put_rows(buf: jax.Array, piece: jax.Array, start) -> jax.Array:
     return lax.dynamic_update_slice_in_dim(buf, piece, start, 0)
 
 
-def _from_shards(src: Source, shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding) -> jax.Array:
-    """The global array `shape` with `sharding`, each distinct shard read once from `src` and put
-    on the devices holding it before the next one is read."""
+def _local_shards(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> list[list]:
+    """This process's distinct shards of a `shape` array under `sharding`: `[index, *devices
+    holding it]` each (replicas of one shard share an entry)."""
     by_index: dict[tuple, list] = {}
     for dev, index in sharding.addressable_devices_indices_map(shape).items():
         key = tuple((sl.start, sl.stop) for sl in index)
         by_index.setdefault(key, [index]).append(dev)
+    return list(by_index.values())
+
+
+def _from_shards(src: Source, shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding) -> jax.Array:
+    """The global array `shape` with `sharding`, each distinct shard read once from `src` and put
+    on the devices holding it before the next one is read."""
     arrays = []
-    for index, *devs in by_index.values():
+    for index, *devs in _local_shards(shape, sharding):
         host = np.ascontiguousarray(src.read(index), dtype=dtype)
         arrays.extend(jax.device_put(host, d) for d in devs)
         del host
@@ -467,7 +473,5 @@ def load_model(path: str, *, dtype=jnp.float32, with_mtp: bool = True, progress:
 def _local_shard_bytes(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding) -> int:
     """Bytes of the distinct shards of a `shape` parameter that this process's devices hold (what
     `_from_shards` reads for it)."""
-    distinct = {tuple((sl.start, sl.stop) for sl in index)
-                for index in sharding.addressable_devices_indices_map(shape).values()}
-    return len(distinct) * math.prod(sharding.shard_shape(shape)) * np.dtype(dtype).itemsize
+    return len(_local_shards(shape, sharding)) * math.prod(sharding.shard_shape(shape)) * np.dtype(dtype).itemsize
 

@@ -160,10 +160,9 @@ class Server:
         self.followers: list[subprocess.Popen] = []
         self._follower_logs = []
         if num_processes > 1:
-            from sharding.distributed import free_port_pair
+            from sharding.distributed import loopback_engine_flags
 
-            flags = ["--coordinator-address", f"127.0.0.1:{free_port_pair()}", "--master-port", str(free_port_pair()),
-                     "--num-processes", str(num_processes), *flags]
+            flags = [*loopback_engine_flags(num_processes), *flags]
             for pid in range(1, num_processes):
                 log = open(f"{log_path}.follower{pid}", "w")
                 self._follower_logs.append(log)

@@ -123,6 +123,14 @@ def free_port_pair(host: str = "127.0.0.1") -> int:
     raise RuntimeError("no two adjacent free ports")
 
 
+def loopback_engine_flags(num_processes: int, host: str = "127.0.0.1") -> list[str]:
+    """`serving.run` flags that make `num_processes` processes on this machine one engine: a free
+    coordinator address and step-channel port pair on `host`, and the process count (each process
+    adds its `--process-id`; the others `--headless`). For local runs, tests and benchmarks."""
+    return ["--coordinator-address", f"{host}:{free_port_pair(host)}", "--master-port", str(free_port_pair(host)),
+            "--num-processes", str(num_processes)]
+
+
 def parse_device_ids(text: str | None) -> tuple[int, ...] | None:
     """"0,1,2,3" → (0, 1, 2, 3); None/"" → None. Raises ValueError naming the flag."""
     if not text:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from sharding.distributed import free_port_pair
+from sharding.distributed import loopback_engine_flags
 from tests.helpers.server_process import REPO, server_process
 
 
@@ -67,9 +67,7 @@ def multihost_engine(flags: list[str], devices_per_process: int = 4, num_process
                      follower_flags: list[str] = ()) -> Iterator[MultiHost]:
     """Start `num_processes` processes of one engine with `flags` (the same on every process;
     followers also get `follower_flags`) and wait until the leader answers /health; yield them."""
-    coordinator, master = free_port_pair(), free_port_pair()
-    common = ["--coordinator-address", f"127.0.0.1:{coordinator}", "--master-port", str(master),
-              "--num-processes", str(num_processes), "--distributed-timeout", str(int(startup_timeout_s)), *flags]
+    common = [*loopback_engine_flags(num_processes), "--distributed-timeout", str(int(startup_timeout_s)), *flags]
     env = child_env(devices_per_process)
     followers, logs = [], []
     try:

@@ -22,7 +22,7 @@ from serving.multihost.channel import (
 )
 from serving.spec_decode.inputs import SpecBatch
 from serving.step_inputs import StepInputs
-from tests.helpers.multihost_process import free_port_pair
+from sharding.distributed import free_port_pair
 
 
 def step_inputs(T=8, B=3, k=2) -> StepInputs:
