@@ -10,7 +10,9 @@ Sockets (the leader binds, followers connect):
   0) or `ABORT reason` (exit non-zero). The leader sends with ROUTER_MANDATORY: a follower whose
   connection is gone makes the send raise instead of dropping the step.
 * **heartbeats** — leader PULL on `tcp://ADDR:PORT+1`, one PUSH per follower: `PING id` every
-  `heartbeat_s` from a thread of its own, `FATAL id reason` when a follower stops on an error.
+  `heartbeat_s` from a thread of its own, `FATAL id reason` when a follower stops on an error,
+  `EVENT id body` for what a follower reports back (a P/D pull that finished: serving/pd/shards.py;
+  the leader's `on_event(body)`).
 
 Failure detection (fail-stop, docs/multihost.md): the leader's monitor thread declares a follower
 lost when its heartbeat connection drops (a killed process: at once), when it sends FATAL, or when
@@ -61,6 +63,8 @@ class LeaderChannel:
 
     def __init__(self, address: str, num_followers: int, peer_timeout_s: float = 10.0, heartbeat_s: float = 1.0,
                  on_lost=None):
+        self.on_event = None  # fn(event dict) for a follower's EVENT (the monitor thread)
+        self.peer_info: dict[int, dict] = {}  # process id → what its HELLO said besides the fingerprint
         self.num_followers = num_followers
         self.peer_timeout_s = float(peer_timeout_s)
         self.heartbeat_s = float(heartbeat_s)
@@ -83,7 +87,7 @@ class LeaderChannel:
             raise ValueError(f"the multi-host channel cannot listen on {steps_ep} and {beats_ep} "
                              f"(--master-addr / --master-port): {e}") from None
         self._monitor = self._beats.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._closed = threading.Event()
         self._peers: list[bytes] = []
         self._last_seen: dict[int, float] = {}
@@ -126,6 +130,7 @@ class LeaderChannel:
                     + "; ".join(f"{k}: leader {fingerprint.get(k)!r}, process {hello['process_id']} "
                                 f"{hello['fingerprint'].get(k)!r}" for k in diff))
             seen[hello["process_id"]] = ident
+            self.peer_info[hello["process_id"]] = dict(hello.get("info") or {})
         self._peers = [seen[p] for p in sorted(seen)]
         now = time.monotonic()
         self._last_seen = {p: now for p in seen}
@@ -135,7 +140,7 @@ class LeaderChannel:
 
     # ------------------------------------------------------------------ sending
     def _send_all(self, frames: list[bytes]) -> None:
-        with self._lock:
+        with self._lock:  # (re-entrant: send_step holds it too)
             for ident in self._peers:
                 try:
                     self._steps.send_multipart([ident, *frames])
@@ -149,12 +154,13 @@ class LeaderChannel:
         Raises PeerLostError when a follower is already known lost."""
         if self.lost is not None:
             raise PeerLostError(self.lost)
-        self.seq += 1
-        header = msgspec.msgpack.encode({"seq": self.seq, "crc": zlib.crc32(payload)})
-        if self.seq == self._corrupt_at:
-            payload = bytes([payload[0] ^ 0xFF]) + payload[1:]
-            logger.warning("%s: corrupting step message %d (test hook)", CORRUPT_ENV, self.seq)
-        self._send_all([b"STEP", header, payload])
+        with self._lock:  # (steps come from the engine thread, P/D pull requests from pull threads)
+            self.seq += 1
+            header = msgspec.msgpack.encode({"seq": self.seq, "crc": zlib.crc32(payload)})
+            if self.seq == self._corrupt_at:
+                payload = bytes([payload[0] ^ 0xFF]) + payload[1:]
+                logger.warning("%s: corrupting step message %d (test hook)", CORRUPT_ENV, self.seq)
+            self._send_all([b"STEP", header, payload])
 
     def stop(self, abort_reason: str | None = None) -> None:
         """Tell every follower to exit (0 for a clean stop, non-zero with `abort_reason`) and close."""
@@ -199,6 +205,11 @@ class LeaderChannel:
                         self._declare_lost(f"process {pid} stopped: {frames[2].decode(errors='replace')}")
                         return
                     self._last_seen[pid] = now
+                    if frames[0] == b"EVENT" and self.on_event is not None:
+                        try:
+                            self.on_event(msgspec.msgpack.decode(frames[2]))
+                        except Exception:
+                            logger.exception("process %d's event could not be handled", pid)
             if self._monitor in ready:
                 zmq.utils.monitor.recv_monitor_message(self._monitor)
                 if not self._closed.is_set():
@@ -253,6 +264,7 @@ class FollowerChannel:
         self.expected_seq = 1
         self._ctx = zmq.Context()
         steps_ep, beats_ep = _endpoints(address)
+        self.leader_host = address.rpartition(":")[0]
         self._steps = self._ctx.socket(zmq.DEALER)
         self._steps.setsockopt(zmq.ROUTING_ID, f"p{process_id}".encode())
         self._steps.setsockopt(zmq.LINGER, 0)
@@ -264,10 +276,16 @@ class FollowerChannel:
         self._closed = threading.Event()
         threading.Thread(target=self._heartbeat, name="multihost-heartbeat", daemon=True).start()
 
-    def hello(self, fingerprint: dict) -> None:
-        """Tell the leader this process built its engine (with `fingerprint`) and is ready."""
+    def hello(self, fingerprint: dict, info: dict | None = None) -> None:
+        """Tell the leader this process built its engine (with `fingerprint`) and is ready;
+        `info`: what the leader should know of it (its P/D transfer server's address)."""
         self._steps.send_multipart([b"HELLO", msgspec.msgpack.encode(
-            {"process_id": self.process_id, "fingerprint": fingerprint})])
+            {"process_id": self.process_id, "fingerprint": fingerprint, "info": info or {}})])
+
+    def event(self, body: dict) -> None:
+        """Report `body` to the leader (its `on_event`), on the heartbeat socket."""
+        with self._beat_lock:
+            self._beats.send_multipart([b"EVENT", str(self.process_id).encode(), msgspec.msgpack.encode(body)])
 
     def recv(self, timeout_s: float | None = None):
         """The next message: ("step", payload bytes) | ("stop", None) | ("abort", reason).

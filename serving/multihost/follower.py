@@ -20,8 +20,17 @@ logger = logging.getLogger(__name__)
 
 def hello(engine, channel: FollowerChannel) -> None:
     """Before the first collective (`build_engine(..., before_compile=...)`): tell the leader this
-    engine's fingerprint, so that a different configuration stops start-up by name."""
-    channel.hello(engine_fingerprint(engine))
+    engine's fingerprint, so that a different configuration stops start-up by name, and where
+    its P/D transfer server listens when it stages and pulls its own pages (serving/pd/shards.py)."""
+    info = {}
+    local = getattr(engine, "pd_process", None)
+    if local is not None:
+        from serving.pd.shards import advertised_host
+
+        local.endpoint.host = advertised_host(local.endpoint.host, channel.leader_host)
+        info["transfer_address"] = local.endpoint.address  # (starts the server)
+        local.notify = channel.event
+    channel.hello(engine_fingerprint(engine), info)
 
 
 def run_follower(engine, channel: FollowerChannel, config: MultiHostConfig) -> int:
@@ -65,6 +74,8 @@ def run_follower(engine, channel: FollowerChannel, config: MultiHostConfig) -> i
                 runner.read_pages(inputs)
             elif op == "write_pages":  # P/D landing: the rows the leader pulled, on every process
                 runner.write_pages(*inputs)
+            elif op.startswith("pd_") and engine.pd_process is not None:  # P/D on this process's own shards
+                engine.pd_process.handle(op, inputs, pid)
             else:
                 raise ValueError(f"unknown operation {op!r} from the leader")
     except Exception as e:  # noqa: BLE001 - any failure stops this process and the engine

@@ -38,3 +38,17 @@ def attach_leader(engine, channel: LeaderChannel) -> None:
     """After the handshake and the compile: send every device program of `engine` (its runner's
     `step_sink(op, inputs)`) to the followers from now on."""
     engine.runner.step_sink = lambda op, inputs: channel.send_step(codec.encode((op, inputs)))
+    local = getattr(engine, "pd_process", None)
+    pd = getattr(engine, "pd", None)
+    router = None
+    if local is not None and pd is not None:
+        router = (pd.producer or pd.consumer).shards
+    if router is not None:  # P/D on the processes holding the pages: where the followers' servers are
+        for pid, info in channel.peer_info.items():
+            if "transfer_address" not in info:
+                raise RuntimeError(f"process {pid} has no P/D transfer server (was it started with the same "
+                                   "--kv-transfer-config?)")
+            router.addresses[pid] = info["transfer_address"]
+        channel.on_event = router.on_event
+        logger.info("P/D: each process stages and pulls its own replicas' KV (transfer servers: %s)",
+                    ", ".join(f"process {p} {router.address(p)}" for p in sorted({0, *router.addresses})))

@@ -13,15 +13,22 @@ logits) and queues the page writes (`update_state_after_alloc`), which the runne
 the step. A pull that fails or misses `kv_load_timeout` follows `kv_load_failure_policy`:
 "recompute" prefills the request locally, "fail" ends it with an error. An abort while the pull
 is in flight drops it and tells the prefill side.
+
+In a multi-process engine whose replicas each live in one process, `shards`
+(`serving/pd/shards.py`) has the process holding the request's replica pull each chunk into its
+own host memory, and admission queues landing plans (`LandingPlan`) instead of page data: every
+process then runs the same sharded page scatter, the owner supplying the pages.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,6 +37,7 @@ from serving.pd import side_channel
 from serving.pd.layout import layout_mismatch
 from serving.pd.params import RemotePrefill, prompt_hash
 from serving.pd.relayout import canonical_to_pages, words_per_token
+from serving.pd.shards import LandingPlan
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +45,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class RemoteKV:
     """Canonical rows of tokens `start` … `start + num_tokens − 1` per group, attached to a request
-    whose pull completed (`Request.remote_kv`)."""
+    whose pull completed (`Request.remote_kv`). On the direct path of a multi-process engine the
+    rows are in process `owner`'s memory under `key` (`rows` is empty)."""
 
     start: int
     num_tokens: int
@@ -45,6 +54,9 @@ class RemoteKV:
     nbytes: int = 0
     host_pages: dict[int, int] = field(default_factory=dict)  # MLA page → host block (HiSparse landing)
     local_pages: dict[str, int] = field(default_factory=dict)  # pages per group from this engine's prefix cache
+    key: str | None = None
+    owner: int | None = None
+    unplanned: object = None  # weakref.finalize: the owner forgets rows never landed (request aborted)
 
 
 def plan_local_prefix(hit_tokens: int, layout, dcp: int) -> tuple[int, dict[str, int]]:
@@ -95,6 +107,9 @@ class PendingPull:
     aborted: bool = False
     start: int = 0
     local_pages: dict[str, int] = field(default_factory=dict)
+    key: str | None = None  # the direct path: rows pulled by process `owner` under this key
+    owner: int | None = None
+    nbytes: int = 0
 
 
 class KVConsumer:
@@ -117,7 +132,12 @@ class KVConsumer:
         self.groups = [g.name for g in layout.groups]
         self.pending: dict[str, PendingPull] = {}
         self.writes: list[tuple[np.ndarray, np.ndarray]] = []  # (global rows, page data) for the runner
-        # HiSparse host landing: (replica, bounce pages, [(host block, per-rank page data)]).
+        self.shards = None  # serving.pd.shards.ShardRouter: the direct path of a multi-process engine
+        self.plans: list[LandingPlan] = []  # the direct path's queued landings
+        self.landed_keys: list[str] = []  # their pulls (forgotten once landed)
+        self._keys = itertools.count(1)
+        # HiSparse host landing: (replica, bounce pages, [(host block, per-rank page data)]); on the
+        # direct path (host block, (LandingPlan without pages, page index)) instead.
         self.host_writes: list[tuple[int, list[int], list]] = []
         self.wake = None
         # Totals since start-up (metrics).
@@ -156,6 +176,9 @@ class KVConsumer:
             pages = {}  # pull (and write) everything
         now = self.clock()
         p = PendingPull(request, remote, n, now + self.config.kv_load_timeout, now, start=start, local_pages=pages)
+        if self.shards is not None:
+            p.owner = self.shards.owners[request.dp_rank or 0]
+            p.key = f"{rid}#{next(self._keys)}"
         self.pending[rid] = p
         if n - start <= 0:  # nothing to pull (a one-token prompt): compute it here
             p.error = "nothing to pull"
@@ -198,17 +221,26 @@ class KVConsumer:
                 if p.aborted:
                     self._release(p)
                     return
-                arrays = self.endpoint.pull(reply["transfer_address"], int(reply["uuid"]), shapes)
-                for name, arr in zip(self.groups, arrays):
-                    parts[name].append(np.asarray(arr))  # waits for the bytes
-                    arr.delete()
+                if p.key is not None:  # the process holding the replica pulls into its own memory
+                    self.shards.pull(p.owner, {
+                        "key": p.key, "chunk": i, "address": reply["transfer_address"], "uuid": int(reply["uuid"]),
+                        "shapes": [list(s) for s in shapes], "groups": self.groups,
+                        "request_id": p.request.request_id}, timeout_s=max(1.0, p.deadline - self.clock()))
+                else:
+                    arrays = self.endpoint.pull(reply["transfer_address"], int(reply["uuid"]), shapes)
+                    for name, arr in zip(self.groups, arrays):
+                        parts[name].append(np.asarray(arr))  # waits for the bytes
+                        arr.delete()
                 p.num_chunks += 1
+                p.nbytes += 4 * sum(a * b for a, b in shapes)
                 if p.aborted:
                     self._release(p)
+                    self._forget(p.key)
                     return
                 if i + 1 < len(ranges):  # the last chunk's staging is released with the request (poll)
                     self._release_chunk(p, reply["uuid"])
-            p.rows = {name: v[0] if len(v) == 1 else np.concatenate(v) for name, v in parts.items()}
+            p.rows = {} if p.key is not None else {
+                name: v[0] if len(v) == 1 else np.concatenate(v) for name, v in parts.items()}
         except Exception as e:  # noqa: BLE001 - the failure policy decides
             p.error = f"{type(e).__name__}: {e}"
         finally:
@@ -249,9 +281,12 @@ class KVConsumer:
         for rid, p in list(self.pending.items()):
             if p.rows is not None:
                 rows = p.rows
-                nbytes = sum(r.nbytes for r in rows.values())
-                p.request.remote_kv = RemoteKV(p.start, p.num_tokens - p.start, rows, nbytes,
-                                               local_pages={g: n for g, n in p.local_pages.items() if n})
+                nbytes = p.nbytes
+                land = RemoteKV(p.start, p.num_tokens - p.start, rows, nbytes,
+                                local_pages={g: n for g, n in p.local_pages.items() if n}, key=p.key, owner=p.owner)
+                if p.key is not None:
+                    land.unplanned = weakref.finalize(land, self._forget, p.key)
+                p.request.remote_kv = land
                 self.num_transfers += 1
                 self.bytes_transferred += nbytes
                 self.xfer_time.observe(now - p.started)
@@ -267,6 +302,7 @@ class KVConsumer:
         for p, _ in failed:
             p.aborted = True  # a pull thread still going stops at its next chunk
             self.pending.pop(p.request.request_id, None)
+            self._forget(p.key)
             if p.error != "nothing to pull":
                 self.num_failed_transfers += 1
             self._release(p)
@@ -279,7 +315,13 @@ class KVConsumer:
             return None
         p.aborted = True
         self._release(p)
+        self._forget(p.key)
         return p.request
+
+    def _forget(self, key: str | None) -> None:
+        """The direct path: every process drops the rows pulled under `key` (never landed)."""
+        if key is not None and self.shards is not None:
+            self.shards.drop([key])
 
     # ------------------------------------------------------------------ scheduler hooks
     def update_state_after_alloc(self, req, kv, replica: int = 0, bounce: list[int] | None = None,
@@ -298,6 +340,13 @@ class KVConsumer:
                 continue
             blocks = np.asarray(kv.block_table(req.request_id, g.name)[first:first + n_pages], np.int64)
             skip = first * span - land.start
+            if land.key is not None:  # the owner builds the pages; every process lands them
+                plan = LandingPlan(land.key, replica, g.name, first, n_pages, skip, land.num_tokens)
+                on_host = [i for i in range(n_pages) if g.name == "mla" and first + i in land.host_pages]
+                self.plans.append(dataclasses.replace(plan, pages=[(i, int(blocks[i])) for i in range(n_pages)
+                                                                   if i not in set(on_host)]))
+                host += [(land.host_pages[first + i], (plan, i)) for i in on_host]
+                continue
             shards = canonical_to_pages(land.rows[g.name][skip:land.num_tokens], first * span, g,
                                         self.layout.page_words, first, n_pages, self.dcp, self.interleave)
             on_host = [i for i in range(n_pages) if g.name == "mla" and first + i in land.host_pages]
@@ -315,6 +364,9 @@ class KVConsumer:
         else:
             self.num_landed_device += 1
         self.num_remote_tokens += land.num_tokens
+        if land.key is not None:
+            land.unplanned.detach()  # landed with this step's plans, then forgotten
+            self.landed_keys.append(land.key)
         req.remote_kv = None  # the rows now live in the write queue
 
     def take_writes(self) -> tuple[np.ndarray, np.ndarray] | None:
@@ -325,6 +377,12 @@ class KVConsumer:
         data = np.concatenate([d for _, d in self.writes])
         self.writes = []
         return rows, data
+
+    def take_plans(self) -> tuple[list[LandingPlan], list[str]]:
+        """The direct path's queued landings and the pulls they finish (forgotten after landing); clears."""
+        out = (self.plans, self.landed_keys)
+        self.plans, self.landed_keys = [], []
+        return out
 
     def take_host_writes(self) -> list[tuple[int, list[int], list]]:
         """The queued host-pool landings (replica, bounce pages, [(host block, per-rank pages)]); clears."""

@@ -38,19 +38,60 @@ class PDEngineMixin:
         config = pd_config(self.args.kv_transfer_config)
         if config is None:
             return None
-        if jax.process_index() != 0:
-            # A follower of a multi-process engine: the leader owns the connector (side channel,
-            # transfer server, held and pulled KV); this process runs its page reads and writes
-            # as the leader sends them (serving/multihost, `serving/arena_pages.py`).
-            return None
         if self.hisparse is not None and config.is_producer:
             raise ValueError("--kv-transfer-config kv_role kv_producer / kv_both with Hybrid HiSparse: a prefill engine "
                              "hands over device-resident pages only; run HiSparse on the decode engine (kv_consumer)")
+        local = self._pd_process_kv(config, num_blocks)
+        if jax.process_index() != 0:
+            # A follower of a multi-process engine: the leader owns the connector (side channel,
+            # held KV, pulls in flight); this process stages, pulls and lands its own replicas'
+            # pages as the leader asks (`local`, serving/pd/shards.py), or, where a replica spans
+            # processes, takes part in the leader's page programs (`serving/arena_pages.py`).
+            self.pd_process = local
+            return None
         pd = build_pd(config, self.layout, cfg, self.parallel, num_blocks, self.runner.read_pages)
+        if local is not None:
+            from serving.pd.shards import ShardRouter
+
+            local.endpoint = (pd.producer or pd.consumer).endpoint
+            owners = {r: self.runner.replica_owner(r, local.dcp) for r in range(self.runner.dp)}
+            router = ShardRouter(local, owners, {}, self._pd_send)
+            for part in (pd.producer, pd.consumer):
+                if part is not None:
+                    part.shards = router
+            self.pd_process = local
         for index, scheduler, kv, pool in replicas:
             scheduler.kv_connector = SchedulerConnector(pd, index, kv, pool, scheduler.policy)
         logger.info("%s", pd.summary())
         return pd
+
+    pd_process = None  # serving.pd.shards.ProcessKV: this process's part of a multi-process P/D transfer
+
+    def _pd_send(self, op: str, msg: dict) -> None:
+        """A P/D message to the followers, in step order (nothing to send in one process)."""
+        if self.runner.step_sink is not None:
+            self.runner.step_sink(op, msg)
+
+    def _pd_process_kv(self, config, num_blocks: int):
+        """This process's `ProcessKV` when P/D takes the direct path (a multi-process engine whose
+        every attention replica lives inside one process), else None (one process, or a replica
+        spanning processes: P/D goes through the leader)."""
+        import os
+
+        from serving.pd.shards import PER_PROCESS_ENV, ProcessKV
+
+        if self.parallel is None or (jax.process_count() == 1 and os.environ.get(PER_PROCESS_ENV) != "1"):
+            return None
+        from serving.pd.transfer import TransferEndpoint
+
+        dcp = self.parallel.dcp
+        owners = [self.runner.replica_owner(r, dcp) for r in range(self.runner.dp)]
+        if any(o is None for o in owners):
+            logger.info("P/D: an attention replica spans processes; its KV is staged and landed through the leader")
+            return None
+        interleave = self.parallel.config.dcp_kv_cache_interleave_size
+        return ProcessKV(self.runner, self.layout, dcp, interleave, num_blocks,
+                         TransferEndpoint(config.side_channel_host, config.num_transfer_sockets))
 
     def _pd_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, scheduler):
         """The `Request` to queue, or None when P/D parked it to pull its KV first
@@ -131,27 +172,39 @@ class PDEngineMixin:
         """Land the pulled KV admitted in this step: its page writes run before the step."""
         if self.pd is None or self.pd.consumer is None:
             return
-        writes = self.pd.consumer.take_writes()
+        consumer = self.pd.consumer
+        writes = consumer.take_writes()
         if writes is not None:
             self.runner.write_pages(*writes)
-        for replica, bounce, pages in self.pd.consumer.take_host_writes():
+        plans, keys = consumer.take_plans()
+        if plans:
+            consumer.shards.land(plans)
+        for replica, bounce, pages in consumer.take_host_writes():
             self._land_in_host_pool(replica, bounce, pages)
+        if keys:
+            consumer.shards.drop(keys)
 
     def _land_in_host_pool(self, replica: int, bounce: list[int], pages: list) -> None:
         """HiSparse host landing: each (host block, per-rank page data) goes through one of the
         request's lease pages (`bounce`): the page is written on the device, then the store
         program copies it into the host block, as a write-through copy would (it writes the host
         pool's own row format, on every DCP rank and column part)."""
+        import dataclasses
+
         from serving.hisparse.host_pool import CopyJob
 
         dcp = self.parallel.dcp if self.parallel is not None else 1
         step = min(len(bounce), self.hisparse.device.max_stores)
         for i in range(0, len(pages), step):
             chunk = pages[i:i + step]
-            rows = [(replica * dcp + rank) * self.runner.num_blocks + lb
-                    for (_, shards), lb in zip(chunk, bounce) for rank in range(len(shards))]
-            data = np.stack([page for _, shards in chunk for page in shards])
-            self.runner.write_pages(np.asarray(rows, np.int32), data)
+            if isinstance(chunk[0][1], tuple):  # the direct path: (plan, page index), the owner's rows
+                self.pd.consumer.shards.land([dataclasses.replace(plan, pages=[(index, lb)])
+                                              for (_, (plan, index)), lb in zip(chunk, bounce)])
+            else:
+                rows = [(replica * dcp + rank) * self.runner.num_blocks + lb
+                        for (_, shards), lb in zip(chunk, bounce) for rank in range(len(shards))]
+                data = np.stack([page for _, shards in chunk for page in shards])
+                self.runner.write_pages(np.asarray(rows, np.int32), data)
             jobs = [CopyJob(lb, hb, None, j) for j, ((hb, _), lb) in enumerate(zip(chunk, bounce))]
             if self.runner.parallel is not None:
                 jobs = [jobs if r == replica else [] for r in range(self.runner.dp)]

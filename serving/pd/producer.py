@@ -13,7 +13,9 @@ request nobody stages within `abort_request_timeout` seconds is released (vLLM's
 VLLM_NIXL_ABORT_REQUEST_TIMEOUT); staged rows nobody pulls within the same time are deleted.
 
 Everything here runs on the engine thread: side-channel requests arrive on their own thread and
-wait for `run_jobs`, which the engine calls every step and whenever it wakes up idle.
+wait for `run_jobs`, which the engine calls every step and whenever it wakes up idle. In a
+multi-process engine whose replicas each live in one process, `shards` (`serving/pd/shards.py`)
+has the process holding the request's replica read and offer the rows on its own transfer server.
 """
 
 from __future__ import annotations
@@ -26,12 +28,11 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import numpy as np
-
 from serving.block_pool import NULL_BLOCK, BlockPool
 from serving.pd.layout import layout_mismatch
 from serving.pd.params import prompt_hash
-from serving.pd.relayout import pages_to_canonical
+from serving.pd.relayout import words_per_token
+from serving.pd.shards import canonical_rows
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +52,10 @@ class HeldKV:
 @dataclass
 class StagedKV:
     request_id: str
-    arrays: list
+    arrays: list | None  # None: staged by another process (`owner`)
     nbytes: int
     deadline: float
+    owner: int = 0
 
 
 class KVProducer:
@@ -83,6 +85,7 @@ class KVProducer:
         self._lock = threading.Lock()
         self.wake = None  # set by the engine's driver: called when a job arrives
         self.side_channel = None  # serving.pd.side_channel.SideChannelServer
+        self.shards = None  # serving.pd.shards.ShardRouter: the direct path of a multi-process engine
         self.num_expired = 0
         self.num_staged = 0
         self.bytes_staged = 0
@@ -185,28 +188,34 @@ class KVProducer:
         end = min(held.num_tokens, int(msg.get("num_tokens", held.num_tokens)))
         if not 0 <= start < end:
             return {"ok": False, "error": f"tokens {start}…{end - 1} are not held (0…{held.num_tokens - 1} are)"}
-        rows = [self._canonical(held, self.layout.group(name), start, end) for name in groups]
         uuid = self.endpoint.new_uuid()
-        arrays = self.endpoint.offer(uuid, rows)
-        nbytes = sum(r.nbytes for r in rows)
+        shapes = [[end - start, words_per_token(self.layout.group(name))] for name in groups]
+        if self.shards is not None:  # the process holding the replica reads and offers the rows
+            owner = self.shards.owners[held.replica]
+            self.shards.stage(owner, {"uuid": uuid, "request_id": rid, "replica": held.replica, "groups": groups,
+                                      "blocks": {name: list(held.blocks[name]) for name in groups},
+                                      "start": start, "end": end})
+            arrays, address = None, self.shards.address(owner)
+        else:
+            owner = 0
+            rows = [canonical_rows(self.read_pages, self.layout.group(name), self.dcp, self.interleave,
+                                   self.num_blocks, held.replica, held.blocks[name], start, end) for name in groups]
+            arrays, address = self.endpoint.offer(uuid, rows), self.endpoint.address
+        nbytes = 4 * sum(a * b for a, b in shapes)
         if msg.get("last", True):
             self._release_pages(held)
-        self.staged[uuid] = StagedKV(rid, arrays, nbytes, self.clock() + self.config.abort_request_timeout)
+        self.staged[uuid] = StagedKV(rid, arrays, nbytes, self.clock() + self.config.abort_request_timeout, owner)
         self.num_staged += 1
         self.bytes_staged += nbytes
-        return {"ok": True, "uuid": uuid, "transfer_address": self.endpoint.address, "groups": groups,
-                "shapes": [list(r.shape) for r in rows], "start": start, "num_tokens": end}
+        return {"ok": True, "uuid": uuid, "transfer_address": address, "groups": groups,
+                "shapes": shapes, "start": start, "num_tokens": end}
 
-    def _canonical(self, held: HeldKV, group, start: int, end: int) -> np.ndarray:
-        span = group.tokens_per_page * self.dcp
-        first, last = start // span, math.ceil(end / span)
-        blocks = np.asarray(held.blocks[group.name][first:last], np.int64)
-        rows = np.concatenate([(held.replica * self.dcp + r) * self.num_blocks + blocks for r in range(self.dcp)])
-        data = self.read_pages(rows.astype(np.int32))
-        shards = np.split(data, self.dcp)
-        canon = pages_to_canonical(shards, group, end - first * span, self.dcp, self.interleave,
-                                   first_page=first)
-        return np.ascontiguousarray(canon[start - first * span:])
+    def _drop_staged(self, uuid: int, staged: StagedKV, pulled: bool) -> None:
+        if staged.arrays is None:
+            self.shards.unstage(staged.owner, uuid, pulled)
+        elif not pulled:
+            for a in staged.arrays:
+                a.delete()
 
     def release(self, request_id: str | None, uuid=None, pulled: bool = False) -> dict:
         """The decode side is done with (`pulled`: the transfer table released the staged rows) or
@@ -216,9 +225,8 @@ class KVProducer:
         if held is not None:
             self._release_pages(held)
         staged = self.staged.pop(int(uuid), None) if uuid is not None else None
-        if staged is not None and not pulled:
-            for a in staged.arrays:
-                a.delete()
+        if staged is not None:
+            self._drop_staged(int(uuid), staged, pulled)
         return {"ok": True}
 
     def _release_pages(self, held: HeldKV) -> None:
@@ -235,9 +243,7 @@ class KVProducer:
             self._release_pages(h)
             self.num_expired += 1
         for uuid in [u for u, s in self.staged.items() if s.deadline <= now]:
-            s = self.staged.pop(uuid)
-            for a in s.arrays:
-                a.delete()
+            self._drop_staged(uuid, self.staged.pop(uuid), pulled=False)
             self.num_expired += 1
 
     def audit(self) -> list[str]:

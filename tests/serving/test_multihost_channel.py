@@ -215,3 +215,45 @@ def test_a_leader_lands_pd_pages_in_step_messages_of_bounded_size():
     assert per_call(glm_page, leader=False) == ArenaPageIO.max_pages_per_program
     assert per_call(4096) == ArenaPageIO.max_pages_per_program  # small pages: the usual bound
     assert per_call(100 << 20) == 8  # never fewer than the smallest page program
+
+
+def test_per_process_page_reads_and_sharded_landings_equal_the_replicated_programs():
+    """The direct P/D path's page I/O on a (dp 2, dcp 2, tp 2) mesh of 8 simulated devices:
+    `read_local_pages` (each row block gathered on a device that holds it) returns what the
+    collective `read_pages` returns, and `write_owned_pages` (page data sharded like the arena's
+    row blocks, scattered inside each shard) leaves the arena `write_pages` leaves, every TP copy
+    included; `replica_owner` names this process for every replica."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from serving.arena_pages import ArenaPageIO
+
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), ("dp", "dcp", "tp"))
+    B, W = 16, 24
+    rng = np.random.default_rng(0)
+    start = rng.integers(0, 2**32, (4 * B, W), dtype=np.uint32)
+    sharding = NamedSharding(mesh, PartitionSpec(("dp", "dcp"), None))
+
+    def io():
+        x = ArenaPageIO()
+        x.kv_arena, x.num_blocks, x.step_sink = jax.device_put(start, sharding), B, None
+        x._put = np.asarray
+        return x
+
+    a, b = io(), io()
+    assert a.replica_owner(0, 2) == a.replica_owner(1, 2) == jax.process_index()
+    rows = np.asarray([3, 17, 18, 40, 63, 1, 33], np.int32)
+    np.testing.assert_array_equal(a.read_local_pages(rows), a.read_pages(rows))
+    np.testing.assert_array_equal(a.read_local_pages(rows), start[rows])
+
+    writes = {0: [2, 5], 1: [0, 9, 15], 3: [7]}  # row block → block-local rows (block 2 gets none)
+    data = {s: rng.integers(0, 2**32, (len(r), W), dtype=np.uint32) for s, r in writes.items()}
+    a.write_owned_pages({s: (np.asarray(r, np.int32), data[s]) for s, r in writes.items()}, count=3)
+    g_rows = np.concatenate([s * B + np.asarray(r) for s, r in writes.items()]).astype(np.int32)
+    b.write_pages(g_rows, np.concatenate([data[s] for s in writes]))
+    want = start.copy()
+    want[g_rows] = np.concatenate([data[s] for s in writes])
+    for x in (a, b):
+        for shard in x.kv_arena.addressable_shards:  # every device's copy, TP replicas included
+            np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])

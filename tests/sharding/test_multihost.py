@@ -184,7 +184,7 @@ PD_RANK = {"a": 0, "b": 1, "c": 1}
 
 def pd_from_multihost(url: str, engine) -> dict:
     """The multi-process engine prefills PROMPTS (max_tokens 1, do_remote_decode), the one-device
-    `engine` pulls their KV (staged by a page gather both processes run) and decodes → streams."""
+    `engine` pulls their KV (staged by the process holding each replica) and decodes → streams."""
     params = {}
     for rid, p in PROMPTS.items():
         r = httpx.post(url + "/v1/completions", timeout=300, headers={"X-data-parallel-rank": str(PD_RANK[rid])}, json={
@@ -197,9 +197,10 @@ def pd_from_multihost(url: str, engine) -> dict:
 
 
 def pd_into_multihost(url: str, engine) -> dict:
-    """The one-device `engine` prefills PROMPTS; the multi-process engine pulls their KV (its
-    leader pulls, both processes write the pages) and decodes them, concurrently, while `engine`
-    keeps stepping to answer the stage requests → streams."""
+    """The one-device `engine` prefills PROMPTS; the multi-process engine pulls their KV and
+    decodes them, concurrently, while `engine`
+    keeps stepping to answer the stage requests → streams. (The process holding each request's
+    replica pulls its KV; every process runs the landing.)"""
     _, _, finals = greedy_streams(engine, {f"{rid}-p": p for rid, p in PROMPTS.items()}, 1,
                                   {f"{rid}-p": {"kv_transfer_params": {"do_remote_decode": True}} for rid in PROMPTS})
     got, errors = {}, []
@@ -229,8 +230,10 @@ def test_dp2_ep_fp8_across_processes_serves_the_one_process_streams_pd_both_ways
     """The DP2 + EP engine (one device and replica per process) with the fp8 cache and FP8
     weights serves the one-device streams (same cache dtype and weights), each process loading
     only its shards; as a P/D engine (kv_both) it hands KV to the one-device engine and takes KV
-    from it, on either replica, with the same streams (the P/D connector lives in the leader; the
-    page gather of the staging and the page writes of the landing run on both processes)."""
+    from it, on either replica, with the same streams. The P/D connector lives in the leader, but
+    the KV of the follower's replica never passes through it: the follower stages it from its own
+    arena shard on its own transfer server, pulls it into its own memory and supplies its pages to
+    the landing (serving/pd/shards.py)."""
     with multihost_engine(ENGINE + DP2_EP_FP8_PD + ["--shutdown-timeout", "600"], devices_per_process=1) as mh:
         check_equal(DP2_EP_FP8_PD, mh.url)
         # FP8 weights, each process reading only its own shards (the experts are split between them).
@@ -251,9 +254,15 @@ def test_dp2_ep_fp8_across_processes_serves_the_one_process_streams_pd_both_ways
         assert consumer.num_failed_transfers == 0
         assert consumer.num_transfers - pulled == len(PROMPTS)
         assert consumer.num_remote_tokens - landed == sum(len(p) - 1 for p in PROMPTS.values())
+        # "b" and "c" (the follower's replica) were staged by the follower, "a" by the leader.
+        assert "P/D: each process stages and pulls its own replicas' KV" in mh.leader_log()
+        staged = re.findall(r"process 1: staged (\d+) tokens .* of request (\S+) from its own arena shards",
+                            mh.follower_log())
+        assert sorted(int(n) for n, _ in staged) == sorted(len(PROMPTS[k]) - 1 for k in "bc"), staged
 
         got = pd_into_multihost(mh.url, engine)
         compare_streams(ref, got, lps, PROMPTS, api.load(cache_dtype=dtype))
+        assert len(re.findall(r"process 1: pulled chunk \d+ of", mh.follower_log())) == 2  # "b" and "c"
         assert metric(mh.url, "vllm:kv_transfer_remote_prompt_tokens_total") == sum(len(p) - 1 for p in PROMPTS.values())
         assert metric(mh.url, "vllm:nixl_num_failed_transfers_total") == 0
         assert not engine.audit()

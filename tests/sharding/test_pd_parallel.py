@@ -41,15 +41,20 @@ LONG = {"x": [(7 * i) % 300 + 4 for i in range(600)], "y": [(11 * i) % 350 + 4 f
         "z": [(13 * i) % 400 + 4 for i in range(450)], "w": [(17 * i) % 420 + 4 for i in range(380)]}
 
 
-def test_pcp2_dcp2_prefill_to_dp2_hisparse_decode_lands_in_the_host_pool():
+def test_pcp2_dcp2_prefill_to_dp2_hisparse_decode_lands_in_the_host_pool(monkeypatch):
     """The reference decode layout, scaled: DP2 replicas with Hybrid HiSparse on a device pool far
     too small for the prompts (9 usable pages per replica; the longest prompt needs 11). What does not fit lands straight in the
     replica's host pool; nobody is preempted; the hot buffer really reads host rows; streams equal
     the colocated single-device run. Both engines schedule asynchronously (as the server does by
     default): host landings and page writes go before the step they feed; the synchronous
-    landing is tested in tests/serving/test_pd_engine.py."""
+    landing is tested in tests/serving/test_pd_engine.py. Both engines take the per-process path
+    of a multi-process engine (serving/pd/shards.py: each replica's pages read from its own
+    shards, landing plans, the sharded page scatter; the other tests here take the one-process
+    path), which tests/sharding/test_multihost.py runs across processes without HiSparse."""
+    from serving.pd.shards import PER_PROCESS_ENV
     from tests.serving.test_pd_engine import _colocated
 
+    monkeypatch.setenv(PER_PROCESS_ENV, "1")
     _, ref, ref_lp = _colocated(LONG, max_model_len=1024, num_gpu_blocks_override=96)
     prefill = build(connector("kv_producer"), parallel=PCP2_DCP2, max_model_len=1024, num_gpu_blocks_override=96,
                     async_scheduling=True)
@@ -64,6 +69,8 @@ def test_pcp2_dcp2_prefill_to_dp2_hisparse_decode_lands_in_the_host_pool():
     print(f"\nlanded on the device {c.num_landed_device}, in the host pool {c.num_landed_host}; hot misses "
           f"{decode.hisparse.device.misses}")
     assert c.num_landed_host >= 2 and c.num_landed_device + c.num_landed_host == len(LONG)
+    assert prefill.pd_process.num_staged == len(LONG) and decode.pd_process.num_pulled == len(LONG)
+    assert decode.pd_process.pulled == {}  # every pulled request's rows landed and were forgotten
     assert sum(r.scheduler.num_preemptions_total for r in decode.replicas) == 0
     assert decode.hisparse.device.misses > 0
     assert not decode.audit() and all(r.pool.num_free == r.pool.num_usable_blocks for r in decode.replicas)
