@@ -15,6 +15,8 @@ The pieces (docs/pd.md has the design, the protocol and the numbers):
 * `side_channel.py` — the control plane: stage / release requests over ZMQ.
 * `producer.py`     — prefill side: keep finished requests' pages, stage them on request, deadlines.
 * `consumer.py`     — decode side: pull, hand the rows to admission, failure policy, aborts.
+* `shards.py`       — a multi-process engine: the process holding a replica stages, pulls and
+                      lands its KV (the leader only asks it to).
 
 `PDConnector` bundles them for one engine; `SchedulerConnector` is what a scheduler (one per
 data-parallel replica) calls (`serving/scheduler.py`).

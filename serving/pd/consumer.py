@@ -134,7 +134,7 @@ class KVConsumer:
         self.writes: list[tuple[np.ndarray, np.ndarray]] = []  # (global rows, page data) for the runner
         self.shards = None  # serving.pd.shards.ShardRouter: the direct path of a multi-process engine
         self.plans: list[LandingPlan] = []  # the direct path's queued landings
-        self.landed_keys: list[str] = []  # their pulls (forgotten once landed)
+        self.landed_keys: list[tuple[str, int]] = []  # their pulls, (key, owner) (forgotten once landed)
         self._keys = itertools.count(1)
         # HiSparse host landing: (replica, bounce pages, [(host block, per-rank page data)]); on the
         # direct path (host block, (LandingPlan without pages, page index)) instead.
@@ -235,7 +235,7 @@ class KVConsumer:
                 p.nbytes += 4 * sum(a * b for a, b in shapes)
                 if p.aborted:
                     self._release(p)
-                    self._forget(p.key)
+                    self._forget(p.key, p.owner)
                     return
                 if i + 1 < len(ranges):  # the last chunk's staging is released with the request (poll)
                     self._release_chunk(p, reply["uuid"])
@@ -285,7 +285,8 @@ class KVConsumer:
                 land = RemoteKV(p.start, p.num_tokens - p.start, rows, nbytes,
                                 local_pages={g: n for g, n in p.local_pages.items() if n}, key=p.key, owner=p.owner)
                 if p.key is not None:
-                    land.unplanned = weakref.finalize(land, self._forget, p.key)
+                    land.unplanned = weakref.finalize(land, self._forget, p.key, p.owner)
+                    land.unplanned.atexit = False
                 p.request.remote_kv = land
                 self.num_transfers += 1
                 self.bytes_transferred += nbytes
@@ -302,7 +303,7 @@ class KVConsumer:
         for p, _ in failed:
             p.aborted = True  # a pull thread still going stops at its next chunk
             self.pending.pop(p.request.request_id, None)
-            self._forget(p.key)
+            self._forget(p.key, p.owner)
             if p.error != "nothing to pull":
                 self.num_failed_transfers += 1
             self._release(p)
@@ -315,13 +316,13 @@ class KVConsumer:
             return None
         p.aborted = True
         self._release(p)
-        self._forget(p.key)
+        self._forget(p.key, p.owner)
         return p.request
 
-    def _forget(self, key: str | None) -> None:
-        """The direct path: every process drops the rows pulled under `key` (never landed)."""
+    def _forget(self, key: str | None, owner: int | None) -> None:
+        """The direct path: process `owner` drops the rows it pulled under `key` (never landed)."""
         if key is not None and self.shards is not None:
-            self.shards.drop([key])
+            self.shards.drop([(key, owner)])
 
     # ------------------------------------------------------------------ scheduler hooks
     def update_state_after_alloc(self, req, kv, replica: int = 0, bounce: list[int] | None = None,
@@ -366,7 +367,7 @@ class KVConsumer:
         self.num_remote_tokens += land.num_tokens
         if land.key is not None:
             land.unplanned.detach()  # landed with this step's plans, then forgotten
-            self.landed_keys.append(land.key)
+            self.landed_keys.append((land.key, land.owner))
         req.remote_kv = None  # the rows now live in the write queue
 
     def take_writes(self) -> tuple[np.ndarray, np.ndarray] | None:
@@ -378,7 +379,7 @@ class KVConsumer:
         self.writes = []
         return rows, data
 
-    def take_plans(self) -> tuple[list[LandingPlan], list[str]]:
+    def take_plans(self) -> tuple[list[LandingPlan], list[tuple[str, int]]]:
         """The direct path's queued landings and the pulls they finish (forgotten after landing); clears."""
         out = (self.plans, self.landed_keys)
         self.plans, self.landed_keys = [], []

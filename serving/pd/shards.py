@@ -114,6 +114,7 @@ class ProcessKV:
         self.endpoint = endpoint
         self.staged: dict[int, list] = {}  # uuid → staged arrays (until pulled, released or expired)
         self.pulled: dict[str, list[dict[str, np.ndarray]]] = {}  # pull key → rows per group, per chunk
+        self._dropped: set[str] = set()  # keys forgotten while a pull of theirs may still be going on
         self._lock = threading.Lock()
         self.notify = None  # fn(event dict): a follower reports to the leader (heartbeat channel)
         self.num_staged = self.num_pulled = self.num_landed = 0
@@ -153,9 +154,12 @@ class ProcessKV:
                     rows[name] = np.asarray(arr)  # waits for the bytes
                     arr.delete()
                 with self._lock:
-                    chunks = self.pulled.setdefault(msg["key"], [])
-                    chunks.extend([None] * (int(msg["chunk"]) + 1 - len(chunks)))
-                    chunks[int(msg["chunk"])] = rows
+                    if msg["key"] in self._dropped:  # the leader gave up on it meanwhile
+                        self._dropped.discard(msg["key"])
+                    else:
+                        chunks = self.pulled.setdefault(msg["key"], [])
+                        chunks.extend([None] * (int(msg["chunk"]) + 1 - len(chunks)))
+                        chunks[int(msg["chunk"])] = rows
                 self.num_pulled += 1
             except Exception as e:  # noqa: BLE001 - the leader's failure policy decides
                 error = f"{type(e).__name__}: {e}"
@@ -173,9 +177,11 @@ class ProcessKV:
         return {name: np.concatenate([c[name] for c in chunks]) for name in chunks[0]}
 
     def drop(self, key: str) -> None:
-        """Forget the rows pulled under `key` (landed, failed or aborted)."""
+        """Forget the rows pulled under `key` (landed, failed or aborted; a pull of it still
+        going on keeps nothing)."""
         with self._lock:
-            self.pulled.pop(key, None)
+            if self.pulled.pop(key, None) is None:
+                self._dropped.add(key)
 
     def land(self, plans: list[LandingPlan], owners: dict[int, int], me: int) -> None:
         """Run this landing's sharded page scatter (every process calls it with the same `plans`;
@@ -218,8 +224,9 @@ class ProcessKV:
                       me)
             return
         if op == "pd_drop":
-            for key in msg["keys"]:
-                self.drop(key)
+            for key, owner in msg["keys"]:
+                if int(owner) == me:
+                    self.drop(key)
             return
         if int(msg["process"]) != me:
             return
@@ -310,13 +317,18 @@ class ShardRouter:
         self.send("pd_land", {"plans": [p.encode() for p in plans], "owners": {str(k): v for k, v in owners.items()}})
         self.local.land(plans, owners, 0)
 
-    def drop(self, keys: list[str]) -> None:
-        """Every process forgets the rows pulled under `keys` (best effort: never raises)."""
+    def drop(self, keys: list[tuple[str, int]]) -> None:
+        """The processes named with `keys` ((key, owner) pairs) forget the rows pulled under them
+        (best effort: never raises)."""
         if not keys:
             return
-        for key in keys:
-            self.local.drop(key)
+        for key, owner in keys:
+            if owner == 0:
+                self.local.drop(key)
+        remote = [[k, o] for k, o in keys if o != 0]
+        if not remote:
+            return
         try:
-            self.send("pd_drop", {"keys": list(keys)})
+            self.send("pd_drop", {"keys": remote})
         except Exception as e:  # noqa: BLE001 - a stopped engine has nothing to free
             logger.debug("P/D: could not tell the followers to drop %s: %s", keys, e)

@@ -9,8 +9,9 @@ through the openai client, the follower `--headless`.
   to the same rule by tests/sharding/test_engine_parallel.py and test_hisparse_parallel.py), for:
   DP2 + EP with the fp8 cache and FP8 weights (an attention replica per process, experts over
   both, each process loading only its weight shards; also a P/D engine, kv_both, handing KV to
-  and taking KV from the one-device engine on either replica); PCP2 × DCP2 with the CPU offloading
-  connector storing pages (the context-parallel groups span the processes); MTP k = 2 under TP2
+  and taking KV from the one-device engine on either replica, each process staging and pulling
+  its own replica's KV); PCP2 × DCP2 with the CPU offloading connector storing pages and P/D both
+  ways through the leader (the context-parallel groups span the processes); MTP k = 2 under TP2
   with the connector's loads (a prefix evicted from the device comes back from the host store in
   a load program both processes run); Hybrid HiSparse on a device pool far too small under DP2 +
   EP with the fp8 cache (each process's replica has its own host pool; the suite's engine-level
@@ -58,9 +59,12 @@ DP2_EP_FP8 = ["-dp", "2", "--enable-expert-parallel", "--kv-cache-dtype", "fp8",
 PD_BOTH = ["--kv-transfer-config", json.dumps({"kv_connector": "JaxTransferConnector", "kv_role": "kv_both",
                                                 "kv_load_failure_policy": "fail"})]
 DP2_EP_FP8_PD = DP2_EP_FP8 + PD_BOTH
-PCP2_DCP2_OFFLOAD = ["-pcp", "2", "-dcp", "2", "--enable-prefix-caching", "--kv-transfer-config",
-                     json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                                 "kv_connector_extra_config": {"cpu_bytes_to_use": 2**26}})]
+# The offloading connector and P/D together (vLLM's MultiConnector): a replica spanning the processes
+# (DCP2 over them), whose P/D KV therefore goes through the leader.
+PCP2_DCP2_OFFLOAD_PD = ["-pcp", "2", "-dcp", "2", "--enable-prefix-caching", "--kv-transfer-config", json.dumps(
+    {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"connectors": [
+        {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": 2**26}},
+        {"kv_connector": "JaxTransferConnector", "kv_role": "kv_both", "kv_load_failure_policy": "fail"}]}})]
 MTP_TP2 = ["-tp", "2", "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
 # With the CPU offloading connector too, and room for prompts past one indexer page (704 tokens with
 # the MTP layer), the unit a prefix hit — and so a load from the host store — comes in.
@@ -93,13 +97,17 @@ def greedy_streams(engine, prompts: dict, max_tokens: int, params: dict | None =
 
 def reference_engine(flags: list[str]):
     """The one-device, non-speculative engine with the same engine flags, cache dtype, weight
-    quantisation and P/D connector as `flags` (layout, MTP and offloading flags dropped; built by
+    quantisation and P/D connector as `flags` (layout, MTP and offloading flags dropped, a
+    MultiConnector's P/D part kept; built by
     `serving.run.engine_args`), built and run on PROMPTS once per (cache dtype, quantisation, P/D)
     → (the engine, kept only with a P/D connector, else None; streams; their top logprobs; the
     cache dtype)."""
     dtype = "fp8" if "--kv-cache-dtype" in flags and flags[flags.index("--kv-cache-dtype") + 1] == "fp8" else "bfloat16"
     quant = flags[flags.index("--quantization") + 1] if "--quantization" in flags else None
     pd = next((f for f in flags if "JaxTransferConnector" in f), None)
+    if pd is not None and json.loads(pd)["kv_connector"] == "MultiConnector":  # its P/D connector only
+        pd = json.dumps(next(c for c in json.loads(pd)["kv_connector_extra_config"]["connectors"]
+                             if c["kv_connector"] == "JaxTransferConnector"))
     if (dtype, quant, pd) not in _REFERENCES:
         args = make_arg_parser().parse_args(ENGINE + (["--kv-cache-dtype", "fp8"] if dtype == "fp8" else [])
                                             + (["--quantization", quant] if quant else [])
@@ -182,12 +190,13 @@ def health(url: str) -> int | None:
 PD_RANK = {"a": 0, "b": 1, "c": 1}
 
 
-def pd_from_multihost(url: str, engine) -> dict:
+def pd_from_multihost(url: str, engine, ranks: dict | None = PD_RANK) -> dict:
     """The multi-process engine prefills PROMPTS (max_tokens 1, do_remote_decode), the one-device
     `engine` pulls their KV (staged by the process holding each replica) and decodes → streams."""
     params = {}
     for rid, p in PROMPTS.items():
-        r = httpx.post(url + "/v1/completions", timeout=300, headers={"X-data-parallel-rank": str(PD_RANK[rid])}, json={
+        headers = {"X-data-parallel-rank": str(ranks[rid])} if ranks else {}
+        r = httpx.post(url + "/v1/completions", timeout=300, headers=headers, json={
             "model": MODEL, "prompt": p, "max_tokens": 1, "temperature": 0,
             "kv_transfer_params": {"do_remote_decode": True}})
         r.raise_for_status()
@@ -196,7 +205,7 @@ def pd_from_multihost(url: str, engine) -> dict:
     return streams
 
 
-def pd_into_multihost(url: str, engine) -> dict:
+def pd_into_multihost(url: str, engine, ranks: dict | None = PD_RANK) -> dict:
     """The one-device `engine` prefills PROMPTS; the multi-process engine pulls their KV and
     decodes them, concurrently, while `engine`
     keeps stepping to answer the stage requests → streams. (The process holding each request's
@@ -207,7 +216,8 @@ def pd_into_multihost(url: str, engine) -> dict:
 
     def one(rid):
         try:
-            r = httpx.post(url + "/v1/completions", timeout=300, headers={"X-data-parallel-rank": str(PD_RANK[rid])},
+            headers = {"X-data-parallel-rank": str(ranks[rid])} if ranks else {}
+            r = httpx.post(url + "/v1/completions", timeout=300, headers=headers,
                            json={"model": MODEL, "prompt": PROMPTS[rid], "max_tokens": MAX_TOKENS, "temperature": 0,
                                  "ignore_eos": True, "return_token_ids": True,
                                  "kv_transfer_params": finals[f"{rid}-p"].kv_transfer_params})
@@ -281,14 +291,25 @@ def test_dp2_ep_fp8_across_processes_serves_the_one_process_streams_pd_both_ways
         assert "the leader stopped the engine after" in mh.follower_log()
 
 
-def test_pcp2_dcp2_offload_across_processes_serves_the_one_process_streams_and_a_killed_follower_stops_all():
-    """PCP2 × DCP2 over 2 × 1 devices with the CPU offloading connector: the streams equal the one-device
-    engine's and the sealed pages are stored to the host store. (A later turn loaded back from it
-    needs a full 1,536-token indexer page under DCP2, beyond this engine's 192-token limit: the
-    loads across processes are checked under TP2 in the MTP test below, and under PCP2 × DCP2 in
-    one process by tests/sharding/test_pd_parallel.py.) Then a follower is killed mid-stream."""
-    with multihost_engine(ENGINE + PCP2_DCP2_OFFLOAD, devices_per_process=1) as mh:
-        _, _, got = check_equal(PCP2_DCP2_OFFLOAD, mh.url)
+def test_pcp2_dcp2_offload_and_pd_across_processes_serve_the_one_process_streams_and_a_killed_follower_stops_all():
+    """PCP2 × DCP2 over 2 × 1 devices with the CPU offloading connector and P/D (MultiConnector,
+    kv_both): the streams equal the one-device engine's and the sealed pages are stored to the
+    host store. (A later turn loaded back from it needs a full 1,536-token indexer page under
+    DCP2, beyond this engine's 192-token limit: the loads across processes are checked under TP2
+    in the MTP test below, and under PCP2 × DCP2 in one process by
+    tests/sharding/test_pd_parallel.py.) Its one replica spans the processes (a DCP rank on each),
+    so P/D goes through the leader: the staging gather and the landing scatter run on both
+    processes, the leader alone talking to the peer; P/D both ways with the one-device engine
+    gives that engine's streams. Then a follower is killed mid-stream."""
+    with multihost_engine(ENGINE + PCP2_DCP2_OFFLOAD_PD, devices_per_process=1) as mh:
+        _, _, got = check_equal(PCP2_DCP2_OFFLOAD_PD, mh.url)
+        assert "an attention replica spans processes; its KV is staged and landed through the leader" in mh.leader_log()
+        engine, ref, lps, _ = reference_engine(PCP2_DCP2_OFFLOAD_PD)
+        compare_streams(ref, pd_from_multihost(mh.url, engine, ranks=None), lps, PROMPTS)
+        compare_streams(ref, pd_into_multihost(mh.url, engine, ranks=None), lps, PROMPTS)
+        assert metric(mh.url, "vllm:kv_transfer_remote_prompt_tokens_total") == sum(len(p) - 1 for p in PROMPTS.values())
+        assert metric(mh.url, "vllm:nixl_num_failed_transfers_total") == 0 and not engine.audit()
+        assert "from its own arena shards" not in mh.follower_log()
         # A prompt with a full 128-token unit (64 x DCP2): its sealed pages go to the host store, on
         # both processes (the store program spans them).
         httpx.post(mh.url + "/v1/completions", timeout=300, json={
