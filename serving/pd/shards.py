@@ -115,6 +115,9 @@ class ProcessKV:
         self.staged: dict[int, list] = {}  # uuid → staged arrays (until pulled, released or expired)
         self.pulled: dict[str, list[dict[str, np.ndarray]]] = {}  # pull key → rows per group, per chunk
         self._dropped: set[str] = set()  # keys forgotten while a pull of theirs may still be going on
+        # (key, group) → pages per DCP rank built from the rows: a request's host landing takes
+        # several `land` calls (a lease's worth of pages each), which build them once.
+        self._built: dict[tuple[str, str], list[np.ndarray]] = {}
         self._lock = threading.Lock()
         self.notify = None  # fn(event dict): a follower reports to the leader (heartbeat channel)
         self.num_staged = self.num_pulled = self.num_landed = 0
@@ -182,6 +185,8 @@ class ProcessKV:
         with self._lock:
             if self.pulled.pop(key, None) is None:
                 self._dropped.add(key)
+            for k in [k for k in self._built if k[0] == key]:
+                del self._built[k]
 
     def land(self, plans: list[LandingPlan], owners: dict[int, int], me: int) -> None:
         """Run this landing's sharded page scatter (every process calls it with the same `plans`;
@@ -189,7 +194,7 @@ class ProcessKV:
         whose replica it holds, from its pulled rows."""
         pages: dict[int, tuple[list, list]] = {}
         count: dict[int, int] = {}
-        cache: dict[tuple[str, str], list[np.ndarray]] = {}
+        cache = self._built
         for p in plans:
             for rank in range(self.dcp):
                 s = p.replica * self.dcp + rank
