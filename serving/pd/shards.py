@@ -114,7 +114,8 @@ class ProcessKV:
         self.endpoint = endpoint
         self.staged: dict[int, list] = {}  # uuid → staged arrays (until pulled, released or expired)
         self.pulled: dict[str, list[dict[str, np.ndarray]]] = {}  # pull key → rows per group, per chunk
-        self._dropped: set[str] = set()  # keys forgotten while a pull of theirs may still be going on
+        self._pulling: set[str] = set()  # keys with a pull thread still going on here
+        self._dropped: set[str] = set()  # of those, the ones forgotten meanwhile (their rows are not kept)
         # (key, group) → pages per DCP rank built from the rows: a request's host landing takes
         # several `land` calls (a lease's worth of pages each), which build them once.
         self._built: dict[tuple[str, str], list[np.ndarray]] = {}
@@ -148,6 +149,9 @@ class ProcessKV:
         from the prefill side's stage reply) into host memory, on a thread of its own; then
         `done({"op": "pd_pulled", "key", "chunk", "error"})` (error None when every byte arrived)."""
 
+        with self._lock:
+            self._pulling.add(msg["key"])
+
         def run():
             error = None
             try:
@@ -157,15 +161,18 @@ class ProcessKV:
                     rows[name] = np.asarray(arr)  # waits for the bytes
                     arr.delete()
                 with self._lock:
-                    if msg["key"] in self._dropped:  # the leader gave up on it meanwhile
-                        self._dropped.discard(msg["key"])
-                    else:
+                    if msg["key"] not in self._dropped:  # (dropped: the leader gave up on it meanwhile)
                         chunks = self.pulled.setdefault(msg["key"], [])
                         chunks.extend([None] * (int(msg["chunk"]) + 1 - len(chunks)))
                         chunks[int(msg["chunk"])] = rows
                 self.num_pulled += 1
             except Exception as e:  # noqa: BLE001 - the leader's failure policy decides
                 error = f"{type(e).__name__}: {e}"
+                logger.warning("P/D: pulling chunk %s of %s failed on this process: %s", msg["chunk"], msg["key"], error)
+            finally:
+                with self._lock:
+                    self._pulling.discard(msg["key"])
+                    self._dropped.discard(msg["key"])
             done({"op": "pd_pulled", "key": msg["key"], "chunk": int(msg["chunk"]), "error": error})
 
         threading.Thread(target=run, name=f"pd-pull-{msg['key']}", daemon=True).start()
@@ -183,7 +190,8 @@ class ProcessKV:
         """Forget the rows pulled under `key` (landed, failed or aborted; a pull of it still
         going on keeps nothing)."""
         with self._lock:
-            if self.pulled.pop(key, None) is None:
+            self.pulled.pop(key, None)
+            if key in self._pulling:
                 self._dropped.add(key)
             for k in [k for k in self._built if k[0] == key]:
                 del self._built[k]

@@ -84,6 +84,8 @@ def test_the_leaders_own_pulls_keep_rows_until_dropped_and_a_dropped_pull_keeps_
     gate.set()
     slot.join(5)
     assert router.local.pulled == {}
+    router.drop([("d#4", 0)])  # a failed request's key, never pulled here: nothing is remembered
+    assert router.local._dropped == set() and router.local._pulling == set()
 
 
 def test_landing_plans_cross_the_step_channel_unchanged():
