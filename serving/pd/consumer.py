@@ -227,10 +227,9 @@ class KVConsumer:
                         "shapes": [list(s) for s in shapes], "groups": self.groups,
                         "request_id": p.request.request_id}, timeout_s=max(1.0, p.deadline - self.clock()))
                 else:
-                    arrays = self.endpoint.pull(reply["transfer_address"], int(reply["uuid"]), shapes)
-                    for name, arr in zip(self.groups, arrays):
-                        parts[name].append(np.asarray(arr))  # waits for the bytes
-                        arr.delete()
+                    pulled = self.endpoint.pull_rows(reply["transfer_address"], int(reply["uuid"]), shapes)
+                    for name, rows in zip(self.groups, pulled):
+                        parts[name].append(rows)
                 p.num_chunks += 1
                 p.nbytes += 4 * sum(a * b for a, b in shapes)
                 if p.aborted:

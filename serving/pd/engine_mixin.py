@@ -41,19 +41,21 @@ class PDEngineMixin:
         if self.hisparse is not None and config.is_producer:
             raise ValueError("--kv-transfer-config kv_role kv_producer / kv_both with Hybrid HiSparse: a prefill engine "
                              "hands over device-resident pages only; run HiSparse on the decode engine (kv_consumer)")
-        local = self._pd_process_kv(config, num_blocks)
         if jax.process_index() != 0:
             # A follower of a multi-process engine: the leader owns the connector (side channel,
             # held KV, pulls in flight); this process stages, pulls and lands its own replicas'
-            # pages as the leader asks (`local`, serving/pd/shards.py), or, where a replica spans
-            # processes, takes part in the leader's page programs (`serving/arena_pages.py`).
-            self.pd_process = local
+            # pages as the leader asks (`pd_process`, serving/pd/shards.py), or, where a replica
+            # spans processes, takes part in the leader's page programs (`serving/arena_pages.py`).
+            from serving.pd.transfer import TransferEndpoint
+
+            self.pd_process = self._pd_process_kv(
+                num_blocks, TransferEndpoint(config.side_channel_host, config.num_transfer_sockets))
             return None
         pd = build_pd(config, self.layout, cfg, self.parallel, num_blocks, self.runner.read_pages)
+        local = self._pd_process_kv(num_blocks, (pd.producer or pd.consumer).endpoint)
         if local is not None:
             from serving.pd.shards import ShardRouter
 
-            local.endpoint = (pd.producer or pd.consumer).endpoint
             owners = {r: self.runner.replica_owner(r, local.dcp) for r in range(self.runner.dp)}
             router = ShardRouter(local, owners, {}, self._pd_send)
             for part in (pd.producer, pd.consumer):
@@ -72,26 +74,23 @@ class PDEngineMixin:
         if self.runner.step_sink is not None:
             self.runner.step_sink(op, msg)
 
-    def _pd_process_kv(self, config, num_blocks: int):
-        """This process's `ProcessKV` when P/D takes the direct path (a multi-process engine whose
-        every attention replica lives inside one process), else None (one process, or a replica
-        spanning processes: P/D goes through the leader)."""
+    def _pd_process_kv(self, num_blocks: int, endpoint):
+        """This process's `ProcessKV` over its transfer `endpoint` when P/D takes the direct path
+        (a multi-process engine whose every attention replica lives inside one process), else
+        None (one process, or a replica spanning processes: P/D goes through the leader)."""
         import os
 
         from serving.pd.shards import PER_PROCESS_ENV, ProcessKV
 
         if self.parallel is None or (jax.process_count() == 1 and os.environ.get(PER_PROCESS_ENV) != "1"):
             return None
-        from serving.pd.transfer import TransferEndpoint
-
         dcp = self.parallel.dcp
         owners = [self.runner.replica_owner(r, dcp) for r in range(self.runner.dp)]
         if any(o is None for o in owners):
             logger.info("P/D: an attention replica spans processes; its KV is staged and landed through the leader")
             return None
         interleave = self.parallel.config.dcp_kv_cache_interleave_size
-        return ProcessKV(self.runner, self.layout, dcp, interleave, num_blocks,
-                         TransferEndpoint(config.side_channel_host, config.num_transfer_sockets))
+        return ProcessKV(self.runner, self.layout, dcp, interleave, num_blocks, endpoint)
 
     def _pd_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, scheduler):
         """The `Request` to queue, or None when P/D parked it to pull its KV first

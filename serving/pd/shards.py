@@ -155,11 +155,8 @@ class ProcessKV:
         def run():
             error = None
             try:
-                arrays = self.endpoint.pull(msg["address"], int(msg["uuid"]), [tuple(s) for s in msg["shapes"]])
-                rows = {}
-                for name, arr in zip(msg["groups"], arrays):
-                    rows[name] = np.asarray(arr)  # waits for the bytes
-                    arr.delete()
+                rows = dict(zip(msg["groups"], self.endpoint.pull_rows(
+                    msg["address"], int(msg["uuid"]), [tuple(s) for s in msg["shapes"]])))
                 with self._lock:
                     if msg["key"] not in self._dropped:  # (dropped: the leader gave up on it meanwhile)
                         chunks = self.pulled.setdefault(msg["key"], [])

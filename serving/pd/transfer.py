@@ -83,3 +83,11 @@ class TransferEndpoint:
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         specs = [jax.ShapeDtypeStruct(tuple(s), jnp.uint32, sharding=sharding) for s in shapes]
         return conn.pull(uuid, specs)
+
+    def pull_rows(self, address: str, uuid: int, shapes: list[tuple[int, int]]) -> list[np.ndarray]:
+        """`pull`, then wait for the bytes: the rows as host arrays (the device copies deleted)."""
+        rows = []
+        for arr in self.pull(address, uuid, shapes):
+            rows.append(np.asarray(arr))  # waits for the bytes
+            arr.delete()
+        return rows
