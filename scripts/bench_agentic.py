@@ -28,6 +28,10 @@ takes the next conversation and runs its turns one after the other), while a scr
   source's request occupancy); `predicted_running`: the capacity planner's steady-state count for
   the final context (`glm53.capacity`, engine units: device-resident, or
   `predict_hisparse_requests` with the engine's reserve), capped by c and --max-num-seqs;
+  `mean_running_while_waiting`: the mean of the running samples taken while
+  `vllm:num_requests_waiting` was above 0 (the engine had more work than it ran: the client gaps
+  and the ramp at the start and end of a point do not count), and `share_waiting` the share of
+  samples with a waiting request;
 * `logical_throughput_tok_s`: (prompt tokens incl. cached ones + output tokens) / wall time, per
   device (one here);
 * `interactivity`: 1000 / mean TPOT (ms) over requests (the single-node write-up's definition);
@@ -49,6 +53,7 @@ takes the next conversation and runs its turns one after the other), while a scr
   written before these fields existed used `greedy_identical` for `equal_under_rule`.
 
 Writes `OUT/summary.json` (a list of rows with the keys above plus `mode`, `concurrency`),
+`OUT/samples_<mode>_c<c>.json` (the scraped (running, waiting) pairs of each run of a point),
 `OUT/summary.csv`, `OUT/agentic.png` (interactivity vs logical throughput; running requests vs
 concurrency, with the planner's predictions), `OUT/server_<mode>.log`, and prints a table.
 
@@ -281,19 +286,20 @@ def run_turn(client: httpx.Client, base: str, res: TurnResult, out_tokens: int, 
 
 def run_point(server: Server, wl: Workload, concurrency: int, vocab: int, logprobs: bool, scrape_s: float,
               conv_offset: int, return_token_ids: bool = True) -> tuple[list[TurnResult], list[float], dict, dict, float]:
-    """2·c conversations over c client threads. Returns (turn results, running samples, metrics
+    """2·c conversations over c client threads. Returns (turn results, (running, waiting) samples, metrics
     before, metrics after, wall seconds). Without `return_token_ids` a turn's prompt is the
     previous prompt and the new user tokens (the output ids are not known)."""
     convs = list(range(conv_offset, conv_offset + 2 * concurrency))
     lock = threading.Lock()
     results: list[TurnResult] = []
-    samples: list[float] = []
+    samples: list[tuple[float, float]] = []  # (running, waiting) per scrape
     stop = threading.Event()
 
     def scrape():
         while not stop.is_set():
             try:
-                samples.append(server.metrics().get("vllm:num_requests_running", 0.0))
+                m = server.metrics()
+                samples.append((m.get("vllm:num_requests_running", 0.0), m.get("vllm:num_requests_waiting", 0.0)))
             except httpx.HTTPError:
                 pass
             stop.wait(scrape_s)
@@ -399,12 +405,15 @@ def summarize(mode, conc, results, samples, before, after, wall, pred, ref, lm=N
     ok = [r for r in results if r.error is None and r.t_first is not None]
     d = lambda k: after.get(k, 0.0) - before.get(k, 0.0)  # noqa: E731
     tpots = [r.tpot for r in ok if r.tpot is not None]
-    nz = [s for s in samples if s > 0]
+    nz = [r for r, _ in samples if r > 0]
+    busy = [r for r, w in samples if w > 0]  # the engine had more work than it ran
     hits, misses = d("vllm:hisparse_cache_hits_total"), d("vllm:hisparse_cache_misses_total")
     tokens = sum(r.prompt_tokens + len(r.output) for r in ok)
     row = {
         "mode": mode, "concurrency": conc, "requests": len(ok), "errors": len(results) - len(ok),
         "mean_running": round(statistics.mean(nz), 3) if nz else 0.0, "predicted_running": pred,
+        "mean_running_while_waiting": round(statistics.mean(busy), 3) if busy else None,
+        "share_waiting": round(len(busy) / len(samples), 3) if samples else None,
         "logical_throughput_tok_s": round(tokens / wall, 2),
         "interactivity": round(1.0 / statistics.mean(tpots), 3) if tpots else None,  # = 1000 / TPOT ms
         "agentx_tok_s_per_user": round(1.0 / percentile([r.e2e_per_token for r in ok], 90), 3) if ok else None,
@@ -574,6 +583,8 @@ def main(argv=None) -> list[dict]:
                     results, samples, before, after, wall = run_point(server, wl, c, vocab, mode == "ample",
                                                                       args.scrape_s, offset)
                     offset += 2 * c
+                    (out / f"samples_{mode}_c{c}.json").write_text(json.dumps(
+                        {"scrape_s": args.scrape_s, "running_waiting": samples}))
                     if mode == "ample":
                         refs.setdefault(c, []).extend(results)
                     runs.append(summarize(mode, c, results, samples, before, after, wall, pred,
@@ -599,7 +610,8 @@ def main(argv=None) -> list[dict]:
         w.writeheader()
         w.writerows(rows)
     plot(rows, out / "agentic.png")
-    cols = ("mode", "concurrency", "mean_running", "predicted_running", "logical_throughput_tok_s", "interactivity",
+    cols = ("mode", "concurrency", "mean_running", "mean_running_while_waiting", "share_waiting", "predicted_running",
+            "logical_throughput_tok_s", "interactivity",
             "agentx_tok_s_per_user", "ttft_p50_s", "ttft_p90_s", "preemptions", "hot_hit_rate", "h2d_bytes",
             "equality")
     print(" | ".join(cols))
