@@ -428,7 +428,10 @@ def summarize(mode, conc, results, samples, before, after, wall, pred, ref, lm=N
     row["host_tier_hit_rate"] = round(d("vllm:external_prefix_cache_hits_total") / ext_q, 4) if ext_q else None
     row["offload_to_host_bytes"] = int(d("vllm:kv_offload_total_bytes_total{gpu_to_cpu}"))
     row["offload_to_device_bytes"] = int(d("vllm:kv_offload_total_bytes_total{cpu_to_gpu}"))
-    if ref is not None:
+    if ref is not None and not ref:  # the ample mode did not run: nothing to compare with
+        row.update(equal_under_rule=None, greedy_identical=None, divergences=None, turns_after_a_divergence=None,
+                   equality="not compared (no ample run in this invocation)")
+    elif ref is not None:
         key = lambda r: (r.conv, r.turn)  # noqa: E731
         # A turn whose prompt is not the reference's (an earlier turn of its conversation took
         # another, explained, path) has no reference to be compared with: counted apart.
@@ -593,7 +596,7 @@ def main(argv=None) -> list[dict]:
                                           lm=equality_model() if mode != "ample" else None))
                 runs.sort(key=lambda r: r["logical_throughput_tok_s"])
                 row = dict(runs[len(runs) // 2], repeats=len(runs))
-                if mode != "ample":
+                if mode != "ample" and runs[0]["equal_under_rule"] is not None:
                     row["greedy_identical"] = all(r["greedy_identical"] for r in runs)
                     row["equal_under_rule"] = all(r["equal_under_rule"] for r in runs)
                     row["equality"] = "; ".join(r["equality"] for r in runs)  # one per repeat

@@ -16,8 +16,9 @@ fewer than `--max-num-seqs` ran, what stopped admission in that step:
   request's residency, pages, lease, and the pages the refused request needed);
 * `other` (nothing admitted for another reason, e.g. a preemption in the step).
 
-`--hisparse-config '{"yield_prefill_leases": false}'` runs the engine without "prefill leases give
-way to a waiting first turn" (docs/hisparse.md), the side-by-side comparison.
+At 4fa4d1f (an experiment since taken out, docs/hisparse.md "Reaching the planner")
+`--hisparse-config '{"yield_prefill_leases": false}'` ran the engine without prefill leases giving
+way to a waiting first turn.
 
 Prints the mean running requests over the steps with a waiting request, split by reason, next to
 the planner's steady-state count for the final context (`predict_hisparse_requests`, as
@@ -184,7 +185,6 @@ def main(argv=None) -> dict:
         mean_running_by_reason={r: mean([s["running"] for s in waiting if s["reason"] == r]) for r in by},
         memory_steps_by_running=dict(sorted(collections.Counter(s["running"] for s in waiting
                                                                 if s["reason"] == "memory").items())),
-        lease_caps=getattr(policy, "num_lease_caps", None),  # steps in which leases gave way
         released=getattr(policy, "num_released", None), revived=getattr(policy, "num_revived", None),
         num_refusals=len(refusals), steps_detail=steps,
         # the pool at the first 50 refusals with fewer requests running than the planner's count

@@ -56,11 +56,6 @@ class DeviceResidentPolicy:
     def begin_step(self, running: list["Request"]) -> None:
         """Called once before a step is built."""
 
-    def waiting_for_room(self, req: "Request | None") -> None:
-        """The scheduler's word after an admission pass: `req` is the first waiting request in
-        arrival order (not one tried ahead of it by `admission_lookahead`) and `admit` refused it
-        in this pass; None once no such request waits. The baseline ignores it."""
-
     def cap_new_tokens(self, req: "Request", num_new: int) -> int:
         """The most of `num_new` tokens `req` may compute this step (≥ 1 when num_new ≥ 1)."""
         return num_new

@@ -19,10 +19,8 @@ The baseline policy of docs/design.md §6 (after vLLM v1). Each `schedule()` cal
    cheap to admit, and its cached prefix would be evicted while it waited) are tried first, each
    on its own, and the others after them in arrival order, stopping at the first that does not
    fit. A request passed over this way waits at most as long as the continuations admitted
-   before it keep its room (SGLang's longest-prefix-first scheduling makes the same trade; the
-   policy is told which request that is, `policy.waiting_for_room`, and HiSparse then caps the
-   prefill leases that keep it out). A prompt longer than the remaining budget gets a chunk and
-   continues next step.
+   before it keep its room (SGLang's longest-prefix-first scheduling makes the same trade). A
+   prompt longer than the remaining budget gets a chunk and continues next step.
    With a `PrefixCache`, an admitted request first looks up its longest cached prefix (in
    64-token units); the pages wholly inside the hit are shared (one more reference each), a page
    the hit ends inside is copied on write (`SchedulerOutput.page_copies`), and its computation
@@ -160,9 +158,6 @@ class Scheduler:
         heapq.heapify(self._free_rows)
         self._finished_since_step: list[str] = []
         self.num_preemptions_total = 0
-        # The first waiting request in arrival order that the policy refused for room in the
-        # last admission pass (`policy.waiting_for_room`); None when there is none.
-        self._room_waiter: Request | None = None
         # Asynchronous scheduling (serving/async_scheduling.py): `schedule()` runs while the
         # previous step is still on the device; `mark_in_flight` advances the scheduled requests
         # when their step is dispatched and `update_from_output` only appends the tokens.
@@ -264,10 +259,6 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
 
-        if self._room_waiter is not None and self._room_waiter.status not in (RequestStatus.WAITING,
-                                                                              RequestStatus.PREEMPTED):
-            self._room_waiter = None  # aborted while it waited
-            self.policy.waiting_for_room(None)
         self.policy.begin_step(self.running)
         max_spec = self.drafts.num_drafts(len(self.running)) if self.drafts is not None else 0
         i = 0
@@ -327,12 +318,7 @@ class Scheduler:
             if num_new == 0:
                 if is_cont:
                     continue  # the next continuation may fit
-                self._room_waiter = req
-                self.policy.waiting_for_room(req)
                 break  # first come, first served among the others
-            if req is self._room_waiter:
-                self._room_waiter = None
-                self.policy.waiting_for_room(None)
             if hit is not None:
                 self.prefix_cache.record_query(req.num_tokens, hit)
                 if hit.loads:

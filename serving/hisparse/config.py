@@ -23,10 +23,6 @@ Keys (the reference deployment's names where it has them):
   the lease is kept up to its first query row with a dropped selection and the rest of the chunk
   is recomputed (docs/hisparse.md "Long prefills"). "worst_case": at most
   `prefill_buffer_size // index_topk` rows, which can never overflow.
-* `yield_prefill_leases` (default true): when the first waiting request would fit if the
-  running requests' prefill leases were at the decode lease, those leases share only the pages
-  it does not need until it is admitted (docs/hisparse.md "Prefill leases give way to a waiting
-  first turn"); false: leases never shrink for a waiting request.
 """
 
 from __future__ import annotations
@@ -39,8 +35,7 @@ from typing import Any
 from kernels.host_rows import MECHANISMS
 
 GiB = 2**30
-KEYS = ("host_pool_gib", "device_buffer_size", "prefill_buffer_size", "host_gather", "watermark", "prefill_sizing",
-        "yield_prefill_leases")
+KEYS = ("host_pool_gib", "device_buffer_size", "prefill_buffer_size", "host_gather", "watermark", "prefill_sizing")
 PREFILL_SIZINGS = ("adaptive", "worst_case")
 
 
@@ -59,7 +54,6 @@ class HiSparseConfig:
     host_gather: str = "auto"
     watermark: float = 0.1
     prefill_sizing: str = "adaptive"
-    yield_prefill_leases: bool = True
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "HiSparseConfig":
@@ -90,11 +84,7 @@ class HiSparseConfig:
         if sizing not in PREFILL_SIZINGS:
             raise HiSparseConfigError(f"hisparse_config.prefill_sizing must be one of {', '.join(PREFILL_SIZINGS)}; "
                                       f"got {sizing!r}")
-        yield_leases = d.get("yield_prefill_leases", True)
-        if not isinstance(yield_leases, bool):
-            raise HiSparseConfigError(f"hisparse_config.yield_prefill_leases must be true or false, got {yield_leases!r}")
-        return cls(float(gib), d.get("device_buffer_size"), d.get("prefill_buffer_size"), gather, float(wm), sizing,
-                   yield_leases)
+        return cls(float(gib), d.get("device_buffer_size"), d.get("prefill_buffer_size"), gather, float(wm), sizing)
 
     def resolve(self, *, index_topk: int, tokens_per_page: int, num_speculative_tokens: int = 0,
                 backend: str | None = None) -> "ResolvedHiSparse":

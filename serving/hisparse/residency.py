@@ -156,14 +156,6 @@ class HiSparsePolicy(DeviceResidentPolicy):
         self.adaptive = config.config.prefill_sizing == "adaptive"
         self.num_truncated_chunks = 0  # prefill chunks kept only up to their first dropped selection
         self.num_truncated_rows = 0  # query rows of those chunks computed again
-        # A waiting request that would fit once the prefill leases held above the decode lease
-        # were given back ("Prefill leases give way to a waiting first turn" in docs/hisparse.md):
-        # while it waits, leases above the decode lease share only the pages it does not need.
-        self.room_waiter: str | None = None
-        self._waiter_need = 0  # the pages (with the reserve) its admission needs
-        self._lease_slack = 0  # lease pages above the decode lease the step may still grant
-        self._refusal: tuple[str, int, bool] | None = None  # (request, pages needed, whether capping admits it)
-        self.num_lease_caps = 0  # steps in which prefill leases were capped for a waiting request
 
     # ------------------------------------------------------------------ queries
     def _rec(self, req: "Request") -> RequestResidency:
@@ -272,38 +264,22 @@ class HiSparsePolicy(DeviceResidentPolicy):
         return cap, why, fix
 
     # ------------------------------------------------------------------ lease sizing
-    def _top_pages(self) -> int:
-        """The largest lease a request may take now: `prefill_buffer_size`, or while a waiting
-        request needs pages that prefill leases hold (`waiting_for_room`) the decode lease plus
-        what is left of the step's slack."""
-        if self.room_waiter is None:
-            return self.max_pages
-        return self.dec_pages + min(self.max_pages - self.dec_pages, self._lease_slack)
-
-    def _granted(self, rec: RequestResidency) -> None:
-        """A lease was granted: it uses the step's slack above the decode lease."""
-        if self.room_waiter is not None:
-            self._lease_slack = max(0, self._lease_slack - max(0, len(rec.lease) - self.dec_pages))
-
     def _lease_pages(self, rid: str, rows: int, off: int | None = None) -> int:
         """Hot pages a step of `rows` query rows needs (0 for a full request)."""
         off = self.off_pages(rid) if off is None else off
         if off == 0:
             return 0
         need_rows = min(rows * self.K, off * self.hot_tpp)
-        return max(self.dec_pages, min(self._top_pages(), math.ceil(need_rows / self.hot_tpp)))
+        return max(self.dec_pages, min(self.max_pages, math.ceil(need_rows / self.hot_tpp)))
 
     def _sure_rows(self) -> int:
         """Query rows whose selections always fit the largest lease (the worst-case bound)."""
         return max(1, self.max_pages * self.hot_tpp // self.K)
 
     def _cap_rows(self, rows: int, off: int, rec: RequestResidency | None = None) -> int:
-        top = self._top_pages()
-        cap = top * self.hot_tpp
+        cap = self.max_pages * self.hot_tpp
         if off == 0 or rows * self.K <= cap or off * self.hot_tpp <= cap:
             return rows
-        if top < self.max_pages:  # leases capped for a waiting request: the bound that never overflows
-            return min(rows, max(1, cap // self.K))
         sure = self._sure_rows()
         if not self.adaptive:
             return min(rows, sure)
@@ -339,38 +315,9 @@ class HiSparsePolicy(DeviceResidentPolicy):
         return recomputed
 
     # ------------------------------------------------------------------ scheduling hooks
-    def waiting_for_room(self, req: "Request | None") -> None:
-        """Prefill leases give way to a waiting request: when `req` (the first waiting request in
-        arrival order, just refused by `admit`) would fit fully resident if every running request
-        held no more than the decode lease, then until it is admitted (or stops waiting, or would
-        no longer fit that way) the pages leases hold above the decode lease are limited, at the
-        start of each step, to the slack: free pages + releasable pages + those lease pages − what
-        `req` needs. Leases are granted in scheduling order while the slack lasts; a request
-        whose lease is cut below `prefill_buffer_size` computes at most lease / index_topk query
-        rows that step (the bound that never overflows). Continuations admitted ahead of it
-        (`admission_lookahead`) prefill through their history's hot rows with large leases;
-        without the limit a steady stream of them keeps a new conversation's first turn out
-        although the pool holds it next to their steady footprints (issue #29's gap to the
-        planner)."""
-        ok = (req is not None and self._refusal is not None and self._refusal[0] == req.request_id
-              and self._refusal[2] and self.config.config.yield_prefill_leases)
-        self.room_waiter = req.request_id if ok else None
-        self._waiter_need = self._refusal[1] if ok else 0
-
-    def _excess_lease_pages(self) -> int:
-        """Pages the running requests' leases hold above the decode lease."""
-        return sum(max(0, len(rec.lease) - self.dec_pages) for rec in self.records.values())
-
     def begin_step(self, running: list["Request"]) -> None:
         self.running = running
         self._rows = {}
-        if self.room_waiter is not None:
-            # Leases above the decode lease may keep what the waiting request does not need
-            # once every lease is back at the decode lease; the rest is given back this step.
-            excess = self._excess_lease_pages()
-            self._lease_slack = max(0, self._room(set()) + excess - self._waiter_need)
-            if excess > self._lease_slack:
-                self.num_lease_caps += 1
         pool = self.kv.pool
         if pool.num_free < self.watermark:
             self._make_room(self.watermark, protect=set())
@@ -404,7 +351,6 @@ class HiSparsePolicy(DeviceResidentPolicy):
         assert ok, "allocation checked above"
         if want > len(rec.lease):
             rec.lease += self.kv.pool.allocate(want - len(rec.lease))
-        self._granted(rec)
         self._rows[rid] = num_new
         return True
 
@@ -455,8 +401,6 @@ class HiSparsePolicy(DeviceResidentPolicy):
         if full <= pool.num_usable_blocks:  # fits fully resident: the admission rule
             target = req.num_tokens
             if not self._make_room(full + reserve, protect):
-                self._refusal = (rid, full + reserve,
-                                 self._room(set()) + self._excess_lease_pages() >= full + reserve)
                 return 0
         else:  # longer than the device pool: an in-flight window of the first chunk
             while num_new > 1 and need(num_hit + num_new, num_new) > pool.num_usable_blocks:
@@ -476,7 +420,6 @@ class HiSparsePolicy(DeviceResidentPolicy):
         lease = self._lease_pages(rid, num_new)
         if lease:
             rec.lease = pool.allocate(lease)
-            self._granted(rec)
         self._rows[rid] = num_new
         return num_new
 

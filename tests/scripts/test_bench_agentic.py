@@ -48,8 +48,11 @@ def test_summary_metrics():
               "vllm:hisparse_cache_misses_total": 5, "vllm:hisparse_host_to_device_bytes_total": 0}
     after = {"vllm:num_preemptions_total": 3, "vllm:hisparse_cache_hits_total": 40,
              "vllm:hisparse_cache_misses_total": 15, "vllm:hisparse_host_to_device_bytes_total": 4096}
-    row = ba.summarize("hisparse", 2, got, [0, 2, 1, 0, 3], before, after, 2.0, 3, ref)
+    samples = [(0, 0), (2, 1), (1, 0), (0, 0), (3, 2)]  # (running, waiting) per scrape
+    row = ba.summarize("hisparse", 2, got, samples, before, after, 2.0, 3, ref)
     assert row["mean_running"] == 2.0  # the non-zero samples 2, 1, 3
+    assert row["mean_running_while_waiting"] == 2.5  # the samples with a waiting request: 2, 3
+    assert row["share_waiting"] == 0.4
     assert row["logical_throughput_tok_s"] == (104 + 102) / 2.0  # cached prompt tokens included
     assert row["interactivity"] == pytest.approx(1 / ((0.1 + 0.3) / 2), abs=1e-3)  # 1000 / mean TPOT (ms)
     # AgentX: 1 / P90 over requests of (e2e latency / output tokens)
@@ -62,9 +65,13 @@ def test_summary_metrics():
     assert row["equal_under_rule"] and row["equality"] == "strict: every turn identical"
     # A divergence where the reference's top-2 gap is large is not explained: not identical.
     bad = [_turn(0, 0, [5, 6, 1, 1], 0.0, 0.2), got[1]]
-    row = ba.summarize("preemption", 2, bad, [1], before, after, 2.0, 2, ref)
+    row = ba.summarize("preemption", 2, bad, [(1, 0)], before, after, 2.0, 2, ref)
     assert row["divergences"] == 1 and not row["greedy_identical"] and not row["equal_under_rule"]
     assert row["equality"].startswith("1 unexplained divergence(s)")
+    # No ample run in the invocation (no reference turns): nothing is claimed.
+    row = ba.summarize("hisparse", 2, got, samples, before, after, 2.0, 3, [])
+    assert row["equal_under_rule"] is None and row["greedy_identical"] is None
+    assert row["equality"].startswith("not compared")
 
 
 def test_summary_connector_metrics():
@@ -75,10 +82,10 @@ def test_summary_connector_metrics():
               "vllm:kv_offload_total_bytes_total{gpu_to_cpu}": 1000, "vllm:kv_offload_total_bytes_total{cpu_to_gpu}": 0}
     after = {"vllm:external_prefix_cache_queries_total": 500, "vllm:external_prefix_cache_hits_total": 110,
              "vllm:kv_offload_total_bytes_total{gpu_to_cpu}": 9000, "vllm:kv_offload_total_bytes_total{cpu_to_gpu}": 64}
-    row = ba.summarize("offload", 1, turns, [1], before, after, 1.0, 1, None)
+    row = ba.summarize("offload", 1, turns, [(1, 0)], before, after, 1.0, 1, None)
     assert row["host_tier_hit_rate"] == pytest.approx(100 / 400)
     assert (row["offload_to_host_bytes"], row["offload_to_device_bytes"]) == (8000, 64)
-    row = ba.summarize("preemption", 1, turns, [1], {}, {}, 1.0, 1, None)
+    row = ba.summarize("preemption", 1, turns, [(1, 0)], {}, {}, 1.0, 1, None)
     assert row["host_tier_hit_rate"] is None and row["offload_to_host_bytes"] == 0
 
 
@@ -90,7 +97,7 @@ def test_turns_after_an_explained_divergence_are_not_compared():
     ref[1].prompt = [1, 2, 3, 5, 6, 7, 9]
     got = [_turn(0, 0, [5, 8, 8], 0.0, 0.2), _turn(0, 1, [4, 4], 1.0, 0.2)]
     got[1].prompt = [1, 2, 3, 5, 8, 8, 9]
-    row = ba.summarize("hisparse", 1, got, [1], {}, {}, 1.0, 1, ref)
+    row = ba.summarize("hisparse", 1, got, [(1, 0)], {}, {}, 1.0, 1, ref)
     assert row["divergences"] == 1 and row["turns_after_a_divergence"] == 1
     # equal under the rule, but not strictly identical, and the row says so
     assert row["equal_under_rule"] and not row["greedy_identical"]

@@ -13,8 +13,6 @@ def test_defaults_and_rounding():
     assert (r.device_buffer_rows, r.max_hot_rows, r.mechanism) == (2 * 2048, 16 * 2048, "memory_kind")
     assert r.config.prefill_sizing == "adaptive"
     assert HiSparseConfig.from_dict({"host_pool_gib": 1, "prefill_sizing": "worst_case"}).prefill_sizing == "worst_case"
-    assert r.config.yield_prefill_leases is True
-    assert HiSparseConfig.from_dict({"host_pool_gib": 1, "yield_prefill_leases": False}).yield_prefill_leases is False
     r = HiSparseConfig.from_dict({"host_pool_gib": 1}).resolve(index_topk=2048, tokens_per_page=64,
                                                                num_speculative_tokens=3)
     assert r.device_buffer_rows == 5 * 2048  # (num_speculative_tokens + 2) x top-k
@@ -35,7 +33,6 @@ def test_defaults_and_rounding():
     ({"host_pool_gib": 1, "host_gather": "dma"}, "host_gather"),
     ({"host_pool_gib": 1, "watermark": 1.5}, "watermark"),
     ({"host_pool_gib": 1, "prefill_sizing": "optimistic"}, "prefill_sizing"),
-    ({"host_pool_gib": 1, "yield_prefill_leases": "no"}, "yield_prefill_leases"),
     ({"host_pool_gib": 1, "hot": 2}, "unknown key"),
 ])
 def test_bad_values_name_the_key(d, key):

@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from serving.block_pool import NULL_BLOCK
-from serving.request import RequestStatus
 from tests.serving.hisparse_harness import MLA_TPP, HiSparseEngine
 from tests.serving.test_scheduler import prompt
 
@@ -238,51 +237,6 @@ def test_a_continuation_is_admitted_before_a_first_turn_that_does_not_fit():
     assert e.added["t1"].num_cached_tokens >= 60
     e.run()
     e.check_against_reference()
-
-
-def _continuation_then_first_turn(yield_prefill_leases: bool):
-    """A continuation prefilling 100 new tokens through its history's hot rows (a large lease),
-    then a first turn of 80 tokens that fits fully resident only while that lease is at the decode
-    lease. Returns (engine, the step the first turn was admitted at, the continuation's prompt
-    tokens computed then, its lease then)."""
-    e = HiSparseEngine(num_blocks=46, max_num_seqs=3, prefix_caching=True, max_num_batched_tokens=64,
-                       max_model_len=240, yield_prefill_leases=yield_prefill_leases)
-    base = prompt(30, 80)
-    e.add("t0", base, max_tokens=3, ignore_eos=True)
-    e.run()
-    e.add("filler", prompt(31, 4 * 45 - 8), max_tokens=2, ignore_eos=True)  # t0's MLA pages → host tier only
-    e.run()
-    t1 = e.add("t1", base + e.streams["t0"] + prompt(32, 100), max_tokens=3, ignore_eos=True)
-    e.step()
-    big = e.add("big", prompt(33, 80), max_tokens=2, ignore_eos=True)
-    largest = 0
-    for step in range(1, 100):
-        e.step()
-        largest = max(largest, len(e.policy.records["t1"].lease))
-        if big.status is not RequestStatus.WAITING:
-            admitted = (step, t1.num_computed_tokens, len(e.policy.records["t1"].lease))
-            break
-    assert largest == e.policy.max_pages  # it prefilled with the largest lease before
-    e.run()
-    e.check_against_reference()
-    return (e, *admitted)
-
-
-def test_prefill_leases_give_way_to_a_first_turn_that_fits_beside_decode_leases():
-    """A first turn refused while continuations prefill with large hot leases, but that would fit
-    fully resident if they held the decode lease, gets that room: while it waits the leases above
-    the decode lease share only the pages it does not need (`HiSparsePolicy.waiting_for_room`), so
-    it is admitted while the continuation is still prefilling; with `yield_prefill_leases: false`
-    it waits until that prefill ends."""
-    e, step, computed, lease = _continuation_then_first_turn(yield_prefill_leases=True)
-    t1 = e.added["t1"]
-    assert step <= 2 and computed < len(t1.prompt_token_ids), (step, computed)
-    assert lease < e.policy.max_pages and e.policy.num_lease_caps >= 1
-    assert e.policy.room_waiter is None  # cleared once it was admitted
-    assert e.sched.num_preemptions_total == 0
-    e_off, step_off, computed_off, _ = _continuation_then_first_turn(yield_prefill_leases=False)
-    assert computed_off >= len(t1.prompt_token_ids) and step_off > step, (step_off, computed_off)
-    assert e_off.policy.num_lease_caps == 0
 
 
 @pytest.mark.parametrize("num_blocks, host_blocks, bound", [
