@@ -374,6 +374,32 @@ def pool_sizes(wl: Workload, baseline_contexts: int, top_conc: int, cache_dtype:
     return cfg, layout, per, baseline_contexts * per + 1, 2 * top_conc * per + 8
 
 
+def chunk_tokens(scale: float) -> int:
+    """The prefill chunk (--max-num-batched-tokens) at `scale`: the reference's 32,768, scaled."""
+    return max(64, round(32_768 / scale))
+
+
+def offload_connector(nbytes: int) -> dict:
+    """--kv-transfer-config of the CPU offloading connector with `nbytes` of host memory."""
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": int(nbytes)}}
+
+
+def host_budget(wl: Workload, top_conc: int, cfg, mla, extra: dict, budget: int, dcp: int = 1) -> dict:
+    """The run's host memory and HiSparse sizing: `hs` (hisparse_config: a pool of 2·c + 4 final
+    contexts plus the `extra` keys), `host_total` (bytes; HiSparse's pool is 3/4 of it and its
+    connector 1/4, the reference's 384 + 128 GiB; the offload mode's connector gets all of it, the
+    reference baseline's 512 GiB), `host_blocks` (the pool in MLA pages per DCP rank) and
+    `planner` (the hot-row inputs of `predicted`)."""
+    host_bytes = (2 * top_conc + 4) * wl.final_context * mla.bytes_per_token
+    hs = {"host_pool_gib": round(host_bytes / 2**30, 4) + 0.001, **extra}
+    rows = hs.get("device_buffer_size", 2 * cfg.index_topk)
+    return {"hs": hs, "host_total": int(hs["host_pool_gib"] * 2**30 * 4 / 3),
+            "host_blocks": math.ceil(hs["host_pool_gib"] * 2**30 / (mla.bytes_per_token * mla.tokens_per_page * dcp)),
+            "planner": {"device_buffer_rows": rows, "max_num_batched_tokens": budget,
+                        "prefill_rows": hs.get("prefill_buffer_size", max(rows, 16 * cfg.index_topk))}}
+
+
 def predicted(mode: str, layout, nblocks: int, wl: Workload, hs: dict, conc: int, max_num_seqs: int,
               host_blocks: int, dcp: int = 1, dp: int = 1) -> int:
     """The planner's steady-state running requests for the final context, capped by c (engine
@@ -512,7 +538,7 @@ def main(argv=None) -> list[dict]:
     if args.quick:
         args.scale, args.concurrency = 32, "1,4,10"
     if args.max_num_batched_tokens is None:
-        args.max_num_batched_tokens = max(64, round(32_768 / args.scale))
+        args.max_num_batched_tokens = chunk_tokens(args.scale)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     concs = [int(c) for c in args.concurrency.split(",")]
@@ -525,18 +551,12 @@ def main(argv=None) -> list[dict]:
         modes = [m for m in modes if m != "offload"]
     cfg, layout, per, small, ample = pool_sizes(wl, args.baseline_contexts, max(concs), cache_dtype, dcp)
     mla = layout.group("mla")
-    host_bytes = (2 * max(concs) + 4) * wl.final_context * mla.bytes_per_token
-    hs = {"host_pool_gib": round(host_bytes / 2**30, 4) + 0.001, **json.loads(args.hisparse_config)}
-    # The host budget: HiSparse's pool is 3/4 of it and its connector 1/4 (the reference's 384 +
-    # 128 GiB); the offload mode's connector gets all of it (the reference baseline's 512 GiB).
-    host_total = int(hs["host_pool_gib"] * 2**30 * 4 / 3)
+    host = host_budget(wl, max(concs), cfg, mla, json.loads(args.hisparse_config), args.max_num_batched_tokens, dcp)
+    hs, host_total, host_blocks = host["hs"], host["host_total"], host["host_blocks"]
 
     def connector(nbytes: int) -> list[str]:
-        return ["--kv-transfer-config", json.dumps({
-            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": int(nbytes)}})]
+        return ["--kv-transfer-config", json.dumps(offload_connector(nbytes))]
 
-    hs_rows = hs.get("device_buffer_size", 2 * cfg.index_topk)
     max_num_seqs = max(max(concs), 2)
     max_len = wl.final_context + 64
     print(f"workload: {wl} -> final context {wl.final_context} tokens = {per} pages; pools: small {small} "
@@ -550,7 +570,6 @@ def main(argv=None) -> list[dict]:
              "hisparse": ["--num-gpu-blocks-override", str(small), "--attention-config",
                           json.dumps({"hisparse_config": hs}),
                           *(connector(host_total // 4) if args.layout == "1" else [])]}
-    host_blocks = math.ceil(hs["host_pool_gib"] * 2**30 / (mla.bytes_per_token * mla.tokens_per_page * dcp))
     vocab = 400  # the tiny tokenizer's ordinary ids lie below its special tokens
     rows, refs = [], {}
     lm = None  # the model for the equality rule's indexer diagnostic (loaded once, for the compared modes)
@@ -573,11 +592,7 @@ def main(argv=None) -> list[dict]:
             offset = 0
             for c in concs:
                 nb = small if mode != "ample" else ample
-                pred = predicted(mode, layout, nb, wl, {"device_buffer_rows": hs_rows, "max_num_batched_tokens":
-                                                        args.max_num_batched_tokens,
-                                                        "prefill_rows": hs.get("prefill_buffer_size",
-                                                                               max(hs_rows, 16 * cfg.index_topk))},
-                                 c, max_num_seqs, host_blocks, dcp, dp)
+                pred = predicted(mode, layout, nb, wl, host["planner"], c, max_num_seqs, host_blocks, dcp, dp)
                 # A point of c ≤ 2 lasts seconds: it is run `--low-repeats` times (new
                 # conversations each time, so no run reuses another's prefixes) and the run with
                 # the median logical throughput is reported.

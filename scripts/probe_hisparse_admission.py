@@ -43,7 +43,15 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_agentic import Workload, pool_sizes, predicted, user_tokens  # noqa: E402
+from bench_agentic import (  # noqa: E402
+    Workload,
+    chunk_tokens,
+    host_budget,
+    offload_connector,
+    pool_sizes,
+    predicted,
+    user_tokens,
+)
 
 from serving.block_pool import NULL_BLOCK  # noqa: E402
 
@@ -85,29 +93,20 @@ def main(argv=None) -> dict:
     c = args.concurrency
     cfg, layout, _, small, _ = pool_sizes(wl, args.baseline_contexts, c, "float32")
     mla = layout.group("mla")
-    host_bytes = (2 * c + 4) * wl.final_context * mla.bytes_per_token
-    hs = {"host_pool_gib": round(host_bytes / 2**30, 4) + 0.001, **json.loads(args.hisparse_config)}
-    host_total = int(hs["host_pool_gib"] * 2**30 * 4 / 3)
-    budget = max(64, round(32_768 / args.scale))
+    budget = chunk_tokens(args.scale)
+    host = host_budget(wl, c, cfg, mla, json.loads(args.hisparse_config), budget)
+    hs = host["hs"]
     max_num_seqs = max(c, 2)
     eargs = EngineArgs(
         max_model_len=wl.final_context + 64, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
         num_gpu_blocks_override=small, enable_prefix_caching=True, compile_progress=False, disable_log_stats=True,
         async_scheduling=None,  # the server's default: on where the engine can
         attention_config={"hisparse_config": hs} if args.mode == "hisparse" else None,
-        kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                            "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
-                                                          "cpu_bytes_to_use": host_total // 4}}
-        if args.mode == "hisparse" else None)
+        kv_transfer_config=offload_connector(host["host_total"] // 4) if args.mode == "hisparse" else None)
     engine = build_engine(eargs)
     sched = engine.scheduler
     policy = sched.policy
-    hs_rows = hs.get("device_buffer_size", 2 * cfg.index_topk)
-    host_blocks = math.ceil(hs["host_pool_gib"] * 2**30 / (mla.bytes_per_token * mla.tokens_per_page))
-    pred = predicted(args.mode, layout, small, wl, {"device_buffer_rows": hs_rows, "max_num_batched_tokens": budget,
-                                                    "prefill_rows": hs.get("prefill_buffer_size",
-                                                                           max(hs_rows, 16 * cfg.index_topk))},
-                     c, max_num_seqs, host_blocks)
+    pred = predicted(args.mode, layout, small, wl, host["planner"], c, max_num_seqs, host["host_blocks"])
 
     refusals: list = []
     admit = policy.admit
