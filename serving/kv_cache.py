@@ -10,8 +10,9 @@ positions `[i * tpp, (i + 1) * tpp)` and the slot of position `p` is
 A table entry is in one of three states:
 
 * owned: the request holds one reference to the page (the normal case);
-* released: the request gave its reference back to the pool with a tag (`release_page`), the block
-  id stays in the table and the page stays readable until the pool hands it out again
+* released: the request gave its reference back to the pool with a tag (`release_page`; a page
+  several requests share goes back only from all of them together, `release_shared_page`), the
+  block id stays in the table and the page stays readable until the pool hands it out again
   (HiSparse "released"); `revive_page` takes it back while it is still intact;
 * placeholder: the entry is `NULL_BLOCK` on purpose (HiSparse "lost" pages, host-only prefixes).
 
@@ -63,6 +64,21 @@ class ReleasedPageTag:
     request_id: str
     group: str
     page_index: int
+
+
+@dataclass(eq=False)
+class SharedReleaseTag:
+    """The pool tag put on a page released by all of its sharers together
+    (`KVCacheManager.release_shared_page`): a page that several requests hold (a prefix-cache
+    hit) goes back to the pool only when every holder gives its reference back at once.
+
+    group: the group the page belongs to.
+    sharers: request id → page index, for the sharers whose entry is still released (a sharer that
+        finishes leaves; the page's tag is cleared when the last one does). Compared by identity.
+    """
+
+    group: str
+    sharers: dict[str, int]
 
 
 @dataclass
@@ -381,7 +397,8 @@ class KVCacheManager:
         Each group's pages are freed last page first, so the pool reuses the tail of a sequence
         before its head. Pages of `front_groups` join the pool's front tier (`BlockPool.free(
         front=True)`: reused before other cached pages). Released pages that are still intact lose
-        their tag (nobody will revive them). Unknown ids are a no-op.
+        their tag (nobody will revive them; a page released by its sharers together keeps it while
+        another sharer holds it released). Unknown ids are a no-op.
         """
         tables = self._tables.pop(request_id, None)
         if tables is None:
@@ -395,6 +412,11 @@ class KVCacheManager:
                 if t.is_owned(i):
                     out.append(t.blocks[i])
                 elif i in t.released and self._released_intact(t, i):
+                    tag = t.released[i]
+                    if isinstance(tag, SharedReleaseTag):  # the others may still revive it
+                        tag.sharers.pop(request_id, None)
+                        if tag.sharers:
+                            continue
                     self.pool.clear_tag(t.blocks[i])
         self.pool.free(to_free)
         self.pool.free(to_front, front=True)
@@ -446,9 +468,45 @@ class KVCacheManager:
         t.released[page_index] = tag
         return block
 
+    def release_shared_page(self, entries: Mapping[str, int], group: str, front: bool = False) -> int:
+        """Give back every reference to one shared page at once: `entries` maps each holder's
+        request id to its page index of that page, and must name all of its holders (the pool's
+        refcount). The block ids stay in the tables, released under one `SharedReleaseTag`;
+        `revive_page` by any sharer revives it for every sharer still holding it released, and
+        the pool's reuse of the block marks it lost in every table (`on_block_reuse`). Returns
+        the block id.
+
+        Raises:
+          KeyError: unknown request or group.
+          ValueError: fewer than two entries, entries naming different blocks or an entry that is
+            not owned, or holders outside `entries` (refcount ≠ len(entries)).
+        """
+        if len(entries) < 2:
+            raise ValueError("a shared release needs at least two holders; use release_page")
+        blocks = set()
+        for rid, i in entries.items():
+            t = self._tables[rid][group]
+            self._check_index(t, i)
+            if not t.is_owned(i):
+                raise ValueError(f"page {i} of {rid!r}/{group} is not owned")
+            blocks.add(t.blocks[i])
+        if len(blocks) != 1:
+            raise ValueError(f"the entries name different blocks {sorted(blocks)}")
+        block = blocks.pop()
+        if self.pool.refcount(block) != len(entries):
+            raise ValueError(f"block {block} has {self.pool.refcount(block)} holders, "
+                             f"but {len(entries)} entries were given")
+        tag = SharedReleaseTag(group, dict(entries))
+        self.pool.set_tag(block, tag)
+        self.pool.free([block] * len(entries), front=front)
+        for rid, i in entries.items():
+            self._tables[rid][group].released[i] = tag
+        return block
+
     def revive_page(self, request_id: str, group: str, page_index: int) -> bool:
         """Take back a released page if the pool has not reused it (returns True; the entry is
-        owned again and the page's tag cleared). If it was reused, the entry becomes a
+        owned again and the page's tag cleared; a page released by its sharers together is taken
+        back by every sharer still holding it released). If it was reused, the entry becomes a
         placeholder and this returns False.
 
         Raises:
@@ -459,9 +517,12 @@ class KVCacheManager:
             raise ValueError(f"page {page_index} of {request_id!r}/{group} is not released")
         if self._released_intact(t, page_index):
             block = t.blocks[page_index]
-            self.pool.incref([block])
+            tag = t.released[page_index]
+            holders = tag.sharers if isinstance(tag, SharedReleaseTag) else {request_id: page_index}
+            self.pool.incref([block] * len(holders))
             self.pool.clear_tag(block)
-            del t.released[page_index]
+            for rid, i in holders.items():
+                del self._tables[rid][group].released[i]
             return True
         self.mark_lost(request_id, group, page_index)
         return False
@@ -475,14 +536,22 @@ class KVCacheManager:
         t = self._tables[request_id][group]
         if page_index not in t.released:
             raise ValueError(f"page {page_index} of {request_id!r}/{group} is not released")
-        del t.released[page_index]
+        tag = t.released.pop(page_index)
+        if isinstance(tag, SharedReleaseTag):
+            tag.sharers.pop(request_id, None)
         t.blocks[page_index] = NULL_BLOCK
         t.placeholders.add(page_index)
 
     def on_block_reuse(self, block: int, tag: Any) -> bool:
         """A `BlockPool.on_reuse` handler: marks the released entry named by a `ReleasedPageTag`
-        as lost. Returns True when the tag was one of this manager's, False otherwise (so a
+        (every entry a `SharedReleaseTag` names) as lost. Returns True when the tag was one of this manager's, False otherwise (so a
         policy can chain handlers)."""
+        if isinstance(tag, SharedReleaseTag):
+            for rid, i in list(tag.sharers.items()):
+                t = self._tables.get(rid, {}).get(tag.group)
+                if t is not None and t.released.get(i) is tag and t.blocks[i] == block:
+                    self.mark_lost(rid, tag.group, i)
+            return True
         if not isinstance(tag, ReleasedPageTag):
             return False
         t = self._tables.get(tag.request_id, {}).get(tag.group)
@@ -532,6 +601,9 @@ class KVCacheManager:
                     elif block == NULL_BLOCK:
                         errors.append(f"{where}: null block at page {i} without a placeholder")
                     elif i in t.released:
+                        tag = t.released[i]
+                        if isinstance(tag, SharedReleaseTag) and tag.sharers.get(rid) != i:
+                            errors.append(f"{where}: released page {i} is missing from its shared tag")
                         if not self._released_intact(t, i):
                             errors.append(
                                 f"{where}: released page {i} (block {block}) was reused but "

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from serving.block_pool import NULL_BLOCK
+from serving.hisparse.residency import HiSparsePolicy
 from tests.serving.hisparse_harness import MLA_TPP, HiSparseEngine
 from tests.serving.test_scheduler import prompt
 
@@ -150,21 +151,28 @@ def test_aborts_free_pages_and_host_blocks_in_every_state():
     budget=st.sampled_from([8, 16, 32]),
     prefill_buffer=st.sampled_from([8, 16, 32]),
     prefix_caching=st.booleans(),
+    long_shared_prefixes=st.booleans(),
+    shared_release_admits=st.booleans(),
     seed=st.integers(0, 10_000),
 )
 def test_random_workloads_keep_every_invariant(num_blocks, host_blocks, max_num_seqs, budget, prefill_buffer,
-                                               prefix_caching, seed):
+                                               prefix_caching, long_shared_prefixes, shared_release_admits, seed):
     """Random arrivals, shared prefixes, aborts and pool sizes: the harness audits the pool, the
     host pool, the tables, the leases and the page states after every step, and every request's
-    tokens equal its solo run."""
+    tokens equal its solo run. With `long_shared_prefixes` most requests start with most of a
+    common prefix, so pages shared by several running requests fill the pool (released by all
+    their sharers together; with `shared_release_admits`, also to admit requests)."""
     rng = random.Random(seed)
     e = HiSparseEngine(num_blocks=num_blocks, host_blocks=host_blocks, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=budget, max_model_len=160, prefix_caching=prefix_caching,
                        prefill_buffer=prefill_buffer)
+    e.policy.shared_release_admits = shared_release_admits
     bases = [prompt(1000 + k, 60) for k in range(3)]
     arrivals = []
     for i in range(rng.randint(3, 9)):
-        if rng.random() < 0.5:
+        if long_shared_prefixes and rng.random() < 0.9:
+            p = bases[rng.randrange(2)][: rng.randint(40, 60)] + prompt(seed * 100 + i, rng.randint(1, 20))
+        elif rng.random() < 0.5:
             p = bases[rng.randrange(3)][: rng.randint(5, 60)] + prompt(seed * 100 + i, rng.randint(1, 40))
         else:
             p = prompt(seed * 100 + i, rng.randint(1, 100))
@@ -217,6 +225,41 @@ def test_a_preempted_prefill_resumes_from_the_host_tier():
     e.run()
     e.check_against_reference()
     assert req.num_preemptions == 1
+
+
+def _shared_prefix_run(share_release: bool, monkeypatch) -> HiSparseEngine:
+    """Four requests on one 100-token prefix (25 shared MLA pages), admitted three steps apart,
+    on a 50-page pool: the shared pages alone are half of it."""
+    with monkeypatch.context() as m:
+        if not share_release:
+            m.setattr(HiSparsePolicy, "_shared_candidates", lambda self, protect, leased: [])
+        e = HiSparseEngine(num_blocks=50, max_num_seqs=4, prefix_caching=True, max_model_len=200)
+        base = prompt(7, 100)
+        arrivals = [(3 * i, f"r{i}", base + prompt(100 + i, 4)) for i in range(4)]
+        step = 0
+        while arrivals or e.sched.has_unfinished_requests():
+            while arrivals and arrivals[0][0] <= step:
+                _, rid, p = arrivals.pop(0)
+                e.add(rid, p, max_tokens=50, ignore_eos=True)
+            if e.sched.has_unfinished_requests():
+                e.step()
+            step += 1
+        e.flush()
+        e.check_against_reference()
+    return e
+
+
+def test_pages_shared_by_running_requests_are_released_by_all_of_them_together(monkeypatch):
+    """A page several running requests share (a prefix-cache hit) is released by none of them
+    alone; when the pool is full of such pages the policy releases them from every sharer together
+    (each sharer taking a decode lease) instead of preempting. Without it the same run preempts:
+    the streams equal each request run alone either way, every step audited."""
+    alone = _shared_prefix_run(False, monkeypatch)
+    assert alone.sched.num_preemptions_total >= 2 and alone.policy.num_released_shared == 0
+    e = _shared_prefix_run(True, monkeypatch)
+    assert e.sched.num_preemptions_total == 0
+    assert e.policy.num_released_shared >= 20 and e.max_running == 4
+    assert e.pool.num_free == e.pool.num_usable_blocks and e.kv.request_ids() == []
 
 
 def test_a_continuation_is_admitted_before_a_first_turn_that_does_not_fit():

@@ -202,6 +202,54 @@ def test_free_clears_tags_of_intact_released_pages():
     assert seen == []
 
 
+def test_a_shared_page_is_released_by_all_its_holders_together():
+    pool, kv = make(num_blocks=12, on_reuse=True, mtp=False)
+    kv.allocate_slots("a", 8)  # 2 mla + 1 indexer
+    shared = kv.block_table("a", "mla")
+    for r in ("b", "c"):  # prefix-cache hits of both mla pages
+        assert kv.allocate_slots(r, 12, {"mla": shared})
+    assert pool.refcount(shared[0]) == 3
+    with pytest.raises(ValueError, match="shared"):
+        kv.release_page("a", "mla", 0)  # one holder alone cannot
+    with pytest.raises(ValueError, match="3 holders"):
+        kv.release_shared_page({"a": 0, "b": 0}, "mla")
+    with pytest.raises(ValueError, match="different blocks"):
+        kv.release_shared_page({"a": 0, "b": 1, "c": 0}, "mla")
+    free = pool.num_free
+    b0 = kv.release_shared_page({"a": 0, "b": 0, "c": 0}, "mla", front=True)
+    b1 = kv.release_shared_page({"a": 1, "b": 1, "c": 1}, "mla", front=True)
+    assert (b0, b1) == (shared[0], shared[1]) and pool.num_free == free + 2 and pool.refcount(b0) == 0
+    assert all(kv.block_table(r, "mla")[:2] == shared for r in "abc")  # still readable in place
+    assert kv.audit() == []
+    # Reviving by one holder takes the page back for every holder still holding it released.
+    assert kv.revive_page("b", "mla", 1)
+    assert pool.refcount(b1) == 3 and pool.get_tag(b1) is None
+    assert all(kv.table(r, "mla").is_owned(1) for r in "abc")
+    assert kv.audit() == []
+    # A holder that finishes leaves the tag to the others; the pool's reuse marks them all lost.
+    kv.free("a")
+    assert pool.get_tag(b0) is not None and kv.audit() == []
+    taken = pool.allocate(pool.num_free)
+    assert b0 in taken
+    for r in "bc":
+        assert kv.block_table(r, "mla")[0] == NULL_BLOCK and kv.table(r, "mla").placeholders == {0}
+    assert kv.audit(external_refs=dict.fromkeys(taken, 1)) == []
+
+
+def test_a_shared_release_whose_last_holder_finishes_clears_its_tag():
+    seen = []
+    pool, kv = make(num_blocks=9, mtp=False)
+    pool.on_reuse = lambda b, t: seen.append(t)
+    kv.allocate_slots("a", 8)
+    assert kv.allocate_slots("b", 8, {"mla": kv.block_table("a", "mla")})
+    kv.release_shared_page({"a": 0, "b": 0}, "mla")
+    kv.free("a")
+    kv.free("b")
+    assert kv.audit() == []
+    pool.allocate(pool.num_free)
+    assert seen == []
+
+
 def test_placeholders_and_audit_of_stray_null_blocks():
     pool, kv = make()
     kv.append_placeholders("a", "mla", 2)
