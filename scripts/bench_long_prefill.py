@@ -12,6 +12,15 @@ ample pool without HiSparse, side by side in one run (docs/hisparse.md "Long pre
    pages), `prefill_buffer_size` 128 (2 rows in the worst case), budget 256, 8 output tokens; the
    answers are checked against the task's expected values.
 
+3. **Lease sweep** (`--lease-sweep POOL:ROWS[/MECHANISM],...`, off by default): the random-weight
+   3× prompt of a POOL-page pool, ample and then under adaptive sizing at each
+   `prefill_buffer_size` (and `host_gather` mechanism): a larger lease takes more query rows a
+   step, so fewer steps, but each step then copies more missed rows. The measurement behind
+   docs/hisparse.md "Long prefills" on growing the lease:
+
+       PYTHONPATH=. .venv/bin/python scripts/bench_long_prefill.py --no-recall --scales "" \
+           --lease-sweep 50:640,1280,1856,640/callback,1856/callback --out docs/results/hisparse_long_prefill/lease_sweep
+
 Per run: wall seconds of the long request(s) (engines built and compiled before the clock
 starts), engine steps, hot steps, truncated chunks and the rows computed again, hot hits and
 misses, the greedy tokens' equality with the ample run (the tiny model's under docs/design.md
@@ -71,16 +80,23 @@ def counters(e, mode, dt, steps0, hot0):
     return row
 
 
-def random_prompt_run(scale: float, lm) -> list[dict]:
-    pool = pool_for(scale)
+def random_prompt_run(scale: float, lm, pool: int | None = None, runs=None) -> list[dict]:
+    """The random-weight prompt of `scale` × the MLA token capacity of `pool` pages (default
+    `pool_for(scale)`), on an ample pool and then under each of `runs`: (mode name, the
+    `hisparse_config` overrides; default the adaptive and worst-case sizings at
+    `prefill_buffer_size` 640)."""
+    pool = pool or pool_for(scale)
     n = int(scale * (pool - 1) * MLA_TPP)
     prompt = np.random.default_rng(7).integers(10, 490, n).tolist()
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    if runs is None:
+        runs = [(mode, {"prefill_buffer_size": 640, "prefill_sizing": sizing})
+                for mode, sizing in MODES.items() if sizing is not None]
     rows, ref = [], None
-    for mode, sizing in MODES.items():
-        hs = None if sizing is None else {"hisparse_config": {"host_pool_gib": 0.05 * max(1.0, scale / 3),
-                                                              "prefill_buffer_size": 640, "prefill_sizing": sizing}}
-        blocks = 2 * -(-n // 64) + 16 if sizing is None else pool
+    for mode, overrides in [("ample", None), *runs]:
+        hs = None if overrides is None else {"hisparse_config": {"host_pool_gib": 0.05 * max(1.0, scale / 3, pool / 25),
+                                                                 **overrides}}
+        blocks = 2 * -(-n // 64) + 16 if overrides is None else pool
         e = build_engine(EngineArgs(max_model_len=n + 64, max_num_seqs=4, max_num_batched_tokens=64,
                                     cuda_graph_sizes=[], num_gpu_blocks_override=blocks, kv_cache_dtype="bfloat16",
                                     compile_progress=False, disable_log_stats=True, enable_prefix_caching=True,
@@ -95,6 +111,9 @@ def random_prompt_run(scale: float, lm) -> list[dict]:
                 lps += o.new_logprobs or []
         row = counters(e, mode, time.perf_counter() - t, steps0, hot0)
         row.update(model="tiny", prompt_tokens=n, pool_pages=pool, pool_multiple=scale)
+        if overrides is not None:
+            row["prefill_buffer_size"] = overrides.get("prefill_buffer_size")
+            row["host_to_device_bytes"] = e.hisparse.device.h2d_bytes
         if ref is None:
             ref = (toks, lps)
         else:
@@ -145,6 +164,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--scales", default="3,6", help="prompt lengths in multiples of the pool's MLA token capacity")
     ap.add_argument("--recall", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--lease-sweep", metavar="POOL:ROWS[/MECHANISM],...", default="",
+                    help="also the 3x prompt of a POOL-page pool under adaptive sizing at each prefill_buffer_size "
+                         "(rows; host_gather MECHANISM, default memory_kind): how the lease's size trades steps "
+                         "for the cost of a step")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     lm = api.load(cache_dtype="bfloat16")
@@ -153,15 +176,23 @@ def main() -> None:
         rows += random_prompt_run(scale, lm)
     if args.recall:
         rows += recall_run()
+    if args.lease_sweep:
+        pool, entries = args.lease_sweep.split(":")
+        runs = []
+        for entry in entries.split(","):
+            size, _, mechanism = entry.partition("/")
+            runs.append((f"adaptive lease {size} {mechanism or 'memory_kind'}",
+                         {"prefill_buffer_size": int(size), "host_gather": mechanism or "memory_kind"}))
+        rows += random_prompt_run(3.0, lm, int(pool), runs)
     ample = {}
     for r in rows:
-        key = (r["model"], r.get("prompt_tokens"))
+        key = (r["model"], r.get("prompt_tokens"), r.get("pool_pages"))
         if r["mode"] == "ample":
             ample[key] = r["seconds"]
         r["time_vs_ample"] = round(r["seconds"] / ample[key], 2)
     (args.out / "summary.json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
-    cols = ["model", "prompt_tokens", "pool_multiple", "mode", "seconds", "time_vs_ample", "steps", "hot_steps",
-            "truncated_chunks", "rows_recomputed", "tokens_equal", "right"]
+    cols = ["model", "prompt_tokens", "pool_pages", "pool_multiple", "mode", "seconds", "time_vs_ample", "steps",
+            "hot_steps", "hot_misses", "truncated_chunks", "rows_recomputed", "tokens_equal", "right"]
     print(",".join(cols))
     for r in rows:
         print(",".join(str(r.get(c, "")) for c in cols))
