@@ -27,7 +27,9 @@ from serving.engine_args import (  # noqa: F401 (CPU_KV_CACHE_BYTES, EngineArgs,
     num_kv_blocks,
     skip_precompile_requested,
 )
+from serving.engine_host_tiers import HostTiersMixin
 from serving.engine_startup import load_engine_parts, log_engine_plan
+from serving.engine_stats import EngineStatsMixin
 from serving.faults import EngineDeadError
 from serving.hisparse import build_hisparse, hisparse_config
 from serving.hisparse.truncation import truncate_step
@@ -35,14 +37,11 @@ from serving.kv_cache import KVCacheGroupSpec, KVCacheManager
 from serving.kv_events import build_kv_events
 from serving.metrics import (
     EngineGauges,
-    FinishedRequestStats,
     LoggingStatLogger,
     StepRecord,
 )
-from serving.offload import build_offload, offload_config
 from serving.pd.engine_mixin import PDEngineMixin
 from serving.prefix_cache import PrefixCache
-from serving.request import Request
 from serving.runner import ModelRunner
 from serving.scheduler import Scheduler, SchedulerConfig
 from serving.spec_decode import DraftController, SpecDecodingStats, SpeculativeConfig
@@ -54,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 
 
-class LLMEngine(PDEngineMixin, AsyncStepMixin, StructuredOutputsMixin):
+class LLMEngine(EngineStatsMixin, HostTiersMixin, PDEngineMixin, AsyncStepMixin, StructuredOutputsMixin):
     """Continuous-batching engine over one device (and its parallel layouts other than DP). Build
     one with `serving.engine_factory.build_engine(args)`."""
 
@@ -173,35 +172,6 @@ class LLMEngine(PDEngineMixin, AsyncStepMixin, StructuredOutputsMixin):
                 policy.complete_copies()
         self._after_offload()
 
-    def _build_offload(self, layout, with_hisparse: bool):
-        """The OffloadingConnector of `--kv-transfer-config` (None without the flag): it manages
-        every KV cache group, or with Hybrid HiSparse the groups HiSparse does not (docs/design.md §6.1).
-        Raises ValueError (naming the flag) without prefix caching or under a parallel layout."""
-        config = offload_config(self.args.kv_transfer_config)
-        if config is None:
-            return None
-        if not self.args.enable_prefix_caching:
-            raise ValueError("--kv-transfer-config OffloadingConnector needs --enable-prefix-caching")
-        if self.parallel is not None and (with_hisparse or self.parallel.dp > 1):
-            raise ValueError("--kv-transfer-config OffloadingConnector under a parallel layout runs without "
-                             "--data-parallel-size and without Hybrid HiSparse for now")
-        groups = [g.name for g in layout.groups if not (with_hisparse and g.name == "mla")]
-        off = build_offload(config, layout, groups, self.parallel)
-        logger.info("%s", off.summary())
-        return off
-
-    def _on_block_reuse(self, block: int, tag) -> None:
-        """The pool's reuse callback: route the tag to its owner (prefix cache, released pages)."""
-        if self.prefix_cache is not None and self.prefix_cache.on_block_reuse(block, tag):
-            return
-        self.kv.on_block_reuse(block, tag)
-
-    def _on_host_block_reuse(self, block: int, tag) -> None:
-        """The HiSparse host pool's reuse callback: a host block filed in the prefix cache's host
-        tier was handed out again."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.on_host_block_reuse(block, tag)
-
     @classmethod
     def from_args(cls, args: EngineArgs, eos_token_ids=None, before_compile=None) -> LLMEngine:
         """Load the checkpoint, size the KV arena, build the engine and compile its step buckets.
@@ -288,25 +258,6 @@ class LLMEngine(PDEngineMixin, AsyncStepMixin, StructuredOutputsMixin):
         if self.kv_events is not None:
             self.kv_events.publish_step()
 
-    def _flush_if_idle(self) -> None:
-        """Nothing left to run: complete HiSparse's queued write-through copies and the
-        connector's queued stores now (the last pages of finished or aborted requests go to the
-        host tiers) rather than with the next request's step."""
-        if self.has_unfinished_requests():
-            return
-        if self.hisparse is not None and any(h.queue for h in self.hisparse.hosts):
-            self._flush_host_copies()
-        if self.offload is not None and self.offload.store.queue:
-            self.runner.run_offload([], wait=True)
-            self._after_offload()
-
-    def _after_offload(self) -> None:
-        """The step (and the connector transfers before it) ran: file the stores, release the
-        loads' host blocks."""
-        if self.offload is not None:
-            self.offload.store.complete()
-            self.offload.store.unpin()
-
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or self.is_waiting_for_remote_kv()
                 or self._in_flight is not None)
@@ -364,31 +315,6 @@ class LLMEngine(PDEngineMixin, AsyncStepMixin, StructuredOutputsMixin):
             self._emit(rec)
         return pd_outs + outs
 
-    def _attach_logprobs(self, outs: list[RequestOutput]) -> None:
-        """Give each output the `TokenLogprobs` of its new tokens from the step just read
-        (`ModelRunner.last_logprobs`; only requests that asked for logprobs have them)."""
-        lps = self.runner.last_logprobs
-        for out in outs:
-            lp = lps.get(out.request_id)
-            if lp is not None and out.new_token_ids:
-                out.new_logprobs = lp[: len(out.new_token_ids)]
-
-    def _observe_drafts(self, sched) -> SpecDecodingStats | None:
-        """MTP speculation: count the step's verifications (drafts verified, accepted) into the
-        totals and the draft controller; → the step's counters (None without speculation)."""
-        if self.drafts is None:
-            return None
-        acc = self.runner.last_accepted
-        step = SpecDecodingStats(self.drafts.k)
-        verified = []
-        for sr in sched.scheduled:
-            if sr.num_spec_tokens and sr.request_id in acc:
-                step.observe(sr.num_spec_tokens, acc[sr.request_id])
-                verified.append((sr.num_spec_tokens, acc[sr.request_id]))
-        self.spec_stats.add(step)
-        self.drafts.observe(verified)
-        return step
-
     def _fail_step(self, scheduled, error: BaseException) -> list[RequestOutput]:
         """A step raised: finish its requests with finish reason "error" (pages freed in every
         group), then go on when the device state is intact, else raise `EngineDeadError`.
@@ -428,72 +354,6 @@ class LLMEngine(PDEngineMixin, AsyncStepMixin, StructuredOutputsMixin):
             raise EngineDeadError(f"{where} ({msg}); the engine cannot continue") from error
         self._end_step()
         return outs
-
-    def _flush_host_copies(self) -> None:
-        """The engine went idle with write-through copies queued (pages sealed by the last step,
-        which finished requests leave to the host tier): run them now, in a store-only program,
-        so their host copies complete and are published."""
-        from serving.scheduler_output import SchedulerOutput
-
-        hs = self.hisparse
-        while any(h.queue for h in hs.hosts):
-            jobs = [p.take_stores(hs.device.max_stores) for p in hs.policies]
-            self.runner.run_stores(jobs if self.runner.parallel is not None else jobs[0], wait=True)
-            for p in hs.policies:
-                p.after_update(SchedulerOutput())
-
-    # ------------------------------------------------------------------ statistics
-    def _timing(self, sched, outs: list[RequestOutput], rec: StepRecord) -> None:
-        now = time.monotonic()
-        reqs = {sr.request_id: sr.request for sr in sched.scheduled}
-        for out in outs:
-            req = reqs.get(out.request_id)
-            n = len(out.new_token_ids)
-            if req is None:
-                continue
-            rec.num_generation_tokens += n
-            if n:
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                    rec.num_prompt_tokens += req.num_prompt_tokens
-                    rec.ttft_s.append(now - req.arrival_time)
-                    n -= 1
-                if n and req.last_token_time is not None:
-                    rec.inter_token_s.extend([(now - req.last_token_time) / n] * n)
-                req.last_token_time = now
-            if out.finished:
-                rec.finished.append(self._finished_stats(req, now))
-
-    @staticmethod
-    def _finished_stats(req: Request, now: float) -> FinishedRequestStats:
-        tpot = None
-        if req.first_token_time is not None and req.num_output_tokens > 1:
-            tpot = ((req.last_token_time or now) - req.first_token_time) / (req.num_output_tokens - 1)
-        return FinishedRequestStats(req.finish_reason or "abort", now - req.arrival_time, req.num_prompt_tokens,
-                                    req.num_output_tokens, tpot)
-
-    def _prefix_cache_totals(self) -> tuple[int, int]:
-        """(queried, hit) prompt tokens of the prefix cache since start-up."""
-        return self.prefix_cache.queries, self.prefix_cache.hits
-
-    def _emit(self, rec: StepRecord) -> None:
-        if self.prefix_cache is not None:
-            q, h = self._prefix_cache_totals()
-            rec.prefix_cache_queries, rec.prefix_cache_hits = q - self._prefix_counts[0], h - self._prefix_counts[1]
-            self._prefix_counts = (q, h)
-        if self.offload is not None:
-            pc, st = self.prefix_cache, self.offload.store
-            now = (pc.external_queries, pc.external_hits, st.num_stored, st.num_loaded)
-            d = [a - b for a, b in zip(now, self._offload_counts)]
-            rec.external_prefix_cache_queries, rec.external_prefix_cache_hits = d[0], d[1]
-            rec.kv_offload_to_host_bytes, rec.kv_offload_to_device_bytes = d[2] * st.page_bytes, d[3] * st.page_bytes
-            self._offload_counts = now
-        self._structured_record(rec)
-        for sl in self.stat_loggers:
-            try:
-                sl.record(rec)
-            except Exception:  # noqa: BLE001 - statistics must never stop the engine
-                logger.exception("stat logger %r failed", sl)
 
     def audit(self) -> list[str]:
         """Invariant violations of the scheduler, the block tables and the pool (empty when sound),

@@ -7,6 +7,11 @@ updated in place. A step's token count is padded up to the next bucket. Request 
 first runs the scheduler's whole-page copies (`SchedulerOutput.page_copies`, copy-on-write of
 prefix-cache pages), passed as two int32 arrays of fixed size padded with −1 (a loop over the
 valid entries only, so a step without copies pays nothing).
+
+The runner's other concerns live beside it: compiling and tracing the step programs
+(`serving/runner_compile.py`), the host-memory transfer programs around a step — HiSparse's
+write-through copies, the offloading connector's stores and loads (`serving/runner_transfers.py`)
+— and data-parallel replicas' stacked steps (`serving/runner_replicas.py`).
 """
 
 from __future__ import annotations
@@ -17,10 +22,8 @@ import time
 import zlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm import tqdm
 
 from glm53.batch import ForwardBatch
 from glm53.kv_layout import KVCacheLayout, layout_has_mtp
@@ -29,16 +32,17 @@ from glm53.parallel_batch import (
     empty_parallel_arena,
     pcp_reorder,
     shard_batch,
-    stack_replicas,
 )
 from kernels.mode import KERNEL_MODE_ENV, kernel_mode, use_kernels
 from serving.arena_pages import ArenaPageIO
 from serving.faults import FaultInjection, InjectedFault
 from serving.hisparse.device_state import HiSparseDeviceState
 from serving.kv_cache import KVCacheManager
+from serving.runner_compile import StepCompileMixin
 from serving.runner_replicas import ReplicaStepsMixin
+from serving.runner_transfers import HostTransfersMixin
 from serving.scheduler_output import SchedulerOutput
-from serving.spec_decode.inputs import build_spec_batch, empty_spec_batch
+from serving.spec_decode.inputs import build_spec_batch
 from serving.step_buckets import default_cuda_graph_sizes, token_buckets
 from serving.step_inputs import StepInputs
 from serving.step_program import build_step_programs
@@ -62,14 +66,7 @@ def _allowed(ids, lps) -> list[tuple[int, float]]:
     return [(int(a), float(b)) for a, b in zip(ids, lps) if b > -np.inf]
 
 
-def _feed_tokens_fn(ids_T, src_T, prev_B):
-    """Asynchronous scheduling: the step's input ids with every placeholder row (src_T ≥ 0)
-    replaced on the device by the token the previous step sampled in row src_T.
-    ids_T / src_T int32 [T]; prev_B int32 [B] (the previous step's `out[0]`)."""
-    return jnp.where(src_T >= 0, prev_B[jnp.maximum(src_T, 0)].astype(ids_T.dtype), ids_T)
-
-
-class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
+class ModelRunner(StepCompileMixin, HostTransfersMixin, ArenaPageIO, ReplicaStepsMixin):
     """Owns the parameters, the KV arena and the compiled steps.
 
     Args:
@@ -203,155 +200,6 @@ class ModelRunner(ArenaPageIO, ReplicaStepsMixin):
         self._step, self._store_only, self._forward, self._sample = build_step_programs(
             self.graphdef, layout, parallel, hisparse, self.spec_k, reachable, k, state_def)
         self.num_deferred_samples = 0  # steps whose sampler ran after the previous step was read back
-
-    # ------------------------------------------------------------------ compile
-    def _dummy(self, T: int):
-        B = self.max_num_seqs + 1
-        batch = ForwardBatch(
-            input_ids_T=np.zeros(T, np.int32), positions_T=np.zeros(T, np.int32),
-            req_idx_T=np.full(T, B - 1, np.int32),
-            slot_mapping={g: np.full(T, -1, np.int32) for g in self.widths},
-            block_tables={g: np.zeros((B, w), np.int32) for g, w in self.widths.items()},
-            logits_indices_B=np.zeros(B, np.int32))
-        if self.hisparse is not None:
-            batch.hot = self.hisparse.empty_inputs(B, self.widths["mla"])
-        if self.dp > 1:  # one padding batch per replica, stacked (the step's global shapes)
-            batch, B = stack_replicas([batch] * self.dp, self.parallel.pcp), B * self.dp
-        z = np.zeros(B, np.float32)
-        copies = np.full((2, self.max_page_copies), -1, np.int32)
-        self._dummy_spec = empty_spec_batch(T, B, self.spec_k) if self.spec_k else None
-        return batch, (z, np.ones(B, np.float32), np.zeros(B, np.uint32), np.zeros(B, np.int32), np.bool_(False),
-                       *copies)
-
-    def example_step_args(self, hot: bool = False) -> tuple:
-        """Arguments of the jitted step for the first bucket, as the start-up compile builds them:
-        padding rows that write nothing; with `hot`, HiSparse's hot program (ValueError without
-        HiSparse), else the plain one. For tracing and export (`trace_step`, the CUDA export test)."""
-        if hot and self.hisparse is None:
-            raise ValueError("hot=True needs an engine with Hybrid HiSparse")
-        batch, extra = self._dummy(self.buckets[0])
-        if not hot:
-            batch.hot = None
-        return (self._state_leaves, self._place(batch), self.kv_arena, *extra,
-                self._hisparse_args() if hot else None, self._dummy_spec)
-
-    def trace_step(self, hot: bool = False):
-        """The step program's jaxpr (`jax.make_jaxpr`) for the first bucket, under the kernel mode
-        the runner was built with: what the compiled step calls (`kernels.introspect`)."""
-        with use_kernels(self.kernel_mode):
-            return jax.make_jaxpr(self._step)(*self.example_step_args(hot))
-
-    def compile(self, progress: bool = True) -> float:
-        """Compile every bucket (runs each once on padding rows, which write nothing). → seconds.
-
-        Each bucket's compile time (seconds, a persistent-cache hit included) is kept in
-        `compile_seconds` and logged."""
-        t0 = time.perf_counter()
-        self.compile_seconds: dict[int, float] = {}
-        for T in tqdm(self.buckets, desc="compiling step buckets", disable=not progress, unit="bucket"):
-            t = time.perf_counter()
-            batch, extra = self._dummy(T)
-            # HiSparse compiles both programs of a bucket: with the hot path, and plain (`execute`).
-            for hs_args in ([self._hisparse_args()] if self.hisparse is not None else []) + [None]:
-                if hs_args is None:
-                    batch.hot = None
-                spec = None if self._dummy_spec is None else jax.tree.map(self._put, self._dummy_spec)
-                placed = self._place(batch)
-                with use_kernels(self.kernel_mode):
-                    out, self.kv_arena, hs = self._step(self._state_leaves, placed, self.kv_arena,
-                                                        *map(self._put, extra), hs_args, spec)
-                self._keep_hisparse(hs)
-                jax.block_until_ready(out)
-            if self._may_feed_tokens():  # asynchronous scheduling's token feed for this bucket
-                no_feed = np.full(placed.input_ids_T.shape[0], -1, np.int32)
-                jax.block_until_ready(self._feed_tokens(placed.input_ids_T, self._put(no_feed), out[0]))
-            self.compile_seconds[T] = time.perf_counter() - t
-        if self.hisparse is not None:
-            self.run_stores([], wait=True)  # the store program
-        logger.info("step bucket compile seconds: %s",
-                    ", ".join(f"{T}: {s:.1f}" for T, s in self.compile_seconds.items()))
-        return time.perf_counter() - t0
-
-    def _feed_tokens(self, ids_T, src_T, prev_B):
-        """`_feed_tokens_fn` jitted with the placed input ids' own sharding as its output's, so the
-        step sees the same argument signature with and without the feed (one compiled program per
-        bucket; a fed step must not recompile the step)."""
-        sharding = ids_T.sharding
-        fn = self._feeds.get(sharding)
-        if fn is None:
-            fn = self._feeds[sharding] = jax.jit(_feed_tokens_fn, out_shardings=sharding)
-        return fn(ids_T, src_T, prev_B)
-
-    def _may_feed_tokens(self) -> bool:
-        """Whether this runner's engine may schedule asynchronously (`serving.async_scheduling.
-        sync_reason`; the runner's share of it): then `compile` also compiles the token feed."""
-        return not self.spec_k
-
-    def run_stores(self, jobs, wait: bool = False) -> None:
-        """HiSparse: dispatch the write-through copies `jobs` (`serving.hisparse.host_pool.CopyJob`,
-        at most `max_stores`; under data parallelism one list per replica) as their own program
-        over the current arena (one fixed shape: the list is −1 padded). Call it before the step
-        that should see them complete; `wait` blocks until they ran (an idle engine flushing its
-        queue)."""
-        src, dst = self.hisparse.store_lists(jobs)
-        self.run_store_lists(src, dst, wait)
-
-    def run_store_lists(self, src: np.ndarray, dst: np.ndarray, wait: bool = False) -> None:
-        """`run_stores` on the padded int32 lists of `HiSparseDeviceState.store_lists` (what a
-        multi-host leader sends its followers before running them itself)."""
-        if self.step_sink is not None:
-            self.step_sink("stores", (src, dst, np.bool_(wait)))
-        self.hisparse.pool, done = self._store_only(self.hisparse.pool, self.kv_arena, self._put(src), self._put(dst))
-        self.hisparse.after = done  # the next steps' host reads take it as an operand
-        if wait:
-            jax.block_until_ready(done)
-
-    def run_offload(self, loads, wait: bool = False) -> None:
-        """The offloading connector's transfers before a step: every queued store (host block ←
-        arena page, pages computed by earlier steps) as one program, then the step's `loads`
-        (`(host block, device page)`: arena page ← host block) as another, which donates the
-        arena to the step. `wait` blocks until the stores ran (an idle engine flushing)."""
-        store = self.offload.store
-        jobs = store.take_stores(len(store.queue))
-        self.run_offload_lists([(j.device_block, j.host_block) for j in jobs], loads, wait)
-
-    def run_offload_lists(self, stores, loads, wait: bool = False) -> None:
-        """`run_offload` on explicit `(device block, host block)` stores and `(host block, device
-        block)` loads (what a multi-host leader sends its followers before running them itself)."""
-        stores = [tuple(int(x) for x in p) for p in stores]
-        loads = [tuple(int(x) for x in p) for p in loads]
-        if self.step_sink is not None and (stores or loads or wait):
-            self.step_sink("offload", (np.asarray(stores, np.int32).reshape(-1, 2),
-                                       np.asarray(loads, np.int32).reshape(-1, 2), np.bool_(wait)))
-        transfer = self.offload.transfer
-        if stores:
-            transfer.store(self.kv_arena, stores)
-        if loads:
-            self.kv_arena = transfer.load(self.kv_arena, loads)
-        if wait:
-            transfer.wait()
-
-    def _dispatch_stores(self) -> None:
-        """HiSparse: run the write-through copies `prepare` took from the policies (one list per
-        replica), before the step."""
-        if self.hisparse is None:
-            return
-        jobs = [self._store_jobs.get(r, []) for r in range(self.dp)]
-        self._store_jobs = {}
-        if any(jobs):
-            self.run_stores(jobs if self.parallel is not None else jobs[0])
-
-    def _hisparse_args(self):
-        """The step's `hs` argument: None or (hot state, host pool, the last store program's
-        completion value)."""
-        if self.hisparse is None:
-            return None
-        return self.hisparse.hot, self.hisparse.pool, self.hisparse.after
-
-    def _keep_hisparse(self, hs) -> None:
-        """Take back the donated HiSparse state the step returned."""
-        if hs is not None:
-            self.hisparse.hot, self.hisparse.pool, self.hisparse.after = hs
 
     def _place(self, batch: ForwardBatch) -> ForwardBatch:
         """Host batch → the step's batch argument: on one device the numpy arrays themselves (the

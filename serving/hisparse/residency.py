@@ -82,8 +82,10 @@ from typing import TYPE_CHECKING, Iterable
 import numpy as np
 
 from serving.block_pool import NULL_BLOCK
+from serving.hisparse.admission_bound import AdmissionBoundMixin
 from serving.hisparse.config import ResolvedHiSparse
 from serving.hisparse.host_pool import CopyJob, HostPool
+from serving.hisparse.release import PageReleaseMixin
 from serving.kv_cache import KVCacheManager
 from serving.kv_policy import DeviceResidentPolicy
 
@@ -117,7 +119,7 @@ class RequestResidency:
     prefill_rows: int = 0
 
 
-class HiSparsePolicy(DeviceResidentPolicy):
+class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy):
     """Hybrid HiSparse over `kv`'s pool (see the module docstring).
 
     Args:
@@ -206,74 +208,6 @@ class HiSparsePolicy(DeviceResidentPolicy):
         pool = self.kv.pool
         return [i for i in range(min(len(t.blocks), max(0, newest - 1)))
                 if t.is_owned(i) and i in rec.host_blocks and i not in rec.pending and pool.refcount(t.blocks[i]) == 1]
-
-    def token_capacity(self) -> int:
-        """Most tokens one request can hold: fully resident on the device (all groups fit the
-        pool), or under HiSparse: its sealed MLA pages fit the host pool while its other groups'
-        pages (the indexer keys), a largest lease and a window of four MLA pages fit the device."""
-        resident, offloaded, host_bound = self._capacities()
-        return max(resident, min(offloaded, host_bound))
-
-    def _capacities(self) -> tuple[int, int, int]:
-        """(tokens fully resident, tokens whose other groups' pages fit next to the largest lease
-        and a 4-page window, tokens the host pool holds): `token_capacity`'s three bounds."""
-        usable = self.kv.pool.num_usable_blocks
-
-        def largest(groups, budget, hi):  # largest L whose pages of `groups` fit `budget`
-            lo = 0
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if sum(math.ceil(mid / g.tokens_per_page) for g in groups) <= budget:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            return lo
-
-        resident = largest(self.kv.groups, usable, usable * max(g.tokens_per_page for g in self.kv.groups))
-        host_bound = (self.host.num_usable + 2) * self.tpp
-        others = [g for g in self.kv.groups if g.name != self.group]
-        offloaded = largest(others, usable - self.max_pages - 4, host_bound)
-        return resident, offloaded, host_bound
-
-    def capacity_note(self) -> str:
-        """Names HiSparse's bound on one request: the device pages its indexer keys (and other
-        groups) need next to the prefill lease and the in-flight window, or the host pool (the
-        text the scheduler appends to its refusal)."""
-        cap, why, fix = self.admission_bound()
-        return f"; the largest prompt this engine admits is {cap} tokens: {why}; it needs {fix}"
-
-    def admission_note(self, max_model_len: int) -> str | None:
-        """The start-up warning when HiSparse admits shorter prompts than `max_model_len` (its
-        bound, the largest prompt, the setting to change); None when every prompt up to it fits."""
-        cap, why, fix = self.admission_bound()
-        if cap >= max_model_len:
-            return None
-        return (f"HiSparse: prompts longer than {cap} tokens will be refused although --max-model-len is "
-                f"{max_model_len}: {why}; admitting them needs {fix}")
-
-    def admission_bound(self) -> tuple[int, str, str]:
-        """(the largest prompt in tokens one request may have, what bounds it, what would admit
-        more): fully resident on the device, the device pages of the other groups next to the
-        prefill lease and the in-flight window, or the host pool."""
-        resident, offloaded, host_bound = self._capacities()
-        usable = self.kv.pool.num_usable_blocks
-        others = [g for g in self.kv.groups if g.name != self.group]
-        per = ", ".join(f"{g.name}: 1 page per {g.tokens_per_page} tokens" for g in others)
-        cap = max(resident, min(offloaded, host_bound))
-        if resident >= min(offloaded, host_bound):
-            why = "it fits only fully resident on the device"
-            fix = "a larger pool (--num-gpu-blocks-override / --gpu-memory-utilization)"
-        elif offloaded < host_bound:
-            why = (f"under Hybrid HiSparse its {per} must stay on the device next to the prefill lease "
-                   f"(hisparse_config.prefill_buffer_size: {self.max_pages} pages) and the in-flight window "
-                   f"(4 pages), {self.max_pages + 4} of the {usable} pages")
-            fix = ("a larger pool (--num-gpu-blocks-override / --gpu-memory-utilization) or a smaller "
-                   "hisparse_config.prefill_buffer_size")
-        else:
-            why = (f"its MLA pages must fit the host pool (hisparse_config.host_pool_gib: "
-                   f"{self.host.num_usable} blocks of {self.tpp} tokens)")
-            fix = "a larger hisparse_config.host_pool_gib"
-        return cap, why, fix
 
     # ------------------------------------------------------------------ lease sizing
     def _lease_pages(self, rid: str, rows: int, off: int | None = None) -> int:
@@ -547,149 +481,6 @@ class HiSparsePolicy(DeviceResidentPolicy):
                 self.host.enqueue(CopyJob(t.blocks[i], hb, rec, i, key))
             i += 1
         rec.next_seal = i
-
-    def _release_all(self, req: "Request", pages: list[int]) -> None:
-        """Release `pages`, tail first, into the pool's front tier (reused after untagged pages and
-        before cached ones: host-backed pages are the cheapest to lose), so the pool reuses a
-        request's tail first and a prompt's head stays resident longest."""
-        rid = req.request_id
-        for i in sorted(pages, reverse=True):
-            block = self.kv.table(rid, self.group).blocks[i]
-            if self.prefix_cache is not None:
-                self.prefix_cache.unpublish_block(block)
-            self.kv.release_page(rid, self.group, i, front=True)
-        self.num_released += len(pages)
-
-    def _release_shared(self, sharers: list["Request"], pages: list[dict[str, int]]) -> None:
-        """Release pages that `sharers` hold together (each `{sharer: page index}` names every
-        holder of one page), tail first into the front tier, then give each sharer without a
-        lease a decode lease (`_shared_candidates` counted it)."""
-        pool = self.kv.pool
-        for e in sorted(pages, key=lambda e: -max(e.values())):
-            rid, i = next(iter(e.items()))
-            block = self.kv.table(rid, self.group).blocks[i]
-            if self.prefix_cache is not None:
-                self.prefix_cache.unpublish_block(block)
-            self.kv.release_shared_page(e, self.group, front=True)
-        self.num_released_shared += len(pages)
-        for req in sharers:
-            rec = self.records[req.request_id]
-            if not rec.lease:
-                rec.lease = pool.allocate(self.dec_pages)
-
-    def _candidates(self, protect: set[str]) -> list[tuple[int, "Request", list[int]]]:
-        """(pages gained, request, releasable pages) of the running requests not in `protect`
-        that would gain pages by releasing (net of the lease they must take), most first."""
-        cands = []
-        for req in self.running:
-            rec = self.records.get(req.request_id)
-            if req.request_id in protect or rec is None:
-                continue
-            rel = self.releasable(req)
-            gain = len(rel) - (0 if rec.lease else self.dec_pages)
-            if gain > 0:
-                cands.append((gain, req, rel))
-        cands.sort(key=lambda c: -c[0])
-        return cands
-
-    def _shared_candidates(self, protect: set[str], leased: set[str]) -> list[tuple[int, list["Request"], list[dict[str, int]]]]:
-        """(pages gained, sharers, per page {sharer: page index}) for each set of running requests
-        not in `protect` that share clean pages nobody else holds (prefix-cache hits): releasing
-        those pages from every sharer together frees them, less a decode lease for each sharer
-        not in `leased` (holding one or about to take one). Greedy, most gain first (a lease
-        taken for one set is not paid again by the next); positive gains only."""
-        pool = self.kv.pool
-        entries: dict[int, dict[str, int]] = {}  # shared block → {sharer: page index}
-        by_id: dict[str, "Request"] = {}
-        for req in self.running:
-            rid = req.request_id
-            rec = self.records.get(rid)
-            if rid in protect or rec is None or not self.kv.has_request(rid):
-                continue
-            by_id[rid] = req
-            t = self.kv.table(rid, self.group)
-            newest = (req.num_computed_tokens - 1) // self.tpp
-            for i in range(min(len(t.blocks), max(0, newest - 1))):
-                b = t.blocks[i]
-                if t.is_owned(i) and i in rec.host_blocks and i not in rec.pending and pool.refcount(b) > 1:
-                    entries.setdefault(b, {})[rid] = i
-        sets: dict[frozenset, list[dict[str, int]]] = {}
-        for b, e in entries.items():
-            if len(e) == pool.refcount(b):  # every holder is a running request that may release it
-                sets.setdefault(frozenset(e), []).append(e)
-        out = []
-        leased = set(leased)
-        while sets:
-            sharers, pages = max(sets.items(), key=lambda kv_: len(kv_[1]) - self.dec_pages * len(kv_[0] - leased))
-            gain = len(pages) - self.dec_pages * len(sharers - leased)
-            if gain <= 0:
-                break
-            out.append((gain, [by_id[r] for r in sorted(sharers)], pages))
-            leased |= sharers
-            del sets[sharers]
-        return out
-
-    def _leased_after(self, cands: list[tuple[int, "Request", list[int]]]) -> set[str]:
-        """Requests holding a lease once `cands` (from `_candidates`) have released."""
-        return {rid for rid, rec in self.records.items() if rec.lease} | {c[1].request_id for c in cands}
-
-    def _room(self, protect: set[str], shared: bool = False) -> int:
-        """Free pages plus what the running requests not in `protect` could release (their own
-        clean pages; with `shared`, also clean pages they share, `_shared_candidates`)."""
-        cands = self._candidates(protect)
-        room = self.kv.pool.num_free + sum(c[0] for c in cands)
-        if shared:
-            room += sum(c[0] for c in self._shared_candidates(protect, self._leased_after(cands)))
-        return room
-
-    def _make_room(self, needed: int, protect: set[str], shared: bool = False) -> bool:
-        """Release clean pages of running requests (not `protect`) until `needed` pages are free:
-        each request's own pages first, then pages several of them share, from all the sharers
-        together. Releases nothing (and returns False) when even releasing everything would not do."""
-        pool = self.kv.pool
-        if pool.num_free >= needed:
-            return True
-        cands = self._candidates(protect)
-        own = pool.num_free + sum(c[0] for c in cands)
-        if own < needed and not (shared and own + sum(
-                c[0] for c in self._shared_candidates(protect, self._leased_after(cands))) >= needed):
-            return False
-        for _, req, rel in cands:
-            rec = self.records[req.request_id]
-            cost = 0 if rec.lease else self.dec_pages
-            self._release_all(req, rel)
-            if not rec.lease:
-                rec.lease = pool.allocate(cost)
-            if pool.num_free >= needed:
-                return True
-        for _, sharers, pages in (self._shared_candidates(protect, self._leased_after([])) if shared else ()):
-            self._release_shared(sharers, pages)
-            if pool.num_free >= needed:
-                return True
-        return pool.num_free >= needed
-
-    def _revive(self) -> None:
-        """No pressure: mixed requests whose released pages are all intact take them back."""
-        pool = self.kv.pool
-        for req in self.running:
-            rid = req.request_id
-            rec = self.records.get(rid)
-            if rec is None or not rec.lease or not self.kv.has_request(rid):
-                continue
-            t = self.kv.table(rid, self.group)
-            if t.placeholders:
-                continue
-            if not t.released:  # a sharer revived the pages it shared with this request
-                pool.free(reversed(rec.lease))
-                rec.lease = []
-                continue
-            if pool.num_free - len(t.released) + len(rec.lease) < 2 * self.watermark:
-                return
-            for i in sorted(t.released):
-                self.kv.revive_page(rid, self.group, i)
-            pool.free(reversed(rec.lease))
-            rec.lease = []
-            self.num_revived += 1
 
     # ------------------------------------------------------------------ step inputs
     def take_stores(self, max_copies: int) -> list[CopyJob]:

@@ -1,0 +1,100 @@
+"""The engine's per-step statistics: time to first token, inter-token times and finished requests'
+records, prefix-cache and offload counters as per-step deltas, logprobs attached to outputs, MTP
+speculation counters, each step's `StepRecord` handed to the stat loggers (Prometheus, the
+periodic log line; `serving/metrics.py`). `EngineStatsMixin` is mixed into `serving.engine.LLMEngine`
+(and so `DataParallelEngine`), which provides `runner`, `drafts`, `spec_stats`, `prefix_cache`,
+`offload`, `stat_loggers` and the counters' last values.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from serving.metrics import FinishedRequestStats, StepRecord
+from serving.request import Request
+from serving.spec_decode import SpecDecodingStats
+from serving.types import RequestOutput
+
+logger = logging.getLogger("serving.engine")
+
+
+class EngineStatsMixin:
+    """Step statistics and output decorations of the engine (module docstring)."""
+
+    def _attach_logprobs(self, outs: list[RequestOutput]) -> None:
+        """Give each output the `TokenLogprobs` of its new tokens from the step just read
+        (`ModelRunner.last_logprobs`; only requests that asked for logprobs have them)."""
+        lps = self.runner.last_logprobs
+        for out in outs:
+            lp = lps.get(out.request_id)
+            if lp is not None and out.new_token_ids:
+                out.new_logprobs = lp[: len(out.new_token_ids)]
+
+    def _observe_drafts(self, sched) -> SpecDecodingStats | None:
+        """MTP speculation: count the step's verifications (drafts verified, accepted) into the
+        totals and the draft controller; → the step's counters (None without speculation)."""
+        if self.drafts is None:
+            return None
+        acc = self.runner.last_accepted
+        step = SpecDecodingStats(self.drafts.k)
+        verified = []
+        for sr in sched.scheduled:
+            if sr.num_spec_tokens and sr.request_id in acc:
+                step.observe(sr.num_spec_tokens, acc[sr.request_id])
+                verified.append((sr.num_spec_tokens, acc[sr.request_id]))
+        self.spec_stats.add(step)
+        self.drafts.observe(verified)
+        return step
+
+    def _timing(self, sched, outs: list[RequestOutput], rec: StepRecord) -> None:
+        now = time.monotonic()
+        reqs = {sr.request_id: sr.request for sr in sched.scheduled}
+        for out in outs:
+            req = reqs.get(out.request_id)
+            n = len(out.new_token_ids)
+            if req is None:
+                continue
+            rec.num_generation_tokens += n
+            if n:
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                    rec.num_prompt_tokens += req.num_prompt_tokens
+                    rec.ttft_s.append(now - req.arrival_time)
+                    n -= 1
+                if n and req.last_token_time is not None:
+                    rec.inter_token_s.extend([(now - req.last_token_time) / n] * n)
+                req.last_token_time = now
+            if out.finished:
+                rec.finished.append(self._finished_stats(req, now))
+
+    @staticmethod
+    def _finished_stats(req: Request, now: float) -> FinishedRequestStats:
+        tpot = None
+        if req.first_token_time is not None and req.num_output_tokens > 1:
+            tpot = ((req.last_token_time or now) - req.first_token_time) / (req.num_output_tokens - 1)
+        return FinishedRequestStats(req.finish_reason or "abort", now - req.arrival_time, req.num_prompt_tokens,
+                                    req.num_output_tokens, tpot)
+
+    def _prefix_cache_totals(self) -> tuple[int, int]:
+        """(queried, hit) prompt tokens of the prefix cache since start-up."""
+        return self.prefix_cache.queries, self.prefix_cache.hits
+
+    def _emit(self, rec: StepRecord) -> None:
+        if self.prefix_cache is not None:
+            q, h = self._prefix_cache_totals()
+            rec.prefix_cache_queries, rec.prefix_cache_hits = q - self._prefix_counts[0], h - self._prefix_counts[1]
+            self._prefix_counts = (q, h)
+        if self.offload is not None:
+            pc, st = self.prefix_cache, self.offload.store
+            now = (pc.external_queries, pc.external_hits, st.num_stored, st.num_loaded)
+            d = [a - b for a, b in zip(now, self._offload_counts)]
+            rec.external_prefix_cache_queries, rec.external_prefix_cache_hits = d[0], d[1]
+            rec.kv_offload_to_host_bytes, rec.kv_offload_to_device_bytes = d[2] * st.page_bytes, d[3] * st.page_bytes
+            self._offload_counts = now
+        self._structured_record(rec)
+        for sl in self.stat_loggers:
+            try:
+                sl.record(rec)
+            except Exception:  # noqa: BLE001 - statistics must never stop the engine
+                logger.exception("stat logger %r failed", sl)
