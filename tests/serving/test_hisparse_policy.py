@@ -262,6 +262,38 @@ def test_pages_shared_by_running_requests_are_released_by_all_of_them_together(m
     assert e.pool.num_free == e.pool.num_usable_blocks and e.kv.request_ids() == []
 
 
+def test_a_sharer_aborted_while_its_shared_pages_are_released_leaves_them_to_the_others():
+    """Abort one sharer right after a shared release: the page stays released for the others
+    (its tag now names them only), who still read it in place or, once the pool reuses it,
+    from their host copies; every step audited, the others' streams equal their solo runs, no
+    page or host block left."""
+    e = HiSparseEngine(num_blocks=50, max_num_seqs=4, prefix_caching=True, max_model_len=200)
+    base = prompt(7, 100)
+    arrivals = [(3 * i, f"r{i}", base + prompt(100 + i, 4)) for i in range(4)]
+    step, aborted = 0, None
+    while arrivals or e.sched.has_unfinished_requests():
+        while arrivals and arrivals[0][0] <= step:
+            _, rid, p = arrivals.pop(0)
+            e.add(rid, p, max_tokens=50, ignore_eos=True)
+        if e.sched.has_unfinished_requests():
+            before = e.policy.num_released_shared
+            e.step()
+            if aborted is None and e.policy.num_released_shared > before:
+                tags = {id(t): t for r in e.sched.running for t in e.kv.table(r.request_id, "mla").released.values()
+                        if hasattr(t, "sharers")}
+                assert tags, "the shared release left no shared tag"
+                aborted = next(iter(next(iter(tags.values())).sharers))
+                e.sched.abort(aborted)
+                assert all(aborted not in t.sharers and t.sharers for t in tags.values())
+                assert e.sched.audit() == []
+        step += 1
+    e.flush()
+    assert aborted is not None
+    e.check_against_reference(skip={aborted})
+    assert e.pool.num_free == e.pool.num_usable_blocks and e.kv.request_ids() == []
+    assert e.host_pool.blocks.num_free == e.host_pool.blocks.num_usable_blocks
+
+
 def test_a_continuation_is_admitted_before_a_first_turn_that_does_not_fit():
     """The next turn of a conversation (a prefix-cache hit of most of its prompt) waiting behind a
     large request that does not fit is admitted first (`admission_lookahead`); without that it
