@@ -16,6 +16,9 @@ fewer than `--max-num-seqs` ran, what stopped admission in that step:
   request's residency, pages, lease, and the pages the refused request needed);
 * `other` (nothing admitted for another reason, e.g. a preemption in the step).
 
+`--mode preemption` runs the device-resident baseline (`bench_agentic`'s preemption mode) on the
+same pool and workload: the engine-isolated reference for HiSparse's running requests.
+
 At 4fa4d1f (an experiment since taken out, docs/hisparse.md "Reaching the planner")
 `--hisparse-config '{"yield_prefill_leases": false}'` ran the engine without prefill leases giving
 way to a waiting first turn.
@@ -118,7 +121,8 @@ def main(argv=None) -> dict:
             if hasattr(policy, "_lease_pages"):
                 need = sum(math.ceil(req.num_tokens / g.tokens_per_page) for g in policy.kv.groups)
             refusals.append(pool_state(policy, req, need) if hasattr(policy, "records") else
-                            dict(refused=req.request_id, free_pages=policy.kv.pool.num_free))
+                            dict(refused=req.request_id, free_pages=policy.kv.pool.num_free,
+                                 running=[r.request_id for r in sched.running]))
         return n
 
     policy.admit = recorded_admit  # this engine only: a diagnostic hook
