@@ -14,8 +14,8 @@ giving them back when the pressure is gone (`HiSparsePolicy`'s share of docs/his
   and return their leases.
 
 `PageReleaseMixin` holds these methods; `HiSparsePolicy` (serving/hisparse/residency.py) provides
-the state they use: `kv`, `group`, `tpp`, `records`, `running`, `dec_pages`, `watermark`,
-`prefix_cache`, `releasable`, and the counters `num_released`, `num_released_shared`,
+the state they use: `kv`, `group`, `records`, `running`, `dec_pages`, `watermark`,
+`prefix_cache`, `releasable`, `clean_pages`, and the counters `num_released`, `num_released_shared`,
 `num_revived`.
 """
 
@@ -85,15 +85,11 @@ class PageReleaseMixin:
         by_id: dict[str, "Request"] = {}
         for req in self.running:
             rid = req.request_id
-            rec = self.records.get(rid)
-            if rid in protect or rec is None or not self.kv.has_request(rid):
+            if rid in protect:
                 continue
             by_id[rid] = req
-            t = self.kv.table(rid, self.group)
-            newest = (req.num_computed_tokens - 1) // self.tpp
-            for i in range(min(len(t.blocks), max(0, newest - 1))):
-                b = t.blocks[i]
-                if t.is_owned(i) and i in rec.host_blocks and i not in rec.pending and pool.refcount(b) > 1:
+            for i, b in self.clean_pages(req):
+                if pool.refcount(b) > 1:
                     entries.setdefault(b, {})[rid] = i
         sets: dict[frozenset, list[dict[str, int]]] = {}
         for b, e in entries.items():

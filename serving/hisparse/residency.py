@@ -197,17 +197,23 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
             out[self.residency(req)] += 1
         return out
 
-    def releasable(self, req: "Request") -> list[int]:
-        """Clean, sole-owned MLA page indices of `req` that may be released (not the two newest)."""
+    def clean_pages(self, req: "Request") -> list[tuple[int, int]]:
+        """(page index, block) of the owned, clean MLA pages of `req` below its two newest: the
+        pages it may give back (alone when sole-owned, `releasable`; with every sharer when
+        shared, `_shared_candidates`)."""
         rid = req.request_id
         rec = self.records.get(rid)
         if rec is None or not self.kv.has_request(rid):
             return []
         t = self.kv.table(rid, self.group)
         newest = (req.num_computed_tokens - 1) // self.tpp
+        return [(i, t.blocks[i]) for i in range(min(len(t.blocks), max(0, newest - 1)))
+                if t.is_owned(i) and i in rec.host_blocks and i not in rec.pending]
+
+    def releasable(self, req: "Request") -> list[int]:
+        """Clean, sole-owned MLA page indices of `req` that may be released (not the two newest)."""
         pool = self.kv.pool
-        return [i for i in range(min(len(t.blocks), max(0, newest - 1)))
-                if t.is_owned(i) and i in rec.host_blocks and i not in rec.pending and pool.refcount(t.blocks[i]) == 1]
+        return [i for i, b in self.clean_pages(req) if pool.refcount(b) == 1]
 
     # ------------------------------------------------------------------ lease sizing
     def _lease_pages(self, rid: str, rows: int, off: int | None = None) -> int:
