@@ -28,7 +28,7 @@ misses, the greedy tokens' equality with the ample run (the tiny model's under d
 
     PYTHONPATH=. .venv/bin/python scripts/bench_long_prefill.py --out docs/results/hisparse_long_prefill
 
-Writes OUT/summary.json and prints the table. Measured on whatever the machine is doing: compare
+Writes OUT/rows.jsonl (each row as it is measured), OUT/summary.json and prints the table. Measured on whatever the machine is doing: compare
 rows of one run only.
 """
 
@@ -66,6 +66,15 @@ def pool_for(scale: float) -> int:
     while -(-int(scale * (pages - 1) * MLA_TPP) // INDEXER_TPP) + WINDOW_PAGES > pages - 2:  # a page spare
         pages += 1
     return pages
+ROWS_LOG: Path | None = None  # OUT/rows.jsonl: each row as it is measured (a run cut short keeps them)
+
+
+def log_row(row: dict) -> None:
+    if ROWS_LOG is not None:
+        with ROWS_LOG.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 MODES = {"ample": None, "adaptive": "adaptive", "worst_case": "worst_case"}
 
 
@@ -123,6 +132,7 @@ def random_prompt_run(scale: float, lm, pool: int | None = None, runs=None) -> l
                 row["tokens_equal"] = "under the rule"
         rows.append(row)
         print(row, flush=True)
+        log_row(row)
     return rows
 
 
@@ -156,6 +166,7 @@ def recall_run() -> list[dict]:
             row["tokens_equal"] = answers == ref
         rows.append(row)
         print(row, flush=True)
+        log_row(row)
     return rows
 
 
@@ -170,6 +181,9 @@ def main() -> None:
                          "for the cost of a step")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    global ROWS_LOG
+    ROWS_LOG = args.out / "rows.jsonl"
+    ROWS_LOG.write_text("")
     lm = api.load(cache_dtype="bfloat16")
     rows = []
     for scale in (float(s) for s in args.scales.split(",") if s):

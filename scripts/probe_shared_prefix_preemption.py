@@ -25,8 +25,8 @@ Every HiSparse mode's streams are compared with the ample run's under docs/desig
 
     PYTHONPATH=. .venv/bin/python scripts/probe_shared_prefix_preemption.py --out DIR
 
-Writes DIR/shared_prefix_preemption.json and DIR/summary.txt (one line per mode and per
-preemption, also printed).
+Writes DIR/runs.jsonl (each mode's counts as it ends), DIR/shared_prefix_preemption.json and
+DIR/summary.txt (one line per mode and per preemption, also printed).
 """
 
 from __future__ import annotations
@@ -176,7 +176,14 @@ def main(argv=None) -> dict:
     rng = np.random.default_rng(0)
     prefixes = [rng.integers(5, 480, args.prefix_tokens).tolist() for _ in range(args.prefixes)]
     suffixes = [rng.integers(5, 480, args.suffix_tokens).tolist() for _ in range(args.requests)]
-    runs = {m: run(args, m, prefixes, suffixes) for m in modes}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "runs.jsonl").write_text("")
+    runs = {}
+    for m in modes:
+        runs[m] = run(args, m, prefixes, suffixes)
+        with (args.out / "runs.jsonl").open("a") as f:  # each mode's counts as it ends (a run cut short keeps them)
+            f.write(json.dumps({k: v for k, v in runs[m].items() if k not in ("streams", "logprobs", "prompts")})
+                    + "\n")
     lines = []
     ref = runs.get("ample")
     lm = api.load() if ref else None  # the engines' fp32 cache: the indexer diagnostic of the rule

@@ -54,9 +54,10 @@ name the same state row.
 Stats `[hits, misses, dropped]`: distinct (request, host row) lookups found hot, copied, and
 dropped for want of a slot; hits + misses + dropped = lookups.
 
-Implementation: one lexicographic sort of the state entries and the candidates together by
-(batch row, host row, kind, index) groups each distinct (request, host row); a group whose first
-element is a state entry is a hit. Peak temporaries O(B·M + T·K).
+Implementation: each batch row's state entries are sorted by host row (which also finds the
+duplicates); each selection binary-searches its row's sorted state (a hit when found); a stable
+sort of the selections by (batch row, host row) groups each distinct (request, host row), its
+first element the first occurrence. Peak temporaries O(B·M + T·K).
 """
 
 from __future__ import annotations
@@ -74,6 +75,51 @@ def _seg_first(flags):
     """Index of the start of the run each element belongs to (flags mark run starts)."""
     idx = jnp.arange(flags.shape[0], dtype=jnp.int32)
     return lax.cummax(jnp.where(flags, idx, 0), axis=0)
+
+
+def _order_by_class_and_rank(cls_BM, rank_BM, num_classes: int):
+    """int32 `[B, M]`: each row's indices j ordered by (class, rank, j) ascending.
+
+    The resolver writes every state row's ranks as a permutation of [0, M): then the order is a
+    counting sort (slots in rank order, placed after the slots of lower classes), with no
+    comparison sort. Rows whose ranks are not a permutation (a corrupted state; the contract
+    allows any values) take the comparison sort, which gives the same order where both apply."""
+    B, M = rank_BM.shape
+    j_BM = jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), (B, M))
+    b_BM = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, M))
+    in_range = (rank_BM >= 0) & (rank_BM < M)
+    r = jnp.where(in_range, rank_BM, M)
+    seen = jnp.zeros((B, M), jnp.int32).at[b_BM, r].add(1, mode="drop")
+    is_perm = jnp.all(in_range) & jnp.all(seen == 1)
+
+    def counting(_):
+        by_rank = jnp.zeros((B, M), jnp.int32).at[b_BM, r].set(j_BM, mode="drop")  # rank → slot
+        c = jnp.take_along_axis(cls_BM, by_rank, axis=1)  # class of each rank's slot
+        onehot = c[..., None] == jnp.arange(num_classes, dtype=c.dtype)  # [B, M, C]
+        before = jnp.cumsum(onehot, axis=1, dtype=jnp.int32)  # same-class slots up to this rank
+        offset = jnp.cumsum(before[:, -1], axis=1, dtype=jnp.int32) - before[:, -1]  # slots of lower classes
+        dest = jnp.take_along_axis(offset, c, axis=1) + jnp.take_along_axis(before, c[..., None], axis=2)[..., 0] - 1
+        return jnp.zeros((B, M), jnp.int32).at[b_BM, dest].set(by_rank)
+
+    def comparison(_):
+        return lax.sort((cls_BM, rank_BM, j_BM), dimension=1, num_keys=2, is_stable=True)[2]
+
+    return lax.cond(is_perm, counting, comparison, None)
+
+
+def _find_in_rows(srt_BM, srt_j_BM, dropped_BM, b_N, key_N):
+    """Binary search of each `key_N[n]` in row `b_N[n]` of `srt_BM` (each row ascending):
+    `(found, j)` — found when an entry equal to the key that is not `dropped` exists, j its
+    `srt_j_BM` value (the slot index)."""
+    M = srt_BM.shape[1]
+    lo, hi = jnp.zeros_like(key_N), jnp.full_like(key_N, M)
+    for _ in range(max(1, M).bit_length()):  # the first entry ≥ key: [lo, hi) halves each round
+        mid = (lo + hi) // 2
+        less = (mid < hi) & (srt_BM[b_N, jnp.minimum(mid, M - 1)] < key_N)
+        lo, hi = jnp.where(less, mid + 1, lo), jnp.where(less, hi, mid)
+    i = jnp.minimum(lo, M - 1)
+    found = (lo < M) & (srt_BM[b_N, i] == key_N) & ~dropped_BM[b_N, i]
+    return found, srt_j_BM[b_N, i]
 
 
 def _lookup(pos, b, block_table_BP, host_table_BP, state_row_B, num_state_rows, num_host_rows, tpp: int):
@@ -163,23 +209,22 @@ def hot_resolve_reference(
     ok = ok & ~dup
     st = jnp.where(ok, st, -1)
 
-    # ---------------------------------------------------------------- one sort: state + candidates
-    e_b = jnp.concatenate([jnp.where(ok, jnp.arange(B, dtype=jnp.int32)[:, None], _BIG).reshape(B * M),
-                           jnp.where(need, b_N, _BIG)])
-    e_h = jnp.concatenate([st.reshape(B * M), jnp.where(need, hrow, _BIG)])
-    e_kind = jnp.concatenate([jnp.zeros(B * M, jnp.int32), jnp.ones(N, jnp.int32)])
-    e_idx = jnp.concatenate([jnp.broadcast_to(j_M, (B, M)).reshape(B * M), jnp.arange(N, dtype=jnp.int32)])
-    s_b, s_h, s_kind, s_idx = lax.sort((e_b, e_h, e_kind, e_idx), num_keys=4)
-    valid = s_b < _BIG
-    start = valid & ((s_b != jnp.roll(s_b, 1)) | (s_h != jnp.roll(s_h, 1)) | (jnp.arange(s_b.shape[0]) == 0))
-    first = _seg_first(start)
-    g_state = s_kind[first] == 0  # the group holds a state entry (sorts first): hit group
-    gid = jnp.cumsum(start.astype(jnp.int32)) - 1
-    ng = s_b.shape[0]
-    has_cand = jnp.zeros(ng, bool).at[gid].max(valid & (s_kind == 1))[gid]
-    is_hit_state = valid & (s_kind == 0) & has_cand  # state entries selected this step
-    hit_BM = jnp.zeros((B, M), bool).at[jnp.where(is_hit_state, s_b, B), s_idx].set(True, mode="drop")
-    miss_start = valid & start & ~g_state  # first (lowest index) candidate of a missing row
+    # ---------------------------------------------------------------- hits: the sorted state
+    # Each candidate looks its host row up in its batch row's state, sorted above (`srt`): a hit
+    # when an entry that passed the checks holds it (a duplicated row was dropped, entries and all).
+    hit_N, j_hit_N = _find_in_rows(srt, srt_j, dup_sorted, b_N, hrow)
+    hit_N = need & hit_N
+    hit_BM = jnp.zeros((B, M), bool).at[jnp.where(hit_N, b_N, B), j_hit_N].set(True, mode="drop")
+
+    # ---------------------------------------------------------------- distinct candidates
+    # Stable on (batch row, host row): each group's first element is its first occurrence.
+    c_b, c_h, s_idx = lax.sort((jnp.where(need, b_N, _BIG), jnp.where(need, hrow, _BIG), jnp.arange(N, dtype=jnp.int32)),
+                               num_keys=2, is_stable=True)
+    valid = c_b < _BIG
+    start = valid & ((c_b != jnp.roll(c_b, 1)) | (c_h != jnp.roll(c_h, 1)) | (jnp.arange(N) == 0))
+    first_N = jnp.zeros(N, jnp.int32).at[s_idx].set(s_idx[_seg_first(start)])  # each candidate's group's first
+    g_hit = hit_N[s_idx]  # (the same for every element of a group)
+    miss_start = valid & start & ~g_hit  # first (lowest index) candidate of a missing row
 
     # Miss rank in first-occurrence order, per batch row (its tokens are contiguous).
     flag_N = jnp.zeros(N, jnp.int32).at[jnp.where(miss_start, s_idx, N)].set(1, mode="drop")
@@ -191,22 +236,15 @@ def hot_resolve_reference(
 
     # Evictable slots in order: empty first, then LRU rank, then index; hits, then unusable last.
     cls = jnp.where(~usable, 2, jnp.where(hit_BM, 1, 0))
-    empty_first = jnp.where(st < 0, 0, 1)
-    _, _, _, _, order = lax.sort((cls, empty_first, rk, jnp.broadcast_to(j_M, (B, M)),
-                                  jnp.broadcast_to(j_M, (B, M))), dimension=1, num_keys=4)
+    cls_empty = 2 * cls + jnp.where(st < 0, 0, 1)  # class, then empty slots first
+    order = _order_by_class_and_rank(cls_empty, rk, num_classes=6)
     n_evict_B = jnp.sum(cls == 0, axis=1)
     taken_B = jnp.minimum(n_miss_B, n_evict_B)
 
     # Slots of the missing rows.
-    mrank = rank_N
-    mb = b_N
-    slot_j_N = jnp.where((flag_N > 0) & (mrank < n_evict_B[mb]), order[mb, jnp.clip(mrank, 0, M - 1)], -1)
-    # Per sorted element: its group's slot index j (hit: the state entry's; miss: the first candidate's).
-    j_hit = s_idx[first]
-    j_miss = slot_j_N[jnp.where(s_kind[first] == 1, s_idx[first], 0)]
-    s_j = jnp.where(g_state, j_hit, j_miss)
-    cand = valid & (s_kind == 1)
-    j_N = jnp.full(N, -1, jnp.int32).at[jnp.where(cand, s_idx, N)].set(s_j, mode="drop")
+    slot_j_N = jnp.where((flag_N > 0) & (rank_N < n_evict_B[b_N]), order[b_N, jnp.clip(rank_N, 0, M - 1)], -1)
+    # Each selection's slot index j: a hit's state entry, a miss's first candidate's slot.
+    j_N = jnp.where(need, jnp.where(hit_N, j_hit_N, slot_j_N[first_N]), -1)
     jj = jnp.clip(j_N, 0, M - 1)
     hot_slot_N = hot_table_BH[b_N, jj // tpp] * tpp + jj % tpp
     slots = jnp.where(resident, res_block * tpp + off, jnp.where(need & (j_N >= 0), hot_slot_N, -1))
@@ -231,7 +269,7 @@ def hot_resolve_reference(
     host_row_SM = host_row_SM.at[wb].set(new_st.astype(host_row_SM.dtype), mode="drop")
     rank_SM = rank_SM.at[wb].set(new_rk.astype(rank_SM.dtype), mode="drop")
 
-    hits = jnp.sum(valid & start & g_state & has_cand)
+    hits = jnp.sum(start & g_hit)
     misses = jnp.sum(got)
     dropped = jnp.sum(flag_N) - misses
     stats = jnp.stack([hits, misses, dropped]).astype(jnp.int32)

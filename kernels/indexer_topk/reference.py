@@ -65,7 +65,10 @@ def _topk_chunk(q_TID, w_TI, req_T, pos_T, block_table_BP, kv_arena, layer, layo
     n_keys = jnp.max(pos_T) + 1  # keys 0..max(pos) are needed by this query chunk
     n_chunks = jnp.clip((n_keys + s_chunk - 1) // s_chunk, 0, (P * tpp + s_chunk - 1) // s_chunk)
     blocks_per_chunk = s_chunk // s_block
-    one_request = jnp.all(req_T == req_T[0])  # prefill chunks: gather each key once for all rows
+    # Prefill chunks: gather each key once for all rows. Rows of another batch row whose block
+    # table is empty (the step's padding rows) see no key on either path (`valid_TS`), so they
+    # do not force the per-token gathers.
+    one_request = jnp.all((req_T == req_T[0]) | ~jnp.any(bt_TP > 0, axis=-1))
 
     def keys(block, s):
         """Keys at positions s of pages `block` (same shape), zero where absent."""

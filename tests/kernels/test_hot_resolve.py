@@ -231,3 +231,20 @@ def test_query_rows_before_the_first_dropped_selection_are_fully_resolved():
                         continue
                     assert slots[t, k] >= 0 and arena[int(slots[t, k])] == ht[b, p // TPP] * TPP + p % TPP
     assert seen_drops > 20  # the buffers really overflowed
+
+
+def test_eviction_order_counting_sort_equals_the_comparison_sort():
+    """The eviction order (class, rank, index) by counting when every rank row is a permutation,
+    by comparison otherwise: both against numpy's lexicographic sort, rows with repeated classes."""
+    from kernels.hot_resolve.reference import _order_by_class_and_rank
+
+    rng = np.random.default_rng(5)
+    for garbage in (False, True):
+        cls = rng.integers(0, 6, (3, 40)).astype(np.int32)
+        rank = np.stack([rng.permutation(40) for _ in range(3)]).astype(np.int32)
+        if garbage:
+            rank[1] = rng.integers(-3, 45, 40)  # repeats and out-of-range values
+        got = np.asarray(_order_by_class_and_rank(jnp.asarray(cls), jnp.asarray(rank), num_classes=6))
+        for b in range(3):
+            want = sorted(range(40), key=lambda j: (cls[b, j], rank[b, j], j))
+            assert got[b].tolist() == want, (garbage, b)

@@ -80,3 +80,24 @@ def test_null_block_pages_are_not_selected(rng):
     q = np.abs(rng.standard_normal((1, I, DK))).astype(np.float32)
     idx, valid = run(arena, lay, q, np.ones((1, I), np.float32), bt, np.zeros(1, np.int32), np.array([7]), 8)
     assert sorted(i for i in idx[0] if i >= 0) == [4, 5, 6, 7] and valid[0] == 4
+
+
+def test_padding_rows_beside_one_request(rng):
+    """A prefill chunk of one request padded with rows of the all-null padding row (as the step
+    pads its tokens): the request's rows match the dense oracle and the padding rows select
+    nothing, as without the padding (the padding must not change which path computes the scores
+    or what they are)."""
+    lay = make_layout(DK, num_layers=1, tpp=4)
+    keys = rng.standard_normal((21, DK)).astype(np.float32)
+    arena, bt, _ = scatter_dense(lay, 12, [keys], 0, rng)
+    bt = np.concatenate([bt, np.zeros_like(bt)])  # row 1: the padding row (every page null)
+    q = rng.standard_normal((6, I, DK)).astype(np.float32)
+    w = rng.standard_normal((6, I)).astype(np.float32)
+    pos = np.array([17, 18, 19, 20, 0, 0], np.int32)
+    req = np.array([0, 0, 0, 0, 1, 1], np.int32)
+    idx, valid = run(arena, lay, q, w, bt, req, pos, 6, s_chunk=8)
+    alone, _ = run(arena, lay, q[:4], w[:4], bt, req[:4], pos[:4], 6, s_chunk=8)
+    for t in range(4):
+        assert idx[t].tolist() == oracle(q[t], w[t], keys, int(pos[t]), 6)[0], t
+    np.testing.assert_array_equal(idx[:4], alone)
+    assert (idx[4:] == -1).all() and (valid[4:] == 0).all()
