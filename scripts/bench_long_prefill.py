@@ -5,31 +5,36 @@ ample pool without HiSparse, side by side in one run (docs/hisparse.md "Long pre
 1. **Random-weight tiny model** (`tiny`): a prompt of `scale` × the MLA token capacity of the
    device pool, for each `--scales` entry: the smallest pool of at least 25 pages that admits it
    (its indexer pages, the in-flight window and the prefill lease must fit, with a page spare:
-   25 pages = 1,536 MLA tokens at 3×, 31 pages = 1,920 at 6×); `prefill_buffer_size` 640 (10 query rows in the worst
-   case), budget 64 tokens a step, 16 greedy output tokens.
+   25 pages = 1,536 MLA tokens at 3×, 31 pages = 1,920 at 6×); `prefill_buffer_size` 640 (10 query
+   rows in the worst case), budget 64 tokens a step, 16 greedy output tokens. Modes: adaptive,
+   worst case, and adaptive with lease growth (`adaptive_grow`: `prefill_buffer_max_size` = the
+   whole pool's rows, so the lease takes whatever pages are free).
 2. **Trained model** (`tiny-recall`, `--recall`): four held-out retrieval prompts of ≈ 1,000
    tokens (glm53/recall_tasks.py) one after the other on a 12-page pool (a prompt needs 16 MLA
    pages), `prefill_buffer_size` 128 (2 rows in the worst case), budget 256, 8 output tokens; the
    answers are checked against the task's expected values.
 
-3. **Lease sweep** (`--lease-sweep POOL:ROWS[/MECHANISM],...`, off by default): the random-weight
-   3× prompt of a POOL-page pool, ample and then under adaptive sizing at each
-   `prefill_buffer_size` (and `host_gather` mechanism): a larger lease takes more query rows a
-   step, so fewer steps, but each step then copies more missed rows. The measurement behind
-   docs/hisparse.md "Long prefills" on growing the lease:
+3. **Lease sweep** (`--lease-sweep POOL:ROWS[-MAX][/MECHANISM],...`, off by default): the
+   random-weight 3× prompt of a POOL-page pool, ample and then under adaptive sizing at each
+   `prefill_buffer_size` ROWS (growing into free pages up to `prefill_buffer_max_size` MAX; and
+   `host_gather` mechanism): a larger lease takes more query rows a step, so fewer steps, but each
+   step then resolves and copies more rows. The measurement behind docs/hisparse.md "Long
+   prefills" on the lease's size:
 
        PYTHONPATH=. .venv/bin/python scripts/bench_long_prefill.py --no-recall --scales "" \
-           --lease-sweep 50:640,1280,1856,640/callback,1856/callback --out docs/results/hisparse_long_prefill/lease_sweep
+           --lease-sweep 50:640,1280,1856,640-3136,640/callback,1856/callback \
+           --out docs/results/hisparse_long_prefill/lease_sweep
 
 Per run: wall seconds of the long request(s) (engines built and compiled before the clock
-starts), engine steps, hot steps, truncated chunks and the rows computed again, hot hits and
+starts), engine steps, hot steps, the median wall time of a hot and of a plain step, truncated
+chunks and the rows computed again, steps with a grown lease, hot hits and
 misses, the greedy tokens' equality with the ample run (the tiny model's under docs/design.md
 §10's rule, `glm53.equality`), and the ratio to the ample pool's time.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_long_prefill.py --out docs/results/hisparse_long_prefill
 
-Writes OUT/rows.jsonl (each row as it is measured), OUT/summary.json and prints the table. Measured on whatever the machine is doing: compare
-rows of one run only.
+Writes OUT/rows.jsonl (each row as it is measured), OUT/summary.json and prints the table.
+Measured on whatever the machine is doing: compare rows of one run only.
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ def counters(e, mode, dt, steps0, hot0):
     if e.hisparse is not None:
         pol, d = e.hisparse.policy, e.hisparse.device
         row.update(truncated_chunks=pol.num_truncated_chunks, rows_recomputed=pol.num_truncated_rows,
+                   grown_steps=pol.num_grown_steps,
                    hot_hits=d.hits, hot_misses=d.misses, drops_outside_truncation=d.drops_outside_truncation,
                    preemptions=e.scheduler.num_preemptions_total)
     return row
@@ -101,6 +107,8 @@ def random_prompt_run(scale: float, lm, pool: int | None = None, runs=None) -> l
     if runs is None:
         runs = [(mode, {"prefill_buffer_size": 640, "prefill_sizing": sizing})
                 for mode, sizing in MODES.items() if sizing is not None]
+        # ... and adaptive with the lease growing into the pool's free pages (at most the whole pool)
+        runs.append(("adaptive_grow", {"prefill_buffer_size": 640, "prefill_buffer_max_size": (pool - 1) * MLA_TPP}))
     rows, ref = [], None
     for mode, overrides in [("ample", None), *runs]:
         hs = None if overrides is None else {"hisparse_config": {"host_pool_gib": 0.05 * max(1.0, scale / 3, pool / 25),
@@ -113,15 +121,21 @@ def random_prompt_run(scale: float, lm, pool: int | None = None, runs=None) -> l
         steps0, hot0 = e.num_steps, e.runner.num_hot_steps
         e.add_request("long", prompt, params)
         toks, lps = [], []
+        step_s = {True: [], False: []}  # hot / plain steps' wall seconds
         t = time.perf_counter()
         while e.has_unfinished_requests():
+            h, t1 = e.runner.num_hot_steps, time.perf_counter()
             for o in e.step():
                 toks += o.new_token_ids
                 lps += o.new_logprobs or []
+            step_s[e.runner.num_hot_steps > h].append(time.perf_counter() - t1)
         row = counters(e, mode, time.perf_counter() - t, steps0, hot0)
+        row.update({f"{k}_step_ms_median": round(1e3 * float(np.median(v)), 1)
+                    for k, v in (("hot", step_s[True]), ("plain", step_s[False])) if v})
         row.update(model="tiny", prompt_tokens=n, pool_pages=pool, pool_multiple=scale)
         if overrides is not None:
             row["prefill_buffer_size"] = overrides.get("prefill_buffer_size")
+            row["prefill_buffer_max_size"] = overrides.get("prefill_buffer_max_size")
             row["host_to_device_bytes"] = e.hisparse.device.h2d_bytes
         if ref is None:
             ref = (toks, lps)
@@ -175,10 +189,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--scales", default="3,6", help="prompt lengths in multiples of the pool's MLA token capacity")
     ap.add_argument("--recall", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--lease-sweep", metavar="POOL:ROWS[/MECHANISM],...", default="",
+    ap.add_argument("--lease-sweep", metavar="POOL:ROWS[-MAX][/MECHANISM],...", default="",
                     help="also the 3x prompt of a POOL-page pool under adaptive sizing at each prefill_buffer_size "
-                         "(rows; host_gather MECHANISM, default memory_kind): how the lease's size trades steps "
-                         "for the cost of a step")
+                         "(rows; growing into free pages up to prefill_buffer_max_size MAX; host_gather MECHANISM, "
+                         "default memory_kind): how the lease's size trades steps for the cost of a step")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     global ROWS_LOG
@@ -195,8 +209,10 @@ def main() -> None:
         runs = []
         for entry in entries.split(","):
             size, _, mechanism = entry.partition("/")
-            runs.append((f"adaptive lease {size} {mechanism or 'memory_kind'}",
-                         {"prefill_buffer_size": int(size), "host_gather": mechanism or "memory_kind"}))
+            size, _, grow = size.partition("-")
+            runs.append((f"adaptive lease {size}{f' growing to {grow}' if grow else ''} {mechanism or 'memory_kind'}",
+                         {"prefill_buffer_size": int(size), "host_gather": mechanism or "memory_kind",
+                          **({"prefill_buffer_max_size": int(grow)} if grow else {})}))
         rows += random_prompt_run(3.0, lm, int(pool), runs)
     ample = {}
     for r in rows:
@@ -206,7 +222,8 @@ def main() -> None:
         r["time_vs_ample"] = round(r["seconds"] / ample[key], 2)
     (args.out / "summary.json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     cols = ["model", "prompt_tokens", "pool_pages", "pool_multiple", "mode", "seconds", "time_vs_ample", "steps",
-            "hot_steps", "hot_misses", "truncated_chunks", "rows_recomputed", "tokens_equal", "right"]
+            "hot_steps", "hot_step_ms_median", "plain_step_ms_median", "hot_misses", "truncated_chunks",
+            "rows_recomputed", "grown_steps", "tokens_equal", "right"]
     print(",".join(cols))
     for r in rows:
         print(",".join(str(r.get(c, "")) for c in cols))

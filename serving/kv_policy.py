@@ -53,8 +53,8 @@ class DeviceResidentPolicy:
         return ""
 
     # ------------------------------------------------------------------ scheduling hooks
-    def begin_step(self, running: list["Request"]) -> None:
-        """Called once before a step is built."""
+    def begin_step(self, running: list["Request"], waiting: Iterable["Request"] = ()) -> None:
+        """Called once before a step is built, with the running and the waiting requests."""
 
     def cap_new_tokens(self, req: "Request", num_new: int) -> int:
         """The most of `num_new` tokens `req` may compute this step (≥ 1 when num_new ≥ 1)."""

@@ -259,7 +259,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
 
-        self.policy.begin_step(self.running)
+        self.policy.begin_step(self.running, self.waiting)
         max_spec = self.drafts.num_drafts(len(self.running)) if self.drafts is not None else 0
         i = 0
         while i < len(self.running) and budget > 0:

@@ -102,7 +102,7 @@ class HiSparse:
         return predict_hisparse_requests(self.policy.kv, num_blocks, max_model_len, self.config.device_buffer_rows,
                                          host_blocks=self.host.num_usable, reserve_per_request=1,
                                          window_tokens=2 * max_num_batched_tokens,
-                                         prefill_hot_rows=self.config.max_hot_rows,
+                                         prefill_hot_rows=self.config.prefill_hot_rows,
                                          hot_tokens_per_page=self.device.tpp)
 
     def summary(self, num_blocks: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> str:
@@ -118,10 +118,12 @@ class HiSparse:
         dcp_note = (f"; DCP {self.dcp}: each rank keeps its token share of every host block and a hot buffer of "
                     f"{self.config.device_buffer_rows} rows per decoding request (any rank may own a whole top-k), "
                     f"{self.dcp}x the single-device hot rows over the group" if self.dcp > 1 else "")
+        grow = (f" (up to {self.config.max_hot_rows} in free pages while it is the only request)"
+                if self.config.max_hot_rows > self.config.prefill_hot_rows else "")
         return (f"HiSparse: host pool {self.host.num_usable} blocks x {engine_block / 2**20:.2f} MiB "
                 f"({self.host.num_usable * engine_block / 2**30:.3f} GiB per replica, {self.config.mechanism} "
                 f"transfers); hot buffer {self.config.device_buffer_rows} rows per decoding request "
-                f"({plan.hot_pages} pages), up to {self.config.max_hot_rows} while prefilling{dcp_note}; predicted "
+                f"({plan.hot_pages} pages), up to {self.config.prefill_hot_rows} while prefilling{grow}{dcp_note}; predicted "
                 f"steady state: {plan.requests} requests of {max_model_len} tokens{where} (device-bound "
                 f"{plan.device_bound}: first {plan.first_pages} pages + {plan.steady_pages} + 1 headroom per other "
                 f"request; host-bound {plan.host_bound}); running at once <= min({plan.requests}, --max-num-seqs "

@@ -10,8 +10,13 @@ Keys (the reference deployment's names where it has them):
   top-k at once, and each miss needs its own slot).
 * `prefill_buffer_size`: the most hot-buffer rows a request may lease while it prefills with
   pages off the device (its chunk of C query rows needs C × index_topk rows, or every off-device
-  row of the request if that is fewer); default max(device_buffer_size, 16 × index_topk). It is
-  also the width of the per-request hot state on the device.
+  row of the request if that is fewer); default max(device_buffer_size, 16 × index_topk).
+* `prefill_buffer_max_size`: the most hot-buffer rows a prefilling request's lease may grow to
+  when nothing else needs the device pool (it is the only running request and none waits);
+  default `prefill_buffer_size` (no growth). The lease takes free pages and the request's own
+  clean pages beyond `prefill_buffer_size` (keeping the watermark and its chunk's pages free), and
+  gives them back at the next step once another request runs or waits. It is the width of the
+  per-request hot state on the device (every prefill step resolves over it).
 * `host_gather`: "auto" (default; `kernels.host_rows.default_mechanism`), "memory_kind" (the pool
   is a `pinned_host` `jax.Array`, in-program slices) or "callback" (a numpy pool behind host
   callbacks).
@@ -35,7 +40,8 @@ from typing import Any
 from kernels.host_rows import MECHANISMS
 
 GiB = 2**30
-KEYS = ("host_pool_gib", "device_buffer_size", "prefill_buffer_size", "host_gather", "watermark", "prefill_sizing")
+KEYS = ("host_pool_gib", "device_buffer_size", "prefill_buffer_size", "prefill_buffer_max_size", "host_gather",
+        "watermark", "prefill_sizing")
 PREFILL_SIZINGS = ("adaptive", "worst_case")
 
 
@@ -54,6 +60,7 @@ class HiSparseConfig:
     host_gather: str = "auto"
     watermark: float = 0.1
     prefill_sizing: str = "adaptive"
+    prefill_buffer_max_size: int | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "HiSparseConfig":
@@ -69,7 +76,7 @@ class HiSparseConfig:
         gib = d["host_pool_gib"]
         if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not math.isfinite(gib) or gib <= 0:
             raise HiSparseConfigError(f"hisparse_config.host_pool_gib must be a positive number, got {gib!r}")
-        for key in ("device_buffer_size", "prefill_buffer_size"):
+        for key in ("device_buffer_size", "prefill_buffer_size", "prefill_buffer_max_size"):
             v = d.get(key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise HiSparseConfigError(f"hisparse_config.{key} must be a positive integer (rows), got {v!r}")
@@ -84,14 +91,16 @@ class HiSparseConfig:
         if sizing not in PREFILL_SIZINGS:
             raise HiSparseConfigError(f"hisparse_config.prefill_sizing must be one of {', '.join(PREFILL_SIZINGS)}; "
                                       f"got {sizing!r}")
-        return cls(float(gib), d.get("device_buffer_size"), d.get("prefill_buffer_size"), gather, float(wm), sizing)
+        return cls(float(gib), d.get("device_buffer_size"), d.get("prefill_buffer_size"), gather, float(wm), sizing,
+                   d.get("prefill_buffer_max_size"))
 
     def resolve(self, *, index_topk: int, tokens_per_page: int, num_speculative_tokens: int = 0,
                 backend: str | None = None) -> "ResolvedHiSparse":
         """Defaults filled and checked against the model (rows rounded up to whole pages).
 
         Raises HiSparseConfigError: device_buffer_size below (num_speculative_tokens + 1) ×
-        index_topk, or prefill_buffer_size below device_buffer_size."""
+        index_topk, prefill_buffer_size below device_buffer_size, or prefill_buffer_max_size
+        below prefill_buffer_size."""
         from kernels.host_rows import default_mechanism
 
         k = index_topk
@@ -107,19 +116,31 @@ class HiSparseConfig:
         pre = math.ceil(pre / tpp) * tpp
         if pre < dec:
             raise HiSparseConfigError(f"hisparse_config.prefill_buffer_size {pre} is below device_buffer_size {dec}")
+        grow = self.prefill_buffer_max_size if self.prefill_buffer_max_size is not None else pre
+        grow = math.ceil(grow / tpp) * tpp
+        if grow < pre:
+            raise HiSparseConfigError(f"hisparse_config.prefill_buffer_max_size {grow} is below prefill_buffer_size "
+                                      f"{pre}")
         mech = default_mechanism(backend) if self.host_gather == "auto" else self.host_gather
-        return ResolvedHiSparse(self, dec, pre, mech)
+        return ResolvedHiSparse(self, dec, grow, mech, pre)
 
 
 @dataclass(frozen=True)
 class ResolvedHiSparse:
     """`HiSparseConfig` with its defaults filled: hot rows of a decoding request, the largest
-    lease (= the hot state width) and the host-gather mechanism."""
+    lease (grown into free pages: `prefill_buffer_max_size`, = the hot state width), the
+    host-gather mechanism and the largest lease a prefilling request is sure of
+    (`prefill_buffer_size`: what admission and the planner count)."""
 
     config: HiSparseConfig
     device_buffer_rows: int
     max_hot_rows: int
     mechanism: str
+    prefill_hot_rows: int | None = None  # None: max_hot_rows (no growth)
+
+    def __post_init__(self):
+        if self.prefill_hot_rows is None:
+            object.__setattr__(self, "prefill_hot_rows", self.max_hot_rows)
 
     def host_blocks(self, host_block_bytes: int) -> int:
         """Host-pool blocks for `host_pool_gib`, rounded up to whole blocks, plus the null block."""

@@ -59,6 +59,15 @@ estimate settles just under what fits, and few rows are computed twice. A step t
 (possible when hits of later rows pin the whole lease) is followed by a worst-case-sized one, so
 every request progresses.
 
+Lease growth (`prefill_buffer_max_size` > `prefill_buffer_size`; off by default). A larger lease
+takes more query rows a step, so a long prefill beyond the pool needs fewer steps. When the
+prefilling request is the only running request and none waits, its lease may take, up to
+`grow_pages`, the free pages past the watermark and its step's token pages and its own clean
+pages (released first: their rows are read through the lease like any off-device row); the lease
+is sized again every step, so the pages go back at the next step once another request runs or
+waits. Admission and the planner count `max_pages` only (grown pages are pages nothing else
+wanted).
+
 Admission needs room for the request fully resident (its prompt's pages in every group, plus a hot
 lease when its prefix starts on the host) plus a page of headroom per running request (at most
 `watermark` in all), counting the pages running requests can release: so the running set settles
@@ -157,11 +166,14 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
         self.prefix_cache = prefix_cache
         self.hot_tpp = hot_tpp or self.tpp
         self.dec_pages = config.device_buffer_rows // self.hot_tpp
-        self.max_pages = config.max_hot_rows // self.hot_tpp
+        self.max_pages = config.prefill_hot_rows // self.hot_tpp  # the lease a prefill is sure of
+        self.grow_pages = config.max_hot_rows // self.hot_tpp  # ... and grows to in free pages (module docstring)
         usable = kv.pool.num_usable_blocks
         self.watermark = min(usable, max(self.dec_pages, math.ceil(config.config.watermark * usable)))
         self.records: dict[str, RequestResidency] = {}
         self.running: list["Request"] = []
+        self.waiting: Iterable["Request"] = ()
+        self.num_grown_steps = 0  # steps a prefill lease held pages past prefill_buffer_size
         self._rows: dict[str, int] = {}  # query rows each request got in the step being built
         self.num_released = 0  # pages released so far by their one holder
         self.num_released_shared = 0  # pages released by all their sharers together
@@ -216,23 +228,39 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
         return [i for i, b in self.clean_pages(req) if pool.refcount(b) == 1]
 
     # ------------------------------------------------------------------ lease sizing
-    def _lease_pages(self, rid: str, rows: int, off: int | None = None) -> int:
-        """Hot pages a step of `rows` query rows needs (0 for a full request)."""
+    def _lease_pages(self, rid: str, rows: int, off: int | None = None, cap: int | None = None) -> int:
+        """Hot pages a step of `rows` query rows needs (0 for a full request), at most `cap`
+        (default `max_pages`)."""
         off = self.off_pages(rid) if off is None else off
         if off == 0:
             return 0
         need_rows = min(rows * self.K, off * self.hot_tpp)
-        return max(self.dec_pages, min(self.max_pages, math.ceil(need_rows / self.hot_tpp)))
+        return max(self.dec_pages, min(self.max_pages if cap is None else cap, math.ceil(need_rows / self.hot_tpp)))
 
-    def _sure_rows(self) -> int:
-        """Query rows whose selections always fit the largest lease (the worst-case bound)."""
-        return max(1, self.max_pages * self.hot_tpp // self.K)
+    def _lease_cap(self, req: "Request", num_new: int) -> int:
+        """The most lease pages `req` may hold in a step of `num_new` tokens: `max_pages`, or up
+        to `grow_pages` when it is the only running request and none waits — the free pages and
+        its own clean pages past the watermark and the step's token pages (module docstring,
+        "Lease growth")."""
+        if self.grow_pages <= self.max_pages or self.waiting or len(self.running) != 1 or self.running[0] is not req:
+            return self.max_pages
+        rid = req.request_id
+        rec = self.records.get(rid)
+        have = len(rec.lease) if rec else 0
+        tok = sum(self.kv.blocks_needed(rid, req.num_computed_tokens + num_new).values())
+        room = self.kv.pool.num_free + have + len(self.releasable(req)) - tok - self.watermark
+        return max(self.max_pages, min(self.grow_pages, room))
 
-    def _cap_rows(self, rows: int, off: int, rec: RequestResidency | None = None) -> int:
-        cap = self.max_pages * self.hot_tpp
+    def _sure_rows(self, cap_pages: int | None = None) -> int:
+        """Query rows whose selections always fit a lease of `cap_pages` (default `max_pages`):
+        the worst-case bound."""
+        return max(1, (self.max_pages if cap_pages is None else cap_pages) * self.hot_tpp // self.K)
+
+    def _cap_rows(self, rows: int, off: int, rec: RequestResidency | None = None, cap_pages: int | None = None) -> int:
+        cap = (self.max_pages if cap_pages is None else cap_pages) * self.hot_tpp
         if off == 0 or rows * self.K <= cap or off * self.hot_tpp <= cap:
             return rows
-        sure = self._sure_rows()
+        sure = self._sure_rows(cap_pages)
         if not self.adaptive:
             return min(rows, sure)
         guess = rec.prefill_rows if rec is not None and rec.prefill_rows else 4 * sure
@@ -242,7 +270,8 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
         """The HiSparse prefill chunk bound (module docstring)."""
         if num_new <= 0 or not self.kv.has_request(req.request_id):
             return num_new
-        return self._cap_rows(num_new, self.off_pages(req.request_id), self.records.get(req.request_id))
+        return self._cap_rows(num_new, self.off_pages(req.request_id), self.records.get(req.request_id),
+                              self._lease_cap(req, num_new))
 
     def observe_step(self, kept: dict[str, int], rows: dict[str, int] | None = None) -> int:
         """Adaptive prefill sizing, after the step this policy scheduled ran: `kept` maps the
@@ -267,8 +296,9 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
         return recomputed
 
     # ------------------------------------------------------------------ scheduling hooks
-    def begin_step(self, running: list["Request"]) -> None:
+    def begin_step(self, running: list["Request"], waiting: Iterable["Request"] = ()) -> None:
         self.running = running
+        self.waiting = waiting
         self._rows = {}
         pool = self.kv.pool
         if pool.num_free < self.watermark:
@@ -292,8 +322,11 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
     def _try_allocate(self, req: "Request", num_new: int) -> bool:
         rid = req.request_id
         rec = self._rec(req)
-        want = self._lease_pages(rid, num_new)
+        want = self._lease_pages(rid, num_new, cap=self._lease_cap(req, num_new))
         tok = sum(self.kv.blocks_needed(rid, req.num_computed_tokens + num_new).values())
+        if want > self.max_pages and tok + want - len(rec.lease) + self.watermark > self.kv.pool.num_free:
+            # A grown lease takes the request's own clean pages too (`_lease_cap` counted them).
+            self._make_room(tok + want - len(rec.lease) + self.watermark, protect=set())
         if tok + max(0, want - len(rec.lease)) > self.kv.pool.num_free:
             return False
         if want < len(rec.lease):
@@ -303,6 +336,8 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
         assert ok, "allocation checked above"
         if want > len(rec.lease):
             rec.lease += self.kv.pool.allocate(want - len(rec.lease))
+        if want > self.max_pages:
+            self.num_grown_steps += 1
         self._rows[rid] = num_new
         return True
 
@@ -521,7 +556,7 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
             while same < min(len(seen), len(rec.lease)) and seen[same] == rec.lease[same]:
                 same += 1
             reset = (same * self.hot_tpp if same < len(rec.lease) or len(seen) > len(rec.lease)
-                     else self.max_pages * self.hot_tpp)
+                     else self.grow_pages * self.hot_tpp)
         rec.seen_lease = list(rec.lease)
         return list(rec.lease), reset
 
@@ -565,8 +600,8 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
             for i in rec.pending:
                 if (id(rec), i) not in jobs:
                     errors.append(f"{rid!r} page {i} is pending without a queued copy")
-            if len(rec.lease) > self.max_pages:
-                errors.append(f"{rid!r} leases {len(rec.lease)} pages > {self.max_pages}")
+            if len(rec.lease) > self.grow_pages:
+                errors.append(f"{rid!r} leases {len(rec.lease)} pages > {self.grow_pages}")
         for rid in self.kv.request_ids():
             if rid not in self.records:
                 errors.append(f"request {rid!r} has tables but no hisparse record")

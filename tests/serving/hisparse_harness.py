@@ -121,14 +121,16 @@ class HiSparseEngine:
 
     def __init__(self, num_blocks=40, host_blocks=200, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=160,
                  K=4, device_buffer=8, prefill_buffer=32, prefix_caching=False, watermark=0.1,
-                 prefill_sizing="adaptive"):
+                 prefill_sizing="adaptive", prefill_buffer_max=None):
         self.pool = BlockPool(num_blocks)
         self.kv = KVCacheManager(self.pool, [KVCacheGroupSpec("mla", MLA_TPP), KVCacheGroupSpec("indexer", IDX_TPP)],
                                  {"mla": -(-max_model_len // MLA_TPP), "indexer": -(-max_model_len // IDX_TPP)})
         self.host_pool = HostPool(host_blocks)
         self.prefix_cache = PrefixCache(self.kv, host_pool=self.host_pool.blocks) if prefix_caching else None
-        cfg = HiSparseConfig(1.0, device_buffer, prefill_buffer, "memory_kind", watermark, prefill_sizing)
-        resolved = ResolvedHiSparse(cfg, device_buffer, prefill_buffer, "memory_kind")
+        cfg = HiSparseConfig(1.0, device_buffer, prefill_buffer, "memory_kind", watermark, prefill_sizing,
+                             prefill_buffer_max)
+        resolved = ResolvedHiSparse(cfg, device_buffer, prefill_buffer_max or prefill_buffer, "memory_kind",
+                                    prefill_buffer)
         self.policy = HiSparsePolicy(self.kv, self.host_pool, resolved, K, self.prefix_cache)
 
         def on_reuse(block, tag):

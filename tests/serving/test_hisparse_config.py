@@ -19,6 +19,13 @@ def test_defaults_and_rounding():
     r = HiSparseConfig.from_dict({"host_pool_gib": 1, "device_buffer_size": 100, "prefill_buffer_size": 130,
                                   "host_gather": "callback"}).resolve(index_topk=64, tokens_per_page=64)
     assert (r.device_buffer_rows, r.max_hot_rows, r.mechanism) == (128, 192, "callback")
+    assert r.prefill_hot_rows == r.max_hot_rows  # no lease growth by default
+    g = HiSparseConfig.from_dict({"host_pool_gib": 1, "prefill_buffer_size": 130, "prefill_buffer_max_size": 300}
+                                 ).resolve(index_topk=64, tokens_per_page=64)
+    assert (g.prefill_hot_rows, g.max_hot_rows) == (192, 320)  # the sure lease; the growth cap = hot state width
+    with pytest.raises(HiSparseConfigError, match="prefill_buffer_max_size 192 is below prefill_buffer_size 256"):
+        HiSparseConfig.from_dict({"host_pool_gib": 1, "prefill_buffer_size": 200, "prefill_buffer_max_size": 150}
+                                 ).resolve(index_topk=64, tokens_per_page=64)
     assert HiSparseConfig.from_dict({"host_pool_gib": 1}).resolve(
         index_topk=64, tokens_per_page=64, backend="gpu").mechanism == "callback"
     # host_pool_gib rounds up to whole host blocks, plus the null block
@@ -33,6 +40,7 @@ def test_defaults_and_rounding():
     ({"host_pool_gib": 1, "host_gather": "dma"}, "host_gather"),
     ({"host_pool_gib": 1, "watermark": 1.5}, "watermark"),
     ({"host_pool_gib": 1, "prefill_sizing": "optimistic"}, "prefill_sizing"),
+    ({"host_pool_gib": 1, "prefill_buffer_max_size": -1}, "prefill_buffer_max_size"),
     ({"host_pool_gib": 1, "hot": 2}, "unknown key"),
 ])
 def test_bad_values_name_the_key(d, key):

@@ -154,9 +154,12 @@ def test_a_request_three_times_the_device_pool_is_served(bf16_ample):
     chunks read them through the hot buffer. Its chunks are sized by what their selections fill
     (adaptive prefill sizing): some overflow the 640-row lease and are kept up to their first
     dropped selection, so the prefill takes fewer hot steps than the worst-case bound's 10 rows a
-    step would; the tokens still equal the ample run's, and the device pages the request cannot
-    give back (all it holds but its clean pages, which it keeps only while the pool has room)
-    never exceed the planner's in-flight window. The HiSparse engine schedules asynchronously
+    step would, and its lease grows past the 640 rows into the pool's free pages while it runs
+    alone (`prefill_buffer_max_size`: the hot state is 1,536 rows wide; it takes free pages and the
+    request's own clean ones, and gives them back at the next step another request needs them);
+    the tokens still equal the ample run's, and the device pages the request cannot
+    give back (all it holds but its clean pages, which it keeps only while the pool has room, and its
+    grown lease pages) never exceed the planner's in-flight window. The HiSparse engine schedules asynchronously
     (serving/async_scheduling.py): a chunk that may be cut is not counted at dispatch, and its
     step is read back before the next schedule (the synchronous engine's truncation is tested
     in tests/sharding/test_hisparse_parallel.py and tests/serving/test_hisparse_policy.py)."""
@@ -166,7 +169,8 @@ def test_a_request_three_times_the_device_pool_is_served(bf16_ample):
     outs = {}
     peak = 0
     for name, e in (("ample", bf16_ample), ("hisparse", engine(25, "bfloat16", {
-            "hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 640}}, max_model_len=AMPLE_MAX_MODEL_LEN,
+            "hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 640, "prefill_buffer_max_size": 1536}},
+            max_model_len=AMPLE_MAX_MODEL_LEN,
             async_scheduling=True))):
         e.add_request("long", prompt, params)
         toks, lps = [], []
@@ -179,7 +183,11 @@ def test_a_request_three_times_the_device_pool_is_served(bf16_ample):
                     lps += o.new_logprobs or []
                 assert e.audit() == []
                 if e.hisparse is not None and e.kv.has_request("long"):
-                    peak = max(peak, device_pages(e, "long") - len(e.hisparse.policy.releasable(
+                    # (a grown lease's pages past prefill_buffer_size go back at the next step
+                    # another request needs them: the window counts the lease it is sure of)
+                    pol = e.hisparse.policy
+                    grown = max(0, len(pol.lease_of("long")) - pol.max_pages)
+                    peak = max(peak, device_pages(e, "long") - grown - len(pol.releasable(
                         e.scheduler.get_request("long"))))
         finally:
             e.scheduler.schedule = schedule  # the shared ample engine goes on unwrapped
@@ -194,6 +202,7 @@ def test_a_request_three_times_the_device_pool_is_served(bf16_ample):
     assert outs["ample"][3] == len(prompt) and outs["hisparse"][3] == len(prompt) + pol.num_truncated_rows
     assert e.scheduler.num_preemptions_total == 0 and e.hisparse.device.misses > 0
     assert pol.num_truncated_chunks > 0 and e.hisparse.device.dropped > 0  # chunks really overflowed
+    assert pol.num_grown_steps > 0 and pol.grow_pages == 1536 // 64  # the lease grew into free pages
     sure = 640 // 64
     assert e.runner.num_hot_steps < (4600 - 1536) / sure  # fewer hot steps than the worst-case bound's
     plan = e.hisparse.plan(25, AMPLE_MAX_MODEL_LEN, 64)

@@ -332,3 +332,46 @@ def test_a_prompt_too_long_for_hisparse_is_refused_naming_the_bound(num_blocks, 
     note = e.policy.admission_note(4000)
     assert note is not None and f"longer than {largest} tokens" in note and bound in note
     assert e.policy.admission_note(largest) is None
+
+
+@pytest.mark.parametrize("prefill_sizing", ["adaptive", "worst_case"])
+def test_a_lone_long_prefill_grows_its_lease_into_free_pages_and_gives_them_back(prefill_sizing):
+    """`prefill_buffer_max_size`: the 400-token prompt alone on a 47-page pool leases up to 64 hot
+    rows (16 pages, in free pages and its own clean ones) instead of 16 while nothing else runs or
+    waits, so its prefill takes fewer
+    steps than the same engine without growth; a second request arriving mid-prefill gets the
+    pages back from the next step (the lease is at most `prefill_buffer_size` while the other
+    waits or runs), the watermark stays free after every allocation of a grown lease, and every
+    stream equals its request run alone."""
+    steps = {}
+    for grow in (None, 64):
+        e = HiSparseEngine(num_blocks=48, host_blocks=200, max_num_seqs=2, max_num_batched_tokens=16,
+                           max_model_len=480, prefill_buffer=16, prefill_sizing=prefill_sizing, prefill_buffer_max=grow)
+        pol = e.policy
+        e.add("long", prompt(5, 400), max_tokens=4, ignore_eos=True)
+        n, arrived, leases_with_other = 0, False, []
+        while e.sched.has_unfinished_requests():
+            e.step()
+            n += 1
+            rec = pol.records.get("long")
+            lease = len(rec.lease) if rec else 0
+            if lease > pol.max_pages:
+                assert len(e.sched.running) == 1 and not e.sched.waiting
+                assert e.pool.num_free >= pol.watermark, (e.pool.num_free, pol.watermark)
+            others = len(e.sched.running) > 1 or e.sched.waiting
+            if others and "long" in {r.request_id for r in e.sched.running}:
+                leases_with_other.append(lease)
+            if grow and not arrived and pol.num_grown_steps >= 5:
+                e.add("short", prompt(6, 30), max_tokens=20, ignore_eos=True)
+                arrived = True
+        e.flush()
+        e.check_against_reference()
+        assert e.sched.num_preemptions_total == 0 and e.runner.host_reads > 0
+        assert e.pool.num_free == e.pool.num_usable_blocks
+        if grow:
+            assert arrived and pol.num_grown_steps >= 5
+            assert leases_with_other and max(leases_with_other) <= pol.max_pages, leases_with_other
+        else:
+            assert pol.num_grown_steps == 0
+        steps[grow] = n
+    assert steps[64] < steps[None], steps
