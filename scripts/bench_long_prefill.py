@@ -33,6 +33,10 @@ misses, the greedy tokens' equality with the ample run (the tiny model's under d
 
     PYTHONPATH=. .venv/bin/python scripts/bench_long_prefill.py --out docs/results/hisparse_long_prefill
 
+`--token-paddings 16,32` gives the random-prompt engines a 32-token step program besides the
+16-token one and the 64-token budget (docs/hisparse.md "Long prefills",
+`token_paddings_16_32/`: `--no-recall --scales 3,6 --token-paddings 16,32`).
+
 Writes OUT/rows.jsonl (each row as it is measured), OUT/summary.json and prints the table.
 Measured on whatever the machine is doing: compare rows of one run only.
 """
@@ -71,6 +75,7 @@ def pool_for(scale: float) -> int:
     while -(-int(scale * (pages - 1) * MLA_TPP) // INDEXER_TPP) + WINDOW_PAGES > pages - 2:  # a page spare
         pages += 1
     return pages
+TOKEN_PADDINGS: list[int] | None = None  # --token-paddings (None: the engine's default buckets)
 ROWS_LOG: Path | None = None  # OUT/rows.jsonl: each row as it is measured (a run cut short keeps them)
 
 
@@ -117,7 +122,7 @@ def random_prompt_run(scale: float, lm, pool: int | None = None, runs=None) -> l
         e = build_engine(EngineArgs(max_model_len=n + 64, max_num_seqs=4, max_num_batched_tokens=64,
                                     cuda_graph_sizes=[], num_gpu_blocks_override=blocks, kv_cache_dtype="bfloat16",
                                     compile_progress=False, disable_log_stats=True, enable_prefix_caching=True,
-                                    attention_config=hs))
+                                    attention_config=hs, precompile_token_paddings=TOKEN_PADDINGS))
         steps0, hot0 = e.num_steps, e.runner.num_hot_steps
         e.add_request("long", prompt, params)
         toks, lps = [], []
@@ -193,9 +198,14 @@ def main() -> None:
                     help="also the 3x prompt of a POOL-page pool under adaptive sizing at each prefill_buffer_size "
                          "(rows; growing into free pages up to prefill_buffer_max_size MAX; host_gather MECHANISM, "
                          "default memory_kind): how the lease's size trades steps for the cost of a step")
+    ap.add_argument("--token-paddings", default="",
+                    help="the random-prompt engines' prefill step buckets (e.g. 16,32; default the engine's "
+                         "16·4^k), besides the 64-token budget")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    global ROWS_LOG
+    global ROWS_LOG, TOKEN_PADDINGS
+    if args.token_paddings:
+        TOKEN_PADDINGS = [int(x) for x in args.token_paddings.split(",")]
     ROWS_LOG = args.out / "rows.jsonl"
     ROWS_LOG.write_text("")
     lm = api.load(cache_dtype="bfloat16")
