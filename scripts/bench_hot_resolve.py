@@ -155,7 +155,8 @@ def main(argv=None) -> int:
               + f"; {r['misses_per_call']:.0f} misses, {r['hits_per_call']:.0f} hits a call"
               + ("" if r["outputs_equal"] else "; OUTPUTS DIFFER"), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False).stdout.strip()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                          check=False).stdout.strip()
     (args.out / "hot_resolve.json").write_text(json.dumps(
         {"argv": sys.argv[1:] if argv is None else argv, "head": head, "backend": jax.default_backend(),
          "cases": results}, indent=1) + "\n")

@@ -218,8 +218,8 @@ def hot_resolve_reference(
 
     # ---------------------------------------------------------------- distinct candidates
     # Stable on (batch row, host row): each group's first element is its first occurrence.
-    c_b, c_h, s_idx = lax.sort((jnp.where(need, b_N, _BIG), jnp.where(need, hrow, _BIG), jnp.arange(N, dtype=jnp.int32)),
-                               num_keys=2, is_stable=True)
+    c_b, c_h, s_idx = lax.sort((jnp.where(need, b_N, _BIG), jnp.where(need, hrow, _BIG),
+                                jnp.arange(N, dtype=jnp.int32)), num_keys=2, is_stable=True)
     valid = c_b < _BIG
     start = valid & ((c_b != jnp.roll(c_b, 1)) | (c_h != jnp.roll(c_h, 1)) | (jnp.arange(N) == 0))
     first_N = jnp.zeros(N, jnp.int32).at[s_idx].set(s_idx[_seg_first(start)])  # each candidate's group's first

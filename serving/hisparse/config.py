@@ -136,11 +136,7 @@ class ResolvedHiSparse:
     device_buffer_rows: int
     max_hot_rows: int
     mechanism: str
-    prefill_hot_rows: int | None = None  # None: max_hot_rows (no growth)
-
-    def __post_init__(self):
-        if self.prefill_hot_rows is None:
-            object.__setattr__(self, "prefill_hot_rows", self.max_hot_rows)
+    prefill_hot_rows: int  # = max_hot_rows without growth
 
     def host_blocks(self, host_block_bytes: int) -> int:
         """Host-pool blocks for `host_pool_gib`, rounded up to whole blocks, plus the null block."""

@@ -237,17 +237,20 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
         need_rows = min(rows * self.K, off * self.hot_tpp)
         return max(self.dec_pages, min(self.max_pages if cap is None else cap, math.ceil(need_rows / self.hot_tpp)))
 
-    def _lease_cap(self, req: "Request", num_new: int) -> int:
-        """The most lease pages `req` may hold in a step of `num_new` tokens: `max_pages`, or up
-        to `grow_pages` when it is the only running request and none waits — the free pages and
-        its own clean pages past the watermark and the step's token pages (module docstring,
-        "Lease growth")."""
+    def _token_pages(self, req: "Request", num_new: int) -> int:
+        """Pages (every group) `req` allocates to compute `num_new` more tokens."""
+        return sum(self.kv.blocks_needed(req.request_id, req.num_computed_tokens + num_new).values())
+
+    def _lease_cap(self, req: "Request", num_new: int, tok: int | None = None) -> int:
+        """The most lease pages `req` may hold in a step of `num_new` tokens (`tok` token pages,
+        default computed): `max_pages`, or up to `grow_pages` when it is the only running request
+        and none waits — the free pages and its own clean pages past the watermark and the step's
+        token pages (module docstring, "Lease growth")."""
         if self.grow_pages <= self.max_pages or self.waiting or len(self.running) != 1 or self.running[0] is not req:
             return self.max_pages
-        rid = req.request_id
-        rec = self.records.get(rid)
+        rec = self.records.get(req.request_id)
         have = len(rec.lease) if rec else 0
-        tok = sum(self.kv.blocks_needed(rid, req.num_computed_tokens + num_new).values())
+        tok = self._token_pages(req, num_new) if tok is None else tok
         room = self.kv.pool.num_free + have + len(self.releasable(req)) - tok - self.watermark
         return max(self.max_pages, min(self.grow_pages, room))
 
@@ -314,16 +317,15 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
 
     def _pages_needed(self, req: "Request", num_new: int) -> int:
         rid = req.request_id
-        tok = sum(self.kv.blocks_needed(rid, req.num_computed_tokens + num_new).values())
         rec = self.records.get(rid)
         have = len(rec.lease) if rec else 0
-        return tok + max(0, self._lease_pages(rid, num_new) - have)
+        return self._token_pages(req, num_new) + max(0, self._lease_pages(rid, num_new) - have)
 
     def _try_allocate(self, req: "Request", num_new: int) -> bool:
         rid = req.request_id
         rec = self._rec(req)
-        want = self._lease_pages(rid, num_new, cap=self._lease_cap(req, num_new))
-        tok = sum(self.kv.blocks_needed(rid, req.num_computed_tokens + num_new).values())
+        tok = self._token_pages(req, num_new)
+        want = self._lease_pages(rid, num_new, cap=self._lease_cap(req, num_new, tok))
         if want > self.max_pages and tok + want - len(rec.lease) + self.watermark > self.kv.pool.num_free:
             # A grown lease takes the request's own clean pages too (`_lease_cap` counted them).
             self._make_room(tok + want - len(rec.lease) + self.watermark, protect=set())
