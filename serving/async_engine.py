@@ -32,7 +32,10 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, model_name: str):
         self.engine = engine
         self.model_name = model_name
-        self.max_model_len = engine.args.max_model_len
+        # the context length requests are checked against: --max-model-len, or less when the KV
+        # cache bounds one request (Hybrid HiSparse on a small pool), with the sentence saying why
+        self.max_model_len = engine.effective_max_model_len
+        self.max_model_len_note = engine.max_model_len_note()
         self.max_logprobs = engine.args.max_logprobs  # the server checks requests against it
         self._cv = threading.Condition()
         self._inbox: list[tuple] = []

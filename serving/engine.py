@@ -209,6 +209,24 @@ class LLMEngine(EngineStatsMixin, HostTiersMixin, PDEngineMixin, AsyncStepMixin,
             if req is not None:
                 self.scheduler.add_request(req)
 
+    @property
+    def effective_max_model_len(self) -> int:
+        """Most tokens (prompt + output) one request may reach: `--max-model-len`, or fewer when
+        the KV cache bounds one request below it (Hybrid HiSparse on a small pool:
+        `Scheduler.max_request_tokens`; the least over data-parallel replicas). The API server
+        checks requests against it and reports it as the model's context length."""
+        return min(s.max_request_tokens for s in self._schedulers())
+
+    def max_model_len_note(self) -> str:
+        """"" when `effective_max_model_len` is `--max-model-len`; otherwise a sentence naming both,
+        what bounds a request and the setting that would raise it (appended to length errors)."""
+        eff = self.effective_max_model_len
+        if eff >= self.args.max_model_len:
+            return ""
+        return (f" This engine's KV cache holds at most {eff} tokens (prompt and output) of one request "
+                f"although --max-model-len is {self.args.max_model_len}"
+                f"{self._schedulers()[0].policy.capacity_note()}.")
+
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The engine-level checks of `add_request` (ValueError with the reason)."""
         params.validate()
@@ -222,7 +240,11 @@ class LLMEngine(EngineStatsMixin, HostTiersMixin, PDEngineMixin, AsyncStepMixin,
         if n >= self.args.max_model_len:
             raise ValueError(f"the prompt has {n} tokens; this model's maximum context length is "
                              f"{self.args.max_model_len} (--max-model-len), which must also leave room for output")
-        if params.max_tokens is not None and n + params.max_tokens > self.args.max_model_len:
+        eff = self.effective_max_model_len  # --max-model-len, or less when the KV cache bounds a request
+        if params.max_tokens is not None and n + params.max_tokens > eff:
+            if eff < self.args.max_model_len:
+                raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the {eff} tokens "
+                                 f"one request may reach on this engine.{self.max_model_len_note()}")
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum context "
                              f"length {self.args.max_model_len}")
         if params.logprobs is not None and params.logprobs > self.args.max_logprobs:

@@ -588,6 +588,14 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    @property
+    def max_request_tokens(self) -> int:
+        """Most tokens (prompt + output) one request may reach: `max_model_len`, or fewer when the
+        KV cache cannot hold that many for one request (the policy's `token_capacity` + 1, e.g.
+        Hybrid HiSparse's bound; the last sampled token needs no KV). A request reaching it finishes
+        with "length"; the engine refuses one whose prompt + `max_tokens` exceeds it."""
+        return self._len_limit
+
     def _pool_token_capacity(self) -> int:
         """Largest token count one request's KV can reach when it has the whole pool."""
         usable = self.kv.pool.num_usable_blocks

@@ -425,7 +425,8 @@ def build_app(
         else:
             requested, param = body.max_tokens, "max_tokens"
         max_tokens = resolve_max_tokens(
-            requested, param, len(prompt_ids), engine.max_model_len, "messages"
+            requested, param, len(prompt_ids), engine.max_model_len, "messages",
+            note=getattr(engine, "max_model_len_note", ""),
         )
         params = build_sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None))
         params.data_parallel_rank = header_data_parallel_rank(request)
@@ -526,7 +527,8 @@ def build_app(
             raise bad_request("The prompt must not be empty.", "prompt")
 
         max_tokens = resolve_max_tokens(
-            body.max_tokens, "max_tokens", len(prompt_ids), engine.max_model_len, "prompt"
+            body.max_tokens, "max_tokens", len(prompt_ids), engine.max_model_len, "prompt",
+            note=getattr(engine, "max_model_len_note", ""),
         )
         params = build_sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None))
         params.data_parallel_rank = header_data_parallel_rank(request)

@@ -153,9 +153,11 @@ def reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
 
 
 def resolve_max_tokens(
-    requested: int | None, param: str, prompt_len: int, max_model_len: int, prompt_param: str
+    requested: int | None, param: str, prompt_len: int, max_model_len: int, prompt_param: str, note: str = ""
 ) -> int:
-    """Check the prompt and completion lengths against `max_model_len`; 400 naming the lengths.
+    """Check the prompt and completion lengths against `max_model_len` (the engine's effective
+    one: less than --max-model-len when its KV cache bounds one request); 400 naming the lengths,
+    with `note` (the engine's sentence on that bound, or "") appended.
 
     Returns the number of tokens to generate: `requested`, or all the room left when None."""
     if requested is not None and requested < 1:
@@ -164,7 +166,7 @@ def resolve_max_tokens(
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
             f"prompt has {prompt_len} tokens, which leaves no room for a completion. Please "
-            "reduce the length of the prompt.",
+            "reduce the length of the prompt." + note,
             prompt_param,
         )
     if requested is None:
@@ -173,7 +175,7 @@ def resolve_max_tokens(
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
-            f"in the completion). Please reduce the length of the prompt or of {param}.",
+            f"in the completion). Please reduce the length of the prompt or of {param}." + note,
             param,
         )
     return requested

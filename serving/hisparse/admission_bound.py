@@ -52,13 +52,16 @@ class AdmissionBoundMixin:
         return f"; the largest prompt this engine admits is {cap} tokens: {why}; it needs {fix}"
 
     def admission_note(self, max_model_len: int) -> str | None:
-        """The start-up warning when HiSparse admits shorter prompts than `max_model_len` (its
-        bound, the largest prompt, the setting to change); None when every prompt up to it fits."""
+        """The start-up warning when HiSparse bounds one request below `max_model_len` (its bound,
+        the largest prompt, the longest request, the setting to change); None when a request may
+        reach `max_model_len` tokens. The scheduler finishes a request with "length" at `cap` + 1
+        tokens and the engine refuses a prompt + `max_tokens` beyond that."""
         cap, why, fix = self.admission_bound()
-        if cap >= max_model_len:
+        if cap + 1 >= max_model_len:
             return None
-        return (f"HiSparse: prompts longer than {cap} tokens will be refused although --max-model-len is "
-                f"{max_model_len}: {why}; admitting them needs {fix}")
+        return (f"HiSparse: prompts longer than {cap} tokens will be refused and a request's prompt and output "
+                f"together are limited to {cap + 1} tokens (the context length the server reports and checks) "
+                f"although --max-model-len is {max_model_len}: {why}; admitting them needs {fix}")
 
     def admission_bound(self) -> tuple[int, str, str]:
         """(the largest prompt in tokens one request may have, what bounds it, what would admit

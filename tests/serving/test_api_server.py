@@ -471,6 +471,22 @@ def test_prompt_too_long_400(client, http):
     assert str(MAX_MODEL_LEN) in err["message"] and "in the completion" in err["message"]
 
 
+def test_a_context_length_below_max_model_len_is_explained_in_the_400(http, engine, monkeypatch):
+    """An engine whose KV cache bounds one request below --max-model-len (Hybrid HiSparse on a small
+    pool) reports that bound as its `max_model_len` with a sentence saying why; the length 400s
+    carry the sentence after vLLM's message and still name the field."""
+    note = " This engine's KV cache holds at most 256 tokens (prompt and output) of one request although " \
+           "--max-model-len is 9216; the largest prompt this engine admits is 255 tokens: ..."
+    monkeypatch.setattr(engine, "max_model_len_note", note, raising=False)
+    for body, param in (({"model": MODEL, "prompt": [1] * 100, "max_tokens": 200}, "max_tokens"),
+                        ({"model": MODEL, "prompt": [1] * MAX_MODEL_LEN}, "prompt")):
+        err = _assert_error(http.post("/v1/completions", json=body), 400, param)
+        assert f"maximum context length is {MAX_MODEL_LEN}" in err["message"] and err["message"].endswith(note)
+    body = {"model": MODEL, "messages": _user("Hi"), "max_tokens": MAX_MODEL_LEN}
+    err = _assert_error(http.post("/v1/chat/completions", json=body), 400, "max_tokens")
+    assert err["message"].endswith(note)
+
+
 def test_engine_errors(client, http, tiny_tokenizer):
     with pytest.raises(openai.BadRequestError, match="refuses"):
         client.chat.completions.create(model=MODEL, messages=_user("RAISE_VALUE"))

@@ -295,4 +295,14 @@ def test_start_up_warns_when_hisparse_admits_shorter_prompts_than_max_model_len(
     assert 0 < largest < 9216
     with pytest.raises(ValueError, match=f"largest prompt this engine admits is {largest} tokens"):
         e.add_request("long", [5] * (largest + 1), SamplingParams(max_tokens=1))
+    # The same bound caps prompt + output: the scheduler would finish a request with "length" at
+    # largest + 1 tokens, so that is the engine's context length, and a prompt + max_tokens beyond
+    # it is refused up front (naming both lengths and the bound) instead of being cut short.
+    assert f"limited to {largest + 1} tokens" in notes[0]
+    assert e.effective_max_model_len == largest + 1 == e.scheduler.max_request_tokens
+    assert "--max-model-len is 9216" in e.max_model_len_note() and "prefill_buffer_size" in e.max_model_len_note()
+    with pytest.raises(ValueError, match=f"exceeds the {largest + 1} tokens .*prefill_buffer_size"):
+        e.add_request("long output", [5] * (largest - 10), SamplingParams(max_tokens=12))
+    e.add_request("fits", [5] * (largest - 10), SamplingParams(max_tokens=11))
+    e.abort("fits")
     assert not e.has_unfinished_requests() and e.audit() == []
