@@ -14,10 +14,11 @@ ample pool without HiSparse, side by side in one run (docs/hisparse.md "Long pre
    pages), `prefill_buffer_size` 128 (2 rows in the worst case), budget 256, 8 output tokens; the
    answers are checked against the task's expected values.
 
-3. **Lease sweep** (`--lease-sweep POOL:ROWS[-MAX][/MECHANISM],...`, off by default): the
-   random-weight 3× prompt of a POOL-page pool, ample and then under adaptive sizing at each
+3. **Lease sweep** (`--lease-sweep POOL[xSCALE]:ROWS[-MAX][/MECHANISM][@BUDGET],...`, off by default):
+   the random-weight prompt of SCALE (default 3) × the MLA token capacity of a POOL-page pool,
+   ample and then under adaptive sizing at each
    `prefill_buffer_size` ROWS (growing into free pages up to `prefill_buffer_max_size` MAX; and
-   `host_gather` mechanism): a larger lease takes more query rows a step, so fewer steps, but each
+   `host_gather` mechanism; BUDGET tokens a step instead of 64): a larger lease takes more query rows a step, so fewer steps, but each
    step then resolves and copies more rows. The measurement behind docs/hisparse.md "Long
    prefills" on the lease's size:
 
@@ -36,6 +37,14 @@ misses, the greedy tokens' equality with the ample run (the tiny model's under d
 `--token-paddings 16,32` gives the random-prompt engines a 32-token step program besides the
 16-token one and the 64-token budget (docs/hisparse.md "Long prefills",
 `token_paddings_16_32/`: `--no-recall --scales 3,6 --token-paddings 16,32`).
+
+`--ample-budgets 16,256` adds, for each random prompt, runs on the ample pool at those step token
+budgets (modes `ample_16`, `ample_256`: is the 64-token budget the baseline's best?); with 16 (the
+smallest step program) each HiSparse run gets `floor_seconds`: each of its
+hot steps at the median time of a plain step of the same program on the ample pool (16 tokens
+from `ample_16`, 64 from `ample`), plus its plain steps' time — what the run would take if the
+hot path (the resolver, the host copies) cost nothing — and `floor_vs_ample` (docs/hisparse.md
+"What bounds it now").
 
 Writes OUT/rows.jsonl (each row as it is measured), OUT/summary.json and prints the table.
 Measured on whatever the machine is doing: compare rows of one run only.
@@ -75,6 +84,7 @@ def pool_for(scale: float) -> int:
     while -(-int(scale * (pages - 1) * MLA_TPP) // INDEXER_TPP) + WINDOW_PAGES > pages - 2:  # a page spare
         pages += 1
     return pages
+AMPLE_BUDGETS: list[int] = []  # --ample-budgets: the ample pool also at these step token budgets
 TOKEN_PADDINGS: list[int] | None = None  # --token-paddings (None: the engine's default buckets)
 ROWS_LOG: Path | None = None  # OUT/rows.jsonl: each row as it is measured (a run cut short keeps them)
 
@@ -115,11 +125,15 @@ def random_prompt_run(scale: float, lm, pool: int | None = None, runs=None) -> l
         # ... and adaptive with the lease growing into the pool's free pages (at most the whole pool)
         runs.append(("adaptive_grow", {"prefill_buffer_size": 640, "prefill_buffer_max_size": (pool - 1) * MLA_TPP}))
     rows, ref = [], None
-    for mode, overrides in [("ample", None), *runs]:
+    plain_by_bucket: dict[str, dict[int, list[float]]] = {}  # ample runs: step program → plain steps' seconds
+    floor_runs = [(f"ample_{b}", None) for b in AMPLE_BUDGETS]
+    for mode, overrides in [("ample", None), *floor_runs, *runs]:
+        overrides = None if overrides is None else dict(overrides)
+        budget = int(mode.split("_")[1]) if mode.startswith("ample_") else (overrides or {}).pop("_budget", 64)
         hs = None if overrides is None else {"hisparse_config": {"host_pool_gib": 0.05 * max(1.0, scale / 3, pool / 25),
                                                                  **overrides}}
         blocks = 2 * -(-n // 64) + 16 if overrides is None else pool
-        e = build_engine(EngineArgs(max_model_len=n + 64, max_num_seqs=4, max_num_batched_tokens=64,
+        e = build_engine(EngineArgs(max_model_len=n + 64, max_num_seqs=4, max_num_batched_tokens=budget,
                                     cuda_graph_sizes=[], num_gpu_blocks_override=blocks, kv_cache_dtype="bfloat16",
                                     compile_progress=False, disable_log_stats=True, enable_prefix_caching=True,
                                     attention_config=hs, precompile_token_paddings=TOKEN_PADDINGS))
@@ -127,22 +141,45 @@ def random_prompt_run(scale: float, lm, pool: int | None = None, runs=None) -> l
         e.add_request("long", prompt, params)
         toks, lps = [], []
         step_s = {True: [], False: []}  # hot / plain steps' wall seconds
+        hot_buckets = []  # each hot step's padded token count (its step program)
         t = time.perf_counter()
         while e.has_unfinished_requests():
             h, t1 = e.runner.num_hot_steps, time.perf_counter()
             for o in e.step():
                 toks += o.new_token_ids
                 lps += o.new_logprobs or []
-            step_s[e.runner.num_hot_steps > h].append(time.perf_counter() - t1)
+            hot, dt = e.runner.num_hot_steps > h, time.perf_counter() - t1
+            step_s[hot].append(dt)
+            if hot:
+                hot_buckets.append(e.runner.last.padded_tokens)
+            elif overrides is None and e.runner.last is not None:
+                plain_by_bucket.setdefault(mode, {}).setdefault(e.runner.last.padded_tokens, []).append(dt)
         row = counters(e, mode, time.perf_counter() - t, steps0, hot0)
         row.update({f"{k}_step_ms_median": round(1e3 * float(np.median(v)), 1)
                     for k, v in (("hot", step_s[True]), ("plain", step_s[False])) if v})
+        row.update(hot_seconds=round(sum(step_s[True]), 2), plain_seconds=round(sum(step_s[False]), 2))
+        if overrides is not None and floor_runs:
+            # every hot step at the median cost of a plain step of its program on the ample pool
+            # (the 16-token program from ample_16, the 64-token one from ample): what the run would
+            # take if the hot path (the resolver, the host copies) cost nothing
+            ref_ms = {}
+            for by in plain_by_bucket.values():  # the ample run with the most steps of each program
+                for b, v in by.items():
+                    if len(v) > len(ref_ms.get(b, ())):
+                        ref_ms[b] = v
+            if all(b in ref_ms for b in hot_buckets):
+                row["floor_seconds"] = round(sum(float(np.median(ref_ms[b])) for b in hot_buckets)
+                                             + row["plain_seconds"], 2)
+                row["hot_step_programs"] = {str(b): hot_buckets.count(b) for b in sorted(set(hot_buckets))}
         row.update(model="tiny", prompt_tokens=n, pool_pages=pool, pool_multiple=scale)
         if overrides is not None:
             row["prefill_buffer_size"] = overrides.get("prefill_buffer_size")
             row["prefill_buffer_max_size"] = overrides.get("prefill_buffer_max_size")
+            row["max_num_batched_tokens"] = budget
             row["host_to_device_bytes"] = e.hisparse.device.h2d_bytes
-        if ref is None:
+        if mode.startswith("ample_"):
+            pass  # another chunking of the same prompt: its stream is not compared
+        elif ref is None:
             ref = (toks, lps)
         else:
             row["tokens_equal"] = toks == ref[0]
@@ -194,16 +231,21 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--scales", default="3,6", help="prompt lengths in multiples of the pool's MLA token capacity")
     ap.add_argument("--recall", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--lease-sweep", metavar="POOL:ROWS[-MAX][/MECHANISM],...", default="",
-                    help="also the 3x prompt of a POOL-page pool under adaptive sizing at each prefill_buffer_size "
+    ap.add_argument("--lease-sweep", metavar="POOL[xSCALE]:ROWS[-MAX][/MECHANISM][@BUDGET],...", default="",
+                    help="also the SCALE x (default 3x) prompt of a POOL-page pool under adaptive sizing at each prefill_buffer_size "
                          "(rows; growing into free pages up to prefill_buffer_max_size MAX; host_gather MECHANISM, "
                          "default memory_kind): how the lease's size trades steps for the cost of a step")
     ap.add_argument("--token-paddings", default="",
                     help="the random-prompt engines' prefill step buckets (e.g. 16,32; default the engine's "
                          "16·4^k), besides the 64-token budget")
+    ap.add_argument("--ample-budgets", default="",
+                    help="also run the random prompts on the ample pool at these step token budgets (modes "
+                         "ample_B; e.g. 16,256); with 16 each HiSparse run gets a floor_seconds: its hot steps at "
+                         "the ample pool's median plain step of the same program plus its plain steps' time")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     global ROWS_LOG, TOKEN_PADDINGS
+    AMPLE_BUDGETS[:] = [int(x) for x in args.ample_budgets.split(",") if x]
     if args.token_paddings:
         TOKEN_PADDINGS = [int(x) for x in args.token_paddings.split(",")]
     ROWS_LOG = args.out / "rows.jsonl"
@@ -216,24 +258,30 @@ def main() -> None:
         rows += recall_run()
     if args.lease_sweep:
         pool, entries = args.lease_sweep.split(":")
+        pool, _, scale = pool.partition("x")
         runs = []
         for entry in entries.split(","):
+            entry, _, budget = entry.partition("@")
             size, _, mechanism = entry.partition("/")
             size, _, grow = size.partition("-")
-            runs.append((f"adaptive lease {size}{f' growing to {grow}' if grow else ''} {mechanism or 'memory_kind'}",
+            name = f"adaptive lease {size}{f' growing to {grow}' if grow else ''} {mechanism or 'memory_kind'}"
+            runs.append((name + (f" budget {budget}" if budget else ""),
                          {"prefill_buffer_size": int(size), "host_gather": mechanism or "memory_kind",
-                          **({"prefill_buffer_max_size": int(grow)} if grow else {})}))
-        rows += random_prompt_run(3.0, lm, int(pool), runs)
+                          **({"prefill_buffer_max_size": int(grow)} if grow else {}),
+                          **({"_budget": int(budget)} if budget else {})}))
+        rows += random_prompt_run(float(scale or 3), lm, int(pool), runs)
     ample = {}
     for r in rows:
         key = (r["model"], r.get("prompt_tokens"), r.get("pool_pages"))
         if r["mode"] == "ample":
             ample[key] = r["seconds"]
         r["time_vs_ample"] = round(r["seconds"] / ample[key], 2)
+        if "floor_seconds" in r:
+            r["floor_vs_ample"] = round(r["floor_seconds"] / ample[key], 2)
     (args.out / "summary.json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     cols = ["model", "prompt_tokens", "pool_pages", "pool_multiple", "mode", "seconds", "time_vs_ample", "steps",
             "hot_steps", "hot_step_ms_median", "plain_step_ms_median", "hot_misses", "truncated_chunks",
-            "rows_recomputed", "grown_steps", "tokens_equal", "right"]
+            "rows_recomputed", "grown_steps", "floor_vs_ample", "tokens_equal", "right"]
     print(",".join(cols))
     for r in rows:
         print(",".join(str(r.get(c, "")) for c in cols))
