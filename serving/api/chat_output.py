@@ -148,6 +148,7 @@ class ChatParsing:
                                        "tool_choice")
             name = fn["name"]
         parallel = body.parallel_tool_calls is not False and name is None
+        _check_tool_schemas(tools, name)
         try:
             grammar = tool_call_lark(tools, name, parallel)
         except ValueError as e:
@@ -172,7 +173,30 @@ def _check_tools(tools: Any) -> list[dict[str, Any]] | None:
         params = fn.get("parameters")
         if params is not None and not isinstance(params, Mapping):
             raise ChatRequestError(f"{where}.function.parameters must be a JSON schema object.", "tools")
+        kind = (params or {}).get("type", "object")
+        if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            # the arguments are a JSON object (OpenAI's API refuses such a schema the same way)
+            raise ChatRequestError(f'{where}.function.parameters must be a JSON schema of type "object", got type '
+                                   f"{kind!r}.", "tools")
     return list(tools)
+
+
+def _check_tool_schemas(tools: list[dict[str, Any]], name: str | None) -> None:
+    """A forced tool call's grammar embeds only the parameters' property schemas, so each tool the
+    call may name has its whole `parameters` schema compiled here: an invalid one (`{"type":
+    "bogus"}`) is a 400 naming `tools`, as an invalid `structured_outputs.json` is."""
+    from serving.structured_outputs.params import StructuredOutputsError, json_schema_error
+
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        if name is not None and fn["name"] != name or not fn.get("parameters"):
+            continue
+        try:
+            err = json_schema_error(fn["parameters"])
+        except StructuredOutputsError as e:
+            err = str(e)
+        if err:
+            raise ChatRequestError(f"tools[{i}].function.parameters is not a valid JSON schema: {err}", "tools")
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,17 @@ class StructuredOutputsParams:
         return f"{self.param}.{kind}" if self.param == "structured_outputs" else self.param
 
 
+def json_schema_error(schema: dict) -> str:
+    """What llguidance's compiler says of a JSON schema (an unknown type, a keyword of the wrong
+    type, ...), "" when it compiles: the backend's check at admission, without a tokenizer (for
+    schemas that are checked but not constrained on their own, e.g. a forced tool call's whole
+    `parameters`). Raises StructuredOutputsError when llguidance refuses to convert it at all."""
+    import llguidance
+
+    grammar = StructuredOutputsParams(json=dict(schema)).grammar_text()
+    return (llguidance.LLMatcher.validate_grammar(grammar) or "").strip()
+
+
 def regex_literal(text: str) -> str:
     """`text` as a regex (Rust `regex` syntax) matching exactly it: ASCII letters, digits and `_`
     as they are, other ASCII characters as `\\x{HH}` escapes, other characters as they are."""
