@@ -185,7 +185,10 @@ def _check_tool_schemas(tools: list[dict[str, Any]], name: str | None) -> None:
     """A forced tool call's grammar embeds only the parameters' property schemas, so each tool the
     call may name has its whole `parameters` schema compiled here: an invalid one (`{"type":
     "bogus"}`) is a 400 naming `tools`, as an invalid `structured_outputs.json` is."""
-    from serving.structured_outputs.params import StructuredOutputsError, json_schema_error
+    from serving.structured_outputs.params import (
+        StructuredOutputsError,
+        json_schema_error,
+    )
 
     for i, tool in enumerate(tools):
         fn = tool["function"]
