@@ -37,7 +37,6 @@ class AsyncEngine:
         self.max_model_len = engine.effective_max_model_len
         self.max_model_len_note = engine.max_model_len_note()
         self.max_logprobs = engine.args.max_logprobs  # the server checks requests against it
-        self.vocab_size = engine.config.vocab_size  # ... and token-id prompts against it
         self._cv = threading.Condition()
         self._inbox: list[tuple] = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

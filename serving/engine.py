@@ -46,7 +46,7 @@ from serving.runner import ModelRunner
 from serving.scheduler import Scheduler, SchedulerConfig
 from serving.spec_decode import DraftController, SpecDecodingStats, SpeculativeConfig
 from serving.structured_outputs.engine_mixin import StructuredOutputsMixin
-from serving.types import RequestOutput, SamplingParams
+from serving.types import InvalidRequestError, RequestOutput, SamplingParams
 from sharding.mesh import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -253,7 +253,7 @@ class LLMEngine(EngineStatsMixin, HostTiersMixin, PDEngineMixin, AsyncStepMixin,
         vocab = self.config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
 
     def abort(self, request_id: str, finished_reason: str = "abort") -> RequestOutput | None:
         """Abort a waiting or running request (frees its pages); its final output, or None when

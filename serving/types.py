@@ -11,6 +11,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
+class InvalidRequestError(ValueError):
+    """A request the engine refuses, naming the API field at fault (`param`: the 400's `param`,
+    e.g. "prompt"); the server maps any ValueError with a `param` to that 400."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping controls (vLLM names and semantics).

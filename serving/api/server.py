@@ -525,10 +525,6 @@ def build_app(
         prompt_ids = await encode_text(tokenizer, prompt, "prompt") if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise bad_request("The prompt must not be empty.", "prompt")
-        vocab = getattr(engine, "vocab_size", None)
-        if vocab is not None and max(prompt_ids) >= vocab:
-            bad = next(t for t in prompt_ids if t >= vocab)
-            raise bad_request(f"prompt token id {bad} is outside the vocabulary [0, {vocab}).", "prompt")
 
         max_tokens = resolve_max_tokens(
             body.max_tokens, "max_tokens", len(prompt_ids), engine.max_model_len, "prompt",

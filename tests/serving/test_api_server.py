@@ -487,15 +487,6 @@ def test_a_context_length_below_max_model_len_is_explained_in_the_400(http, engi
     assert err["message"].endswith(note)
 
 
-def test_a_token_id_outside_the_vocabulary_is_a_400_naming_the_prompt(http, engine, monkeypatch):
-    """The engine refuses such a prompt too, but its ValueError would give no field: the server
-    checks token ids against the engine's `vocab_size` first."""
-    monkeypatch.setattr(engine, "vocab_size", 512, raising=False)
-    err = _assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": [5, 511, 512, 7]}), 400, "prompt")
-    assert "512" in err["message"] and "vocabulary" in err["message"]
-    assert http.post("/v1/completions", json={"model": MODEL, "prompt": [5, 511], "max_tokens": 2}).status_code == 200
-
-
 def test_engine_errors(client, http, tiny_tokenizer):
     with pytest.raises(openai.BadRequestError, match="refuses"):
         client.chat.completions.create(model=MODEL, messages=_user("RAISE_VALUE"))

@@ -110,6 +110,18 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
     assert greedy_completion(client, [11, 12, 13], 2)[1].completion_tokens == 2
 
 
+def test_a_token_id_outside_the_vocabulary_is_a_400_naming_the_prompt(server):
+    """The engine's refusal (`InvalidRequestError`) names the field, as the server's own checks do."""
+    r = httpx.post(server[0] + "/v1/completions", json={"model": "glm-5.3-tiny", "prompt": [5, 511, 512, 7]},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and "512" in err["message"] and "vocabulary" in err["message"]
+    r = httpx.post(server[0] + "/v1/completions", json={"model": "glm-5.3-tiny", "prompt": [5, 511], "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("content", [
     b"{not json",
     b'{"model": "glm-5.3-tiny", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}",  # nested too deeply
