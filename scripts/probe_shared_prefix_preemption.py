@@ -9,17 +9,20 @@ MLA pages, those shared with other requests (pool refcount > 1: a prefix-cache h
 pages, what `HiSparsePolicy.releasable` offers (sole-owned clean pages only), its lease and
 residency. For each group of requests sharing pages it also computes what releasing the shared
 pages from every sharer together gains: the shared pages, less a decode lease (`dec_pages`) for
-each sharer that holds none (`collective_gain`).
+each sharer that holds none (`collective_gain`), and with leases squeezed to `least_pages`
+(`squeezed_gain`, docs/hisparse.md "Squeezed leases").
 
-`--modes` (default all four, one engine each, in this order):
+`--modes` (default all five, one engine each, in this order):
 * `ample`: no HiSparse on a pool that holds every request: the reference streams (with top-2
   logprobs for the equality rule);
 * `shared`: HiSparse as the engine runs it: pages shared by running requests are released by all
   their sharers together when nothing else saves a running request from preemption
-  (`HiSparsePolicy._shared_candidates`);
+  (`HiSparsePolicy._shared_candidates`), and when even that does not make room, leases are
+  squeezed to the fewest rows a decode step needs (`HiSparsePolicy._squeeze`);
+* `unsqueezed`: the same without squeezed leases (the engine before them);
 * `shared_admits`: the same, and shared releases also make room to admit a waiting request
   (`HiSparsePolicy.shared_release_admits`, off in the engine);
-* `sole`: shared releases switched off (each request releases only its own pages, the rule
+* `sole`: shared releases and squeezed leases switched off (each request releases only its own pages, the rule
   before shared releases existed): the baseline.
 Every HiSparse mode's streams are compared with the ample run's under docs/design.md §10's rule.
 
@@ -67,13 +70,15 @@ def snapshot(scheduler, victim) -> dict:
     for b, rids in holders.items():
         groups[tuple(sorted(rids))] += 1
     sharing = [{"sharers": list(k), "shared_pages": n,
-                "collective_gain": n - sum(pol.dec_pages for rid in k if not lease.get(rid))}
+                "collective_gain": n - sum(pol.dec_pages for rid in k if not lease.get(rid)),
+                "squeezed_gain": n - sum(pol.least_pages for rid in k if not lease.get(rid))}
                for k, n in sorted(groups.items(), key=lambda kv_: -kv_[1])]
     return {"free_pages": pool.num_free, "usable_pages": pool.num_usable_blocks, "dec_pages": pol.dec_pages,
+            "least_pages": pol.least_pages,
             "victim": victim.request_id, "requests": reqs, "sharing": sharing}
 
 
-MODES = ("ample", "shared", "shared_admits", "sole")
+MODES = ("ample", "shared", "unsqueezed", "shared_admits", "sole")
 
 
 def run(args, mode: str, prefixes, suffixes) -> dict:
@@ -95,7 +100,7 @@ def run(args, mode: str, prefixes, suffixes) -> dict:
         compile_progress=False, disable_log_stats=True, enable_prefix_caching=True,
         attention_config={} if ample else {"hisparse_config": {"host_pool_gib": args.host_pool_gib}}))
     events = []
-    preempt, shared_candidates = Scheduler._preempt, HiSparsePolicy._shared_candidates
+    preempt, shared_candidates, squeeze = Scheduler._preempt, HiSparsePolicy._shared_candidates, HiSparsePolicy._squeeze
     admits = HiSparsePolicy.shared_release_admits
 
     def recorded(self, victim):
@@ -103,10 +108,13 @@ def run(args, mode: str, prefixes, suffixes) -> dict:
         return preempt(self, victim)
 
     # Diagnostic hooks, this process's engine only: record each preemption; `sole` switches
-    # shared releases off, `shared_admits` lets them admit requests too.
+    # shared releases off, `unsqueezed` squeezed leases, `shared_admits` lets shared releases admit
+    # requests too.
     Scheduler._preempt = recorded
     if mode == "sole":
-        HiSparsePolicy._shared_candidates = lambda self, protect, leased: []
+        HiSparsePolicy._shared_candidates = lambda self, protect, leased, cost=None: []
+    if mode in ("sole", "unsqueezed"):
+        HiSparsePolicy._squeeze = lambda self, req, num_new, scheduled: 0
     HiSparsePolicy.shared_release_admits = mode == "shared_admits"
     added = 0
     streams: dict[str, list[int]] = {}
@@ -138,12 +146,14 @@ def run(args, mode: str, prefixes, suffixes) -> dict:
             running.append(len(engine.scheduler.running))
     finally:
         Scheduler._preempt, HiSparsePolicy._shared_candidates = preempt, shared_candidates
+        HiSparsePolicy._squeeze = squeeze
         HiSparsePolicy.shared_release_admits = admits
     pol = None if ample else engine.hisparse.policy
     return {"mode": mode, "steps": steps, "seconds": round(time.perf_counter() - t0, 1),
             "preemptions": engine.scheduler.num_preemptions_total,
             "pages_released": pol.num_released if pol else 0,
             "pages_released_shared": pol.num_released_shared if pol else 0,
+            "squeezed_steps": pol.num_squeezed_steps if pol else 0,
             "leaked_pages": engine.pool.num_usable_blocks - engine.pool.num_free,
             "mean_running": round(sum(running) / len(running), 2),
             "hot_misses": engine.hisparse.device.misses if pol else 0,
@@ -201,7 +211,8 @@ def main(argv=None) -> dict:
                      f"{r['mean_running']} running on average; {r['hot_misses']} hot-buffer misses, "
                      f"{r['host_to_device_bytes'] / 2**20:.1f} MiB host to device); "
                      f"{r['pages_released']} pages released by their one holder, {r['pages_released_shared']} "
-                     f"by all their sharers together; {r['leaked_pages']} pages held at the end; {eq}")
+                     f"by all their sharers together; {r['squeezed_steps']} request steps on a squeezed lease; "
+                     f"{r['leaked_pages']} pages held at the end; {eq}")
         for e in r["events"]:
             full = [q for q in e["requests"] if q["residency"] == "full"]
             best = e["sharing"][0] if e["sharing"] else None
@@ -211,7 +222,8 @@ def main(argv=None) -> dict:
                          f"page references" + (
                              f"; largest sharing group: {len(best['sharers'])} requests share "
                              f"{best['shared_pages']} pages, releasing them from all would gain "
-                             f"{best['collective_gain']}" if best else ""))
+                             f"{best['collective_gain']} ({best['squeezed_gain']} with squeezed leases)"
+                             if best else ""))
     for r in runs.values():
         r.pop("logprobs")
         r.pop("prompts")

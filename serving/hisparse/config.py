@@ -122,7 +122,7 @@ class HiSparseConfig:
             raise HiSparseConfigError(f"hisparse_config.prefill_buffer_max_size {grow} is below prefill_buffer_size "
                                       f"{pre}")
         mech = default_mechanism(backend) if self.host_gather == "auto" else self.host_gather
-        return ResolvedHiSparse(self, dec, grow, mech, pre)
+        return ResolvedHiSparse(self, dec, grow, mech, pre, least)
 
 
 @dataclass(frozen=True)
@@ -137,6 +137,10 @@ class ResolvedHiSparse:
     max_hot_rows: int
     mechanism: str
     prefill_hot_rows: int  # = max_hot_rows without growth
+    # The fewest hot rows a decode step can be sure of, (num_speculative_tokens + 1) × index_topk:
+    # the lease a request is squeezed to when the alternative is a preemption (docs/hisparse.md
+    # "Squeezed leases"); None: device_buffer_rows.
+    least_decode_rows: int | None = None
 
     def host_blocks(self, host_block_bytes: int) -> int:
         """Host-pool blocks for `host_pool_gib`, rounded up to whole blocks, plus the null block."""

@@ -42,10 +42,10 @@ class PageReleaseMixin:
             self.kv.release_page(rid, self.group, i, front=True)
         self.num_released += len(pages)
 
-    def _release_shared(self, sharers: list["Request"], pages: list[dict[str, int]]) -> None:
+    def _release_shared(self, sharers: list["Request"], pages: list[dict[str, int]], cost: int) -> None:
         """Release pages that `sharers` hold together (each `{sharer: page index}` names every
         holder of one page), tail first into the front tier, then give each sharer without a
-        lease a decode lease (`_shared_candidates` counted it)."""
+        lease a lease of `cost` pages (`_shared_candidates` counted it)."""
         pool = self.kv.pool
         for e in sorted(pages, key=lambda e: -max(e.values())):
             rid, i = next(iter(e.items()))
@@ -57,29 +57,34 @@ class PageReleaseMixin:
         for req in sharers:
             rec = self.records[req.request_id]
             if not rec.lease:
-                rec.lease = pool.allocate(self.dec_pages)
+                rec.lease = pool.allocate(cost)
 
-    def _candidates(self, protect: set[str]) -> list[tuple[int, "Request", list[int]]]:
+    def _candidates(self, protect: set[str], cost: int | None = None) -> list[tuple[int, "Request", list[int]]]:
         """(pages gained, request, releasable pages) of the running requests not in `protect`
-        that would gain pages by releasing (net of the lease they must take), most first."""
+        that would gain pages by releasing (net of the lease of `cost` pages, default
+        `dec_pages`, they must take), most first."""
+        cost = self.dec_pages if cost is None else cost
         cands = []
         for req in self.running:
             rec = self.records.get(req.request_id)
             if req.request_id in protect or rec is None:
                 continue
             rel = self.releasable(req)
-            gain = len(rel) - (0 if rec.lease else self.dec_pages)
+            gain = len(rel) - (0 if rec.lease else cost)
             if gain > 0:
                 cands.append((gain, req, rel))
         cands.sort(key=lambda c: -c[0])
         return cands
 
-    def _shared_candidates(self, protect: set[str], leased: set[str]) -> list[tuple[int, list["Request"], list[dict[str, int]]]]:
+    def _shared_candidates(self, protect: set[str], leased: set[str],
+                           cost: int | None = None) -> list[tuple[int, list["Request"], list[dict[str, int]]]]:
         """(pages gained, sharers, per page {sharer: page index}) for each set of running requests
         not in `protect` that share clean pages nobody else holds (prefix-cache hits): releasing
-        those pages from every sharer together frees them, less a decode lease for each sharer
-        not in `leased` (holding one or about to take one). Greedy, most gain first (a lease
-        taken for one set is not paid again by the next); positive gains only."""
+        those pages from every sharer together frees them, less a lease of `cost` pages (default
+        `dec_pages`) for each sharer not in `leased` (holding one or about to take one). Greedy,
+        most gain first (a lease taken for one set is not paid again by the next); positive gains
+        only."""
+        cost = self.dec_pages if cost is None else cost
         pool = self.kv.pool
         entries: dict[int, dict[str, int]] = {}  # shared block → {sharer: page index}
         by_id: dict[str, "Request"] = {}
@@ -98,8 +103,8 @@ class PageReleaseMixin:
         out = []
         leased = set(leased)
         while sets:
-            sharers, pages = max(sets.items(), key=lambda kv_: len(kv_[1]) - self.dec_pages * len(kv_[0] - leased))
-            gain = len(pages) - self.dec_pages * len(sharers - leased)
+            sharers, pages = max(sets.items(), key=lambda kv_: len(kv_[1]) - cost * len(kv_[0] - leased))
+            gain = len(pages) - cost * len(sharers - leased)
             if gain <= 0:
                 break
             out.append((gain, [by_id[r] for r in sorted(sharers)], pages))
@@ -111,37 +116,40 @@ class PageReleaseMixin:
         """Requests holding a lease once `cands` (from `_candidates`) have released."""
         return {rid for rid, rec in self.records.items() if rec.lease} | {c[1].request_id for c in cands}
 
-    def _room(self, protect: set[str], shared: bool = False) -> int:
+    def _room(self, protect: set[str], shared: bool = False, lease_pages: int | None = None) -> int:
         """Free pages plus what the running requests not in `protect` could release (their own
-        clean pages; with `shared`, also clean pages they share, `_shared_candidates`)."""
-        cands = self._candidates(protect)
+        clean pages; with `shared`, also clean pages they share, `_shared_candidates`), net of
+        leases of `lease_pages` (default `dec_pages`)."""
+        cands = self._candidates(protect, lease_pages)
         room = self.kv.pool.num_free + sum(c[0] for c in cands)
         if shared:
-            room += sum(c[0] for c in self._shared_candidates(protect, self._leased_after(cands)))
+            room += sum(c[0] for c in self._shared_candidates(protect, self._leased_after(cands), lease_pages))
         return room
 
-    def _make_room(self, needed: int, protect: set[str], shared: bool = False) -> bool:
+    def _make_room(self, needed: int, protect: set[str], shared: bool = False, lease_pages: int | None = None) -> bool:
         """Release clean pages of running requests (not `protect`) until `needed` pages are free:
         each request's own pages first, then pages several of them share, from all the sharers
-        together. Releases nothing (and returns False) when even releasing everything would not do."""
+        together; a releasing request without a lease takes one of `lease_pages` (default
+        `dec_pages`; `least_pages` when squeezing, `HiSparsePolicy._squeeze`). Releases nothing
+        (and returns False) when even releasing everything would not do."""
         pool = self.kv.pool
         if pool.num_free >= needed:
             return True
-        cands = self._candidates(protect)
+        cost = self.dec_pages if lease_pages is None else lease_pages
+        cands = self._candidates(protect, cost)
         own = pool.num_free + sum(c[0] for c in cands)
         if own < needed and not (shared and own + sum(
-                c[0] for c in self._shared_candidates(protect, self._leased_after(cands))) >= needed):
+                c[0] for c in self._shared_candidates(protect, self._leased_after(cands), cost)) >= needed):
             return False
         for _, req, rel in cands:
             rec = self.records[req.request_id]
-            cost = 0 if rec.lease else self.dec_pages
             self._release_all(req, rel)
             if not rec.lease:
                 rec.lease = pool.allocate(cost)
             if pool.num_free >= needed:
                 return True
-        for _, sharers, pages in (self._shared_candidates(protect, self._leased_after([])) if shared else ()):
-            self._release_shared(sharers, pages)
+        for _, sharers, pages in (self._shared_candidates(protect, self._leased_after([]), cost) if shared else ()):
+            self._release_shared(sharers, pages, cost)
             if pool.num_free >= needed:
                 return True
         return pool.num_free >= needed

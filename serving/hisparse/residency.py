@@ -32,10 +32,16 @@ for its current residency). A page several running requests share (a prefix-cach
 by none of them alone; when their own pages do not make room, the clean pages a set of sharers hold
 together (and nobody else holds) are released from all of them at once
 (`KVCacheManager.release_shared_page`), each sharer without a lease taking a decode lease: a set
-is released only when its pages outnumber the leases it costs. Preemption (recompute) stays the
-last resort, when even releasing cannot make room (e.g. the host pool is full, so nothing is clean). When pressure is gone (free
-pages ≥ 2 × watermark), a mixed request whose released pages are all still intact revives them
-and returns its lease (mixed → full).
+is released only when its pages outnumber the leases it costs. When a running request would
+still be preempted, leases are *squeezed* (`_squeeze`): the same releases with each new lease at
+`least_pages` ((num_speculative_tokens + 1) × index_topk rows: all that a decode step's rows can
+miss at once) instead of `dec_pages`, and the leases of running requests not scheduled with more
+rows than that cut to `least_pages`; the request itself takes a step its squeezed lease covers.
+A squeezed lease grows back to `dec_pages` at the first step with free pages for it (fewer hot
+slots meanwhile: more misses, never a wrong row). Preemption (recompute) stays the last resort,
+when even squeezing cannot make room (e.g. the host pool is full, so nothing is clean). When
+pressure is gone (free pages ≥ 2 × watermark), a mixed request whose released pages are all still
+intact revives them and returns its lease (mixed → full).
 
 Hot lease sizing. A decoding request leases `device_buffer_size` rows (default (spec + 2) ×
 index_topk). A step with R query rows of a request with off-device pages needs R × index_topk hot
@@ -166,6 +172,8 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
         self.prefix_cache = prefix_cache
         self.hot_tpp = hot_tpp or self.tpp
         self.dec_pages = config.device_buffer_rows // self.hot_tpp
+        # The lease a request is squeezed to instead of a preemption (module docstring).
+        self.least_pages = min(self.dec_pages, -(-(config.least_decode_rows or config.device_buffer_rows) // self.hot_tpp))
         self.max_pages = config.prefill_hot_rows // self.hot_tpp  # the lease a prefill is sure of
         self.grow_pages = config.max_hot_rows // self.hot_tpp  # ... and grows to in free pages (module docstring)
         usable = kv.pool.num_usable_blocks
@@ -178,6 +186,7 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
         self.num_released = 0  # pages released so far by their one holder
         self.num_released_shared = 0  # pages released by all their sharers together
         self.num_revived = 0
+        self.num_squeezed_steps = 0  # steps a request ran with a lease below dec_pages (squeezed)
         self.num_landed_host = 0  # P/D requests admitted with their MLA pages in the host pool
         self.adaptive = config.config.prefill_sizing == "adaptive"
         self.num_truncated_chunks = 0  # prefill chunks kept only up to their first dropped selection
@@ -228,14 +237,17 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
         return [i for i, b in self.clean_pages(req) if pool.refcount(b) == 1]
 
     # ------------------------------------------------------------------ lease sizing
-    def _lease_pages(self, rid: str, rows: int, off: int | None = None, cap: int | None = None) -> int:
+    def _lease_pages(self, rid: str, rows: int, off: int | None = None, cap: int | None = None,
+                     floor: int | None = None) -> int:
         """Hot pages a step of `rows` query rows needs (0 for a full request), at most `cap`
-        (default `max_pages`)."""
+        (default `max_pages`), at least `floor` (default `dec_pages`; `least_pages` when
+        squeezed)."""
         off = self.off_pages(rid) if off is None else off
         if off == 0:
             return 0
         need_rows = min(rows * self.K, off * self.hot_tpp)
-        return max(self.dec_pages, min(self.max_pages if cap is None else cap, math.ceil(need_rows / self.hot_tpp)))
+        return max(self.dec_pages if floor is None else floor,
+                   min(self.max_pages if cap is None else cap, math.ceil(need_rows / self.hot_tpp)))
 
     def _token_pages(self, req: "Request", num_new: int) -> int:
         """Pages (every group) `req` allocates to compute `num_new` more tokens."""
@@ -309,23 +321,25 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
         elif pool.num_free >= 2 * self.watermark:
             self._revive()
 
-    def _protected(self, scheduled: Iterable["Request"], exclude: str | None = None) -> set[str]:
-        """Requests already scheduled this step with several query rows (their leases were sized for
-        their current residency)."""
+    def _protected(self, scheduled: Iterable["Request"], exclude: str | None = None,
+                   lease_pages: int | None = None) -> set[str]:
+        """Requests already scheduled this step with more query rows than a lease of `lease_pages`
+        (default `dec_pages`) always covers (their leases were sized for their current residency)."""
+        rows = (self.dec_pages if lease_pages is None else lease_pages) * self.hot_tpp
         return {r.request_id for r in scheduled
-                if r.request_id != exclude and self._rows.get(r.request_id, 0) * self.K > self.dec_pages * self.hot_tpp}
+                if r.request_id != exclude and self._rows.get(r.request_id, 0) * self.K > rows}
 
-    def _pages_needed(self, req: "Request", num_new: int) -> int:
+    def _pages_needed(self, req: "Request", num_new: int, floor: int | None = None) -> int:
         rid = req.request_id
         rec = self.records.get(rid)
         have = len(rec.lease) if rec else 0
-        return self._token_pages(req, num_new) + max(0, self._lease_pages(rid, num_new) - have)
+        return self._token_pages(req, num_new) + max(0, self._lease_pages(rid, num_new, floor=floor) - have)
 
-    def _try_allocate(self, req: "Request", num_new: int) -> bool:
+    def _try_allocate(self, req: "Request", num_new: int, floor: int | None = None) -> bool:
         rid = req.request_id
         rec = self._rec(req)
         tok = self._token_pages(req, num_new)
-        want = self._lease_pages(rid, num_new, cap=self._lease_cap(req, num_new, tok))
+        want = self._lease_pages(rid, num_new, cap=self._lease_cap(req, num_new, tok), floor=floor)
         if want > self.max_pages and tok + want - len(rec.lease) + self.watermark > self.kv.pool.num_free:
             # A grown lease takes the request's own clean pages too (`_lease_cap` counted them).
             self._make_room(tok + want - len(rec.lease) + self.watermark, protect=set())
@@ -338,6 +352,8 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
         assert ok, "allocation checked above"
         if want > len(rec.lease):
             rec.lease += self.kv.pool.allocate(want - len(rec.lease))
+        if 0 < want < self.dec_pages:
+            self.num_squeezed_steps += 1
         if want > self.max_pages:
             self.num_grown_steps += 1
         self._rows[rid] = num_new
@@ -359,6 +375,35 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
         small = max(1, min(n, self.dec_pages * self.hot_tpp // self.K))
         if small < n and self._try_allocate(req, small):
             return small
+        return self._squeeze(req, small, scheduled)
+
+    def _squeeze(self, req: "Request", num_new: int, scheduled: list["Request"]) -> int:
+        """The last resort before a preemption: `num_new` (cut to what a lease of `least_pages`
+        covers) with every lease this step gives or keeps at `least_pages` instead of
+        `dec_pages` — the request's own, and those of the requests releasing pages for it (own
+        pages, or pages several of them share). Returns the tokens allocated, 0 when even that
+        does not make room."""
+        fl = self.least_pages
+        if fl >= self.dec_pages:
+            return 0
+        n = max(1, min(num_new, fl * self.hot_tpp // self.K))
+        if self._try_allocate(req, n, floor=fl):
+            return n
+        protect = self._protected(scheduled, req.request_id, lease_pages=fl)
+        needed = self._pages_needed(req, n, floor=fl)
+        cuts = sorted(((len(self.records[r.request_id].lease) - fl, r) for r in self.running
+                       if r is not req and r.request_id not in protect and r.request_id in self.records
+                       and len(self.records[r.request_id].lease) > fl), key=lambda c: -c[0])
+        if self._room(protect, shared=True, lease_pages=fl) + sum(c for c, _ in cuts) < needed:
+            return 0  # nothing changed: the scheduler preempts
+        for _, r in cuts:
+            if self._room(protect, shared=True, lease_pages=fl) >= needed:
+                break
+            rec = self.records[r.request_id]
+            self.kv.pool.free(reversed(rec.lease[fl:]))
+            del rec.lease[fl:]
+        if self._make_room(needed, protect, shared=True, lease_pages=fl) and self._try_allocate(req, n, floor=fl):
+            return n
         return 0
 
     def admit(self, req: "Request", hit: "PrefixHit | None", num_new: int, scheduled: Iterable["Request"]) -> int:
@@ -597,7 +642,7 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
             for i in sorted(set(t.released) | t.placeholders):
                 if i not in rec.host_blocks or i in rec.pending:
                     errors.append(f"{rid!r} page {i} is off the device without a complete host copy")
-            if (t.released or t.placeholders) and len(rec.lease) < self.dec_pages:
+            if (t.released or t.placeholders) and len(rec.lease) < self.least_pages:
                 errors.append(f"{rid!r} has off-device pages but a lease of {len(rec.lease)} pages")
             for i in rec.pending:
                 if (id(rec), i) not in jobs:

@@ -68,7 +68,7 @@ class FakeHiSparseRunner:
             if off:
                 rec = pol.records[rid]
                 rows = len(rec.lease) * MLA_TPP
-                assert rows >= pol.dec_pages * MLA_TPP
+                assert rows >= pol.least_pages * MLA_TPP
                 if min(sr.num_new_tokens * pol.K, off * MLA_TPP) > rows:  # past the worst-case bound
                     assert pol.adaptive and sr.num_spec_tokens == 0, "lease too small for the step"
                     if self.rng.random() < 0.5:  # the selections overflowed the lease
@@ -130,7 +130,7 @@ class HiSparseEngine:
         cfg = HiSparseConfig(1.0, device_buffer, prefill_buffer, "memory_kind", watermark, prefill_sizing,
                              prefill_buffer_max)
         resolved = ResolvedHiSparse(cfg, device_buffer, prefill_buffer_max or prefill_buffer, "memory_kind",
-                                    prefill_buffer)
+                                    prefill_buffer, K)
         self.policy = HiSparsePolicy(self.kv, self.host_pool, resolved, K, self.prefix_cache)
 
         def on_reuse(block, tag):

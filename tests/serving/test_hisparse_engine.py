@@ -148,7 +148,17 @@ def test_aborts_free_every_page_in_every_residency_state(bf16_hisparse, async_sc
     assert e.hisparse.host.blocks.num_free == e.hisparse.host.num_usable and not e.hisparse.host.queue
 
 
-def test_a_request_three_times_the_device_pool_is_served(bf16_ample):
+# A 25-page HiSparse engine with lease growth and asynchronous scheduling (one compile for the
+# 3×-pool request and the squeezed leases below).
+SMALL25 = {"hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 640, "prefill_buffer_max_size": 1536}}
+
+
+@pytest.fixture(scope="module")
+def bf16_small25():
+    return engine(25, "bfloat16", SMALL25, max_model_len=AMPLE_MAX_MODEL_LEN, async_scheduling=True)
+
+
+def test_a_request_three_times_the_device_pool_is_served(bf16_ample, bf16_small25):
     """24 usable pages hold 1,536 MLA tokens; the prompt has 4,600. It is admitted with an in-flight
     window, its earlier chunks are copied to the host and released as the prefill proceeds, and later
     chunks read them through the hot buffer. Its chunks are sized by what their selections fill
@@ -168,10 +178,7 @@ def test_a_request_three_times_the_device_pool_is_served(bf16_ample):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     outs = {}
     peak = 0
-    for name, e in (("ample", bf16_ample), ("hisparse", engine(25, "bfloat16", {
-            "hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 640, "prefill_buffer_max_size": 1536}},
-            max_model_len=AMPLE_MAX_MODEL_LEN,
-            async_scheduling=True))):
+    for name, e in (("ample", bf16_ample), ("hisparse", bf16_small25)):
         e.add_request("long", prompt, params)
         toks, lps = [], []
         schedule = e.scheduler.schedule
@@ -210,6 +217,43 @@ def test_a_request_three_times_the_device_pool_is_served(bf16_ample):
     lm = api.load(cache_dtype="bfloat16")
     compare_streams({"long": outs["ample"][0]}, {"long": outs["hisparse"][0]}, {"long": outs["ample"][1]},
                     {"long": prompt}, lm)
+
+
+def test_a_lease_is_squeezed_instead_of_preempting(bf16_ample, bf16_small25):
+    """Four requests on one 384-token prefix (100 tokens of their own, 120 output tokens), one
+    step apart, on the 25-page pool: as they grow, nothing is left to release (their own clean
+    pages and the pages they share are released already, and each holds a 2-page decode lease),
+    so the engine before squeezed leases preempted one of them here. Now the leases are squeezed
+    to the fewest rows a decode step needs (index_topk: one page) instead, and read back to the
+    decode size once the pressure is gone: nobody is preempted, and the streams equal the ample
+    run's (docs/design.md §10), every step audited."""
+    e = bf16_small25
+    pol = e.hisparse.policy
+    rng = np.random.default_rng(1)
+    base = rng.integers(10, 490, 384).tolist()
+    prompts = {f"sq{i}": base + rng.integers(10, 490, 100).tolist() for i in range(4)}
+    preempted, squeezed = e.scheduler.num_preemptions_total, pol.num_squeezed_steps
+    streams, lps = {}, {}
+    for name, eng in (("ample", bf16_ample), ("hisparse", e)):
+        toks = {rid: [] for rid in prompts}
+        logprobs = {rid: [] for rid in prompts}
+        waiting = list(prompts)
+        while waiting or eng.has_unfinished_requests():
+            if waiting:  # one new request a step
+                rid = waiting.pop(0)
+                eng.add_request(rid, prompts[rid], SamplingParams(temperature=0, max_tokens=120, ignore_eos=True,
+                                                                  logprobs=2 if name == "ample" else None))
+            for o in eng.step():
+                toks[o.request_id] += o.new_token_ids
+                logprobs[o.request_id] += o.new_logprobs or []
+            assert eng.audit() == [], eng.audit()
+        streams[name], lps[name] = toks, logprobs
+    assert e.scheduler.num_preemptions_total == preempted
+    assert pol.num_squeezed_steps > squeezed  # the pressure really squeezed a lease
+    assert pol.least_pages == 1 < pol.dec_pages == 2
+    assert e.pool.num_free == e.pool.num_usable_blocks
+    assert e.hisparse.host.blocks.num_free == e.hisparse.host.num_usable
+    compare_streams(streams["ample"], streams["hisparse"], lps["ample"], prompts, api.load(cache_dtype="bfloat16"))
 
 
 def count_prompt_rows(e, prompt_len: int) -> list[int]:

@@ -232,7 +232,7 @@ def _shared_prefix_run(share_release: bool, monkeypatch) -> HiSparseEngine:
     on a 50-page pool: the shared pages alone are half of it."""
     with monkeypatch.context() as m:
         if not share_release:
-            m.setattr(HiSparsePolicy, "_shared_candidates", lambda self, protect, leased: [])
+            m.setattr(HiSparsePolicy, "_shared_candidates", lambda self, protect, leased, cost=None: [])
         e = HiSparseEngine(num_blocks=50, max_num_seqs=4, prefix_caching=True, max_model_len=200)
         base = prompt(7, 100)
         arrivals = [(3 * i, f"r{i}", base + prompt(100 + i, 4)) for i in range(4)]
@@ -260,6 +260,46 @@ def test_pages_shared_by_running_requests_are_released_by_all_of_them_together(m
     assert e.sched.num_preemptions_total == 0
     assert e.policy.num_released_shared >= 20 and e.max_running == 4
     assert e.pool.num_free == e.pool.num_usable_blocks and e.kv.request_ids() == []
+
+
+def test_leases_are_squeezed_to_what_a_decode_step_needs_instead_of_preempting(monkeypatch):
+    """Four requests on one 100-token prefix on a 40-page pool: once their own and their shared
+    clean pages are released, each holds a 2-page decode lease (device_buffer_size 8 rows, K = 4)
+    and nothing is left to release, so without squeezed leases a request is preempted. With them
+    the leases are cut to one page (K rows, all a one-row step can miss) instead, and grow back to
+    the decode size when pages free up; nobody is preempted, and every stream equals its solo run
+    (the fake runner checks each step's rows against its lease)."""
+    def run(squeeze: bool):
+        with monkeypatch.context() as m:
+            if not squeeze:
+                m.setattr(HiSparsePolicy, "_squeeze", lambda self, req, num_new, scheduled: 0)
+            e = HiSparseEngine(num_blocks=40, max_num_seqs=4, prefix_caching=True, max_model_len=200)
+            base = prompt(7, 100)
+            arrivals = [(3 * i, f"r{i}", base + prompt(100 + i, 4)) for i in range(4)]
+            step, leases = 0, {}  # request → the lease sizes it held, in order
+            while arrivals or e.sched.has_unfinished_requests():
+                while arrivals and arrivals[0][0] <= step:
+                    _, rid, p = arrivals.pop(0)
+                    e.add(rid, p, max_tokens=50, ignore_eos=True)
+                if e.sched.has_unfinished_requests():
+                    e.step()
+                    for rid, rec in e.policy.records.items():
+                        if rec.lease and leases.setdefault(rid, [0])[-1] != len(rec.lease):
+                            leases[rid].append(len(rec.lease))
+                step += 1
+            e.flush()
+            e.check_against_reference()
+        return e, leases
+
+    plain, _ = run(False)
+    assert plain.sched.num_preemptions_total >= 1 and plain.policy.num_squeezed_steps == 0
+    e, leases = run(True)
+    assert e.sched.num_preemptions_total == 0 and e.policy.num_squeezed_steps > 0
+    assert e.policy.least_pages == 1 < e.policy.dec_pages == 2
+    # a squeezed lease went back to the decode size while its request ran on
+    assert any(1 in sizes and 2 in sizes[sizes.index(1):] for sizes in leases.values()), leases
+    assert e.pool.num_free == e.pool.num_usable_blocks and e.kv.request_ids() == []
+    assert e.host_pool.blocks.num_free == e.host_pool.blocks.num_usable_blocks
 
 
 def test_a_sharer_aborted_while_its_shared_pages_are_released_leaves_them_to_the_others():
