@@ -104,13 +104,15 @@ class AsyncEngine:
             self._inbox.append(("abort", request_id, finished_reason))
             self._cv.notify()
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread (waiting up to `timeout` seconds for its step) and close the
-        P/D side channel and the KV event publishers."""
+    def shutdown(self, timeout: float = 30.0, close: bool = True) -> None:
+        """Stop the engine thread (waiting up to `timeout` seconds for its step) and, with
+        `close`, close the P/D side channel and the KV event publishers."""
         with self._cv:
             self._stop = True
             self._cv.notify()
         self._thread.join(timeout=timeout)
+        if not close:
+            return
         pd = getattr(self.engine, "pd", None)
         if pd is not None:
             pd.close()  # the P/D side channel's socket and thread
@@ -170,7 +172,9 @@ class AsyncEngine:
                 with self._cv:
                     while (not self._stop and not self._inbox and not self.engine.has_unfinished_requests()
                            and not self._has_jobs()):
-                        self._cv.wait()
+                        # (an idle prefill server wakes at the earliest P/D hold's deadline to release it)
+                        wake = getattr(self.engine, "idle_wake_after", _none)()
+                        self._cv.wait(None if wake is None else wake + 0.01)
                     if self._stop:
                         return
                 self._drain_inbox()
@@ -215,6 +219,10 @@ class AsyncEngine:
 
 def _noop() -> bool:
     return False
+
+
+def _none() -> None:
+    return None
 
 
 def _settle(fut: asyncio.Future, err: BaseException | None) -> None:

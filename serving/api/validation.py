@@ -203,11 +203,17 @@ def build_sampling_params(
     kv_params = (body.model_extra or {}).get("kv_transfer_params")
     if kv_params is not None:
         try:
-            parse_kv_transfer_params(kv_params)
+            remote_decode, _ = parse_kv_transfer_params(kv_params)
         except KVTransferParamsError as e:
             raise bad_request(str(e), e.param) from None
         if (body.n or 1) > 1:
             raise bad_request("kv_transfer_params cannot be combined with n > 1.", "n")
+        if remote_decode and body.stream:
+            # the decode engine's parameters come back in the response body; a stream has none, and
+            # the KV kept for them would wait for abort_request_timeout
+            raise bad_request("kv_transfer_params.do_remote_decode needs stream=false: the response body carries "
+                              "the kv_transfer_params a decode engine pulls with (vllm-router sends it so).",
+                              "stream")
     params = SamplingParams(
         kv_transfer_params=kv_params or None,
         temperature=1.0 if body.temperature is None else float(body.temperature),

@@ -18,6 +18,7 @@ import zmq
 from serving.kv_events.config import (
     KVEventsConfig,
     KVEventsConfigError,
+    check_replica_ports,
     offset_endpoint_port,
 )
 from serving.kv_events.publisher import END_SEQ, ZmqEventPublisher
@@ -54,6 +55,8 @@ class KVEvents:
         self.config = config
         self.trackers = trackers
         self.publishers: list[ZmqEventPublisher] = []
+        if config.publisher == "zmq":
+            check_replica_ports(config, len(trackers))
         try:
             if config.publisher == "zmq":
                 for rank in range(len(trackers)):
@@ -63,9 +66,10 @@ class KVEvents:
             raise ValueError(f"--kv-events-config: cannot open the event sockets of replica {len(self.publishers)} "
                              f"({offset_endpoint_port(config.endpoint, len(self.publishers))}): {e}") from e
         self.block_size = trackers[0].block_size
-        # A router that saw an earlier process on these endpoints forgets what it announced.
+        # A router that saw an earlier process on these endpoints forgets what it announced (the
+        # clear repeats until the replica announces something: a reconnecting router hears it).
         for pub in self.publishers:
-            pub.publish(EventBatch(ts=time.time(), events=[AllBlocksCleared()]))
+            pub.announce_cleared()
         logger.info("KV events: block size %d tokens (vllm-router --kv-event-block-size %d)", self.block_size,
                     self.block_size)
 

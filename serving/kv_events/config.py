@@ -72,6 +72,21 @@ class KVEventsConfig:
         return cfg if cfg.enable_kv_cache_events else None
 
 
+def check_replica_ports(config: "KVEventsConfig", num_replicas: int) -> None:
+    """Replica r publishes on the endpoint's port + r and replays on the replay port + r: refuse
+    (KVEventsConfigError naming `replay_endpoint`) tcp ports that would collide over
+    `num_replicas` replicas, e.g. 5557 / 5558 with two replicas, before anything is bound."""
+    ep, rp = config.endpoint, config.replay_endpoint
+    if num_replicas < 2 or not rp or not (ep or "").startswith("tcp://") or not rp.startswith("tcp://"):
+        return
+    p, q = int(ep.rpartition(":")[2]), int(rp.rpartition(":")[2])
+    if abs(p - q) < num_replicas:
+        raise KVEventsConfigError(
+            f"--kv-events-config: with {num_replicas} data-parallel replicas replica r publishes on port {p} + r "
+            f"and replays on {q} + r, so ports {p}…{p + num_replicas - 1} and {q}…{q + num_replicas - 1} overlap; "
+            f"choose a replay_endpoint port at least {num_replicas} away (e.g. {p + num_replicas})")
+
+
 def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
     """vLLM's rule for replica `data_parallel_rank`: a tcp port moves up by the rank, an inproc
     name gets `_dp<rank>`; rank 0 and None are unchanged. Raises KVEventsConfigError for an ipc

@@ -18,7 +18,7 @@ from collections import deque
 import zmq
 
 from serving.kv_events.config import KVEventsConfig, offset_endpoint_port
-from serving.kv_events.wire import EventBatch, encode_batch
+from serving.kv_events.wire import AllBlocksCleared, EventBatch, encode_batch
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,9 @@ class ZmqEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self.num_published = 0
         self.num_dropped = 0
+        self._seq = 0
+        self._clear_every: float | None = None  # `announce_cleared`: repeat the clear until a real batch
+        self._next_clear = 0.0
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -88,6 +91,17 @@ class ZmqEventPublisher:
             return False
         return True
 
+    def announce_cleared(self, every_s: float = 1.0) -> None:
+        """Send `AllBlocksCleared` now, and again every `every_s` seconds until another batch goes
+        out. A PUB socket drops what it sends before a subscriber's subscription arrives, so a
+        router that reconnects after this process bound its endpoint (a restart on the same
+        endpoint) would miss a single clear and credit this replica with what the previous process
+        announced until the first real batch; repeated, the clear reaches it within `every_s` of
+        its reconnect. Repeating it is harmless while nothing else was announced (nothing is
+        stored yet), and stops once something was."""
+        self._clear_every = every_s
+        self._next_clear = 0.0
+
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every queued batch went out; False on timeout."""
         deadline = time.monotonic() + timeout
@@ -111,7 +125,6 @@ class ZmqEventPublisher:
                 s.close(linger=0)
 
     def _run(self) -> None:
-        seq = 0
         while True:
             if self._replay is not None:
                 try:
@@ -119,6 +132,11 @@ class ZmqEventPublisher:
                         self._serve_replay()
                 except zmq.ZMQError:
                     logger.exception("KV events: replay request failed")
+            if self._clear_every is not None and self._queue.empty() and time.monotonic() >= self._next_clear:
+                self._next_clear = time.monotonic() + self._clear_every
+                clear = EventBatch(ts=time.time(), events=[AllBlocksCleared()])
+                clear.data_parallel_rank = self.data_parallel_rank
+                self._send(clear)
             try:
                 batch = self._queue.get(timeout=0.05)
             except queue.Empty:
@@ -128,17 +146,23 @@ class ZmqEventPublisher:
             if batch is None:
                 self._queue.task_done()
                 return
+            if any(not isinstance(e, AllBlocksCleared) for e in batch.events):
+                self._clear_every = None  # something is announced: a clear would now unsay it
             try:
-                payload = encode_batch(batch)
-                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-                self._buffer.append((seq, payload))
-                seq += 1
-                self.num_published += 1
-            except zmq.ZMQError:
-                self.num_dropped += 1
-                logger.exception("KV events: sending a batch failed")
+                self._send(batch)
             finally:
                 self._queue.task_done()
+
+    def _send(self, batch: EventBatch) -> None:
+        try:
+            payload = encode_batch(batch)
+            self._pub.send_multipart((self._topic, self._seq.to_bytes(8, "big"), payload))
+            self._buffer.append((self._seq, payload))
+            self._seq += 1
+            self.num_published += 1
+        except zmq.ZMQError:
+            self.num_dropped += 1
+            logger.exception("KV events: sending a batch failed")
 
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()

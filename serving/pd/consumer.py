@@ -210,7 +210,8 @@ class KVConsumer:
             for i, (a, b) in enumerate(ranges):
                 reply = side_channel.request(r.remote_host, r.remote_port, {
                     "op": "stage", "request_id": r.remote_request_id, "start": a, "num_tokens": b,
-                    "last": i + 1 == len(ranges), "groups": self.groups, "kv_layout": self.descriptor},
+                    "last": i + 1 == len(ranges), "groups": self.groups, "kv_layout": self.descriptor,
+                    "engine_id": r.remote_engine_id},
                     timeout_s=self.config.kv_load_timeout)
                 p.reply = reply
                 shapes = [tuple(s) for s in reply["shapes"]]
@@ -251,8 +252,8 @@ class KVConsumer:
         staging; the request's pages stay held until the last chunk is staged)."""
         r = p.remote
         try:
-            side_channel.request(r.remote_host, r.remote_port, {"op": "release", "uuid": uuid, "pulled": True},
-                                 timeout_s=10)
+            side_channel.request(r.remote_host, r.remote_port, {"op": "release", "uuid": uuid, "pulled": True,
+                                                                "engine_id": r.remote_engine_id}, timeout_s=10)
         except Exception as e:  # noqa: BLE001 - only bookkeeping: the staging expires on its own
             logger.info("release of a chunk of %s on the prefill engine failed: %s", r.remote_request_id, e)
 
@@ -260,7 +261,7 @@ class KVConsumer:
         """Tell the prefill side we are done with (`pulled`) or gave up on the request, so it drops
         what it still holds (pages, or staged rows nobody will pull); never raises."""
         r = p.remote
-        msg = {"op": "release", "request_id": r.remote_request_id, "pulled": pulled}
+        msg = {"op": "release", "request_id": r.remote_request_id, "pulled": pulled, "engine_id": r.remote_engine_id}
         if p.reply is not None:
             msg["uuid"] = p.reply["uuid"]
 

@@ -210,8 +210,17 @@ class PDEngineMixin:
             self.runner.run_stores(jobs)
 
     def has_pending_work(self) -> bool:
-        """Side-channel jobs queued for the engine thread (the driver must step even when idle)."""
+        """Side-channel jobs queued for the engine thread, or held KV past abort_request_timeout
+        (the driver must step even when idle)."""
         return self.pd is not None and self.pd.producer is not None and self.pd.producer.has_jobs()
+
+    def idle_wake_after(self) -> float | None:
+        """Seconds an idle driver may sleep before `has_pending_work` turns True by itself (the
+        earliest P/D hold's deadline); None: until something arrives."""
+        if self.pd is None or self.pd.producer is None:
+            return None
+        due = self.pd.producer.seconds_to_deadline()
+        return None if due is None else max(0.0, due)
 
     def is_waiting_for_remote_kv(self) -> bool:
         """Requests wait for their KV while nothing else runs: the driver may sleep briefly."""

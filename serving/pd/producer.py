@@ -146,7 +146,17 @@ class KVProducer:
         return fut.result(timeout=timeout_s)
 
     def has_jobs(self) -> bool:
-        return bool(self._jobs)
+        """Side-channel jobs are queued, or a hold or staging is past its deadline (the engine's
+        driver steps for either, idle or not)."""
+        due = self.seconds_to_deadline()
+        return bool(self._jobs) or (due is not None and due <= 0)
+
+    def seconds_to_deadline(self) -> float | None:
+        """Seconds until the earliest hold or staging passes its deadline (≤ 0: due now); None
+        when nothing is held or staged. An idle engine's driver sleeps no longer than this, so
+        an idle prefill server releases what nobody pulled on time (engine thread)."""
+        deadlines = [h.deadline for h in self.held.values()] + [s.deadline for s in self.staged.values()]
+        return min(deadlines) - self.clock() if deadlines else None
 
     def run_jobs(self) -> None:
         """Run queued side-channel jobs, then release what passed its deadline (engine thread)."""
@@ -162,8 +172,15 @@ class KVProducer:
         self.expire()
 
     def handle(self, msg: dict) -> dict:
-        """The side channel's handler (its own thread)."""
+        """The side channel's handler (its own thread). A stage or release naming another engine
+        id (`kv_transfer_params.remote_engine_id`) is refused: such params are not this engine's
+        answer, and must neither take nor drop the KV kept for the request that has them."""
         op = msg.get("op")
+        engine_id = msg.get("engine_id")
+        if engine_id is not None and engine_id != self.config.engine_id:  # as NIXL's handshake checks
+            return {"ok": False, "error": f"kv_transfer_params.remote_engine_id {engine_id!r} is not this prefill "
+                                          f"engine's ({self.config.engine_id!r}): the parameters came from another "
+                                          "engine, or this one restarted"}
         if op == "stage":
             return self.submit(lambda: self.stage(msg))
         if op == "release":

@@ -29,6 +29,7 @@ from serving.kv_events import (
     encode_batch,
     offset_endpoint_port,
 )
+from serving.kv_events.config import check_replica_ports
 from serving.request import Request
 from serving.types import SamplingParams
 from tests.helpers.kv_event_view import RouterView, decode
@@ -178,6 +179,38 @@ def test_publisher_sends_live_batches_and_replays_from_a_sequence_number():
         pub.close()
 
 
+def test_a_router_that_subscribes_late_still_hears_the_start_up_clear():
+    """A restarted server binds its endpoint long before a router's SUB socket reconnects, and a
+    PUB socket drops what it sends before the subscription arrives: the start-up
+    `AllBlocksCleared` repeats until the replica announces something, so a late subscriber
+    still hears it (vllm-router then forgets the previous process's blocks before routing by
+    them); once a block is announced, no clear follows it."""
+    port = _free_port()
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}", replay_endpoint=None, topic="kv")
+    pub = ZmqEventPublisher(cfg, data_parallel_rank=1)
+    pub.announce_cleared(every_s=0.2)
+    time.sleep(0.5)  # the first clears go out to nobody
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(pub.endpoint.replace("*", "127.0.0.1"))  # replica 1: the port + 1
+    try:
+        assert sub.poll(3000), "no clear reached the late subscriber"
+        _, seq, payload = sub.recv_multipart()
+        batch = decode(payload)
+        assert [e["type"] for e in batch.events] == ["AllBlocksCleared"] and batch.data_parallel_rank == 1
+        assert int.from_bytes(seq, "big") >= 1  # not the first one: that went out before the subscription
+        ev = BlockStored(block_hashes=[b"x" * 16], parent_block_hash=None, token_ids=[1] * 4, block_size=4,
+                         lora_id=None, medium="GPU", lora_name=None)
+        assert pub.publish(EventBatch(ts=1.0, events=[ev])) and pub.flush()
+        kinds = []
+        while sub.poll(600):  # three clear periods
+            kinds.append([e["type"] for e in decode(sub.recv_multipart()[2]).events])
+        assert kinds and kinds[-1] == ["BlockStored"], kinds  # (clears queued before it may precede it)
+    finally:
+        sub.close(linger=0)
+        pub.close()
+
+
 def test_publisher_drops_and_counts_when_its_queue_is_full():
     cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint="inproc://kv-drop-test", max_queue_size=1)
     pub = ZmqEventPublisher(cfg)
@@ -198,6 +231,11 @@ def test_config_keys_and_errors():
                        ('{"enable_kv_cache_events": 1}', "true or false"), ("[1]", "JSON object"), ("{", "not JSON")]:
         with pytest.raises(KVEventsConfigError, match=match):
             KVEventsConfig.from_dict(raw)
+    # Under DP 2, 5557 / 5558 would be replica 1's endpoint and replica 0's replay port.
+    with pytest.raises(KVEventsConfigError, match="replay_endpoint port at least 2 away"):
+        check_replica_ports(cfg, 2)
+    check_replica_ports(cfg, 1)
+    check_replica_ports(KVEventsConfig.from_dict({"enable_kv_cache_events": True, "replay_endpoint": "tcp://*:5559"}), 2)
     assert offset_endpoint_port("tcp://*:5557", 2) == "tcp://*:5559"
     assert offset_endpoint_port("inproc://x", 1) == "inproc://x_dp1"
     assert offset_endpoint_port(None, 3) is None

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from glm53.equality import compare_streams
+from serving.async_engine import AsyncEngine
 from serving.engine import EngineArgs, LLMEngine
 from serving.engine_factory import build_engine
 from serving.structured_outputs import StructuredOutputsParams
@@ -280,6 +281,25 @@ def test_prefill_releases_kv_nobody_pulls_within_abort_request_timeout(fault_pai
     _clean(prefill, fail)
 
 
+def test_an_idle_prefill_server_releases_kv_at_the_deadline(fault_pair):
+    """The server's driver (AsyncEngine) with nothing to do sleeps only until the earliest hold's
+    deadline: the pages of a request nobody pulled go back although no other request comes."""
+    prefill = fault_pair[0]
+    prefill_all(prefill, {"a": PROMPTS["a"]})
+    expired = prefill.pd.producer.num_expired
+    assert prefill.pd.producer.held
+    driver = AsyncEngine(prefill, "tiny")
+    try:
+        deadline = time.monotonic() + 10
+        while prefill.pd.producer.held and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        driver.shutdown(close=False)  # the module's engines go on
+        prefill.pd.set_wake(None)
+    assert prefill.pd.producer.held == {} and prefill.pd.producer.num_expired == expired + 1
+    _clean(prefill)
+
+
 def test_staged_kv_the_decode_side_never_pulls_is_deleted_at_the_deadline(fault_pair):
     """Decode died mid-pull (after asking to stage): the prefill side's pages went back when it
     staged, and the staged copy is deleted after abort_request_timeout."""
@@ -313,6 +333,25 @@ def test_unreachable_prefill_fails_or_recomputes_by_policy(fault_pair, reference
     time.sleep(0.6)
     prefill.step()  # the held KV expires on the prefill side
     _clean(prefill, fail, recompute)
+
+
+def test_kv_transfer_params_of_another_prefill_engine_are_refused(fault_pair):
+    """`remote_engine_id` names the prefill engine that answered: a pull from an engine with
+    another id (the parameters came from elsewhere, or the engine restarted on the same port) fails
+    by policy, as NIXL's handshake refuses it; the prefill side keeps the KV for its own decode
+    request, which still gets it."""
+    prefill, fail, _ = fault_pair
+    params = prefill_all(prefill, {"a": PROMPTS["a"]})
+    fail.add_request("wrong", PROMPTS["a"], greedy(max_tokens=2, kv_transfer_params={
+        **params["a"], "remote_engine_id": "deadbeef"}))
+    _, outs = drain_with(prefill, fail)
+    err = outs["wrong"].error
+    assert outs["wrong"].finish_reason == "error" and "remote_engine_id 'deadbeef'" in err, err
+    assert prefill.pd.producer.held  # not released: its own decode request may still come
+    fail.add_request("right", PROMPTS["a"], greedy(max_tokens=2, kv_transfer_params=params["a"]))
+    _, outs = drain_with(prefill, fail)
+    assert outs["right"].finish_reason == "length" and outs["right"].num_cached_tokens > 0
+    _clean(prefill, fail)
 
 
 def test_abort_while_the_kv_is_in_flight_leaks_nothing(fault_pair):

@@ -141,6 +141,10 @@ def test_malformed_kv_transfer_params_are_400s_naming_the_field(pd_servers):
                                                               "indexer": kp["kv_layout"]["groups"]["indexer"]}}}
     r = httpx.post(decode.url + "/v1/completions", json={**body, "kv_transfer_params": bad})
     assert r.status_code == 400 and "kv-cache-dtype" in r.json()["error"]["message"]
+    # A streamed do_remote_decode request would hold KV whose parameters no stream carries: refused.
+    r = httpx.post(prefill.url + "/v1/completions", json={**body, "stream": True,
+                                                          "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream", r.text
     # A do_remote_decode request to the decode-only server is refused naming the role.
     r = httpx.post(decode.url + "/v1/completions", json={**body, "kv_transfer_params": {"do_remote_decode": True}})
     assert r.status_code == 400 and "kv_producer" in r.json()["error"]["message"]
