@@ -15,7 +15,9 @@ logger it has (`LLMEngine.stat_loggers`). Two loggers exist:
 
 HiSparse metrics (registered only when the engine runs HiSparse): counters
 `vllm:hisparse_cache_hits`, `vllm:hisparse_cache_misses`, `vllm:hisparse_host_to_device_bytes`,
-`vllm:hisparse_prefill_rows_recomputed`
+`vllm:hisparse_prefill_rows_recomputed`, `vllm:hisparse_pages_released`,
+`vllm:hisparse_shared_pages_released`, `vllm:hisparse_requests_revived`,
+`vllm:hisparse_squeezed_lease_steps`
 (exposed with prometheus_client's `_total` suffix), gauges `vllm:hisparse_requests{state}` and
 `vllm:hisparse_host_pool_usage_perc`.
 
@@ -156,6 +158,33 @@ class _KVEventsCollector:
             yield fam
 
 
+_HISPARSE_POLICY_DOCS = {  # `HiSparseGauges.policy_totals` key → help text
+    "pages_released": "MLA pages a running request released to the host pool (their one holder).",
+    "shared_pages_released": "MLA pages several running requests shared, released by all of them together.",
+    "requests_revived": "Requests that took their released pages back once the pressure was gone.",
+    "squeezed_lease_steps": ("Request steps run on a hot lease squeezed to one top-k of rows per query row "
+                             "(instead of a preemption; docs/hisparse.md \"Squeezed leases\")."),
+}
+
+
+class _HiSparsePolicyCollector:
+    """The HiSparse residency policies' totals (`HiSparseGauges.policy_totals`, summed over
+    data-parallel replicas) as counters, read at scrape time."""
+
+    def __init__(self, totals, model_name: str):
+        self.totals = totals
+        self.model_name = model_name
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        for key, value in self.totals().items():
+            fam = CounterMetricFamily(f"vllm:hisparse_{key}", _HISPARSE_POLICY_DOCS[key], labels=["model_name"])
+            fam.add_metric([self.model_name], value)
+            yield fam
+
+
 class _PlacementCollector:
     """The data-parallel engine's placements (`serving.dp_engine.PlacementStats`) as counters."""
 
@@ -265,6 +294,8 @@ class PrometheusStatLogger:
                     lambda st=st: hs.residency().get(st, 0))
             gauge("vllm:hisparse_host_pool_usage_perc", "Fraction of HiSparse host-pool blocks in use (1 = full).",
                   hs.host_pool_usage)
+            if hs.policy_totals is not None:
+                r.register(_HiSparsePolicyCollector(hs.policy_totals, model_name))
         self.offload = gauges.offload is not None
         if self.offload:  # the KV offloading connector (serving/offload), vLLM's names
             self.ext_queries = counter("vllm:external_prefix_cache_queries",

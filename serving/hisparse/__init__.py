@@ -55,6 +55,7 @@ class HiSparseGauges:
     residency: callable
     host_pool_usage: callable
     totals: callable  # → (hits, misses, host → device bytes) since start-up
+    policy_totals: callable = None  # → {counter: value} of the residency policies, since start-up
 
 
 @dataclass
@@ -90,8 +91,13 @@ class HiSparse:
                     out[k] = out.get(k, 0) + v
             return out
 
+        def policy_totals():
+            return {k: sum(getattr(p, attr) for p in self.policies) for k, attr in (
+                ("pages_released", "num_released"), ("shared_pages_released", "num_released_shared"),
+                ("requests_revived", "num_revived"), ("squeezed_lease_steps", "num_squeezed_steps"))}
+
         return HiSparseGauges(residency, lambda: sum(h.usage() for h in self.hosts) / len(self.hosts),
-                              lambda: (d.hits, d.misses, d.h2d_bytes))
+                              lambda: (d.hits, d.misses, d.h2d_bytes), policy_totals)
 
     def plan(self, num_blocks: int, max_model_len: int, max_num_batched_tokens: int):
         """The planner's prediction for requests of `max_model_len` tokens on one replica's pool,

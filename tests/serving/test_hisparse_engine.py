@@ -251,6 +251,12 @@ def test_a_lease_is_squeezed_instead_of_preempting(bf16_ample, bf16_small25):
     assert e.scheduler.num_preemptions_total == preempted
     assert pol.num_squeezed_steps > squeezed  # the pressure really squeezed a lease
     assert pol.least_pages == 1 < pol.dec_pages == 2
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from serving.metrics import PrometheusStatLogger
+    exposed = {s.name: s.value for fam in text_string_to_metric_families(
+        PrometheusStatLogger("tiny", e.gauges).render().decode()) for s in fam.samples}
+    assert exposed["vllm:hisparse_squeezed_lease_steps_total"] == pol.num_squeezed_steps > 0
     assert e.pool.num_free == e.pool.num_usable_blocks
     assert e.hisparse.host.blocks.num_free == e.hisparse.host.num_usable
     compare_streams(streams["ample"], streams["hisparse"], lps["ample"], prompts, api.load(cache_dtype="bfloat16"))

@@ -69,3 +69,8 @@ def test_concurrent_long_requests_under_pressure_match_one_at_a_time(server):
     assert engine.engine.hisparse.device.drops_outside_truncation == 0
     # rows of truncated prefill chunks (adaptive sizing) are counted on /metrics as on the policy
     assert after[("vllm:hisparse_prefill_rows_recomputed_total", LAB)] == engine.engine.hisparse.policy.num_truncated_rows
+    # the release machinery's counters are the policy's
+    pol = engine.engine.hisparse.policy
+    for name, value in (("pages_released", pol.num_released), ("shared_pages_released", pol.num_released_shared),
+                        ("requests_revived", pol.num_revived), ("squeezed_lease_steps", pol.num_squeezed_steps)):
+        assert after[(f"vllm:hisparse_{name}_total", LAB)] == value
