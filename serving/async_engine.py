@@ -104,6 +104,15 @@ class AsyncEngine:
             self._inbox.append(("abort", request_id, finished_reason))
             self._cv.notify()
 
+    def abort_all(self, finished_reason: str = "abort") -> int:
+        """Abort every request the engine holds, each stream ending with a final output (finish
+        reason `finished_reason`), as a draining server does at its deadline. Returns how many."""
+        with self._cv:
+            rids = list(self._queues)
+            self._inbox.extend(("abort_all", rid, finished_reason) for rid in rids)
+            self._cv.notify()
+        return len(rids)
+
     def shutdown(self, timeout: float = 30.0, close: bool = True) -> None:
         """Stop the engine thread (waiting up to `timeout` seconds for its step) and, with
         `close`, close the P/D side channel and the KV event publishers."""
@@ -163,6 +172,10 @@ class AsyncEngine:
                         self._queues.pop(rid, None)
                 loop = done.get_loop()
                 loop.call_soon_threadsafe(_settle, done, err)
+            elif item[0] == "abort_all":  # the stream waits for its end: deliver it
+                out = self.engine.abort(item[1], item[2])
+                if out is not None:
+                    self._deliver(out, item[1])
             else:
                 self.engine.abort(item[1], item[2])
 

@@ -2,7 +2,9 @@
 
 * First SIGTERM or SIGINT: the server **drains** — every new HTTP request (and `/health`) gets a
   503 with an OpenAI error body, running requests go on for at most `--shutdown-timeout` seconds,
-  then the process exits 0 (requests still running at the deadline are cut).
+  then the process exits 0. Requests still running at the deadline are aborted: each response
+  ends properly (finish_reason "abort"; a stream's last chunk and `[DONE]`), and the process
+  exits once they are written (at most 2 s more).
 * A second signal exits at once (status 1).
 * The engine dies (`serving.faults.EngineDeadError`: its device state was lost): `/health`
   answers 503, the failed requests get their 500s, and the process exits 1 so that a
@@ -95,8 +97,13 @@ class GracefulServer(uvicorn.Server):
         while not self._idle() and time.monotonic() < deadline and not self.should_exit:
             time.sleep(0.05)
         if not self._idle():
-            logger.warning("%d requests still running after %.0f s; exiting anyway",
-                           self.engine.num_unfinished_requests(), timeout)
+            abort_all = getattr(self.engine, "abort_all", None)
+            n = abort_all() if abort_all is not None and exit_code is None else 0
+            logger.warning("%d requests still running after %.0f s; %s", self.engine.num_unfinished_requests(),
+                           timeout, f"aborted {n} (finish_reason abort)" if n else "exiting anyway")
+            end = time.monotonic() + 2.0  # their last chunks go out before the connections close
+            while n and self.drain.in_flight and time.monotonic() < end and not self.should_exit:
+                time.sleep(0.02)
         else:
             logger.info("drained; exiting")
         time.sleep(linger)  # a dead engine: let probes see the 503 before the port closes

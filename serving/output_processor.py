@@ -5,7 +5,9 @@ Stop strings are matched on the detokenized text, host-side. Text is emitted onl
 longer be the start of a stop string, so a stream never shows text past a stop, and a stop split
 across several tokens (or several stream increments) is still found. The stop string itself is
 not part of the output. Once a stop matches, the request is finished with reason "stop" and the
-caller must abort it in the engine (`RequestTextState.stopped`).
+caller must abort it in the engine (`RequestTextState.stopped`). A request the engine ended with a
+stop token (EOS or a `stop_token_ids` entry) keeps that token in its token ids but not its text,
+as vLLM's detokenizer does (`skip_special_tokens` false would otherwise show `<|endoftext|>`).
 """
 
 from __future__ import annotations
@@ -112,7 +114,10 @@ class RequestTextState:
             self.logprobs.extend(out.new_logprobs)
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens
-        raw = self._detok.step(out.new_token_ids, final=out.finished)
+        ids = out.new_token_ids
+        if out.finished and out.finish_reason == "stop" and ids:
+            ids = ids[:-1]  # the stop token: in the token ids, not in the text
+        raw = self._detok.step(ids, final=out.finished)
         emit, stopped = self._stops.feed(raw, final=out.finished)
         self.text += emit
         if stopped:

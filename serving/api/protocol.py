@@ -57,6 +57,7 @@ class StreamOptions(_Request):
     """`stream_options`: `include_usage` adds a final chunk with empty `choices` and the usage."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (refused: not built)
 
 
 class PromptTokensDetails(_Response):
@@ -158,6 +159,9 @@ class ChatCompletionRequest(_Request):
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     # vLLM extensions.
+    add_generation_prompt: bool = True  # the template's assistant-turn opener after the messages
+    continue_final_message: bool = False  # continue the last (assistant) message instead
+    min_tokens: int | None = 0  # refused when set: not built
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
@@ -260,6 +264,8 @@ class CompletionRequest(_Request):
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     # vLLM extensions.
+    max_completion_tokens: int | None = None  # as on chat: takes precedence over max_tokens
+    min_tokens: int | None = 0  # refused when set: not built
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True

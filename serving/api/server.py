@@ -60,7 +60,9 @@ import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from serving.api.chat_output import ChatParsing, ChatRequestError
 from serving.api.errors import (
@@ -100,6 +102,7 @@ from serving.api.structured import reasoning_end_token_id, request_constraint
 from serving.api.validation import (
     RESERVED_TEMPLATE_KWARGS,
     build_sampling_params,
+    continue_final_message,
     default_max_body_bytes,
     encode_text,
     header_data_parallel_rank,
@@ -115,6 +118,41 @@ logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------- the app
+
+
+_NOT_YET = object()  # a choice whose first output has not been awaited before the stream starts
+
+
+class _UnhandledErrors:
+    """ASGI middleware: an exception that escapes a route before its response started becomes
+    the OpenAI-style JSON 500 here. (Starlette's outermost error middleware would send the same
+    body from the `Exception` handler but then re-raise, so uvicorn logged two tracebacks and
+    reset the keep-alive connection, failing the client's next request on it.) A client that
+    disconnected while its body was being read gets nothing and is logged at INFO."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except ClientDisconnect:
+            logger.info("Client disconnected before its request body arrived (%s)", scope.get("path"))
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("Unhandled error", exc_info=exc)
+            await error_json(APIError(500, f"Internal server error: {type(exc).__name__}"))(scope, receive, send)
 
 
 def build_app(
@@ -144,6 +182,7 @@ def build_app(
     if max_body_bytes is None:
         max_body_bytes = default_max_body_bytes(engine.max_model_len)
     app = FastAPI(title="GLM-5.3 OpenAI-compatible server", docs_url=None, redoc_url=None)
+    app.add_middleware(_UnhandledErrors)
     app.state.engine = engine
     app.state.tokenizer = tokenizer
     app.state.served_model_name = served_model_name
@@ -196,11 +235,15 @@ def build_app(
         if model is not None and model != served_model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
-    async def _first_outputs(request: Request, ch: Choices) -> list[RequestOutput | None]:
-        """Wait for every choice's first output before answering, so that an engine rejection
-        is a clean HTTP error; the client leaving meanwhile aborts the requests."""
+    async def _first_outputs(request: Request, ch: Choices) -> list[RequestOutput | None | object]:
+        """Wait for the first choice's first output before answering, so that an engine
+        rejection (the same for every choice: they share prompt and parameters) is a clean HTTP
+        error; the client leaving meanwhile aborts the requests. The other choices' entries are
+        `_NOT_YET` (their outputs stream as they come: with `n` above --max-num-seqs some
+        choices wait for others to finish, and the headers must not)."""
         try:
-            return await race_disconnect(request, asyncio.gather(*(h.next() for h in ch.handles)))
+            first = await race_disconnect(request, ch.handles[0].next())
+            return [first] + [_NOT_YET] * (len(ch.handles) - 1)
         except ClientDisconnected:
             await ch.close()
             raise
@@ -238,7 +281,7 @@ def build_app(
     def _stream(
         request: Request,
         ch: Choices,
-        firsts: list[RequestOutput | None],
+        firsts: list[RequestOutput | None | object],
         make_chunks: Callable[[int, TextDelta, RequestTextState], list[dict[str, Any]]],
         make_usage_chunk: Callable[[UsageInfo], dict[str, Any]] | None,
         opening: list[dict[str, Any]],
@@ -292,8 +335,9 @@ def build_app(
                 for d in opening:
                     yield sse_event(d)
                 for i, out in enumerate(firsts):
-                    for d in await apply(i, out):
-                        yield sse_event(d)
+                    if out is not _NOT_YET:
+                        for d in await apply(i, out):
+                            yield sse_event(d)
                     if i in pending:
                         pumps[i] = asyncio.ensure_future(pump(i))
                 while pending:
@@ -339,9 +383,15 @@ def build_app(
         engine, tokenizer = _served(request)
         body = await parse_body(request, TokenizeRequest, max_body_bytes)
         if body.messages is not None:
-            chat = ChatCompletionRequest.model_validate({"messages": body.messages})
-            text = await anyio.to_thread.run_sync(
-                lambda: tokenizer.apply_chat_template(template_messages(chat), add_generation_prompt=True))
+            try:
+                chat = ChatCompletionRequest.model_validate({"messages": body.messages})
+            except ValidationError as e:
+                raise validation_error(e) from None
+            try:
+                text = await anyio.to_thread.run_sync(
+                    lambda: tokenizer.apply_chat_template(template_messages(chat), add_generation_prompt=True))
+            except Exception as e:  # noqa: BLE001 - template errors come from the request's content
+                raise bad_request(f"Could not render the chat template: {e}", "messages") from None
             ids = await encode_text(tokenizer, text, "messages")
         elif isinstance(body.prompt, str):
             ids = await encode_text(tokenizer, body.prompt, "prompt")
@@ -401,8 +451,8 @@ def build_app(
         if reserved:
             raise bad_request(
                 f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets "
-                "messages, tools and add_generation_prompt; a request cannot replace the chat "
-                "template).",
+                "messages and tools, add_generation_prompt and continue_final_message are request "
+                "fields of their own, and a request cannot replace the chat template).",
                 "chat_template_kwargs",
             )
         if body.reasoning_effort is not None:
@@ -410,14 +460,19 @@ def build_app(
         if body.tool_choice is not None:
             kwargs["tool_choice"] = body.tool_choice
         messages = template_messages(body)
+        if body.continue_final_message and (body.add_generation_prompt or messages[-1]["role"] != "assistant"):
+            raise bad_request("continue_final_message needs add_generation_prompt=false and a last message from "
+                              "the assistant (vLLM's rule).", "continue_final_message")
         try:
             prompt = await anyio.to_thread.run_sync(  # off the event loop, as `encode_text`
                 lambda: tokenizer.apply_chat_template(
-                    messages, tools=prepared.tools, add_generation_prompt=True, **kwargs
+                    messages, tools=prepared.tools, add_generation_prompt=body.add_generation_prompt, **kwargs
                 )
             )
         except Exception as e:  # noqa: BLE001 - template errors come from the request's content
             raise bad_request(f"Could not render the chat template: {e}", "messages") from None
+        if body.continue_final_message:
+            prompt = continue_final_message(prompt, messages[-1]["content"])
         prompt_ids = await encode_text(tokenizer, prompt, "messages")
 
         if body.max_completion_tokens is not None:
@@ -510,10 +565,10 @@ def build_app(
         body: CompletionRequest = await parse_body(request, CompletionRequest, max_body_bytes)
         _check_model(body.model)
         reject_unsupported(body)
-        if body.max_tokens is not None and body.max_tokens < 1:
-            raise bad_request(
-                f"max_tokens must be at least 1, got {body.max_tokens}.", "max_tokens"
-            )
+        for name in ("max_completion_tokens", "max_tokens"):
+            value = getattr(body, name)
+            if value is not None and value < 1:
+                raise bad_request(f"{name} must be at least 1, got {value}.", name)
 
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -526,8 +581,10 @@ def build_app(
         if not prompt_ids:
             raise bad_request("The prompt must not be empty.", "prompt")
 
+        requested, param = ((body.max_completion_tokens, "max_completion_tokens")
+                            if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
         max_tokens = resolve_max_tokens(
-            body.max_tokens, "max_tokens", len(prompt_ids), engine.max_model_len, "prompt",
+            requested, param, len(prompt_ids), engine.max_model_len, "prompt",
             note=getattr(engine, "max_model_len_note", ""),
         )
         params = build_sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None))

@@ -172,7 +172,8 @@ def sse_event(obj: BaseModel | dict[str, Any]) -> str:
 
 
 def chunk_dict(chunk: BaseModel) -> dict[str, Any]:
+    """A stream chunk's body: without a null `usage` or `kv_transfer_params`."""
     d = chunk.model_dump(mode="json")
     if d.get("usage") is None:
         d.pop("usage", None)
-    return d
+    return without_null_kv_params(d)

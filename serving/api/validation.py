@@ -62,10 +62,10 @@ async def parse_body(request: Request, model_cls: type[BaseModel], max_bytes: in
     raw = await read_body(request, max_bytes)
     try:
         obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"Invalid JSON body: {e}") from None
     except RecursionError:
         raise bad_request("Invalid JSON body: nested too deeply.") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of > 4,300 digits
+        raise bad_request(f"Invalid JSON body: {e}") from None
     if not isinstance(obj, dict):
         raise bad_request("The request body must be a JSON object.")
     try:
@@ -102,10 +102,12 @@ def _is_set(value: Any, default: Any) -> bool:
 
 
 MAX_N = 128  # most choices one request may ask for
+MAX_STOPS = 1024  # most stop strings, and most stop token ids, one request may give
 
 # Arguments of `apply_chat_template` that `chat_template_kwargs` must not carry: the server's own,
 # and `chat_template`, which would let a client render a template of its choosing.
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "chat_template"})
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
+                                      "chat_template"})
 
 
 def reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -116,6 +118,11 @@ def reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if any(not s for s in stops):
         raise bad_request("stop strings must be non-empty.", "stop")
+    # Every stop string is searched for after every token, and every stop token id checked, so
+    # their number is bounded (100,000 stop strings stalled the server's event loop for seconds).
+    for name, values in (("stop", stops), ("stop_token_ids", body.stop_token_ids or [])):
+        if len(values) > MAX_STOPS:
+            raise bad_request(f"{name} accepts at most {MAX_STOPS} entries, got {len(values)}.", name)
     for s in stops:
         check_unicode(s, "stop")
     if body.stream_options is not None and not body.stream:
@@ -127,6 +134,9 @@ def reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
         ("top_k", body.top_k not in (None, 0, -1)),
         ("min_p", _is_set(body.min_p, 0.0)),
         ("repetition_penalty", _is_set(body.repetition_penalty, 1.0)),
+        ("min_tokens", _is_set(body.min_tokens, 0)),
+        ("stream_options.continuous_usage_stats",
+         body.stream_options is not None and body.stream_options.continuous_usage_stats),
     ]
     if body.response_format is not None:
         fmt = body.response_format.get("type")
@@ -273,12 +283,29 @@ def flatten_content(content: str | list[dict[str, Any]] | None, index: int) -> s
     return "\n".join(texts)
 
 
+def continue_final_message(prompt: str, content: str) -> str:
+    """`prompt` (rendered without a generation prompt) cut right after the final message's
+    content, so the model continues that message (vLLM's and HF's `continue_final_message`: the
+    template's end-of-turn after it is dropped). 400 naming `continue_final_message` when the
+    content is empty or cannot be found in the rendered text."""
+    text = (content or "").strip()
+    at = prompt.rfind(text) if text else -1
+    if at < 0:
+        raise bad_request("continue_final_message: the final message's content is empty or the chat template "
+                          "does not render it verbatim.", "continue_final_message")
+    return prompt[:at + len(text)]
+
+
 def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     """Messages as plain dicts for the chat template (content flattened to text; other keys such
     as `tool_calls`, `tool_call_id`, `reasoning_content` unchanged)."""
     out = []
     for i, msg in enumerate(body.messages):
         d: dict[str, Any] = dict(msg.model_extra or {})
+        calls = d.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+            raise bad_request(f"messages[{i}].tool_calls must be a list of tool call objects.",
+                              f"messages.{i}.tool_calls")
         d["role"] = "system" if msg.role == "developer" else msg.role
         d["content"] = flatten_content(msg.content, i)
         out.append(d)

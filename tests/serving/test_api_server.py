@@ -34,7 +34,8 @@ class FakeEngine:
 
     Prompt markers change its behaviour: RAISE_VALUE (ValueError), RAISE_BOOM (RuntimeError
     before the first token), BOOM_LATER (RuntimeError after a few tokens), SLOW (50 ms per
-    token), STALL (30 s before each token). `ignore_eos` cycles REPLY+EOS until max_tokens.
+    token), STALL (30 s before each token), QUEUED STALL (the same but for the first choice: the
+    others wait, as choices beyond --max-num-seqs do). `ignore_eos` cycles REPLY+EOS until max_tokens.
     Aborts and cancelled generators are recorded (thread-safe) so tests can wait for them.
     """
 
@@ -77,8 +78,8 @@ class FakeEngine:
         if "RAISE_BOOM" in prompt:
             raise RuntimeError("the fake engine broke")
         delay = 0.05 if "SLOW" in prompt else 0.0
-        if "STALL" in prompt:
-            delay = 30.0  # a long "prefill": only a disconnect ends it early
+        if "STALL" in prompt and ("QUEUED" not in prompt or not request_id.endswith("-0")):
+            delay = 30.0  # a long "prefill" (QUEUED: every choice but the first): only a disconnect ends it
         seq = self.reply_ids + [self.eos]
         n_out, step, finished = 0, 0, False
         try:
@@ -217,6 +218,62 @@ def test_chat_default_max_tokens_fills_context(client, engine):
     assert params.max_tokens == MAX_MODEL_LEN - len(prompt_ids)
     assert r.usage.completion_tokens == params.max_tokens
     assert r.choices[0].finish_reason == "length"
+
+
+def test_a_stop_token_is_in_the_token_ids_but_not_the_text(http, tiny_tokenizer):
+    """The fake engine ends REPLY with EOS (finish_reason "stop"): as in vLLM, the EOS token stays
+    in the token ids but its text does not reach the output, even with skip_special_tokens false
+    (it used to end the text with "<|endoftext|>")."""
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 100,
+                                           "skip_special_tokens": False, "return_token_ids": True}).json()
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["token_ids"][-1] == tiny_tokenizer.eos_token_id
+    assert choice["text"] == REPLY
+    # streamed the same, and no stream chunk carries a null kv_transfer_params
+    with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 100,
+                                                       "skip_special_tokens": False, "stream": True}) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == REPLY
+    assert not any("kv_transfer_params" in c for c in chunks)
+
+
+def test_a_stream_starts_before_every_choice_has_output(http, engine):
+    """With `n` above --max-num-seqs some choices wait for others to finish: the stream (its
+    headers and the first choice's chunks) must not wait for them (it did: 8.6 s to the first
+    byte at n = 33 on the tiny model's server)."""
+    body = {"model": MODEL, "prompt": "QUEUED STALL", "n": 2, "stream": True, "max_tokens": 5}
+    t0 = time.monotonic()
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        first = next(json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
+    assert first["choices"][0]["index"] == 0 and time.monotonic() - t0 < 5
+    assert engine.wait_for(lambda: any(c.endswith("-1") for c in engine.cancelled))  # closing it cancels the rest
+
+
+def test_completions_take_max_completion_tokens(client, engine):
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=9,
+                                  extra_body={"max_completion_tokens": 4, "ignore_eos": True})
+    assert engine.submitted[r.id][1].max_tokens == 4 and r.usage.completion_tokens == 4
+
+
+def test_add_generation_prompt_and_continue_final_message(client, engine, tiny_tokenizer):
+    """vLLM's chat fields: without the generation prompt the template's assistant opener is left
+    out; `continue_final_message` continues the last assistant message where its text ends (the
+    template's end of turn after it dropped)."""
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once upon"}]
+
+    def rendered(**extra):
+        r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, extra_body=extra)
+        return tiny_tokenizer.decode(engine.submitted[r.id][0], skip_special_tokens=False)
+
+    full = rendered()
+    assert full.endswith("<|assistant|><think>")  # the opener of a new assistant turn
+    closed = rendered(add_generation_prompt=False)
+    assert full.startswith(closed) and not closed.endswith("<|assistant|><think>")
+    cont = rendered(add_generation_prompt=False, continue_final_message=True)
+    assert cont.endswith("Once upon") and closed.startswith(cont)  # (this template closes no turn)
+    from serving.api.validation import continue_final_message  # a template that does close it
+    assert continue_final_message("<|assistant|> Once upon<|end|>\n", " Once upon ") == "<|assistant|> Once upon"
 
 
 def test_chat_stream_with_usage(client, tiny_tokenizer):
@@ -411,6 +468,13 @@ def _chat(**fields) -> dict:
         # These used to reach the template call: a Python TypeError text, or a client's template.
         (_chat(chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs"),
         (_chat(chat_template_kwargs={"chat_template": "{{ 7 * 6 }}"}), "chat_template_kwargs"),
+        (_chat(chat_template_kwargs={"continue_final_message": True}), "chat_template_kwargs"),
+        # vLLM fields this build does not honour are refused, not dropped
+        (_chat(min_tokens=8), "min_tokens"),
+        (_chat(stream=True, stream_options={"continuous_usage_stats": True}), "stream_options.continuous_usage_stats"),
+        (_chat(continue_final_message=True), "continue_final_message"),  # the last message is the user's
+        ({"model": MODEL, "messages": [{"role": "assistant", "content": "x", "tool_calls": "notalist"}]},
+         "messages.0.tool_calls"),
     ],
 )
 def test_chat_400(http, body, param):
@@ -429,6 +493,12 @@ def test_chat_400(http, body, param):
         ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
         ({"model": MODEL, "prompt": [1] * MAX_MODEL_LEN}, "prompt"),
         ({"model": MODEL, "prompt": [1] * 100, "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+        ({"model": MODEL, "prompt": [1] * 100, "max_completion_tokens": MAX_MODEL_LEN}, "max_completion_tokens"),
+        ({"model": MODEL, "prompt": "x", "max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"model": MODEL, "prompt": "x", "min_tokens": 3}, "min_tokens"),
+        # every stop string is searched after every token: 100,000 of them stalled the event loop
+        ({"model": MODEL, "prompt": "x", "stop": [f"s{i}" for i in range(1025)]}, "stop"),
+        ({"model": MODEL, "prompt": "x", "stop_token_ids": [7] * 1025}, "stop_token_ids"),
     ],
 )
 def test_completions_400(http, body, param):
@@ -454,11 +524,30 @@ def test_raw_body_400_names_the_field(http, path, raw, param):
 
 
 def test_malformed_json_400(http):
-    for raw in (b'{"model": "glm-test", "messages": [', b"not json", b"[1, 2]", b"\xff\xfe"):
+    # (an integer of more than 4,300 digits is a ValueError of Python's int parser: it was a 500)
+    for raw in (b'{"model": "glm-test", "messages": [', b"not json", b"[1, 2]", b"\xff\xfe",
+                b'{"messages": [{"role": "user", "content": "x"}], "seed": 1' + b"0" * 5000 + b"}"):
         resp = http.post(
             "/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"}
         )
         _assert_error(resp, 400)
+
+
+@pytest.mark.parametrize("messages", [[], [{"role": "wizard", "content": "hi"}], [{"content": "hi"}],
+                                      [{"role": "assistant", "content": "x", "tool_calls": "notalist"}]])
+def test_tokenize_refuses_bad_messages_with_a_400(http, messages):
+    """/tokenize validates and renders messages as the chat endpoint does (these were 500s)."""
+    _assert_error(http.post("/tokenize", json={"messages": messages}), 400, "messages")
+
+
+def test_an_unhandled_error_is_a_json_500_and_the_connection_stays_usable(http, engine, monkeypatch):
+    """An exception no handler knows becomes the OpenAI-style 500 without dropping the
+    keep-alive connection (Starlette's error middleware used to re-raise after answering, and
+    uvicorn then reset the socket: the client's next request on it failed)."""
+    monkeypatch.setattr(engine, "num_unfinished_requests", lambda: 1 / 0, raising=False)
+    err = _assert_error(http.get("/get_load"), 500)
+    assert "ZeroDivisionError" in err["message"]
+    assert http.get("/v1/models").status_code == 200  # same client, same pooled connection
 
 
 def test_prompt_too_long_400(client, http):

@@ -50,7 +50,9 @@ COMMON = {
     "temperature": prob | junk, "top_p": prob | junk, "top_k": st.integers(-2, 600) | junk,
     "min_p": prob, "seed": st.integers(-2**64, 2**64) | junk, "n": st.integers(-1, 3) | junk,
     "stop": text | st.lists(text, max_size=5) | junk, "stream": st.booleans() | junk,
-    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | junk}) | junk,
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | junk,
+                                                          "continuous_usage_stats": st.booleans() | junk}) | junk,
+    "min_tokens": st.integers(-1, 4) | junk,
     "presence_penalty": prob | junk, "frequency_penalty": prob | junk, "repetition_penalty": prob | junk,
     "logit_bias": st.dictionaries(st.sampled_from(["5", "-1", "999", "x"]), st.floats(-200, 200)) | junk,
     "ignore_eos": st.booleans() | junk, "stop_token_ids": token_ids | junk, "skip_special_tokens": st.booleans(),
@@ -68,11 +70,13 @@ CHAT = {**COMMON,
                                             {"type": "json_schema", "json_schema": {"name": "x", "schema": {
                                                 "type": "object", "properties": {"a": {"type": "boolean"}}}}}])
         | junk,
-        "chat_template_kwargs": st.dictionaries(st.text(max_size=8), junk, max_size=2) | junk}
+        "chat_template_kwargs": st.dictionaries(st.text(max_size=8), junk, max_size=2) | junk,
+        "add_generation_prompt": st.booleans() | junk, "continue_final_message": st.booleans() | junk}
 COMPLETION = {**COMMON,
               "prompt": text | token_ids | st.lists(text, max_size=3) | st.lists(token_ids, max_size=3) | junk,
               "echo": st.booleans() | junk, "logprobs": st.integers(-1, 30) | junk, "best_of": st.integers(-1, 3),
               "suffix": text | junk, "return_token_ids": st.booleans() | junk,
+              "max_completion_tokens": small_limit | junk,
               "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {}]) | junk}
 assert set(CHAT) >= set(ChatCompletionRequest.model_fields) - {"max_tokens"}
 assert set(COMPLETION) >= set(CompletionRequest.model_fields) - {"max_tokens"}

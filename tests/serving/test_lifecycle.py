@@ -23,11 +23,12 @@ def stream_completion(url: str, max_tokens: int, result: dict, first: threading.
     """Stream a greedy completion; record chunks, finish reason and any error into `result`."""
     body = {"model": "glm-5.3-tiny", "prompt": "Tell me a long story", "max_tokens": max_tokens, "stream": True,
             "temperature": 0, "ignore_eos": True}
-    result.update(tokens=0, finish=None, error=None)
+    result.update(tokens=0, finish=None, error=None, done=False)
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
             result["status"] = r.status_code
             for line in r.iter_lines():
+                result["done"] = result["done"] or line == "data: [DONE]"
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 d = json.loads(line[6:])
@@ -62,6 +63,22 @@ def test_sigterm_drains_running_requests_then_exits_zero():
         assert result["error"] is None and result["finish"] == "length" and result["tokens"] == 120, result
         assert srv.proc.wait(60) == 0, srv.log()[-3000:]
         assert "drained; exiting" in srv.log()
+
+
+def test_streams_still_running_at_the_shutdown_deadline_end_properly():
+    """At --shutdown-timeout the running requests are aborted: the stream gets its last chunk
+    (finish_reason "abort") and [DONE] instead of a cut connection, and the process exits 0
+    soon after the deadline (not uvicorn's own 5 s later)."""
+    with server_process(ARGV + ["--shutdown-timeout", "1"]) as srv:
+        t, result = start_stream(srv.url, 900)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        assert result["error"] is None and result["finish"] == "abort" and result["done"], result
+        assert result["tokens"] < 900
+        assert srv.proc.wait(60) == 0, srv.log()[-3000:]
+        assert time.monotonic() - t0 < 1 + 4, srv.log()[-3000:]
+        assert "aborted 1 (finish_reason abort)" in srv.log()
 
 
 def test_a_second_signal_exits_at_once():
