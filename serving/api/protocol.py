@@ -303,11 +303,21 @@ class CompletionResponse(_Response):
 
 
 class TokenizeRequest(_Request):
-    """Body of `POST /tokenize` (vLLM's): a prompt string or chat messages."""
+    """Body of `POST /tokenize` (vLLM's): a prompt string or chat messages; `return_token_strs`
+    adds each token's text."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True  # messages: as on chat completions
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    """Body of `POST /detokenize` (vLLM's): token ids → `{"prompt": text}`."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---------------------------------------------------------------------------------------- models

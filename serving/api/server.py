@@ -84,6 +84,7 @@ from serving.api.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -382,6 +383,7 @@ def build_app(
         "tokens", "token_strs"}` (vllm-router's cache_aware policy uses the token ids)."""
         engine, tokenizer = _served(request)
         body = await parse_body(request, TokenizeRequest, max_body_bytes)
+        _check_model(body.model)
         if body.messages is not None:
             try:
                 chat = ChatCompletionRequest.model_validate({"messages": body.messages})
@@ -389,7 +391,8 @@ def build_app(
                 raise validation_error(e) from None
             try:
                 text = await anyio.to_thread.run_sync(
-                    lambda: tokenizer.apply_chat_template(template_messages(chat), add_generation_prompt=True))
+                    lambda: tokenizer.apply_chat_template(template_messages(chat),
+                                                          add_generation_prompt=body.add_generation_prompt))
             except Exception as e:  # noqa: BLE001 - template errors come from the request's content
                 raise bad_request(f"Could not render the chat template: {e}", "messages") from None
             ids = await encode_text(tokenizer, text, "messages")
@@ -397,8 +400,23 @@ def build_app(
             ids = await encode_text(tokenizer, body.prompt, "prompt")
         else:
             raise bad_request("Give a prompt string or messages.", "prompt")
+        strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids] if body.return_token_strs else None
         return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
-                             "token_strs": None})
+                             "token_strs": strs})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        """vLLM's `/detokenize`: `{"tokens": [ids]}` → `{"prompt": text}` (400 for an id outside
+        the vocabulary)."""
+        _, tokenizer = _served(request)
+        body = await parse_body(request, DetokenizeRequest, max_body_bytes)
+        _check_model(body.model)
+        vocab = len(tokenizer)
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary (0 … {vocab - 1}).", "tokens")
+        text = await anyio.to_thread.run_sync(lambda: tokenizer.decode(body.tokens, skip_special_tokens=False))
+        return JSONResponse({"prompt": text})
 
     @app.get("/health")
     async def health(request: Request) -> Response:

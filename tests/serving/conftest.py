@@ -70,6 +70,10 @@ class TinyChatTokenizer:
         env.globals["raise_exception"] = raise_exception
         self._template = env.from_string(_TEMPLATE)
 
+    def __len__(self) -> int:
+        """Token ids the tokenizer knows (as glm53.tokenizer's)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (special-token text maps to the special ids; none are added)."""
         return self._tok.encode(text, add_special_tokens=False).ids

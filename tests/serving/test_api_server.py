@@ -540,6 +540,20 @@ def test_tokenize_refuses_bad_messages_with_a_400(http, messages):
     _assert_error(http.post("/tokenize", json={"messages": messages}), 400, "messages")
 
 
+def test_tokenize_and_detokenize(http, tiny_tokenizer):
+    """vLLM's /tokenize (with `return_token_strs`, the served model only) and /detokenize."""
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": "Hello there", "return_token_strs": True}).json()
+    assert r["tokens"] == tiny_tokenizer.encode("Hello there") and r["count"] == len(r["tokens"])
+    assert "".join(r["token_strs"]) == "Hello there"
+    assert http.post("/detokenize", json={"model": MODEL, "tokens": r["tokens"]}).json() == {"prompt": "Hello there"}
+    _assert_error(http.post("/tokenize", json={"model": "other", "prompt": "x"}), 404, "model")
+    _assert_error(http.post("/detokenize", json={"tokens": [1, 10**6]}), 400, "tokens")
+    _assert_error(http.post("/detokenize", json={"tokens": "x"}), 400, "tokens")
+    with_prompt = http.post("/tokenize", json={"messages": _user("Hi")}).json()["count"]
+    without = http.post("/tokenize", json={"messages": _user("Hi"), "add_generation_prompt": False}).json()["count"]
+    assert without < with_prompt
+
+
 def test_an_unhandled_error_is_a_json_500_and_the_connection_stays_usable(http, engine, monkeypatch):
     """An exception no handler knows becomes the OpenAI-style 500 without dropping the
     keep-alive connection (Starlette's error middleware used to re-raise after answering, and
