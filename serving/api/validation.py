@@ -101,6 +101,12 @@ def _is_set(value: Any, default: Any) -> bool:
     return value is not None and value != default
 
 
+def _remote_decode(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    """A P/D prefill request (`kv_transfer_params.do_remote_decode`): its output is discarded."""
+    kv = (body.model_extra or {}).get("kv_transfer_params")
+    return isinstance(kv, dict) and kv.get("do_remote_decode") is True
+
+
 MAX_N = 128  # most choices one request may ask for
 MAX_STOPS = 1024  # most stop strings, and most stop token ids, one request may give
 
@@ -134,7 +140,9 @@ def reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
         ("top_k", body.top_k not in (None, 0, -1)),
         ("min_p", _is_set(body.min_p, 0.0)),
         ("repetition_penalty", _is_set(body.repetition_penalty, 1.0)),
-        ("min_tokens", _is_set(body.min_tokens, 0)),
+        # (vllm-router sends min_tokens 1 with max_tokens 1 to a P/D prefill server, whose sampled
+        # token nobody sees: there it changes nothing)
+        ("min_tokens", _is_set(body.min_tokens, 0) and not _remote_decode(body)),
         ("stream_options.continuous_usage_stats",
          body.stream_options is not None and body.stream_options.continuous_usage_stats),
     ]
