@@ -37,8 +37,11 @@ def vllm_router(args: list[str], startup_timeout_s: float = 60.0) -> Iterator[tu
     (url, log path); kill it at the end. Raises AssertionError when it exits or is not ready in time."""
     port = free_port()
     log_path = os.path.join(tempfile.gettempdir(), f"vllm-router-{port}.log")
+    # its Prometheus exporter would bind 29000: two routers at once (xdist workers, or one a
+    # developer runs) would collide, and the second exits at start-up
+    metrics = [] if "--prometheus-port" in args else ["--prometheus-port", str(free_port())]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([ROUTER, "--host", "127.0.0.1", "--port", str(port), *args], stdout=log,
+        proc = subprocess.Popen([ROUTER, "--host", "127.0.0.1", "--port", str(port), *metrics, *args], stdout=log,
                                 stderr=subprocess.STDOUT, env={**os.environ, "OPENAI_API_KEY": ""})
     url = f"http://127.0.0.1:{port}"
     try:
