@@ -135,27 +135,31 @@ class EngineGauges:
     dp_placements: object = None  # serving.dp_engine.PlacementStats under data parallelism
 
 
-class _KVEventsCollector:
-    """The KV event publishers' totals as Prometheus counters, read at scrape time."""
+class _CounterCollector:
+    """Counters read at scrape time: `rows()` → (name, help, value) triples, labelled `model_name`."""
 
-    def __init__(self, kv_events, model_name: str):
-        self.kv_events = kv_events
+    def __init__(self, rows, model_name: str):
+        self.rows = rows
         self.model_name = model_name
 
     def describe(self):
         return []
 
     def collect(self):
-        ev = self.kv_events
-        for name, doc, value in (
-                ("vllm:kv_events_published", "KV event batches sent on the publishers' sockets.", ev.num_published),
-                ("vllm:kv_events_dropped", "KV event batches dropped (publisher queue full).", ev.num_dropped),
-                ("vllm:kv_event_blocks_stored", "Blocks announced as stored (per medium; one block = one "
-                 "prefix-cache unit).", ev.num_blocks_stored),
-                ("vllm:kv_event_blocks_removed", "Blocks announced as removed.", ev.num_blocks_removed)):
+        for name, doc, value in self.rows():
             fam = CounterMetricFamily(name, doc, labels=["model_name"])
             fam.add_metric([self.model_name], value)
             yield fam
+
+
+def _kv_events_rows(ev):
+    """The KV event publishers' totals (`serving.kv_events.KVEvents`)."""
+    return lambda: (
+        ("vllm:kv_events_published", "KV event batches sent on the publishers' sockets.", ev.num_published),
+        ("vllm:kv_events_dropped", "KV event batches dropped (publisher queue full).", ev.num_dropped),
+        ("vllm:kv_event_blocks_stored", "Blocks announced as stored (per medium; one block = one "
+         "prefix-cache unit).", ev.num_blocks_stored),
+        ("vllm:kv_event_blocks_removed", "Blocks announced as removed.", ev.num_blocks_removed))
 
 
 _HISPARSE_POLICY_DOCS = {  # `HiSparseGauges.policy_totals` key → help text
@@ -167,22 +171,10 @@ _HISPARSE_POLICY_DOCS = {  # `HiSparseGauges.policy_totals` key → help text
 }
 
 
-class _HiSparsePolicyCollector:
+def _hisparse_policy_rows(totals):
     """The HiSparse residency policies' totals (`HiSparseGauges.policy_totals`, summed over
-    data-parallel replicas) as counters, read at scrape time."""
-
-    def __init__(self, totals, model_name: str):
-        self.totals = totals
-        self.model_name = model_name
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        for key, value in self.totals().items():
-            fam = CounterMetricFamily(f"vllm:hisparse_{key}", _HISPARSE_POLICY_DOCS[key], labels=["model_name"])
-            fam.add_metric([self.model_name], value)
-            yield fam
+    data-parallel replicas)."""
+    return lambda: [(f"vllm:hisparse_{k}", _HISPARSE_POLICY_DOCS[k], v) for k, v in totals().items()]
 
 
 class _PlacementCollector:
@@ -295,7 +287,7 @@ class PrometheusStatLogger:
             gauge("vllm:hisparse_host_pool_usage_perc", "Fraction of HiSparse host-pool blocks in use (1 = full).",
                   hs.host_pool_usage)
             if hs.policy_totals is not None:
-                r.register(_HiSparsePolicyCollector(hs.policy_totals, model_name))
+                r.register(_CounterCollector(_hisparse_policy_rows(hs.policy_totals), model_name))
         self.offload = gauges.offload is not None
         if self.offload:  # the KV offloading connector (serving/offload), vLLM's names
             self.ext_queries = counter("vllm:external_prefix_cache_queries",
@@ -314,7 +306,7 @@ class PrometheusStatLogger:
             gauge("vllm:kv_offload_host_usage_perc", "Fraction of the connector's host-store blocks filed, queued or "
                   "pinned (1 = full).", gauges.offload)
         if gauges.kv_events is not None:  # KV events (serving/kv_events)
-            r.register(_KVEventsCollector(gauges.kv_events, model_name))
+            r.register(_CounterCollector(_kv_events_rows(gauges.kv_events), model_name))
         if gauges.dp_placements is not None:  # the data-parallel engine's replica choice
             r.register(_PlacementCollector(gauges.dp_placements, model_name))
         self.spec_k = gauges.num_speculative_tokens

@@ -227,13 +227,17 @@ def test_a_preempted_prefill_resumes_from_the_host_tier():
     assert req.num_preemptions == 1
 
 
-def _shared_prefix_run(share_release: bool, monkeypatch) -> HiSparseEngine:
+def _shared_prefix_run(share_release: bool, monkeypatch, num_blocks: int = 50, squeeze: bool = True,
+                       on_step=None) -> HiSparseEngine:
     """Four requests on one 100-token prefix (25 shared MLA pages), admitted three steps apart,
-    on a 50-page pool: the shared pages alone are half of it."""
+    on a `num_blocks`-page pool (50: the shared pages alone are half of it); `on_step(e)` after
+    every step."""
     with monkeypatch.context() as m:
         if not share_release:
             m.setattr(HiSparsePolicy, "_shared_candidates", lambda self, protect, leased, cost=None: [])
-        e = HiSparseEngine(num_blocks=50, max_num_seqs=4, prefix_caching=True, max_model_len=200)
+        if not squeeze:
+            m.setattr(HiSparsePolicy, "_squeeze", lambda self, req, num_new, scheduled: 0)
+        e = HiSparseEngine(num_blocks=num_blocks, max_num_seqs=4, prefix_caching=True, max_model_len=200)
         base = prompt(7, 100)
         arrivals = [(3 * i, f"r{i}", base + prompt(100 + i, 4)) for i in range(4)]
         step = 0
@@ -243,6 +247,8 @@ def _shared_prefix_run(share_release: bool, monkeypatch) -> HiSparseEngine:
                 e.add(rid, p, max_tokens=50, ignore_eos=True)
             if e.sched.has_unfinished_requests():
                 e.step()
+                if on_step is not None:
+                    on_step(e)
             step += 1
         e.flush()
         e.check_against_reference()
@@ -270,26 +276,14 @@ def test_leases_are_squeezed_to_what_a_decode_step_needs_instead_of_preempting(m
     the decode size when pages free up; nobody is preempted, and every stream equals its solo run
     (the fake runner checks each step's rows against its lease)."""
     def run(squeeze: bool):
-        with monkeypatch.context() as m:
-            if not squeeze:
-                m.setattr(HiSparsePolicy, "_squeeze", lambda self, req, num_new, scheduled: 0)
-            e = HiSparseEngine(num_blocks=40, max_num_seqs=4, prefix_caching=True, max_model_len=200)
-            base = prompt(7, 100)
-            arrivals = [(3 * i, f"r{i}", base + prompt(100 + i, 4)) for i in range(4)]
-            step, leases = 0, {}  # request → the lease sizes it held, in order
-            while arrivals or e.sched.has_unfinished_requests():
-                while arrivals and arrivals[0][0] <= step:
-                    _, rid, p = arrivals.pop(0)
-                    e.add(rid, p, max_tokens=50, ignore_eos=True)
-                if e.sched.has_unfinished_requests():
-                    e.step()
-                    for rid, rec in e.policy.records.items():
-                        if rec.lease and leases.setdefault(rid, [0])[-1] != len(rec.lease):
-                            leases[rid].append(len(rec.lease))
-                step += 1
-            e.flush()
-            e.check_against_reference()
-        return e, leases
+        leases = {}  # request → the lease sizes it held, in order
+
+        def record(e):
+            for rid, rec in e.policy.records.items():
+                if rec.lease and leases.setdefault(rid, [0])[-1] != len(rec.lease):
+                    leases[rid].append(len(rec.lease))
+
+        return _shared_prefix_run(True, monkeypatch, num_blocks=40, squeeze=squeeze, on_step=record), leases
 
     plain, _ = run(False)
     assert plain.sched.num_preemptions_total >= 1 and plain.policy.num_squeezed_steps == 0
