@@ -208,7 +208,7 @@ def build_api(args, async_engine, tokenizer, metrics=None):
     parsing = ChatParsing(reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                           enable_auto_tool_choice=args.enable_auto_tool_choice)
     app = build_app(async_engine, tokenizer, async_engine.model_name, api_key=args.api_key, chat_parsing=parsing,
-                    extra_routes=add_metrics if metrics is not None else None)
+                    extra_routes=add_metrics if metrics is not None else None, model_root=args.model or "tiny")
     app.state.metrics = metrics
     return app
 

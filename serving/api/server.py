@@ -164,6 +164,7 @@ def build_app(
     extra_routes: Callable[[FastAPI], None] | None = None,
     chat_parsing: ChatParsing | None = None,
     max_body_bytes: int | None = None,
+    model_root: str | None = None,
 ) -> FastAPI:
     """Build the OpenAI-compatible FastAPI app over `engine`.
 
@@ -178,6 +179,8 @@ def build_app(
     chat_parsing: reasoning / tool-call parsing of chat outputs (`serving.api.chat_output`);
         default none (the text is returned as content).
     max_body_bytes: larger request bodies get a 413 (default `default_max_body_bytes`).
+    model_root: what `/v1/models` lists as `root`: the checkpoint path, hub id or preset name the
+        server was started with (vLLM's `--model`); default `served_model_name`.
     """
     chat_parsing = chat_parsing or ChatParsing()
     if max_body_bytes is None:
@@ -433,7 +436,7 @@ def build_app(
         engine, _ = _served(request)
         return ModelCard(
             id=served_model_name,
-            root=getattr(engine, "model_name", None),
+            root=model_root or served_model_name,
             max_model_len=engine.max_model_len,
         )
 

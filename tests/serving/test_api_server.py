@@ -712,7 +712,12 @@ def test_extra_routes_hook_and_no_api_key(tiny_tokenizer):
     app = build_app(FakeEngine(tiny_tokenizer), tiny_tokenizer, MODEL, extra_routes=add_metrics)
     with TestClient(app) as tc:
         assert tc.get("/metrics").text.startswith("vllm:num_requests_running")
-        assert tc.get("/v1/models").status_code == 200  # no key configured, none needed
+        card = tc.get("/v1/models").json()["data"][0]  # no key configured, none needed
+        assert card["id"] == card["root"] == MODEL  # no model_root given: the served name
+    app = build_app(FakeEngine(tiny_tokenizer), tiny_tokenizer, MODEL, model_root="/ckpt/GLM-5.3-FP8")
+    with TestClient(app) as tc:
+        for card in (tc.get("/v1/models").json()["data"][0], tc.get(f"/v1/models/{MODEL}").json()):
+            assert (card["id"], card["root"]) == (MODEL, "/ckpt/GLM-5.3-FP8")
         r = tc.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})  # model optional
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         _assert_error(tc.get("/no/such/route"), 404)

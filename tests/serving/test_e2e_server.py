@@ -45,6 +45,9 @@ def greedy_completion(client, prompt_ids, n=8):
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == ["glm-5.3-tiny"]
+    # vLLM lists the served name as `id` and what --model named as `root` (here no --model: the preset)
+    card = httpx.get(server[0] + "/v1/models").json()["data"][0]
+    assert (card["id"], card["root"], card["max_model_len"]) == ("glm-5.3-tiny", "tiny", server[1].max_model_len)
     assert httpx.get(server[0] + "/health").status_code == 200
 
 
