@@ -75,6 +75,7 @@ def bench_channel(steps: int) -> list[dict]:
     follower = FollowerChannel(f"127.0.0.1:{port}", 1)
     follower.hello({})
     leader.wait_for_followers({}, 30)
+    follower.await_start(30)
     rows = []
     for T in (1, 32):
         batch, extra = runner._dummy(T)

@@ -153,7 +153,7 @@ def _exit_now(channel, message: str, abort_reason: str) -> None:
 def _follower_main(args) -> int:
     """`--headless` process of a multi-process engine → its exit status (serving/multihost)."""
     from serving.engine_factory import build_engine
-    from serving.multihost.channel import FollowerChannel
+    from serving.multihost.channel import FollowerChannel, StartRefused
     from serving.multihost.follower import hello, run_follower
     from sharding.distributed import shutdown
 
@@ -163,7 +163,10 @@ def _follower_main(args) -> int:
                 mh.num_processes, mh.address)
     channel = FollowerChannel(mh.address, mh.process_id, mh.peer_timeout_s)
     try:
-        engine = build_engine(engine_args(args, model), before_compile=lambda e: hello(e, channel))
+        engine = build_engine(engine_args(args, model), before_compile=lambda e: hello(e, channel, mh.join_timeout_s))
+    except StartRefused as e:
+        logger.error("process %d: the leader refused to start the engine: %s", mh.process_id, e)
+        return 1
     except Exception as e:  # noqa: BLE001
         logger.error("process %d could not build its engine: %s: %s", mh.process_id, type(e).__name__, e)
         channel.fatal(f"could not build its engine: {e}")

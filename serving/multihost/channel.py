@@ -4,8 +4,10 @@ Sockets (the leader binds, followers connect):
 
 * **steps** — leader ROUTER on `tcp://ADDR:PORT`, one DEALER per follower (routing id `p<id>`).
   Each follower first sends `HELLO {process_id, engine fingerprint}`; the leader waits for every
-  follower (`wait_for_followers`) and refuses to start when a fingerprint differs. Then the leader
-  sends, in order: `STEP {seq, crc32} payload` (the step's inputs, `serving.multihost.codec`),
+  follower (`wait_for_followers`) and answers every follower `START` when all fingerprints agree,
+  `ABORT reason` when one differs (a follower waits for that answer before it compiles, so a
+  refused one exits with the leader's reason instead of outliving it). Then the leader sends, in
+  order: `STEP {seq, crc32} payload` (the step's inputs, `serving.multihost.codec`),
   `PING {seq}` every `heartbeat_s` (so an idle leader is not taken for a dead one), `STOP` (exit
   0) or `ABORT reason` (exit non-zero). The leader sends with ROUTER_MANDATORY: a follower whose
   connection is gone makes the send raise instead of dropping the step.
@@ -49,6 +51,10 @@ class ChannelError(RuntimeError):
 
 class PeerLostError(RuntimeError):
     """A peer process is gone (killed, frozen past the timeout, or stopped on an error)."""
+
+
+class StartRefused(RuntimeError):
+    """The leader refused to start the engine after the handshake (its reason is the message)."""
 
 
 def _endpoints(address: str) -> tuple[str, str]:
@@ -108,12 +114,14 @@ class LeaderChannel:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(1, self.num_followers + 1)) - set(seen))
+                self._peers = list(seen.values())  # so that `stop` tells the ones that came
                 raise RuntimeError(f"process(es) {missing} did not join the engine within {timeout_s:.0f} s "
                                    "(--distributed-timeout); are they started with the same flags?")
             ready = dict(poller.poll(int(1000 * min(left, 1.0))))
             if self._beats in ready:  # a follower that failed while building its engine says so
                 frames = self._beats.recv_multipart()
                 if frames[0] == b"FATAL":
+                    self._peers = list(seen.values())
                     raise RuntimeError(f"process {int(frames[1])} failed during start-up: "
                                        f"{frames[2].decode(errors='replace')}")
             if self._steps not in ready:
@@ -125,6 +133,10 @@ class LeaderChannel:
             diff = sorted(k for k in set(fingerprint) | set(hello["fingerprint"])
                           if fingerprint.get(k) != hello["fingerprint"].get(k))
             if diff:
+                # `stop` (the leader's exit) must reach this follower too: it waits for its first
+                # step, and would otherwise outlive the leader until JAX's coordination client
+                # finds the service gone and aborts the process.
+                self._peers = [*seen.values(), ident]
                 raise RuntimeError(
                     f"process {hello['process_id']} built a different engine: "
                     + "; ".join(f"{k}: leader {fingerprint.get(k)!r}, process {hello['process_id']} "
@@ -132,6 +144,7 @@ class LeaderChannel:
             seen[hello["process_id"]] = ident
             self.peer_info[hello["process_id"]] = dict(hello.get("info") or {})
         self._peers = [seen[p] for p in sorted(seen)]
+        self._send_all([b"START", b"", b""])
         now = time.monotonic()
         self._last_seen = {p: now for p in seen}
         threading.Thread(target=self._heartbeat, name="multihost-heartbeat", daemon=True).start()
@@ -282,13 +295,25 @@ class FollowerChannel:
         self._steps.send_multipart([b"HELLO", msgspec.msgpack.encode(
             {"process_id": self.process_id, "fingerprint": fingerprint, "info": info or {}})])
 
+    def await_start(self, timeout_s: float) -> None:
+        """After `hello`: wait up to `timeout_s` for the leader's answer. Returns when it accepted
+        every process; raises `StartRefused` with the leader's reason when it refused to start
+        (another process's fingerprint differs, or the leader failed), `PeerLostError` when no
+        answer came."""
+        kind, reason = self.recv(timeout_s)
+        if kind == "abort":
+            raise StartRefused(reason)
+        if kind != "start":
+            raise ChannelError(f"expected the leader's START after HELLO, got {kind!r}")
+
     def event(self, body: dict) -> None:
         """Report `body` to the leader (its `on_event`), on the heartbeat socket."""
         with self._beat_lock:
             self._beats.send_multipart([b"EVENT", str(self.process_id).encode(), msgspec.msgpack.encode(body)])
 
     def recv(self, timeout_s: float | None = None):
-        """The next message: ("step", payload bytes) | ("stop", None) | ("abort", reason).
+        """The next message: ("step", payload bytes) | ("stop", None) | ("abort", reason) |
+        ("start", None) (the handshake's answer, `await_start`).
         PINGs are consumed here. Raises PeerLostError after `timeout_s` (default: the peer
         timeout) without any message, ChannelError on a bad sequence number or checksum."""
         timeout_s = self.peer_timeout_s if timeout_s is None else timeout_s
@@ -301,6 +326,8 @@ class FollowerChannel:
                 continue
             if kind == b"STOP":
                 return "stop", None
+            if kind == b"START":
+                return "start", None
             if kind == b"ABORT":
                 return "abort", body.decode(errors="replace")
             h = msgspec.msgpack.decode(header)

@@ -18,10 +18,12 @@ from serving.multihost.channel import FollowerChannel
 logger = logging.getLogger(__name__)
 
 
-def hello(engine, channel: FollowerChannel) -> None:
+def hello(engine, channel: FollowerChannel, join_timeout_s: float) -> None:
     """Before the first collective (`build_engine(..., before_compile=...)`): tell the leader this
     engine's fingerprint, so that a different configuration stops start-up by name, and where
-    its P/D transfer server listens when it stages and pulls its own pages (serving/pd/shards.py)."""
+    its P/D transfer server listens when it stages and pulls its own pages (serving/pd/shards.py);
+    then wait up to `join_timeout_s` for the leader to accept every process (`StartRefused`: it
+    refused, with its reason)."""
     info = {}
     local = getattr(engine, "pd_process", None)
     if local is not None:
@@ -31,6 +33,7 @@ def hello(engine, channel: FollowerChannel) -> None:
         info["transfer_address"] = local.endpoint.address  # (starts the server)
         local.notify = channel.event
     channel.hello(engine_fingerprint(engine), info)
+    channel.await_start(join_timeout_s)  # raises StartRefused with the leader's reason
 
 
 def run_follower(engine, channel: FollowerChannel, config: MultiHostConfig) -> int:

@@ -85,10 +85,15 @@ def multihost_engine(flags: list[str], devices_per_process: int = 4, num_process
                                 startup_timeout_s=startup_timeout_s)
             srv = cm.__enter__()
         except RuntimeError as e:
+            deadline = time.monotonic() + 20  # a follower the leader told to stop exits at once
+            while time.monotonic() < deadline and any(p.poll() is None for p in followers):
+                time.sleep(0.1)
             tails = []
             for i, path in enumerate(logs):
                 with open(path, errors="replace") as f:
-                    tails.append(f"--- follower {i + 1} ---\n{f.read()[-3000:]}")
+                    code = followers[i].poll()
+                    state = "still running" if code is None else f"exited with {code}"
+                    tails.append(f"--- follower {i + 1} ({state}) ---\n{f.read()[-3000:]}")
             raise RuntimeError(f"{e}\n" + "\n".join(tails)) from None
         try:
             yield MultiHost(srv.url, srv.proc, srv.log, followers, logs)

@@ -19,6 +19,7 @@ from serving.multihost.channel import (
     FollowerChannel,
     LeaderChannel,
     PeerLostError,
+    StartRefused,
 )
 from serving.spec_decode.inputs import SpecBatch
 from serving.step_inputs import StepInputs
@@ -82,6 +83,7 @@ def pair():
 def handshake(leader, follower, fingerprint=None):
     follower.hello(fingerprint or {"num_blocks": 24})
     leader.wait_for_followers({"num_blocks": 24}, timeout_s=10)
+    follower.await_start(5)  # the leader's START: every fingerprint agreed
 
 
 def test_steps_arrive_in_order_and_stop_ends_the_follower(pair):
@@ -152,8 +154,13 @@ def test_a_fatal_notice_a_closed_connection_and_silence_each_lose_the_follower()
 def test_a_follower_with_another_engine_is_refused_by_name(pair):
     leader, follower, _ = pair
     follower.hello({"num_blocks": 30})
-    with pytest.raises(RuntimeError, match="num_blocks: leader 24, process 1 30"):
+    with pytest.raises(RuntimeError, match="num_blocks: leader 24, process 1 30") as err:
         leader.wait_for_followers({"num_blocks": 24}, timeout_s=10)
+    # The leader's exit tells the refused follower why (it waits for that answer before it
+    # compiles; without it, it outlived the leader until JAX's coordination client aborted it).
+    leader.stop(abort_reason=f"the leader failed to start: {err.value}")
+    with pytest.raises(StartRefused, match="num_blocks: leader 24, process 1 30"):
+        follower.await_start(5)
 
 
 def test_a_follower_failing_during_start_up_stops_the_handshake(pair):

@@ -355,6 +355,12 @@ def test_a_follower_with_other_engine_flags_is_refused_by_name_before_any_collec
         pass
     assert "max_model_len: leader 192, process 1 128" in str(err.value)
     assert "server exited with 1" in str(err.value)
+    # The follower hears the leader's reason and exits 1 itself, before it compiles (it used to
+    # outlive the leader until JAX's coordination client aborted it with a fatal log line).
+    follower = str(err.value).split("--- follower 1 (exited with 1) ---")[1]
+    assert "the leader refused to start the engine: the leader failed to start: process 1 built a different " \
+           "engine: max_model_len: leader 192, process 1 128" in follower
+    assert "Terminating process" not in follower and "Check failed" not in follower
 
 
 def test_mtp_k2_and_offload_loads_across_two_processes_then_a_frozen_follower_stops_all():
