@@ -108,14 +108,46 @@ def _pages(lm: LoadedModel, num_tokens: int) -> tuple[dict[str, list[int]], int]
     return ids, nxt
 
 
+def _prompt_ids(lm: LoadedModel, token_ids, what: str) -> list[int]:
+    """`token_ids` as ints, checked as the engine checks a prompt: non-empty, integers in
+    [0, vocab_size) (an id outside would index the embedding out of range, which XLA clamps
+    silently). Raises ValueError naming `what`."""
+    ids = []
+    for t in token_ids:
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise ValueError(f"{what}: token ids must be integers, got {t!r}")
+        ids.append(int(t))
+    if not ids:
+        raise ValueError(f"{what} needs a non-empty prompt")
+    vocab = lm.config.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"{what}: prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    return ids
+
+
 def forward(lm: LoadedModel, token_ids) -> np.ndarray:
-    """Logits `[S, vocab]` float32 of one sequence, prefilled in one step on a fresh cache."""
-    token_ids = list(map(int, token_ids))
+    """Logits `[S, vocab]` float32 of one sequence, prefilled in one step on a fresh cache.
+    Raises ValueError for an empty prompt or an id that is not in [0, vocab_size)."""
+    token_ids = _prompt_ids(lm, token_ids, "forward")
     pages, nblocks = _pages(lm, len(token_ids))
     arena = lm.layout.empty_arena(nblocks)
     batch = single_sequence_batch(lm.layout, token_ids, 0, pages, logits_all=True)
     logits, _, _ = forward_step(lm, batch, arena)
     return np.asarray(logits)
+
+
+def _eos_ids(eos_token_ids) -> tuple[int, ...]:
+    """An id or a sequence of ids → a tuple of ints (ValueError otherwise)."""
+    if isinstance(eos_token_ids, (int, np.integer)) and not isinstance(eos_token_ids, bool):
+        return (int(eos_token_ids),)
+    try:
+        ids = tuple(eos_token_ids)
+    except TypeError:
+        raise ValueError(f"eos_token_ids must be a token id or a sequence of them, got {eos_token_ids!r}") from None
+    if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in ids):
+        raise ValueError(f"eos_token_ids must be token ids (integers), got {eos_token_ids!r}")
+    return tuple(int(t) for t in ids)
 
 
 def generate(lm: LoadedModel, prompt_ids, max_new_tokens: int = 16, *, eos_token_ids=(),
@@ -129,7 +161,7 @@ def generate(lm: LoadedModel, prompt_ids, max_new_tokens: int = 16, *, eos_token
     `return_logits`, the raw logits `[n, vocab]` each token was chosen from).
 
     Raises ValueError for a batch of prompts (a list of lists, or a 2-D array: use
-    `generate_batch`) or an empty prompt."""
+    `generate_batch`), an empty prompt, an id outside [0, vocab_size), or `max_new_tokens` < 1."""
     from glm53.tokenizer import tokenizer_vocab_size
 
     try:
@@ -139,10 +171,12 @@ def generate(lm: LoadedModel, prompt_ids, max_new_tokens: int = 16, *, eos_token
     if nested:
         raise ValueError("generate takes ONE prompt (a 1-D sequence of token ids); for a batch of prompts use "
                          "glm53.api.generate_batch(lm, [prompt, ...], ...)")
-    if len(prompt_ids) == 0:
-        raise ValueError("generate needs a non-empty prompt")
+    prompt = _prompt_ids(lm, prompt_ids, "generate")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
+    eos_token_ids = _eos_ids(eos_token_ids)
     reachable = min(lm.config.vocab_size, tokenizer_vocab_size(lm.path) or lm.config.vocab_size)
-    prompt = list(map(int, prompt_ids))
     total = len(prompt) + max_new_tokens
     pages, nblocks = _pages(lm, total)
     arena = lm.layout.empty_arena(nblocks)
@@ -284,15 +318,21 @@ def generate_batch(lm: LoadedModel, prompts, max_new_tokens: int = 16, *, temper
     Returns a `BatchGeneration` (`token_ids [B, P + N]`: prompt, then new tokens, then padding;
     `prompt_lens`, `num_new`; `.new_token_ids`, `.sequences`). The program is compiled once per
     (B, longest prompt, N, number of EOS ids) and kept (and stored in the persistent compilation
-    cache). Raises ValueError for an empty prompt or batch, or N < 1.
+    cache). Raises ValueError for an empty prompt or batch, an id outside [0, vocab_size), N < 1,
+    a negative or non-finite temperature, or top_p outside (0, 1].
     """
     from glm53.tokenizer import tokenizer_vocab_size
 
-    prompts = [list(map(int, p)) for p in prompts]
-    if not prompts or any(not p for p in prompts):
-        raise ValueError("generate_batch needs at least one prompt, and no empty prompt")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if isinstance(prompts, (str, bytes)) or not len(prompts):
+        raise ValueError("generate_batch needs at least one prompt (a list of token-id lists)")
+    prompts = [_prompt_ids(lm, p, f"generate_batch prompt {b}") for b, p in enumerate(prompts)]
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    eos_token_ids = _eos_ids(eos_token_ids)
     B, P, N = len(prompts), max(map(len, prompts)), int(max_new_tokens)
     if pad_id is None:
         pad_id = getattr(lm.tokenizer, "pad_token_id", None) or 0

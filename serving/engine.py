@@ -120,7 +120,7 @@ class LLMEngine(EngineStatsMixin, HostTiersMixin, PDEngineMixin, AsyncStepMixin,
         if not args.disable_log_stats:
             self.stat_loggers.append(LoggingStatLogger(self.gauges, args.log_stats_interval_s))
         self._prefix_counts = (0, 0)
-        self._offload_counts = (0, 0, 0, 0)  # external queries, external hits, pages stored, pages loaded
+        self._offload_counts = (0, 0, 0, 0, 0)  # external queries and hits, pages stored, loaded, skipped
 
     def _async_scheduling(self, args: EngineArgs) -> bool:
         """`--async-scheduling` (True, or None: where the engine can), unless a feature of this
@@ -233,7 +233,8 @@ class LLMEngine(EngineStatsMixin, HostTiersMixin, PDEngineMixin, AsyncStepMixin,
         dp = self.args.parallel.data_parallel_size if self.args.parallel is not None else 1
         rank = params.data_parallel_rank
         if rank is not None and not (isinstance(rank, int) and 0 <= rank < dp):
-            raise ValueError(f"X-data-parallel-rank {rank!r} is not a data-parallel rank of this engine (0…{dp - 1})")
+            raise InvalidRequestError(f"X-data-parallel-rank {rank!r} is not a data-parallel rank of this engine "
+                                      f"(0…{dp - 1})", "X-data-parallel-rank")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")

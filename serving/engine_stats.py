@@ -87,10 +87,11 @@ class EngineStatsMixin:
             self._prefix_counts = (q, h)
         if self.offload is not None:
             pc, st = self.prefix_cache, self.offload.store
-            now = (pc.external_queries, pc.external_hits, st.num_stored, st.num_loaded)
+            now = (pc.external_queries, pc.external_hits, st.num_stored, st.num_loaded, st.num_skipped)
             d = [a - b for a, b in zip(now, self._offload_counts)]
             rec.external_prefix_cache_queries, rec.external_prefix_cache_hits = d[0], d[1]
             rec.kv_offload_to_host_bytes, rec.kv_offload_to_device_bytes = d[2] * st.page_bytes, d[3] * st.page_bytes
+            rec.kv_offload_stores_skipped = d[4]
             self._offload_counts = now
         self._structured_record(rec)
         for sl in self.stat_loggers:

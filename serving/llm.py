@@ -20,6 +20,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 from tqdm import tqdm
 
 from serving.engine import EngineArgs
@@ -35,6 +36,8 @@ class CompletionOutput:
     index: the sample's index among the prompt's `n`. text: the detokenized output (stop string
     excluded). token_ids: generated ids (up to the one that completed a stop string).
     logprobs: per token, when requested. finish_reason: "stop", "length" or "abort".
+    stop_reason: the stop string or `stop_token_ids` entry that ended the sample (None for EOS,
+    the length limit or an abort), as vLLM's.
     """
 
     index: int
@@ -42,6 +45,7 @@ class CompletionOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None
+    stop_reason: int | str | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -145,21 +149,35 @@ class LLM:
 
     # ------------------------------------------------------------------ internals
     def _normalise(self, prompts: Any) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompts, (str, Mapping)) or (
-            isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts)
+        """One prompt or a list of them (str, token ids as a list or a 1-D numpy array, or a
+        `{"prompt": str}` / `{"prompt_token_ids": ids}` dict; a 2-D array is a batch) → (text or
+        None, token ids) per prompt. Raises ValueError for anything else."""
+        def is_id(t) -> bool:
+            return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
+
+        if isinstance(prompts, np.ndarray):
+            prompts = [prompts] if prompts.ndim == 1 else list(prompts)
+        elif isinstance(prompts, (str, Mapping)) or (
+            isinstance(prompts, Sequence) and prompts and all(is_id(t) for t in prompts)
         ):
             prompts = [prompts]
         items = []
         for p in prompts:
             if isinstance(p, Mapping):
                 if "prompt_token_ids" in p:
-                    p = list(p["prompt_token_ids"])
-                else:
+                    p = p["prompt_token_ids"]
+                elif "prompt" in p:
                     p = p["prompt"]
+                else:
+                    raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(p)}")
             if isinstance(p, str):
                 items.append((p, list(self.tokenizer.encode(p))))
-            else:
-                items.append((None, [int(t) for t in p]))
+                continue
+            if isinstance(p, np.ndarray) and p.ndim != 1:
+                raise ValueError(f"a token-id prompt must be 1-D, got an array of shape {p.shape}")
+            if not isinstance(p, (Sequence, np.ndarray)) or not all(is_id(t) for t in p):
+                raise ValueError(f"a prompt must be a string or a sequence of token ids (integers), got {p!r:.200}")
+            items.append((None, [int(t) for t in p]))
         return items
 
     def _run(self, items, params_list, use_tqdm: bool) -> list[GenerationOutput]:
@@ -207,7 +225,8 @@ class LLM:
             if j == 0:
                 res.num_cached_tokens = st.num_cached_tokens
             res.outputs.append(CompletionOutput(
-                j, st.text, st.token_ids, st.logprobs if st.params.logprobs is not None else None, st.finish_reason))
+                j, st.text, st.token_ids, st.logprobs if st.params.logprobs is not None else None, st.finish_reason,
+                st.stop_reason))
         for res in results:
             res.outputs.sort(key=lambda o: o.index)
         return results

@@ -90,6 +90,8 @@ class StepRecord:
     external_prefix_cache_queries / external_prefix_cache_hits: tokens looked up with the
     offloading connector on / hit tokens from its host store (vLLM's external prefix cache).
     kv_offload_to_host_bytes / kv_offload_to_device_bytes: the connector's stores and loads.
+    kv_offload_stores_skipped: full pages the connector did not store (its host store had no
+    free block: every block filed, queued, in flight or pinned).
     spec_decoding: the step's verifications (`serving.spec_decode.SpecDecodingStats`), or None.
     structured_output_requests: constrained requests accepted since the previous record.
     structured_output_mask_s: host time computing the step's token bitmasks (s), None when the
@@ -116,6 +118,7 @@ class StepRecord:
     external_prefix_cache_hits: int = 0
     kv_offload_to_host_bytes: int = 0
     kv_offload_to_device_bytes: int = 0
+    kv_offload_stores_skipped: int = 0
     spec_decoding: object = None  # serving.spec_decode.SpecDecodingStats of the step (MTP speculation)
     structured_output_requests: int = 0
     structured_output_mask_s: float | None = None
@@ -303,6 +306,9 @@ class PrometheusStatLogger:
                               for t in ("gpu_to_cpu", "cpu_to_gpu")}
             self.off_size = {t: off_size.labels(model_name=model_name, transfer_type=t)
                              for t in ("gpu_to_cpu", "cpu_to_gpu")}
+            self.off_skipped = counter("vllm:kv_offload_stores_skipped", "Full pages the KV offloading connector "
+                                       "did not store because its host store had no free block (raise "
+                                       "cpu_bytes_to_use when this grows).")
             gauge("vllm:kv_offload_host_usage_perc", "Fraction of the connector's host-store blocks filed, queued or "
                   "pinned (1 = full).", gauges.offload)
         if gauges.kv_events is not None:  # KV events (serving/kv_events)
@@ -341,6 +347,7 @@ class PrometheusStatLogger:
                 if n:
                     self.off_bytes[t].inc(n)
                     self.off_size[t].observe(n)
+            self.off_skipped.inc(rec.kv_offload_stores_skipped)
         if self.hisparse:
             self.hot_hits.inc(rec.hisparse_hits)
             self.hot_misses.inc(rec.hisparse_misses)

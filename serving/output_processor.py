@@ -23,8 +23,9 @@ class StopStringMatcher:
     """Finds the first occurrence of any stop string in a growing text.
 
     `feed(delta)` returns `(emit, stopped)`: the text that is safe to show now and whether a
-    stop string was found (then `emit` ends right before it). Text that could be the beginning
-    of a stop string is held back until it is decided; `feed("", final=True)` releases it.
+    stop string was found (then `emit` ends right before it; `matched` is that stop string, the
+    first in `stop` among those starting there). Text that could be the beginning of a stop string
+    is held back until it is decided; `feed("", final=True)` releases it.
     """
 
     def __init__(self, stop: list[str]):
@@ -32,6 +33,7 @@ class StopStringMatcher:
         self._text = ""
         self._emitted = 0
         self.stopped = False
+        self.matched: str | None = None
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, bool]:
         """Append `delta`; see the class docstring. After a stop, further input is ignored."""
@@ -43,9 +45,10 @@ class StopStringMatcher:
             self._emitted = len(text)
             return text[start:], False
         # Any match starts at or after `start` (earlier starts were held back or already found).
-        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        hits = [(i, s) for s, i in ((s, text.find(s, start)) for s in self.stop) if i >= 0]
         if hits:
-            end = min(hits)
+            end = min(i for i, _ in hits)
+            self.matched = next(s for i, s in hits if i == end)
             self.stopped = True
             self._emitted = end
             return text[start:end], True
@@ -70,6 +73,7 @@ class TextDelta:
     logprobs: list[TokenLogprobs] | None
     finished: bool
     finish_reason: str | None
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -77,7 +81,10 @@ class RequestTextState:
     """Accumulated output of one request (one choice).
 
     tokenizer: has `decode(ids, skip_special_tokens=...)`. params: the request's sampling
-    params (`stop`, `logprobs`, `skip_special_tokens` are used).
+    params (`stop`, `stop_token_ids`, `logprobs`, `skip_special_tokens` are used).
+
+    `stop_reason` (vLLM's): the stop string that ended the output, or the `stop_token_ids` entry
+    the engine stopped at; None for EOS, the length limit or an abort.
     """
 
     tokenizer: Any
@@ -90,6 +97,7 @@ class RequestTextState:
     finish_reason: str | None = None
     num_prompt_tokens: int | None = None
     num_cached_tokens: int = 0
+    stop_reason: int | str | None = None
 
     def __post_init__(self) -> None:
         self._detok = IncrementalDetokenizer(self.tokenizer, self.params.skip_special_tokens)
@@ -108,7 +116,7 @@ class RequestTextState:
     def add(self, out: RequestOutput) -> TextDelta:
         """Apply one engine increment (ignored once finished)."""
         if self.finished:
-            return TextDelta("", [], None, True, self.finish_reason)
+            return TextDelta("", [], None, True, self.finish_reason, self.stop_reason)
         self.token_ids.extend(out.new_token_ids)
         if out.new_logprobs:
             self.logprobs.extend(out.new_logprobs)
@@ -121,19 +129,23 @@ class RequestTextState:
         emit, stopped = self._stops.feed(raw, final=out.finished)
         self.text += emit
         if stopped:
-            self.finished, self.finish_reason = True, "stop"
+            self.finished, self.finish_reason, self.stop_reason = True, "stop", self._stops.matched
         elif out.finished:
             self.finished, self.finish_reason = True, out.finish_reason
+            last = out.new_token_ids[-1] if out.new_token_ids else None
+            if out.finish_reason == "stop" and last in (self.params.stop_token_ids or ()):
+                self.stop_reason = last
         lps = list(out.new_logprobs) if out.new_logprobs else ([] if self.params.logprobs is not None else None)
-        return TextDelta(emit, list(out.new_token_ids), lps, self.finished, self.finish_reason)
+        return TextDelta(emit, list(out.new_token_ids), lps, self.finished, self.finish_reason, self.stop_reason)
 
     def finish(self, reason: str = "abort") -> TextDelta:
         """End the output without a final engine increment (the stream ended early)."""
         if self.finished:
-            return TextDelta("", [], None, True, self.finish_reason)
+            return TextDelta("", [], None, True, self.finish_reason, self.stop_reason)
         tail = self._detok.step([], final=True)
         emit, stopped = self._stops.feed(tail, final=True)
         self.text += emit
         self.finished = True
         self.finish_reason = "stop" if stopped else reason
-        return TextDelta(emit, [], None, True, self.finish_reason)
+        self.stop_reason = self._stops.matched if stopped else None
+        return TextDelta(emit, [], None, True, self.finish_reason, self.stop_reason)

@@ -188,6 +188,7 @@ class ChatCompletionChoice(_Response):
     message: ChatCompletionMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop string or stop token id that ended it
 
 
 class ChatCompletionResponse(_Response):
@@ -222,6 +223,7 @@ class ChatCompletionStreamChoice(_Response):
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionStreamResponse(_Response):
@@ -284,6 +286,7 @@ class CompletionChoice(_Response):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop string or stop token id that ended it
     # vLLM's `return_token_ids`: the prompt (non-streaming, and a stream's first chunk) and the
     # output token ids (a stream: the chunk's new ones). Left out of the body unless requested.
     prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)

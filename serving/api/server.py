@@ -533,6 +533,7 @@ def build_app(
                         message=message,
                         logprobs=logprobs_of(st.logprobs),
                         finish_reason=finish_reason,
+                        stop_reason=st.stop_reason,
                     )
                     for i, (st, (message, finish_reason)) in enumerate(zip(ch.states, messages_out))
                 ],
@@ -547,14 +548,14 @@ def build_app(
             return Response(status_code=499)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        def chunk(i: int, delta: DeltaMessage, finish: str | None, lps=None) -> dict[str, Any]:
+        def chunk(i: int, delta: DeltaMessage, finish: str | None, lps=None, stop_reason=None) -> dict[str, Any]:
             return chunk_dict(
                 ChatCompletionStreamResponse(
                     id=rid,
                     created=created,
                     model=served_model_name,
                     choices=[ChatCompletionStreamChoice(index=i, delta=delta, logprobs=lps,
-                                                        finish_reason=finish)],
+                                                        finish_reason=finish, stop_reason=stop_reason)],
                 )
             )
 
@@ -563,7 +564,8 @@ def build_app(
             pairs = outputs[i].deltas(d.text, d.finish_reason)
             if not pairs and (lps is not None or d.token_ids):  # text held back: an empty delta for the step
                 pairs = [(DeltaMessage(), None)]
-            return [chunk(i, delta, finish, lps if k == 0 else None) for k, (delta, finish) in enumerate(pairs)]
+            return [chunk(i, delta, finish, lps if k == 0 else None, d.stop_reason if finish else None)
+                    for k, (delta, finish) in enumerate(pairs)]
 
         def usage_chunk(usage: UsageInfo) -> dict[str, Any]:
             return ChatCompletionStreamResponse(
@@ -631,6 +633,7 @@ def build_app(
                         logprobs=None if params.logprobs is None
                         else completion_logprobs(tokenizer, st.logprobs, top_n),
                         finish_reason=st.finish_reason or "abort",
+                        stop_reason=st.stop_reason,
                         prompt_token_ids=list(prompt_ids) if body.return_token_ids else None,
                         token_ids=list(st.token_ids) if body.return_token_ids else None,
                     )
@@ -667,7 +670,7 @@ def build_app(
                         created=created,
                         model=served_model_name,
                         choices=[CompletionChoice(index=i, text=d.text, logprobs=lps,
-                                                  finish_reason=d.finish_reason, **ids)],
+                                                  finish_reason=d.finish_reason, stop_reason=d.stop_reason, **ids)],
                     )
                 )
             ]

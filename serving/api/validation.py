@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 from typing import Any
 
 import anyio
@@ -254,14 +255,14 @@ def build_sampling_params(
 
 def header_data_parallel_rank(request: Request) -> int | None:
     """vLLM's `X-data-parallel-rank` header (a router pinning the request to a data-parallel
-    replica), or None. A value that is not an integer is a 400."""
+    replica), or None. A value that is not a decimal integer (digits, an optional leading minus)
+    is a 400; the engine refuses one that is not one of its ranks (a 400 naming the header too)."""
     value = request.headers.get("x-data-parallel-rank")
     if value is None:
         return None
-    try:
-        return int(value)
-    except ValueError:
-        raise bad_request(f"X-data-parallel-rank must be an integer, got {value!r}.", "X-data-parallel-rank") from None
+    if re.fullmatch(r"-?[0-9]+", value) is None:  # int() would also take "+1", " 1 " and "1_0"
+        raise bad_request(f"X-data-parallel-rank must be an integer, got {value!r}.", "X-data-parallel-rank")
+    return int(value)
 
 
 def params_per_choice(params: SamplingParams) -> list[SamplingParams]:

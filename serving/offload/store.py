@@ -26,10 +26,13 @@ them through the arena (serving/async_scheduling.py, the page rule).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from serving.block_pool import BlockPool
 from serving.copy_queue import CopyQueue
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,10 @@ class OffloadStore(CopyQueue[StoreJob]):
         if group not in self.groups or (group, key) in self._entries or (group, key) in self._queued:
             return False
         if self.blocks.num_free == 0:
+            if not self.num_skipped:
+                logger.warning("KV offloading connector: its host store's %d blocks are all in use; full pages are "
+                               "not stored while none is free (counted in vllm:kv_offload_stores_skipped_total; "
+                               "cpu_bytes_to_use sizes the store)", self.num_usable)
             self.num_skipped += 1
             return False
         host = self.blocks.allocate(1)[0]

@@ -31,7 +31,7 @@ def test_greedy_batch_equals_one_by_one(lm):
 def test_eos_ends_a_row_and_pads_it(lm):
     ref = api.generate_batch(lm, PROMPTS, N)
     eos = ref.new_token_ids[1][3]  # row 1's 4th token becomes an EOS id
-    out = api.generate_batch(lm, PROMPTS, N, eos_token_ids=[eos], pad_id=-1)
+    out = api.generate_batch(lm, PROMPTS, N, eos_token_ids=eos, pad_id=-1)  # one id, or a list of them
     for b in range(3):
         r = ref.new_token_ids[b]
         stop = r.index(eos) + 1 if eos in r else N
@@ -52,6 +52,26 @@ def test_bad_arguments(lm):
         api.generate_batch(lm, [[1, 2], []], 4)
     with pytest.raises(ValueError):
         api.generate_batch(lm, [[1, 2]], 0)
+    # Refused before any program runs, as the engine refuses them (the embedding lookup would
+    # clamp an id outside the vocabulary silently: generate returned [0, 0, 0] for [1, 2, 10**6])
+    vocab = lm.config.vocab_size
+    for call, match in (
+        (lambda: api.generate(lm, [1, 2, 10**6], 3), "1000000 is outside the vocabulary"),
+        (lambda: api.generate(lm, [1, 2, vocab], 3), f"{vocab} is outside the vocabulary"),
+        (lambda: api.forward(lm, [-1, 2]), "-1 is outside the vocabulary"),
+        (lambda: api.forward(lm, []), "non-empty prompt"),
+        (lambda: api.forward(lm, [1.5, 2]), "must be integers"),
+        (lambda: api.generate(lm, [1, 2], 0), "max_new_tokens"),
+        (lambda: api.generate(lm, [1, 2], -3), "max_new_tokens"),
+        (lambda: api.generate_batch(lm, [[1, 2], [10**6]], 3), "prompt 1: prompt token id 1000000"),
+        (lambda: api.generate_batch(lm, [[1, 2]], 3, temperature=-1.0), "temperature"),
+        (lambda: api.generate_batch(lm, [[1, 2]], 3, temperature=float("nan")), "temperature"),
+        (lambda: api.generate_batch(lm, [[1, 2]], 3, top_p=0.0), "top_p"),
+        (lambda: api.generate_batch(lm, [], 3), "at least one prompt"),
+        (lambda: api.generate_batch(lm, [[1, 2]], 3, eos_token_ids=["x"]), "eos_token_ids"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            call()
 
 
 @pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:1], 7])

@@ -38,8 +38,9 @@ def _sse_payloads(http, path, body):
 def test_completion_stop_string_excluded_and_not_streamed_past(client, http, tiny_tokenizer, stop):
     full = _reply_text(tiny_tokenizer)
     expected = full[: full.index(stop)]
-    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=100, stop=stop)
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=100, stop=["zzz", stop])
     assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].stop_reason == stop  # vLLM's field: the stop string that matched
     assert r.usage.completion_tokens < len(tiny_tokenizer.encode(REPLY)) + 1 or stop == "fox."
     payloads = _sse_payloads(http, "/v1/completions",
                              {"model": MODEL, "prompt": "Hi", "max_tokens": 100, "stop": [stop, "zzz"],
@@ -47,6 +48,7 @@ def test_completion_stop_string_excluded_and_not_streamed_past(client, http, tin
     texts = [p["choices"][0]["text"] for p in payloads]
     assert "".join(texts) == expected
     assert payloads[-1]["choices"][0]["finish_reason"] == "stop"
+    assert [p["choices"][0]["stop_reason"] for p in payloads] == [None] * (len(payloads) - 1) + [stop]
 
 
 def test_stop_split_across_tokens_in_chat_stream(client, tiny_tokenizer):
@@ -58,8 +60,28 @@ def test_stop_split_across_tokens_in_chat_stream(client, tiny_tokenizer):
     assert full.index(stop) == len(first) - 1
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                             stop=[stop], stream=True)
-    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    chunks = [c for c in stream if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert text == full[: len(first) - 1]
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].choices[0].stop_reason == stop
+
+
+def test_stop_reason_names_the_stop_token_id_that_ended_the_output(client, http, tiny_tokenizer):
+    ids = tiny_tokenizer.encode(REPLY)
+    stop_id = ids[4]
+    assert stop_id not in ids[:4]
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 100, "stop_token_ids": [stop_id], "return_token_ids": True}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    # vLLM: finish_reason "stop", stop_reason the id; the id is in token_ids, its text is not in the text
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop_id)
+    assert choice["token_ids"] == ids[:5] and choice["text"] == tiny_tokenizer.decode(ids[:4])
+    payloads = _sse_payloads(http, "/v1/completions", {**body, "stream": True})
+    assert payloads[-1]["choices"][0]["stop_reason"] == stop_id
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                       extra_body={"stop_token_ids": [stop_id]})
+    assert (r.choices[0].finish_reason, r.choices[0].stop_reason) == ("stop", stop_id)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert (r.choices[0].finish_reason, r.choices[0].stop_reason) == ("length", None)
 
 
 def test_stop_string_matcher_holds_back_only_possible_starts():
@@ -67,7 +89,9 @@ def test_stop_string_matcher_holds_back_only_possible_starts():
     assert m.feed("hello a") == ("hello ", False)  # "a" may start "abc"
     assert m.feed("b") == ("", False)
     assert m.feed("d x") == ("abd ", False)
-    assert m.feed("yz tail") == ("", True)
+    assert m.feed("yz tail") == ("", True) and m.matched == "xyz"
+    m = StopStringMatcher(["bcd", "ab", "b"])  # the earliest match wins, then list order
+    assert m.feed("xabcd") == ("x", True) and m.matched == "ab"
     m = StopStringMatcher(["abc"])
     assert m.feed("xa") == ("x", False) and m.feed("", final=True) == ("a", False)
 

@@ -92,7 +92,7 @@ class FakeEngine:
                     tok = seq[n_out % len(seq)]
                     new.append(tok)
                     n_out += 1
-                    if tok == self.eos and not params.ignore_eos:
+                    if (tok == self.eos and not params.ignore_eos) or tok in (params.stop_token_ids or ()):
                         finished, reason = True, "stop"
                         break
                     if n_out >= params.max_tokens:
@@ -228,7 +228,7 @@ def test_a_stop_token_is_in_the_token_ids_but_not_the_text(http, tiny_tokenizer)
                                            "skip_special_tokens": False, "return_token_ids": True}).json()
     choice = r["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["token_ids"][-1] == tiny_tokenizer.eos_token_id
-    assert choice["text"] == REPLY
+    assert choice["text"] == REPLY and choice["stop_reason"] is None  # EOS: no stop_reason (vLLM)
     # streamed the same, and no stream chunk carries a null kv_transfer_params
     with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 100,
                                                        "skip_special_tokens": False, "stream": True}) as resp:

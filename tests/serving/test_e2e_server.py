@@ -125,6 +125,17 @@ def test_a_token_id_outside_the_vocabulary_is_a_400_naming_the_prompt(server):
     assert r.status_code == 200, r.text
 
 
+def test_x_data_parallel_rank_is_checked_and_its_refusals_name_the_header(server):
+    # One replica: rank 0 is served; 1 and -1 are refused by the engine, the rest by the parser
+    # (int() alone took "+1", " 1" and "1_0")
+    body = {"model": "glm-5.3-tiny", "prompt": [5, 6], "max_tokens": 2}
+    for value, status in (("0", 200), ("1", 400), ("-1", 400), ("+1", 400), ("1_0", 400), ("abc", 400), ("1.0", 400)):
+        r = httpx.post(server[0] + "/v1/completions", json=body, headers={"X-data-parallel-rank": value}, timeout=60)
+        assert r.status_code == status, (value, r.text)
+        if status == 400:
+            assert r.json()["error"]["param"] == "X-data-parallel-rank", (value, r.text)
+
+
 @pytest.mark.parametrize("content", [
     b"{not json",
     b'{"model": "glm-5.3-tiny", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}",  # nested too deeply

@@ -154,13 +154,19 @@ def test_stop_strings_end_the_output_before_the_match(llm):
     assert stop is not None
     before = _samples(llm)
     out = llm.generate([prompt], greedy(max_tokens=16, stop=[stop]))[0].outputs[0]
-    assert out.text == text[: text.index(stop)] and out.finish_reason == "stop"
+    assert out.text == text[: text.index(stop)] and (out.finish_reason, out.stop_reason) == ("stop", stop)
     after = _samples(llm)
     for reason, n in (("stop", 1), ("abort", 0), ("length", 0)):  # the engine request is aborted at the stop
         key = ("vllm:request_success_total", (("finished_reason", reason), ("model_name", "tiny")))
         assert after.get(key, 0) - before.get(key, 0) == n, reason
     assert out.token_ids == full.token_ids[: len(out.token_ids)] and len(out.token_ids) < 16
-    assert llm.generate([prompt], greedy(max_tokens=3))[0].outputs[0].finish_reason == "length"
+    short = llm.generate([prompt], greedy(max_tokens=3))[0].outputs[0]
+    assert (short.finish_reason, short.stop_reason) == ("length", None)
+    # A stop token id: the engine stops at it (kept in the token ids, not in the text), named as stop_reason
+    at = full.token_ids[2]
+    k = full.token_ids.index(at)
+    out = llm.generate([prompt], greedy(max_tokens=16, stop_token_ids=[at]))[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason, out.token_ids) == ("stop", at, full.token_ids[:k + 1])
 
 
 def test_chat_renders_the_chat_template(llm):
@@ -178,7 +184,26 @@ def test_bad_requests_leave_nothing_queued(llm):
         llm.generate(["a", "b"], greedy(max_tokens=2, logprobs=10_000))
     with pytest.raises(ValueError, match="maximum context"):
         llm.generate([[1] * 1024], greedy(max_tokens=2))
+    # Wrong types are refused by name, not compared, rounded (max_tokens 4.5 ran 5 tokens) or
+    # left to a TypeError deep inside
+    for bad, field in ((dict(max_tokens="4"), "max_tokens"), (dict(max_tokens=4.5), "max_tokens"),
+                       (dict(temperature=None), "temperature"), (dict(n=2.5), "n"),
+                       (dict(stop_token_ids=["x"]), "stop_token_ids"), (dict(seed=1.5), "seed")):
+        with pytest.raises(ValueError, match=field):
+            llm.generate(["a", "b"], SamplingParams(**{"temperature": 0.0, **bad}))
+    for prompts, match in (([{"foo": 1}], "'prompt' or 'prompt_token_ids'"), ([[1, 2.5]], "token ids"),
+                           (np.zeros((1, 2, 2), np.int32), "1-D")):
+        with pytest.raises(ValueError, match=match):
+            llm.generate(prompts, greedy(max_tokens=2))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_numpy_prompts_are_token_id_prompts(llm):
+    ids = [30, 31, 32, 33]
+    want = llm.generate([ids], greedy(max_tokens=3))[0].outputs[0].token_ids
+    for prompts in (np.array(ids), [np.int64(t) for t in ids], np.array([ids, ids]), [np.array(ids)]):
+        outs = llm.generate(prompts, greedy(max_tokens=3))
+        assert [o.outputs[0].token_ids for o in outs] == [want] * len(outs) and outs[0].prompt_token_ids == ids
 
 
 def _samples(llm) -> dict[tuple, float]:

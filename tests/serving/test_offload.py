@@ -257,6 +257,7 @@ def test_served_host_tier_hit_counts_in_cached_tokens_and_metrics():
             out = next(v for k, v in metric.items() if k.startswith("vllm:kv_offload_total_bytes") and "gpu_to_cpu" in k)
             back = next(v for k, v in metric.items() if k.startswith("vllm:kv_offload_total_bytes") and "cpu_to_gpu" in k)
             assert out >= 14 * e.offload.store.page_bytes and back == 13 * e.offload.store.page_bytes
+            assert metric["vllm:kv_offload_stores_skipped_total"] == 0  # the store has room
     finally:
         served.shutdown()
     assert e.audit() == []
@@ -292,3 +293,24 @@ def test_asynchronous_scheduling_with_the_connector_gives_the_synchronous_output
     assert asyn == sync
     assert e.offload.store.num_loaded > loaded  # the asynchronous run read host blocks back
     assert_clean(e)
+
+
+def test_a_full_host_store_skips_stores_counts_them_on_metrics_and_warns_once(caplog):
+    """A store with no free host block is skipped: counted (`num_skipped`), warned about once
+    naming the flag that sizes the store, and exported as vllm:kv_offload_stores_skipped_total
+    (the counter an operator reads to see that the store is too small)."""
+    import logging
+
+    from serving.metrics import EngineGauges, PrometheusStatLogger, StepRecord
+    from serving.offload.store import OffloadStore
+
+    st = OffloadStore(4, ("mla",), page_bytes=100)
+    with caplog.at_level(logging.WARNING, logger="serving.offload.store"):
+        queued = [st.queue_store("mla", bytes([i]), 10 + i) for i in range(st.num_usable + 3)]
+    assert queued == [True] * st.num_usable + [False] * 3 and st.num_skipped == 3
+    assert [r.getMessage() for r in caplog.records if "cpu_bytes_to_use" in r.getMessage()] != []
+    assert len(caplog.records) == 1  # once, not per skipped page
+    assert not st.queue_store("mla", bytes([0]), 99) and st.num_skipped == 3  # queued already: not a skip
+    logger = PrometheusStatLogger("m", EngineGauges(lambda: 0, lambda: 0, lambda: 0.0, offload=st.usage))
+    logger.record(StepRecord(kv_offload_stores_skipped=st.num_skipped))
+    assert 'vllm:kv_offload_stores_skipped_total{model_name="m"} 3.0' in logger.render().decode()
