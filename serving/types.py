@@ -27,8 +27,12 @@ class SamplingParams:
 
     temperature: 0 means greedy (argmax); otherwise logits / temperature.
     top_p: nucleus sampling mass in (0, 1]; 1 disables it.
-    seed: a request-local seed; the same seed, prompt and batch-independent sampling give the
-        same tokens. None draws from the engine's own stream.
+    seed: a request-local seed: every draw is keyed by (seed, output index), so the same seed
+        and prompt give the same tokens whatever the batch — except where float rounding that
+        depends on how the prompt was computed (a prefix-cache hit chunks it differently, a
+        parallel layout sums in another order) moves a draw across a boundary of the
+        distribution, and under MTP speculation (docs/spec_decode.md). None draws from the
+        engine's own stream.
     max_tokens: number of generated tokens at most (>= 1); None means up to max_model_len.
     stop_token_ids: extra token ids that end the request (in addition to the model's EOS ids,
         which end it unless ignore_eos).
