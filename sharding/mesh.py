@@ -121,7 +121,11 @@ def make_mesh(config: ParallelConfig, devices=None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     n = config.num_devices
     if len(devices) < n:
-        raise ValueError(f"the parallel layout needs {n} devices (dp × pcp × tp), only {len(devices)} available")
+        hint = ""
+        if devices and devices[0].platform == "cpu":
+            hint = (f"; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={n} (set before JAX starts) "
+                    f"simulates {n} devices")
+        raise ValueError(f"the parallel layout needs {n} devices (dp × pcp × tp), only {len(devices)} available{hint}")
     sizes = config.axis_sizes
     arr = np.asarray(devices[:n], dtype=object).reshape(tuple(sizes[a] for a in AXES))
     return Mesh(arr, AXES, axis_types=(AxisType.Auto,) * len(AXES))

@@ -71,3 +71,11 @@ def test_cache_sharding_replicates_over_tp_and_shards_dcp():
     assert cache_sharding(dcp).spec == jax.sharding.PartitionSpec(("dp", "tp"), None)
     pcp = ParallelLayout.create(ParallelConfig(prefill_context_parallel_size=8, decode_context_parallel_size=8))
     assert cache_sharding(pcp).spec == jax.sharding.PartitionSpec(("dp", "pcp"), None)
+
+
+def test_too_few_devices_is_a_clear_error_with_the_cpu_hint():
+    from sharding.mesh import make_mesh
+
+    with pytest.raises(ValueError, match=r"needs 4 devices .* only 2 available; on CPU, "
+                                         r"XLA_FLAGS=--xla_force_host_platform_device_count=4"):
+        make_mesh(ParallelConfig(tensor_parallel_size=2, data_parallel_size=2), devices=jax.devices()[:2])
