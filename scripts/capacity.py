@@ -38,10 +38,17 @@ PLOT_LENGTHS = tuple(int(2 ** (k / 4)) for k in range(40, 81))  # 1K … 1M, 4 p
 
 
 def parse_tokens(text: str) -> int:
-    """'8K' → 8192, '1M' → 1048576, '142000' → 142000."""
+    """'8K' → 8192, '1M' → 1048576, '142000' → 142000. Raises ValueError for anything else or a
+    length < 1 (argparse turns it into an `error:` line naming the flag)."""
     t = text.strip().upper()
     mult = {"K": 2**10, "M": 2**20}.get(t[-1:], 1)
-    return int(float(t[:-1] if mult > 1 else t) * mult)
+    try:
+        n = int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise ValueError(f"not a token count: {text!r} (e.g. 8K, 1M, 142000)") from None
+    if n < 1:
+        raise ValueError(f"a token count must be at least 1, got {text!r}")
+    return n
 
 
 def fmt_tokens(n: int) -> str:
@@ -246,7 +253,8 @@ def layouts_table(cfg: GlmConfig, seq_len: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="glm-5.3", help="preset name or checkpoint directory (default glm-5.3)")
+    ap.add_argument("--model", default="glm-5.3",
+                    help=f"preset name ({', '.join(sorted(PRESETS))}) or checkpoint directory (default glm-5.3)")
     refs = cap.reference_deployments()
     ap.add_argument("--deployment", action="append", choices=sorted(refs),
                     help="reference deployment(s) to show (default: all)")
@@ -261,7 +269,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts-length", type=parse_tokens, default=1_048_576,
                     help="context length of the HiSparse-across-layouts table (default 1M)")
     args = ap.parse_args(argv)
+    try:
+        return _run(args, refs)
+    except (ValueError, OSError) as e:  # a bad flag value, a missing checkpoint or output directory
+        ap.error(str(e))
 
+
+def _run(args, refs) -> int:
+    if args.model not in PRESETS and not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise ValueError(f"--model {args.model!r}: not a preset ({', '.join(sorted(PRESETS))}) or a checkpoint "
+                         "directory with a config.json")
+    try:
+        lengths = sorted({parse_tokens(x) for x in args.lengths.split(",")} if args.lengths else set(DEFAULT_LENGTHS))
+        multipliers = [int(m) for m in args.hot_multipliers.split(",")]
+    except ValueError as e:
+        raise ValueError(f"--lengths / --hot-multipliers: {e}") from None
+    if any(m < 1 for m in multipliers):
+        raise ValueError(f"--hot-multipliers must be positive integers, got {args.hot_multipliers!r}")
     cfg = load_config(args.model)
     names = args.deployment or list(refs)
     changes = {}
@@ -273,8 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         changes["runtime_reserve_bytes"] = int(args.runtime_reserve_gib * cap.GiB)
     if args.host_pool_gib is not None:
         changes["host_pool_bytes"] = int(args.host_pool_gib * cap.GiB)
-    deps = [refs[name].replace(**changes) for name in names]
-    lengths = sorted({parse_tokens(x) for x in args.lengths.split(",")} if args.lengths else set(DEFAULT_LENGTHS))
+    try:
+        deps = [refs[name].replace(**changes) for name in names]
+    except ValueError as e:  # the planner's own check of the sizes
+        raise ValueError(f"--gpu-memory-utilization / --runtime-reserve-gib / --host-pool-gib: {e}") from None
     kv_dtype = args.kv_cache_dtype or "fp8"
 
     out = header(cfg, args.model, kv_dtype)
@@ -292,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "capacity.png")
         plot_deps = [d for d in deps if d.host_pool_bytes > 0] or deps
-        plot(cfg, plot_deps, [int(m) for m in args.hot_multipliers.split(",")], args.admission_window, path)
+        plot(cfg, plot_deps, multipliers, args.admission_window, path)
         print(f"\nwrote {path}")
     return 0
 

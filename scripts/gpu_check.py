@@ -247,6 +247,8 @@ def main(argv=None) -> int:
                     help=f"the serve part's configurations, in order (default: all of {', '.join(SERVE_CONFIGS)})")
     ap.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)  # internal: run one part in this process
     a = ap.parse_args(argv)
+    if not a.budget_s > 0:  # (also NaN)
+        ap.error(f"--budget-s must be a positive number of seconds, got {a.budget_s}")
     os.makedirs(a.out, exist_ok=True)
     configs = [c.strip() for c in a.serve_configs.split(",") if c.strip()]
     bad = [c for c in configs if c not in SERVE_CONFIGS]

@@ -243,6 +243,18 @@ def test_cli_prints_reference_figures_and_writes_png(tmp_path, capsys):
         assert cells[-1] == f"{cap.kv_room_per_gpu(GLM53, dep) / GIB:.2f}"
     png = tmp_path / "capacity.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A user's mistakes are an argparse error naming the flag and exit 2, not a traceback
+    for argv, words in ((["--model", str(tmp_path / "nope")], "not a preset (glm-5.3, tiny, tiny-recall)"),
+                        (["--lengths", "8Q"], "not a token count: '8Q'"),
+                        (["--lengths", "0,8K"], "at least 1"),
+                        (["--hot-multipliers", "abc"], "--hot-multipliers"),
+                        (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
+                        (["--host-pool-gib", "-3"], "--host-pool-gib"),
+                        (["--out", str(png / "sub")], "capacity.png")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "error:" in err and words in err and "Traceback" not in err, (argv, err)
 
 
 # ----------------------------------------------------------------------------- engine units

@@ -57,6 +57,9 @@ def test_a_part_past_its_budget_is_reported_and_bad_names_are_refused(tmp_path):
     serve = s["parts"]["serve"]
     assert serve["status"] == "timeout" or serve["result"]["default"]["status"] == "skipped", serve
     assert p.returncode == (1 if serve["status"] == "timeout" else 0)
+    for budget in ("-5", "0"):
+        p = run(tmp_path, "--dry-run", "--budget-s", budget, "--parts", "env", timeout=120)
+        assert p.returncode == 2 and "--budget-s must be a positive number" in p.stderr, p.stderr
     bad = run(tmp_path, "--parts", "env,gpu")
     assert bad.returncode == 2 and "--parts: unknown ['gpu']" in bad.stderr
     bad = run(tmp_path, "--serve-configs", "nope")
