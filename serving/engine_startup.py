@@ -76,8 +76,8 @@ def load_engine_parts(args: EngineArgs, eos_token_ids=None) -> EngineParts:
     weights = "FP8 weights {}x{} blocks{}".format(*model.quant.block, " (quantised at load)" if model.quant.online
                                                   else "") if model.quant is not None else jnp.dtype(dtype).name
     logger.info("model %s loaded in %.1fs (%s, activations %s, %.1f MiB of weights per device); KV arena %d "
-                "pages x %.2f MiB (%s tokens/page per group)", path, time.perf_counter() - t0, weights,
-                jnp.dtype(dtype).name, weight_bytes / 2**20, nblocks, layout.page_bytes / 2**20,
+                "pages x %.2f MiB (%s cache rows; %s tokens/page per group)", path, time.perf_counter() - t0, weights,
+                jnp.dtype(dtype).name, weight_bytes / 2**20, nblocks, layout.page_bytes / 2**20, cache_dtype,
                 {g.name: g.tokens_per_page for g in layout.groups})
     eos = tuple(eos_token_ids) if eos_token_ids is not None else read_eos(cfg, path)
     if args.parallel is not None and args.parallel.data_parallel_size > 1 and spec is not None:
