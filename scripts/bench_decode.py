@@ -468,6 +468,12 @@ def main(argv: list[str] | None = None) -> int:
                    "--num-gpu-blocks-override: decode under HiSparse pressure)")
     p.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        p.error(f"--batches: comma-separated integers, got {args.batches!r}")
+    if any(b < 1 for b in batches):
+        p.error(f"--batches: each batch size must be at least 1, got {args.batches!r}")
     if args.data_parallel_size > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         if "jax" in sys.modules:
             p.error("--data-parallel-size: jax was imported before the simulated devices could be set")
@@ -492,7 +498,6 @@ def main(argv: list[str] | None = None) -> int:
     if pad is None:
         eos = hf_cfg.get("eos_token_id")
         pad = eos[0] if isinstance(eos, list) else (eos or 0)
-    batches = [int(b) for b in args.batches.split(",")]
     vocab = regular_vocab_size(model_dir) if os.path.exists(os.path.join(model_dir, "tokenizer.json")) \
         else hf_cfg["vocab_size"]
     prompts = {B: make_prompts(B, args.prompt_len, vocab, args.seed) for B in batches}

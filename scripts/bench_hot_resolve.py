@@ -142,9 +142,16 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    unknown = [c for c in args.cases.split(",") if c not in CASES]
+    if unknown:
+        ap.error(f"--cases: unknown {', '.join(unknown)}; choose from {', '.join(CASES)}")
     impls = {}
     if args.baseline_rev:
-        impls[f"baseline ({args.baseline_rev})"] = load_revision(args.baseline_rev)
+        try:
+            impls[f"baseline ({args.baseline_rev})"] = load_revision(args.baseline_rev)
+        except subprocess.CalledProcessError as e:
+            ap.error(f"--baseline-rev {args.baseline_rev!r}: git could not show the resolver there "
+                     f"({(e.stderr or '').strip()})")
     impls["current"] = hot_resolve_reference
     results = {}
     for name in args.cases.split(","):

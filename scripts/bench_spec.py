@@ -101,6 +101,13 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
+    if args.model is not None:
+        from glm53.hub import ModelNotFoundError, resolve_model
+
+        try:
+            resolve_model(args.model)
+        except ModelNotFoundError as e:
+            p.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)
     ks = [0, 1, 3] if args.quick else [0, 1, 2, 3, 4, 5]
     batches = [1, 8] if args.quick else [1, 8, 32]
