@@ -227,14 +227,20 @@ def plot(cfg: GlmConfig, deps: list[cap.Deployment], multipliers: list[int], win
     plt.close(fig)
 
 
-def layouts_table(cfg: GlmConfig, seq_len: int) -> list[str]:
+def layouts_table(cfg: GlmConfig, seq_len: int, changes: dict | None = None) -> list[str]:
     """Hybrid HiSparse on one 8×H200 node three ways (`glm53.capacity.hisparse_layouts`) at
-    `seq_len`-token contexts: KV room, per-device footprints and the requests each bound allows."""
+    `seq_len`-token contexts: KV room, per-device footprints and the requests each bound allows.
+    `changes`: the user's `Deployment` fields (KV dtype, utilisation, reserve, host pool per
+    replica) applied to every layout; none = the reference sizes."""
+    layouts = {name: d.replace(**(changes or {})) for name, d in cap.hisparse_layouts(seq_len).items()}
+    first = next(iter(layouts.values()))
+    sizes = (f"FP8 weights, {cap.normalize_kv_dtype(first.kv_cache_dtype)} KV, MTP{first.num_speculative_tokens}, "
+             f"util {first.gpu_memory_utilization:g}" + (", the flags given" if changes else ", reference sizes"))
     out = [f"Hybrid HiSparse across layouts, {fmt_tokens(seq_len)}-token contexts, one 8×H200 node "
-           "(FP8 weights + KV, MTP3, util 0.92, hot lease 2 × top-k; planner, glm53.capacity.capacity)",
+           f"({sizes}, hot lease 2 × top-k; planner, glm53.capacity.capacity)",
            f"{'layout':<24}{'KV room/GPU':>12}{'resident':>9}{'first/GPU':>11}{'steady/GPU':>11}{'hot/GPU':>9}"
            f"{'dev-bound':>10}{'host pool':>11}{'host-bound':>11}{'HiSparse':>9}{'pool for dev-bound':>20}"]
-    for name, d in cap.hisparse_layouts(seq_len).items():
+    for name, d in layouts.items():
         try:
             p = cap.capacity(cfg, d, seq_len)
         except ValueError as e:  # the model's shapes or FP8 blocks do not fit this layout
@@ -312,7 +318,7 @@ def _run(args, refs) -> int:
             out += [""] + table(cfg, d, rows, args.admission_window)
         except ValueError as e:  # the model's shapes or FP8 blocks do not fit this layout
             out += ["", f"== {d.name}: {d.describe()}", f"   not shardable: {e}"]
-    out += [""] + layouts_table(cfg, args.layouts_length)
+    out += [""] + layouts_table(cfg, args.layouts_length, changes)
     print("\n".join(out))
     if args.out:
         os.makedirs(args.out, exist_ok=True)

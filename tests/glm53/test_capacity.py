@@ -243,6 +243,15 @@ def test_cli_prints_reference_figures_and_writes_png(tmp_path, capsys):
         assert cells[-1] == f"{cap.kv_room_per_gpu(GLM53, dep) / GIB:.2f}"
     png = tmp_path / "capacity.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Every table follows the flags, the HiSparse-across-layouts one included (it used to keep the
+    # reference sizes whatever was given)
+    assert cli.main(["--kv-cache-dtype", "bf16", "--gpu-memory-utilization", "0.85"]) == 0
+    out = capsys.readouterr().out
+    head = next(line for line in out.splitlines() if line.startswith("Hybrid HiSparse across layouts"))
+    assert "bf16 KV" in head and "util 0.85, the flags given" in head, head
+    row = next(line for line in out.splitlines() if line.startswith("TP8 + HiSparse "))
+    tp8 = refs["tp8-hisparse"].replace(kv_cache_dtype="bf16", gpu_memory_utilization=0.85, max_model_len=2**20)
+    assert row.split()[3] == f"{cap.kv_room_per_gpu(GLM53, tp8) / GIB:.2f}G", row
     # A user's mistakes are an argparse error naming the flag and exit 2, not a traceback
     for argv, words in ((["--model", str(tmp_path / "nope")], "not a preset (glm-5.3, tiny, tiny-recall)"),
                         (["--lengths", "8Q"], "not a token count: '8Q'"),
