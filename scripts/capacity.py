@@ -257,6 +257,13 @@ def layouts_table(cfg: GlmConfig, seq_len: int, changes: dict | None = None) -> 
     return out
 
 
+def _kv_dtype_arg(text: str) -> str:
+    try:
+        return cap.normalize_kv_dtype(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="glm-5.3",
@@ -265,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deployment", action="append", choices=sorted(refs),
                     help="reference deployment(s) to show (default: all)")
     ap.add_argument("--lengths", default=None, help="comma-separated sequence lengths (default 8K,16K,…,1M)")
-    ap.add_argument("--kv-cache-dtype", default=None, choices=["fp8", "bf16", "fp32"])
+    ap.add_argument("--kv-cache-dtype", default=None, type=_kv_dtype_arg,
+                    help="fp8 (default), bf16 or fp32; the server's spellings (bfloat16, float32, auto = bf16, "
+                         "fp8_ds_mla) are accepted too")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--runtime-reserve-gib", type=float, default=None)
     ap.add_argument("--host-pool-gib", type=float, default=None, help="HiSparse host pool per DP replica")

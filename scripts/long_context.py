@@ -103,7 +103,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="Directory for long_context.json.")
     p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
     p.add_argument("--decode-tokens", type=int, default=8)
-    p.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "fp8"], default="bfloat16")
+    p.add_argument("--kv-cache-dtype", default="bfloat16", type=lambda v: {"bf16": "bfloat16", "fp32": "float32"}.get(v, v),
+                   choices=["float32", "bfloat16", "fp8"], help="float32, bfloat16 (default) or fp8; bf16 / fp32 too")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-memory-analysis", action="store_true")
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # child mode: one length

@@ -245,7 +245,7 @@ def test_cli_prints_reference_figures_and_writes_png(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Every table follows the flags, the HiSparse-across-layouts one included (it used to keep the
     # reference sizes whatever was given)
-    assert cli.main(["--kv-cache-dtype", "bf16", "--gpu-memory-utilization", "0.85"]) == 0
+    assert cli.main(["--kv-cache-dtype", "bfloat16", "--gpu-memory-utilization", "0.85"]) == 0  # the server's spelling
     out = capsys.readouterr().out
     head = next(line for line in out.splitlines() if line.startswith("Hybrid HiSparse across layouts"))
     assert "bf16 KV" in head and "util 0.85, the flags given" in head, head
@@ -259,7 +259,8 @@ def test_cli_prints_reference_figures_and_writes_png(tmp_path, capsys):
                         (["--hot-multipliers", "abc"], "--hot-multipliers"),
                         (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
                         (["--host-pool-gib", "-3"], "--host-pool-gib"),
-                        (["--out", str(png / "sub")], "capacity.png")):
+                        (["--out", str(png / "sub")], "capacity.png"),
+                        (["--kv-cache-dtype", "nope"], "unknown KV cache dtype 'nope'")):
         with pytest.raises(SystemExit) as exit_:
             cli.main(argv)
         err = capsys.readouterr().err
