@@ -108,13 +108,24 @@ def _pages(lm: LoadedModel, num_tokens: int) -> tuple[dict[str, list[int]], int]
     return ids, nxt
 
 
+def _is_int(v) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _new_tokens(max_new_tokens) -> int:
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    return int(max_new_tokens)
+
+
 def _prompt_ids(lm: LoadedModel, token_ids, what: str) -> list[int]:
     """`token_ids` as ints, checked as the engine checks a prompt: non-empty, integers in
     [0, vocab_size) (an id outside would index the embedding out of range, which XLA clamps
     silently). Raises ValueError naming `what`."""
     ids = []
     for t in token_ids:
-        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+        if not _is_int(t):
             raise ValueError(f"{what}: token ids must be integers, got {t!r}")
         ids.append(int(t))
     if not ids:
@@ -139,13 +150,13 @@ def forward(lm: LoadedModel, token_ids) -> np.ndarray:
 
 def _eos_ids(eos_token_ids) -> tuple[int, ...]:
     """An id or a sequence of ids → a tuple of ints (ValueError otherwise)."""
-    if isinstance(eos_token_ids, (int, np.integer)) and not isinstance(eos_token_ids, bool):
+    if _is_int(eos_token_ids):
         return (int(eos_token_ids),)
     try:
         ids = tuple(eos_token_ids)
     except TypeError:
         raise ValueError(f"eos_token_ids must be a token id or a sequence of them, got {eos_token_ids!r}") from None
-    if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in ids):
+    if not all(_is_int(t) for t in ids):
         raise ValueError(f"eos_token_ids must be token ids (integers), got {eos_token_ids!r}")
     return tuple(int(t) for t in ids)
 
@@ -172,9 +183,7 @@ def generate(lm: LoadedModel, prompt_ids, max_new_tokens: int = 16, *, eos_token
         raise ValueError("generate takes ONE prompt (a 1-D sequence of token ids); for a batch of prompts use "
                          "glm53.api.generate_batch(lm, [prompt, ...], ...)")
     prompt = _prompt_ids(lm, prompt_ids, "generate")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    max_new_tokens = int(max_new_tokens)
+    max_new_tokens = _new_tokens(max_new_tokens)
     eos_token_ids = _eos_ids(eos_token_ids)
     reachable = min(lm.config.vocab_size, tokenizer_vocab_size(lm.path) or lm.config.vocab_size)
     total = len(prompt) + max_new_tokens
@@ -326,8 +335,7 @@ def generate_batch(lm: LoadedModel, prompts, max_new_tokens: int = 16, *, temper
     if isinstance(prompts, (str, bytes)) or not len(prompts):
         raise ValueError("generate_batch needs at least one prompt (a list of token-id lists)")
     prompts = [_prompt_ids(lm, p, f"generate_batch prompt {b}") for b, p in enumerate(prompts)]
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    max_new_tokens = _new_tokens(max_new_tokens)
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if not 0 < top_p <= 1:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from serving.engine import EngineArgs
 from serving.engine_factory import build_engine
 from serving.output_processor import RequestTextState
-from serving.types import SamplingParams, TokenLogprobs
+from serving.types import SamplingParams, TokenLogprobs, is_integer
 
 
 @dataclass
@@ -152,13 +152,10 @@ class LLM:
         """One prompt or a list of them (str, token ids as a list or a 1-D numpy array, or a
         `{"prompt": str}` / `{"prompt_token_ids": ids}` dict; a 2-D array is a batch) → (text or
         None, token ids) per prompt. Raises ValueError for anything else."""
-        def is_id(t) -> bool:
-            return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
-
         if isinstance(prompts, np.ndarray):
             prompts = [prompts] if prompts.ndim == 1 else list(prompts)
         elif isinstance(prompts, (str, Mapping)) or (
-            isinstance(prompts, Sequence) and prompts and all(is_id(t) for t in prompts)
+            isinstance(prompts, Sequence) and prompts and all(is_integer(t) for t in prompts)
         ):
             prompts = [prompts]
         items = []
@@ -175,7 +172,7 @@ class LLM:
                 continue
             if isinstance(p, np.ndarray) and p.ndim != 1:
                 raise ValueError(f"a token-id prompt must be 1-D, got an array of shape {p.shape}")
-            if not isinstance(p, (Sequence, np.ndarray)) or not all(is_id(t) for t in p):
+            if not isinstance(p, (Sequence, np.ndarray)) or not all(is_integer(t) for t in p):
                 raise ValueError(f"a prompt must be a string or a sequence of token ids (integers), got {p!r:.200}")
             items.append((None, [int(t) for t in p]))
         return items

@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
+def is_integer(v) -> bool:
+    """A Python or numpy integer (`numbers.Integral`), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 class InvalidRequestError(ValueError):
     """A request the engine refuses, naming the API field at fault (`param`: the 400's `param`,
     e.g. "prompt"); the server maps any ValueError with a `param` to that 400."""
@@ -72,20 +77,17 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise ValueError with the offending field name (a wrong type included: `max_tokens`
         "4" or 4.5 is refused, not compared or rounded)."""
-        def integer(v) -> bool:
-            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
         for name in ("temperature", "top_p"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise ValueError(f"{name} must be a number, got {v!r}")  # noqa: TRY004 - a 400, as every refusal
         for name in ("max_tokens", "logprobs", "seed", "data_parallel_rank"):
             v = getattr(self, name)
-            if v is not None and not integer(v):
+            if v is not None and not is_integer(v):
                 raise ValueError(f"{name} must be an integer or None, got {v!r}")
-        if not integer(self.n):
+        if not is_integer(self.n):
             raise ValueError(f"n must be an integer, got {self.n!r}")
-        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(integer(t) for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(is_integer(t) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of token ids (integers), got {self.stop_token_ids!r}")
         if not (0.0 <= self.temperature < float("inf")):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")

@@ -109,6 +109,7 @@ from serving.api.validation import (
     header_data_parallel_rank,
     parse_body,
     reject_unsupported,
+    requested_max_tokens,
     resolve_max_tokens,
     template_messages,
 )
@@ -496,12 +497,8 @@ def build_app(
             prompt = continue_final_message(prompt, messages[-1]["content"])
         prompt_ids = await encode_text(tokenizer, prompt, "messages")
 
-        if body.max_completion_tokens is not None:
-            requested, param = body.max_completion_tokens, "max_completion_tokens"
-        else:
-            requested, param = body.max_tokens, "max_tokens"
         max_tokens = resolve_max_tokens(
-            requested, param, len(prompt_ids), engine.max_model_len, "messages",
+            *requested_max_tokens(body), len(prompt_ids), engine.max_model_len, "messages",
             note=getattr(engine, "max_model_len_note", ""),
         )
         params = build_sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None))
@@ -604,10 +601,8 @@ def build_app(
         if not prompt_ids:
             raise bad_request("The prompt must not be empty.", "prompt")
 
-        requested, param = ((body.max_completion_tokens, "max_completion_tokens")
-                            if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
         max_tokens = resolve_max_tokens(
-            requested, param, len(prompt_ids), engine.max_model_len, "prompt",
+            *requested_max_tokens(body), len(prompt_ids), engine.max_model_len, "prompt",
             note=getattr(engine, "max_model_len_note", ""),
         )
         params = build_sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None))

@@ -171,6 +171,14 @@ def reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
             raise bad_request(f"{name} is not supported yet in this build.", name)
 
 
+def requested_max_tokens(body: ChatCompletionRequest | CompletionRequest) -> tuple[int | None, str]:
+    """(the completion length asked for, the field that asked): `max_completion_tokens` wins over
+    `max_tokens` on both endpoints."""
+    if body.max_completion_tokens is not None:
+        return body.max_completion_tokens, "max_completion_tokens"
+    return body.max_tokens, "max_tokens"
+
+
 def resolve_max_tokens(
     requested: int | None, param: str, prompt_len: int, max_model_len: int, prompt_param: str, note: str = ""
 ) -> int:
