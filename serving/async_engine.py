@@ -120,6 +120,9 @@ class AsyncEngine:
             self._stop = True
             self._cv.notify()
         self._thread.join(timeout=timeout)
+        runner = getattr(self.engine, "runner", None)
+        if runner is not None and hasattr(runner, "stop_variant_precompile"):
+            runner.stop_variant_precompile()  # a daemon thread: stops after the compile in progress
         if not close:
             return
         pd = getattr(self.engine, "pd", None)

@@ -41,6 +41,7 @@ from serving.kv_cache import KVCacheManager
 from serving.runner_compile import StepCompileMixin
 from serving.runner_replicas import ReplicaStepsMixin
 from serving.runner_transfers import HostTransfersMixin
+from serving.runner_variants import VariantPrecompileMixin
 from serving.scheduler_output import SchedulerOutput
 from serving.spec_decode.inputs import build_spec_batch
 from serving.step_buckets import default_cuda_graph_sizes, token_buckets
@@ -66,7 +67,7 @@ def _allowed(ids, lps) -> list[tuple[int, float]]:
     return [(int(a), float(b)) for a, b in zip(ids, lps) if b > -np.inf]
 
 
-class ModelRunner(StepCompileMixin, HostTransfersMixin, ArenaPageIO, ReplicaStepsMixin):
+class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, ArenaPageIO, ReplicaStepsMixin):
     """Owns the parameters, the KV arena and the compiled steps.
 
     Args:
@@ -194,6 +195,7 @@ class ModelRunner(StepCompileMixin, HostTransfersMixin, ArenaPageIO, ReplicaStep
         # (variant, bucket, plain program): step variants compiled on first use so far ("masked": the
         # step with structured outputs' mask; "forward-only": the step without its sampler).
         self._first_use_programs: set = set()
+        self.num_first_use_compiles = 0  # step variants compiled on the engine thread (logged)
         self._ids_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         # The step gets the state's leaves, flattened once here (`build_step_programs`).
         self._state_leaves, state_def = jax.tree.flatten(self.state)
@@ -364,7 +366,8 @@ class ModelRunner(StepCompileMixin, HostTransfersMixin, ArenaPageIO, ReplicaStep
         step.deferred = None
         bitmask = self._step_bitmask(step.scheds)
         put = self._put
-        out = self._sample(logits, *map(put, extra[:5]), *(() if bitmask is None else (put(bitmask),)))
+        out = self.call_variant(("sample", bitmask is not None), self._sample, logits, *map(put, extra[:5]),
+                                *(() if bitmask is None else (put(bitmask),)))
         self._last_sampled = out[0]
         self.num_deferred_samples += 1
         self._keep_outputs(step, out)
@@ -485,17 +488,22 @@ class ModelRunner(StepCompileMixin, HostTransfersMixin, ArenaPageIO, ReplicaStep
         key = (variant, batch.input_ids_T.shape[0], hs_args is None)
         t0 = time.perf_counter()
         with use_kernels(self.kernel_mode):  # a program traced now uses the engine's kernels
+            # A variant a background thread compiled (`serving.runner_variants`) runs its executable.
             if forward_only:
-                out, self.kv_arena, hs = self._forward(self._state_leaves, placed, self.kv_arena, put(extra[5]),
-                                                       put(extra[6]), hs_args)
+                out, self.kv_arena, hs = self.call_variant(key, self._forward, self._state_leaves, placed,
+                                                           self.kv_arena, put(extra[5]), put(extra[6]), hs_args)
             else:
                 # (The mask is passed only when there is one: the programs compiled at start-up, and
                 # every unconstrained step, keep the signature without it.)
-                out, self.kv_arena, hs = self._step(self._state_leaves, placed, self.kv_arena, *map(put, extra),
-                                                    hs_args, None if sp is None else jax.tree.map(put, sp),
-                                                    *(() if bitmask is None else (bitmask,)))
+                args = (self._state_leaves, placed, self.kv_arena, *map(put, extra), hs_args,
+                        None if sp is None else jax.tree.map(put, sp))
+                if bitmask is None:
+                    out, self.kv_arena, hs = self._step(*args)
+                else:
+                    out, self.kv_arena, hs = self.call_variant(key, self._step, *args, bitmask)
         if variant is not None and key not in self._first_use_programs:  # compiled just now (once per key)
             self._first_use_programs.add(key)
+            self.num_first_use_compiles += 1
             logger.info("structured outputs: the %s step of bucket %d was compiled on first use in %.1f s",
                         variant, key[1], time.perf_counter() - t0)
         self._keep_hisparse(hs)

@@ -10,6 +10,12 @@ free whitespace (compact separators) for every request. disable_additional_prope
 JSON schemas that do not say `additionalProperties` get `false`. enable_in_reasoning: constrain
 the reasoning block too (default: the constraint starts after `</think>` when a reasoning parser
 runs and the prompt opens the block). A request's own `structured_outputs` options add to these.
+
+precompile (this engine's key, not vLLM's): compile the step variants constrained steps run in a
+background thread once the engine has compiled its buckets (`serving.runner_variants`), so the
+first constrained request of a bucket does not stop the engine for a step compile. Default: on in
+the server (`python -m serving.run`), off in the offline `LLM` (which compiles what its batch
+needs, on first use).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ class StructuredOutputsConfig:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     enable_in_reasoning: bool = False
+    precompile: bool | None = None
 
     @classmethod
     def from_dict(cls, d: dict | None) -> StructuredOutputsConfig:

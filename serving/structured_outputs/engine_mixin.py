@@ -37,7 +37,35 @@ class StructuredOutputsMixin:
         """config: `--structured-outputs-config` (`StructuredOutputsConfig`; raises its error)."""
         eos = tuple(eos_token_ids)
         self.structured_config = StructuredOutputsConfig.from_dict(config)
+        self._structured_vocab_size = int(vocab_size)
         self.structured = StructuredOutputManager(lambda: GuidanceBackend.from_model_dir(model_path, vocab_size, eos))
+
+    def start_structured_precompile(self, default: bool) -> int:
+        """Compile the step variants constrained steps run (the masked step, and under asynchronous
+        scheduling the forward pass alone and the sampler) in a background thread
+        (`serving.runner_variants`), when `--structured-outputs-config`'s `precompile` says so
+        (`default` when it says nothing: the server passes True, `LLM` False) and the engine
+        compiled its buckets at start-up in one process. Returns how many variants it compiles
+        (0: none, and why is logged)."""
+        import jax
+
+        from serving.engine_args import skip_precompile_requested
+
+        want = self.structured_config.precompile
+        if not (default if want is None else want):
+            return 0
+        if skip_precompile_requested(self.args):
+            logger.info("structured outputs: step variants compile on first use (the step buckets do too)")
+            return 0
+        if jax.process_count() > 1:
+            logger.info("structured outputs: step variants compile on first use (a multi-process engine)")
+            return 0
+        forward_only = bool(self.async_scheduling) and self.runner.can_defer_sampling
+        n = self.runner.start_variant_precompile(-(-self._structured_vocab_size // 32), forward_only)
+        logger.info("structured outputs: compiling %d step variants in the background (constrained requests "
+                    "no longer stop the engine to compile them; --structured-outputs-config "
+                    "'{\"precompile\": false}' leaves them to first use)", n)
+        return n
 
     def _structured_check(self, request_id: str, params) -> None:
         """Refuse what cannot run under a constraint, then compile it (ValueError / its subclass

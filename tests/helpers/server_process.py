@@ -54,6 +54,10 @@ def server_process(argv: list[str], env: dict[str, str] | None = None,
     # A server compiles its step buckets before it reports healthy, as in production (the suite's
     # SKIP_JAX_PRECOMPILE is for in-process engines), unless `env` asks otherwise.
     base = {k: v for k, v in os.environ.items() if k != "SKIP_JAX_PRECOMPILE"}
+    # Structured outputs' step variants compile on first use, as in-process test engines compile
+    # everything: a background compile would take a core from the test's requests for minutes.
+    if "--structured-outputs-config" not in argv:
+        argv = [*argv, "--structured-outputs-config", '{"precompile": false}']
     full_env = {**base, "PYTHONPATH": REPO, **(env or {})}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "serving.run", "--port", str(port), *argv], cwd=REPO,
