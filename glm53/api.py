@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import logging
 import math
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ from glm53.batch import ForwardBatch, single_sequence_batch
 from glm53.kv_layout import KVCacheLayout, build_kv_layout
 from glm53.loader import load_model
 from glm53.model import GlmForCausalLM
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,6 +64,8 @@ def load(path: str | None = None, *, dtype=jnp.float32, cache_dtype: str | None 
     try:
         tok = GlmTokenizer.from_pretrained(path)
     except FileNotFoundError:
+        logger.warning("%s has no tokenizer.json: the model loads without a tokenizer (LoadedModel.tokenizer is "
+                       "None; pass token ids)", path)
         tok = None
     return LoadedModel(model, layout, tok, path)
 

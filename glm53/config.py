@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # Fields copied verbatim from config.json (name -> default). Defaults are GLM-5.3's.
 _HF_FIELDS: dict[str, Any] = {
@@ -56,6 +60,39 @@ _HF_FIELDS: dict[str, Any] = {
 
 class ConfigError(ValueError):
     """A config.json that this implementation cannot serve (names the field)."""
+
+
+# Fields that fix a tensor's shape or the maths: a config.json without one takes GLM-5.3's value
+# (as HF transformers' config class does), which is logged as a warning naming it.
+_ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                        "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+                        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+                        "num_experts_per_tok", "n_shared_experts", "routed_scaling_factor", "rms_norm_eps",
+                        "index_n_heads", "index_head_dim", "index_topk")
+# Sizes that must be at least 1 (the others are counts that may be 0, e.g. n_shared_experts).
+_POSITIVE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                    "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
+                    "max_position_embeddings", "index_n_heads", "index_head_dim", "index_topk")
+
+
+def _check_field_types(kw: dict[str, Any]) -> None:
+    """Each known field has its default's type (an int where an int is expected: not a string, a
+    float or a bool), and sizes are >= 1. Raises ConfigError naming the field."""
+    for k, default in _HF_FIELDS.items():
+        v = kw[k]
+        if isinstance(default, bool):
+            ok = isinstance(v, bool)
+        elif isinstance(default, int):
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        elif isinstance(default, float):
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        else:
+            ok = isinstance(v, str)
+        if not ok:
+            raise ConfigError(f"{k}: expected {type(default).__name__}, got {v!r}")
+        if k in _POSITIVE_FIELDS and v < 1:
+            raise ConfigError(f"{k}: must be >= 1, got {v}")
 
 
 def _indexer_types_from(raw: dict[str, Any], num_layers: int) -> tuple[str, ...]:
@@ -146,14 +183,29 @@ class GlmConfig:
 
         Raises ConfigError naming the field when the config is not servable.
         """
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config.json must be a JSON object, got {type(raw).__name__}")
         mt = raw.get("model_type", "glm_moe_dsa")
         if mt != "glm_moe_dsa":
             raise ConfigError(f"model_type: expected 'glm_moe_dsa', got {mt!r}")
         kw = {k: raw.get(k, v) for k, v in _HF_FIELDS.items()}
         if "num_local_experts" in raw and "n_routed_experts" not in raw:
             kw["n_routed_experts"] = raw["num_local_experts"]
+        _check_field_types(kw)
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"rope_parameters: expected a JSON object, got {rope!r}")
         theta = raw.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+            raise ConfigError(f"rope_theta: expected a positive number, got {theta!r}")
+        defaulted = [k for k in _ARCHITECTURE_FIELDS if k not in raw
+                     and not (k == "n_routed_experts" and "num_local_experts" in raw)]
+        if "rope_theta" not in raw and "rope_theta" not in rope:
+            defaulted.append("rope_theta")
+        if defaulted:
+            logger.warning("config.json does not set %s: using GLM-5.3's %s (as HF transformers does); a "
+                           "checkpoint of another size will not match it", ", ".join(defaulted),
+                           ", ".join(f"{k}={_HF_FIELDS.get(k, 1_000_000.0)}" for k in defaulted))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ConfigError(f"rope_parameters.rope_type: only 'default' is supported, got {rope_type!r}")
@@ -199,8 +251,15 @@ class GlmConfig:
             p = os.path.join(p, "config.json")
         if not os.path.exists(p):
             raise FileNotFoundError(f"no config.json at {p}")
-        with open(p) as f:
-            return cls.from_hf_config(json.load(f))
+        try:
+            with open(p) as f:
+                raw = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{p} is not valid JSON: {e}") from None
+        try:
+            return cls.from_hf_config(raw)
+        except ConfigError as e:
+            raise ConfigError(f"{p}: {e}") from None
 
     def to_hf_config(self) -> dict[str, Any]:
         """The HF `config.json` dict for this config (round-trips through `from_hf_config`)."""

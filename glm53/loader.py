@@ -45,7 +45,7 @@ from glm53.checkpoint_keys import expected_checkpoint_shapes
 from glm53.config import GlmConfig
 from glm53.model import GlmForCausalLM
 from glm53.quant import (QuantizationError, WeightQuant, check_fp8_parallel_layout, checkpoint_block,
-                         resolve_weight_quant)
+                         is_quantized_linear, resolve_weight_quant)
 from glm53.safetensors_reader import CheckpointError, SafetensorsCheckpoint
 from kernels.fp8_matmul.reference import quantize_fp8_blocks_np
 
@@ -263,8 +263,33 @@ def _param_table(model: nnx.Module) -> dict[str, nnx.Param]:
             if isinstance(node, nnx.Param)}
 
 
+# safetensors dtypes a weight may be stored in (converted to the model's dtype at load), and the
+# one FP8 format GLM-5.x checkpoints use (with a `weight_scale_inv` per quantised linear).
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+
+
+def _dtype_problems(key: str, ckpt: SafetensorsCheckpoint, ndim: int) -> list[str]:
+    """What is wrong with the stored dtype of the expected tensor `key` ([] when nothing):
+    a float weight, or an F8_E4M3 quantised linear with its scale. An integer tensor would be
+    converted by value, an FP8 one without its scale read as real values, and an F8_E5M2 one
+    decoded in the wrong format: each loads and serves wrong output, so each is refused here."""
+    dt = ckpt.dtype(key)
+    quantisable = is_quantized_linear(key, ndim)
+    has_scale = key.endswith(".weight") and _scale_key(key) in ckpt
+    if dt in FLOAT_DTYPES:
+        if has_scale:
+            return [(f"tensor {_scale_key(key)} is given for {key}, which is stored as {dt} (block scales go "
+                     "with F8_E4M3 weights)")]
+        return []
+    if dt == "F8_E4M3" and quantisable:
+        return [] if has_scale else [f"tensor {key} is stored as F8_E4M3 but its {_scale_key(key)} is missing"]
+    allowed = ", ".join(FLOAT_DTYPES) + (", or F8_E4M3 with a weight_scale_inv" if quantisable else "")
+    return [f"tensor {key} has dtype {dt}; it must be one of {allowed}"]
+
+
 def check_checkpoint(cfg: GlmConfig, ckpt: SafetensorsCheckpoint, include_mtp: bool = True) -> None:
-    """Raise CheckpointError on the first missing, unexpected or mis-shaped tensor (all listed)."""
+    """Raise CheckpointError on the first missing, unexpected, mis-shaped or mis-typed tensor
+    (all listed): shapes against `expected_checkpoint_shapes`, dtypes by `_dtype_problems`."""
     expected = expected_checkpoint_shapes(cfg, include_mtp=include_mtp)
     quant = (cfg.quantization_config or {})
     block = tuple(quant.get("weight_block_size", (128, 128)))
@@ -275,12 +300,17 @@ def check_checkpoint(cfg: GlmConfig, ckpt: SafetensorsCheckpoint, include_mtp: b
             problems.append(f"missing tensor {key} (expected shape {list(shape)})")
         elif tuple(ckpt.shape(key)) != tuple(shape):
             problems.append(f"tensor {key} has shape {list(ckpt.shape(key))}, expected {list(shape)}")
+        else:
+            problems += _dtype_problems(key, ckpt, len(shape))
     for key in sorted(present - set(expected)):
         if key.endswith(".weight_scale_inv") and key[: -len("_scale_inv")] in expected:
             wshape = expected[key[: -len("_scale_inv")]][0]
             exp = [math.ceil(wshape[0] / block[0]), math.ceil(wshape[1] / block[1])]
             if list(ckpt.shape(key)) != exp:
                 problems.append(f"tensor {key} has shape {list(ckpt.shape(key))}, expected {exp}")
+            elif ckpt.dtype(key) not in FLOAT_DTYPES:
+                problems.append(f"tensor {key} has dtype {ckpt.dtype(key)}; scales must be one of "
+                                f"{', '.join(FLOAT_DTYPES)}")
             continue
         if not include_mtp and key.startswith(f"model.layers.{cfg.num_hidden_layers}."):
             continue

@@ -33,7 +33,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -116,6 +117,7 @@ def save(model: GlmForCausalLM, path: str | os.PathLike, *, source_dir: str | os
       progress: show a progress bar over the writing stages.
 
     Returns the absolute path. Raises FileExistsError when `path` exists and not `overwrite`,
+    ValueError when `path` is `source_dir`, contains it or lies inside it (`glm53.output_dir`),
     ValueError for a model with FP8 weights kept (orbax checkpoints store dequantised weights:
     load with `quantization="none"`, as scripts/convert_checkpoint.py does).
     """
@@ -126,6 +128,10 @@ def save(model: GlmForCausalLM, path: str | os.PathLike, *, source_dir: str | os
                          "quantization='none' before saving (scripts/convert_checkpoint.py does)")
 
     out = os.path.abspath(os.fspath(path))
+    if source_dir is not None:
+        from glm53.output_dir import check_output_dir
+
+        check_output_dir(source_dir, out)
     if os.path.exists(out):
         if not overwrite:
             raise FileExistsError(f"{out} already exists (pass overwrite=True / --overwrite to replace it)")
@@ -281,7 +287,8 @@ def restore_params(path: str | os.PathLike, cfg: GlmConfig, *, dtype=jnp.float32
     Each leaf is restored as a `jax.Array` of the model's dtype for it (`dtype`; the MoE router
     stays float32) with the sharding `shardings` assigns it
     (see `ShardingSpec`); tensorstore reads, per device, only the chunks overlapping its shard.
-    Raises CheckpointError when the stored shapes do not match `cfg` (all mismatches listed).
+    Raises CheckpointError when the stored shapes do not match `cfg` (all mismatches listed), or
+    when a stored chunk cannot be read (a file missing or cut short).
     """
     import orbax.checkpoint as ocp
 
@@ -298,7 +305,13 @@ def restore_params(path: str | os.PathLike, cfg: GlmConfig, *, dtype=jnp.float32
     for name, sub in tqdm(units, desc="restoring weights", disable=not progress, unit="group"):
         args = ocp.args.PyTreeRestore(item=sub, restore_args=ocp.checkpoint_utils.construct_restore_args(sub),
                                       partial_restore=True)
-        _merge(restored, ckptr.restore(params_dir, args=args))
+        try:
+            _merge(restored, ckptr.restore(params_dir, args=args))
+        except Exception as e:  # orbax / tensorstore raise bare Exceptions for a missing or short chunk
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"the orbax checkpoint {path} is incomplete or corrupt: reading the parameters "
+                                  f"of {name!r} from {params_dir} failed ({type(e).__name__}: {first[:300]}); "
+                                  "convert it again (scripts/convert_checkpoint.py)") from e
     return restored
 
 
@@ -338,6 +351,17 @@ def shard_model(model: GlmForCausalLM, shardings: ShardingSpec) -> GlmForCausalL
     return model
 
 
-__all__ = ["save", "restore", "restore_params", "is_orbax_checkpoint", "read_manifest", "stored_shapes",
-           "check_against_config", "abstract_params", "param_tree", "shard_model", "resolve_shardings",
-           "ShardingSpec"]
+__all__ = [
+    "ShardingSpec",
+    "abstract_params",
+    "check_against_config",
+    "is_orbax_checkpoint",
+    "param_tree",
+    "read_manifest",
+    "resolve_shardings",
+    "restore",
+    "restore_params",
+    "save",
+    "shard_model",
+    "stored_shapes",
+]

@@ -12,6 +12,7 @@ the data so that every dtype a GLM checkpoint uses — including `F8_E4M3`, whic
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -48,14 +49,50 @@ class TensorInfo:
     end: int
 
 
+# A header larger than this is not a GLM checkpoint's (GLM-5.3's largest shard lists a few
+# thousand tensors: well under 1 MiB of JSON).
+_MAX_HEADER_BYTES = 100 * 2**20
+
+
 def _read_header(path: str) -> tuple[dict, int]:
+    """(the JSON header, the data section's offset in the file). Raises CheckpointError naming the
+    file when it is not a safetensors file or its header is cut short."""
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
             raise CheckpointError(f"{path}: not a safetensors file (too short)")
         (n,) = struct.unpack("<Q", raw)
-        header = json.loads(f.read(n))
+        if n > min(size - 8, _MAX_HEADER_BYTES):
+            raise CheckpointError(f"{path}: not a safetensors file, or truncated: its header length is {n:,} bytes "
+                                  f"and the file has {size:,}")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: not a safetensors file, or corrupt: its header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a safetensors file: its header is not a JSON object")
     return header, 8 + n
+
+
+def _tensor_info(path: str, key: str, meta, base: int, size: int) -> TensorInfo:
+    """One header entry → its TensorInfo. Raises CheckpointError naming the file and the key for a
+    malformed entry, an unsupported dtype, a byte range that does not match the shape, or data
+    past the end of the file (a truncated download)."""
+    try:
+        dtype, shape, (b, e) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{path}: header entry {key!r} is malformed: {meta!r}") from None
+    if dtype not in _DTYPES:
+        raise CheckpointError(f"{path}: {key}: unsupported safetensors dtype {dtype}")
+    want = math.prod(shape) * np.dtype(_DTYPES[dtype]).itemsize
+    if not 0 <= b <= e or e - b != want:
+        raise CheckpointError(f"{path}: {key}: data_offsets [{b}, {e}) hold {e - b:,} bytes; shape {list(shape)} "
+                              f"of {dtype} needs {want:,}")
+    if base + e > size:
+        raise CheckpointError(f"{path} is truncated: tensor {key} needs bytes up to {base + e:,} and the file has "
+                              f"{size:,} (an interrupted download or copy: fetch the file again)")
+    return TensorInfo(path, dtype, shape, base + b, base + e)
 
 
 class SafetensorsCheckpoint:
@@ -67,9 +104,13 @@ class SafetensorsCheckpoint:
             raise FileNotFoundError(f"checkpoint directory not found: {d}")
         index = os.path.join(d, "model.safetensors.index.json")
         if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            files = sorted(set(weight_map.values()))
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index (a JSON object with a \"weight_map\" "
+                                      f"of tensor name → file): {type(e).__name__}: {e}") from None
         else:
             files = sorted(p for p in os.listdir(d) if p.endswith(".safetensors"))
             weight_map = None
@@ -83,13 +124,16 @@ class SafetensorsCheckpoint:
             if not os.path.exists(path):
                 raise FileNotFoundError(f"{index} lists {name}, which does not exist")
             header, base = _read_header(path)
+            size = os.path.getsize(path)
             for key, meta in header.items():
                 if key == "__metadata__":
                     continue
-                if meta["dtype"] not in _DTYPES:
-                    raise CheckpointError(f"{key}: unsupported safetensors dtype {meta['dtype']}")
-                b, e = meta["data_offsets"]
-                self.infos[key] = TensorInfo(path, meta["dtype"], tuple(meta["shape"]), base + b, base + e)
+                if weight_map is not None and weight_map.get(key, name) != name:
+                    continue  # the index reads this tensor from another file
+                if key in self.infos:
+                    raise CheckpointError(f"tensor {key} is in both {self.infos[key].file} and {path}, and no "
+                                          "model.safetensors.index.json says which to read (remove the stale file)")
+                self.infos[key] = _tensor_info(path, key, meta, base, size)
         if weight_map is not None:
             for key, name in weight_map.items():
                 if key not in self.infos:

@@ -210,18 +210,27 @@ class GlmTokenizer:
         """Load `<model_dir>/tokenizer.json`, plus `tokenizer_config.json` and `chat_template.jinja`
         when present (`chat_template.jinja` wins over the config's `chat_template`).
 
-        Raises FileNotFoundError naming the missing tokenizer.json path.
+        Raises FileNotFoundError naming the missing tokenizer.json path, ValueError naming a
+        tokenizer.json or tokenizer_config.json that cannot be read.
         """
         d = os.fspath(model_dir)
         tj = os.path.join(d, "tokenizer.json")
         if not os.path.isfile(tj):
             raise FileNotFoundError(f"no tokenizer.json at {tj}")
-        tok = Tokenizer.from_file(tj)
+        try:
+            tok = Tokenizer.from_file(tj)
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception for a malformed file
+            raise ValueError(f"{tj} is not a tokenizer the HF tokenizers library can read: {e}") from None
         cfg: dict[str, Any] = {}
         tc = os.path.join(d, "tokenizer_config.json")
         if os.path.isfile(tc):
-            with open(tc, encoding="utf-8") as f:
-                cfg = json.load(f)
+            try:
+                with open(tc, encoding="utf-8") as f:
+                    cfg = json.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{tc} is not valid JSON: {e}") from None
+            if not isinstance(cfg, dict):
+                raise ValueError(f"{tc} must be a JSON object, got {type(cfg).__name__}")
         template = None
         jp = os.path.join(d, "chat_template.jinja")
         if os.path.isfile(jp):

@@ -42,8 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     from glm53 import orbax_checkpoint
     from glm53.config import ConfigError
     from glm53.loader import load_model
+    from glm53.output_dir import check_output_dir
     from glm53.safetensors_reader import CheckpointError
 
+    try:
+        check_output_dir(args.src, args.dst)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if os.path.exists(args.dst) and not args.overwrite:
         print(f"error: {args.dst} already exists (pass --overwrite to replace it)", file=sys.stderr)
         return 2

@@ -34,18 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
 
-    import numpy as np
-    from safetensors.numpy import save_file
-    from tqdm import tqdm
-
     from glm53.config import GlmConfig
-    from glm53.quant import is_quantized_linear
+    from glm53.loader import check_checkpoint, resolve_config
     from glm53.safetensors_reader import SafetensorsCheckpoint
-    from kernels.fp8_matmul import quantize_fp8_blocks_np
 
     try:
         cfg = GlmConfig.from_pretrained(args.src)
         ckpt = SafetensorsCheckpoint(args.src)
+        if not cfg.quantization_config:  # every tensor present, of its shape and a float dtype
+            full = resolve_config(args.src, ckpt)
+            check_checkpoint(full, ckpt, include_mtp=full.num_mtp_layers > 0)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -56,12 +54,50 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.block) < 1:
         print("error: --block sizes must be >= 1", file=sys.stderr)
         return 2
+    from glm53.output_dir import check_output_dir
+    from glm53.safetensors_reader import CheckpointError
+
+    try:
+        check_output_dir(args.src, args.dst)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if os.path.exists(args.dst) and not args.overwrite:
+        print(f"error: {args.dst} exists (pass --overwrite to replace it)", file=sys.stderr)
+        return 2
+    # Written next to DST and moved into place at the end: a failed run leaves nothing behind, and
+    # --overwrite removes the old DST only once the new one is complete.
+    tmp = f"{os.path.normpath(args.dst)}.partial-{os.getpid()}"
+    os.makedirs(tmp)
+    try:
+        total, quantised, files, block = _write(args, ckpt, tmp)
+    except (CheckpointError, ValueError, OSError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if os.path.exists(args.dst):
-        if not args.overwrite:
-            print(f"error: {args.dst} exists (pass --overwrite to replace it)", file=sys.stderr)
-            return 2
         shutil.rmtree(args.dst)
-    os.makedirs(args.dst)
+    os.replace(tmp, args.dst)
+    print(f"wrote {args.dst}: {quantised} linears in FP8 ({block[0]}x{block[1]} blocks), "
+          f"{total / 2**30:.3f} GiB in {len(files)} file(s)")
+    return 0
+
+
+def _write(args, ckpt, out_dir: str) -> tuple[int, int, list[str], tuple[int, int]]:
+    """Write the quantised checkpoint into `out_dir` → (bytes, linears quantised, source files,
+    block). Raises CheckpointError / ValueError for a source tensor that cannot be read."""
+    import numpy as np
+    from safetensors.numpy import save_file
+    from tqdm import tqdm
+
+    from glm53.quant import is_quantized_linear
+    from kernels.fp8_matmul import quantize_fp8_blocks_np
+
+    umask = os.umask(0)
+    os.umask(umask)
     block = tuple(args.block)
     by_file: dict[str, list[str]] = {}
     for key in ckpt.keys():
@@ -82,29 +118,28 @@ def main(argv: list[str] | None = None) -> int:
                     quantised += 1
                 else:
                     out[key] = np.array(w)
-            save_file(out, os.path.join(args.dst, name))
+            save_file(out, os.path.join(out_dir, name))
+            os.chmod(os.path.join(out_dir, name), 0o666 & ~umask)  # as any other file written here
             for k, v in out.items():
                 weight_map[k] = name
                 total += v.nbytes
             del out
             ckpt.release()
             bar.update(os.path.getsize(path))
-    with open(os.path.join(args.dst, "model.safetensors.index.json"), "w") as f:
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     with open(os.path.join(args.src, "config.json")) as f:
         raw = json.load(f)
     raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                   "weight_block_size": list(block)}
-    with open(os.path.join(args.dst, "config.json"), "w") as f:
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(raw, f, indent=2)
     for name in os.listdir(args.src):
         full = os.path.join(args.src, name)
         if os.path.isfile(full) and not name.endswith(".safetensors") and name not in (
                 "config.json", "model.safetensors.index.json"):
-            shutil.copy(full, os.path.join(args.dst, name))
-    print(f"wrote {args.dst}: {quantised} linears in FP8 ({block[0]}x{block[1]} blocks), "
-          f"{total / 2**30:.3f} GiB in {len(files)} file(s)")
-    return 0
+            shutil.copy(full, os.path.join(out_dir, name))
+    return total, quantised, files, block
 
 
 if __name__ == "__main__":

@@ -76,10 +76,14 @@ def skip_precompile_requested(args: EngineArgs) -> bool:
 
 
 def model_dtype(name: str, device) -> jnp.dtype:
-    """`--dtype` → the activation dtype: auto = bf16 on accelerators, fp32 on the CPU."""
+    """`--dtype` → the activation dtype: auto = bf16 on accelerators, fp32 on the CPU. Raises
+    ValueError naming the choices for anything else (float16 is not one: GLM-5.x runs in bf16)."""
     if name == "auto":
         return jnp.bfloat16 if device.platform in ("gpu", "cuda", "rocm", "tpu") else jnp.float32
-    return {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]
+    dtypes = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+    if name not in dtypes:
+        raise ValueError(f"dtype {name!r} is not supported; choose one of auto, {', '.join(dtypes)}")
+    return dtypes[name]
 
 
 def num_kv_blocks(page_bytes: int, args: EngineArgs, device, weight_bytes: int) -> int:

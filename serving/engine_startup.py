@@ -34,6 +34,26 @@ class EngineParts:
     path: str
 
 
+def _check_limits_before_loading(path: str, args: EngineArgs) -> None:
+    """`--max-model-len` against the checkpoint's config.json, before minutes of weight loading.
+    (A config that cannot be read is left to `load_model`, whose error names the problem.)"""
+    import json
+    import os
+
+    from glm53.config import _HF_FIELDS
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            positions = json.load(f).get("max_position_embeddings", _HF_FIELDS["max_position_embeddings"])
+    except (OSError, ValueError, AttributeError):
+        return
+    if not isinstance(positions, int):
+        return
+    if args.max_model_len is not None and args.max_model_len > positions:
+        raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's max_position_embeddings "
+                         f"{positions}")
+
+
 def load_engine_parts(args: EngineArgs, eos_token_ids=None) -> EngineParts:
     """Load the checkpoint (each device reads its own shards), check the limits against it, build
     the KV layout and size the arena; fills `args.max_model_len` when None
@@ -54,6 +74,7 @@ def load_engine_parts(args: EngineArgs, eos_token_ids=None) -> EngineParts:
     par = args.parallel
     parallel = ParallelLayout.create(par) if par is not None and par.num_devices > 1 else None
     spec = SpeculativeConfig.from_dict(args.speculative_config)
+    _check_limits_before_loading(path, args)
     # Each device reads its own shards of the weights; a --quantization that cannot apply raises
     # glm53.quant.QuantizationError (a ValueError naming the flag).
     model = load_model(path, dtype=dtype, progress=args.compile_progress, shardings=parallel,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -70,8 +71,8 @@ class LLM:
 
     Args:
       model: checkpoint directory (None: the embedded tiny checkpoint).
-      tokenizer: optional tokenizer object (`encode`, `decode`, `apply_chat_template`); default:
-        the checkpoint's.
+      tokenizer: optional tokenizer: a directory with a tokenizer.json (vLLM's `tokenizer=`) or an
+        object with `encode`, `decode` and `apply_chat_template`; default: the checkpoint's.
       **engine_args: any `EngineArgs` field (max_model_len, max_num_seqs, max_num_batched_tokens,
         enable_prefix_caching, gpu_memory_utilization, num_gpu_blocks_override, seed,
         speculative_config, ...). `compile_progress` defaults to True: start-up shows a progress
@@ -80,7 +81,8 @@ class LLM:
         settings starts in seconds.
 
     Raises:
-      TypeError: an unknown engine argument. ValueError: as `serving.engine_factory.build_engine`.
+      TypeError: an unknown engine argument, or a tokenizer that is neither. ValueError: as
+        `serving.engine_factory.build_engine`; FileNotFoundError: no tokenizer.json.
     """
 
     def __init__(self, model: str | None = None, tokenizer: Any = None, **engine_args: Any):
@@ -89,14 +91,19 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine arguments {unknown}; known: {sorted(names)}")
         from glm53.compile_cache import enable_compilation_cache
+        from glm53.tokenizer import GlmTokenizer
 
+        if isinstance(tokenizer, (str, os.PathLike)):  # a directory, as vLLM's `tokenizer=` takes
+            tokenizer = GlmTokenizer.from_pretrained(tokenizer)
+        elif tokenizer is not None and not all(hasattr(tokenizer, a) for a in ("encode", "decode")):
+            raise TypeError(f"tokenizer must be a directory or an object with encode and decode, got "
+                            f"{type(tokenizer).__name__}")
         enable_compilation_cache()
         engine_args.setdefault("compile_progress", True)
         engine_args.setdefault("disable_log_stats", True)
         self.engine = build_engine(EngineArgs(model=model, **engine_args))
+        self.engine.start_structured_precompile(default=False)  # only when structured_outputs_config asks
         if tokenizer is None:
-            from glm53.tokenizer import GlmTokenizer
-
             tokenizer = GlmTokenizer.from_pretrained(self.engine.model_path)
         self.tokenizer = tokenizer
         self._ids = itertools.count()

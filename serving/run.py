@@ -81,6 +81,12 @@ def build_server(argv: list[str] | None = None, args=None):
         args = make_arg_parser().parse_args(argv)
         validate_args(args)
     model = _setup(args)
+    tokenizer = None
+    if model is not None:  # the tokenizer before minutes of weight loading and compiling
+        try:
+            tokenizer = GlmTokenizer.from_pretrained(model)
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(f"error: {e} (the server needs the checkpoint's tokenizer)") from e
     channel, holder = None, {}
     if args.multihost is not None:
         from serving.multihost.leader import open_leader_channel
@@ -100,11 +106,13 @@ def build_server(argv: list[str] | None = None, args=None):
         engine = build_engine(engine_args(args, model), before_compile=before_compile)
         if channel is not None:
             attach_leader(engine, channel)
+        engine.start_structured_precompile(default=True)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         if channel is not None:
             _exit_now(channel, f"error: {e}", f"the leader failed to start: {e}")
         raise SystemExit(f"error: {e}") from e
-    tokenizer = GlmTokenizer.from_pretrained(engine.model_path)
+    if tokenizer is None or os.path.abspath(engine.model_path) != os.path.abspath(model):
+        tokenizer = GlmTokenizer.from_pretrained(engine.model_path)
     if args.served_model_name:
         name = args.served_model_name
     elif model is None:  # no --model, or --model tiny

@@ -159,3 +159,15 @@ def test_checkpoint_saved_from_tp2_restores_onto_tp4_ep2(tmp_path):
     np.testing.assert_array_equal(d["logits_b"], d["logits_c"])
     np.testing.assert_allclose(d["logits_b"], d["ref"], rtol=0, atol=2e-5)
     assert (d["logits_b"].argmax(-1) == d["ref"].argmax(-1)).all()
+
+
+def test_a_missing_or_cut_chunk_file_is_named_as_an_incomplete_checkpoint(tmp_path, tiny_orbax):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_orbax, broken)
+    chunks = sorted((p for p in (broken / "params").rglob("*") if p.is_file() and p.stat().st_size > 4096),
+                    key=lambda p: -p.stat().st_size)
+    assert chunks, "no data files found in the orbax checkpoint"
+    with open(chunks[0], "r+b") as f:  # the largest data file, cut to half
+        f.truncate(chunks[0].stat().st_size // 2)
+    with pytest.raises(CheckpointError, match=r"the orbax checkpoint .*broken is incomplete or corrupt"):
+        load_model(str(broken), progress=False)

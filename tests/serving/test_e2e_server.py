@@ -400,3 +400,25 @@ def test_a_shut_down_server_leaves_nothing_holding_its_engine():
     refs = serve_once()
     gc.collect()
     assert [r() for r in refs] == [None, None]
+
+
+def test_a_checkpoint_without_a_usable_tokenizer_stops_start_up_before_loading(tmp_path, monkeypatch):
+    """The server needs the tokenizer: a checkpoint without one, or with a broken one, is refused
+    before the weights load and the steps compile (minutes for GLM-5.3)."""
+    import shutil
+
+    import serving.engine_factory
+    from glm53.tiny_checkpoint import default_model_dir
+
+    def no_load(*a, **k):
+        raise AssertionError("the engine was built before the tokenizer was checked")
+
+    monkeypatch.setattr(serving.engine_factory, "build_engine", no_load)
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(default_model_dir(), ckpt)
+    (ckpt / "tokenizer.json").unlink()
+    with pytest.raises(SystemExit, match=r"no tokenizer\.json at .*ckpt/tokenizer\.json \(the server needs"):
+        build_server(["--model", str(ckpt)])
+    (ckpt / "tokenizer.json").write_text("{not a tokenizer")
+    with pytest.raises(SystemExit, match=r"tokenizer\.json is not a tokenizer the HF tokenizers library can read"):
+        build_server(["--model", str(ckpt)])

@@ -284,3 +284,15 @@ def test_kv_arena_sizing():
         num_kv_blocks(page, args, _Device({"bytes_limit": 4 << 30, "bytes_in_use": 3 << 30}), 0)
     with pytest.raises(ValueError, match="num-gpu-blocks-override"):
         num_kv_blocks(page, EngineArgs(num_gpu_blocks_override=1), _Device(None), 0)
+
+
+def test_constructor_arguments_are_checked_by_name():
+    from glm53.tiny_checkpoint import default_model_dir
+
+    with pytest.raises(ValueError, match=r"dtype 'float16' is not supported; choose one of auto, bfloat16, float32"):
+        LLM(**ENGINE, dtype="float16")
+    with pytest.raises(TypeError, match="tokenizer must be a directory or an object with encode and decode, got int"):
+        LLM(**ENGINE, tokenizer=123)
+    llm = LLM(**ENGINE, tokenizer=str(default_model_dir()))  # a directory, as vLLM takes it
+    out = llm.generate(["hello"], greedy(max_tokens=3))[0].outputs[0]
+    assert len(out.token_ids) == 3 and out.text == llm.tokenizer.decode(out.token_ids)
