@@ -164,13 +164,30 @@ def make_arg_parser() -> argparse.ArgumentParser:
     )
 
     par = p.add_argument_group("parallelism")
-    par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    par.add_argument("--data-parallel-size", "-dp", type=int, default=1)
-    par.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1)
-    par.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
-    par.add_argument("--dcp-comm-backend", choices=["ag_rs", "a2a"], default="ag_rs")
-    par.add_argument("--dcp-kv-cache-interleave-size", type=int, default=1)
-    par.add_argument("--enable-expert-parallel", action="store_true")
+    par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                     help="devices each replica's attention heads and MLP columns are split over; must divide "
+                          "the model's attention heads (and the FP8 scale blocks of an FP8 checkpoint)")
+    par.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                     help="engine replicas, each with its own KV pool, scheduler and --max-num-seqs / "
+                          "--max-num-batched-tokens (the X-data-parallel-rank header pins a request to one)")
+    par.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1,
+                     help="devices a step's tokens are split over (load-balanced chunks); every token bucket, "
+                          "the --max-num-batched-tokens budget (512) included, must be a multiple of 2 x this "
+                          "size (default decode sizes that are not are left out; --cuda-graph-sizes and "
+                          "--precompile-token-paddings given explicitly must be)")
+    par.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1,
+                     help="devices the KV cache of every request is split over by position (an engine page "
+                          "spans 64 x N tokens); must equal --tensor-parallel-size, "
+                          "--prefill-context-parallel-size or their product")
+    par.add_argument("--dcp-comm-backend", choices=["ag_rs", "a2a"], default="ag_rs",
+                     help="how DCP ranks merge their attention partials: all-gather + reduce-scatter "
+                          "(ag_rs) or all-to-all (a2a)")
+    par.add_argument("--dcp-kv-cache-interleave-size", type=int, default=1,
+                     help="consecutive positions one DCP rank stores before the next rank's (I: position p "
+                          "lives on rank (p // I) %% N); must divide 64")
+    par.add_argument("--enable-expert-parallel", action="store_true",
+                     help="split the routed experts over every device of the mesh (dp x pcp x tp, which must "
+                          "divide the expert count) instead of their columns over TP")
 
     dist = p.add_argument_group(
         "multi-process (jax.distributed)",

@@ -111,11 +111,28 @@ def param_shardings(model_or_state, layout: ParallelLayout):
         for d, r in enumerate(roles):
             n = layout.size(r)
             if n > 1 and shape[d] % n:
-                raise ValueError(f"parameter {_path_str(path)} dim {d} of size {shape[d]} cannot be split "
-                                 f"{n} ways ({r}) under {layout.config}")
+                raise ValueError(_split_error(_path_str(path), d, shape[d], n, r, layout))
         return layout.sharding(*roles)
 
     return jax.tree_util.tree_map_with_path(one, state)
+
+
+# The flag that sets each mesh axis's size (vLLM's names).
+_AXIS_FLAGS = {"dp": "--data-parallel-size", "pcp": "--prefill-context-parallel-size", "tp": "--tensor-parallel-size"}
+
+
+def _split_error(path: str, dim: int, size: int, n: int, role: str, layout: ParallelLayout) -> str:
+    """The refusal of a parameter dimension `n` shards do not divide: the flags whose product
+    `n` is, the sizes that would divide it, and the parameter (for the curious)."""
+    axes = [a for a in layout.axes(role) if layout.mesh.shape[a] > 1]
+    flags = " × ".join(f"{_AXIS_FLAGS.get(a, a)} {layout.mesh.shape[a]}" for a in axes)
+    what = {"experts": "the experts", "attn_heads": "the attention heads", "mlp_cols": "the MLP columns",
+            "expert_cols": "the experts' MLP columns", "vocab": "the vocabulary"}.get(role, f"dimension {dim}")
+    ok = [k for k in range(1, size + 1) if size % k == 0 and k <= 64]
+    via = " (--enable-expert-parallel splits the experts over every device of the mesh)" if role == "experts" else ""
+    return (f"{flags} splits {what} ({size} in this model) {n} ways, which does not divide them; "
+            f"{'that product' if len(axes) > 1 else 'it'} must divide {size}: one of {', '.join(map(str, ok))}{via} "
+            f"(parameter {path} dim {dim}, role {role})")
 
 
 def shard_params(state, layout: ParallelLayout):

@@ -128,8 +128,16 @@ def test_layouts_split_what_the_rules_say():
 
 def test_layouts_that_cannot_shard_are_refused():
     # 4 heads cannot split 8 ways; shared-expert columns 64 / 8 = 8 cut the 16-wide FP8 blocks.
-    with pytest.raises(ValueError, match="cannot be split"):
+    # The refusal names the flag and the sizes that would work (the tiny model has 4 heads).
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 8 splits the attention heads \(4 in this model\) "
+                                         r"8 ways, which does not divide them; it must divide 4: one of 1, 2, 4"):
         device_weight_bytes(TINY, dtype=jnp.float32, quant=None, parallel=ParallelConfig(tensor_parallel_size=8))
+    with pytest.raises(ValueError, match=r"--data-parallel-size 3 × --tensor-parallel-size 2 splits the experts \(8 "
+                                         r"in this model\) 6 ways.*that product must divide 8: one of 1, 2, 4, 8 "
+                                         r"\(--enable-expert-parallel"):
+        device_weight_bytes(TINY, dtype=jnp.float32, quant=None,
+                            parallel=ParallelConfig(tensor_parallel_size=2, data_parallel_size=3,
+                                                    enable_expert_parallel=True))
     with pytest.raises(QuantizationError, match="scale block"):
         device_weight_bytes(TINY8, dtype=jnp.bfloat16, quant=Q16, parallel=ParallelConfig(tensor_parallel_size=8))
 
