@@ -405,6 +405,11 @@ def divergences(ours: list[list[int]], ref: list[list[int]], ref_top2_gap: list[
     return out
 
 
+def _cell(x: float | None, width: int, spec: str = ".1f", suffix: str = "") -> str:
+    """`x` formatted to `width` columns, or "–" when it was not measured (e.g. --skip-hf, --skip-jit)."""
+    return f"{x:{spec}}{suffix}".rjust(width) if x is not None else "–".rjust(width)
+
+
 def async_table(rows: list[dict]) -> str:
     """Synchronous vs asynchronous scheduling, and both against generate_batch's loop."""
     head = (f"{'batch':>5} | {'sync tok/s':>10} | {'async tok/s':>11} | {'async/sync':>10} | {'gen_batch tok/s':>15} | "
@@ -413,16 +418,19 @@ def async_table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         o, a = r["ours"], r["ours_async"]
-        gb = r.get("generate_batch", {}).get("decode_tok_s", float("nan"))
+        gb = r.get("generate_batch", {}).get("decode_tok_s")
         lines.append(
             f"{r['batch']:>5} | {o['decode_tok_s']:>10.1f} | {a['decode_tok_s']:>11.1f} | "
-            f"{a['decode_tok_s'] / o['decode_tok_s']:>9.2f}x | {gb:>15.1f} | {o['decode_tok_s'] / gb:>6.2f}x | "
-            f"{a['decode_tok_s'] / gb:>7.2f}x | {o['host_ms']:>12.2f} | {a['host_ms']:>16.2f} | {a['step_ms']:>13.2f} | "
+            f"{a['decode_tok_s'] / o['decode_tok_s']:>9.2f}x | {_cell(gb, 15)} | "
+            f"{_cell(o['decode_tok_s'] / gb if gb else None, 7, '.2f', 'x')} | "
+            f"{_cell(a['decode_tok_s'] / gb if gb else None, 8, '.2f', 'x')} | {o['host_ms']:>12.2f} | "
+            f"{a['host_ms']:>16.2f} | {a['step_ms']:>13.2f} | "
             f"{100 * a['host_share']:>8.1f}% | {str(r['async_rows_equal_sync']) + '/' + str(r['batch']):>13}")
     return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
+    """Our engine against generate_batch's loop and HF transformers ("–" where one was skipped)."""
     head = (f"{'batch':>5} | {'ours tok/s':>10} | {'gen_batch tok/s':>15} | {'HF tok/s':>9} | {'ours/HF':>7} | {'step ms':>7} | "
             f"{'device ms':>9} | {'host ms':>7} | {'host %':>6} | {'ours prefill ms':>15} | {'HF prefill ms':>13}")
     lines = [head, "-" * len(head)]
@@ -430,11 +438,11 @@ def table(rows: list[dict]) -> str:
         hf = r.get("hf")
         lines.append(
             f"{r['batch']:>5} | {r['ours']['decode_tok_s']:>10.1f} | "
-            f"{r.get('generate_batch', {}).get('decode_tok_s', float('nan')):>15.1f} | "
-            f"{(hf['decode_tok_s'] if hf else float('nan')):>9.1f} | {r.get('ratio', float('nan')):>6.1f}x | "
+            f"{_cell(r.get('generate_batch', {}).get('decode_tok_s'), 15)} | "
+            f"{_cell(hf['decode_tok_s'] if hf else None, 9)} | {_cell(r.get('ratio'), 6, '.1f', 'x')} | "
             f"{r['ours']['step_ms']:>7.2f} | {r['ours']['device_ms']:>9.2f} | {r['ours']['host_ms']:>7.2f} | "
             f"{100 * r['ours']['host_share']:>5.1f}% | {1e3 * r['ours']['prefill_s']:>15.1f} | "
-            f"{(1e3 * hf['prefill_s'] if hf else float('nan')):>13.1f}")
+            f"{_cell(1e3 * hf['prefill_s'] if hf else None, 13)}")
     return "\n".join(lines)
 
 

@@ -117,3 +117,22 @@ def test_divergences_apply_the_near_tie_rule():
         {"token": 1, "ref_top2_gap": 3e-5, "near_tie": True},
         {"token": 0, "ref_top2_gap": 0.5, "near_tie": False},
     ]
+
+
+def test_tables_mark_skipped_baselines_instead_of_printing_nan():
+    ours = {"decode_tok_s": 120.0, "step_ms": 8.0, "device_ms": 6.0, "host_ms": 2.0, "host_share": 0.25,
+            "prefill_s": 0.05}
+    skipped = {"batch": 1, "ours": ours}  # --skip-hf --skip-jit: no HF row, no generate_batch row
+    measured = {"batch": 8, "ours": ours, "generate_batch": {"decode_tok_s": 60.0},
+                "hf": {"decode_tok_s": 40.0, "prefill_s": 0.1}, "ratio": 3.0}
+    text = bench.table([skipped, measured])
+    assert "nan" not in text
+    row1, row8 = text.splitlines()[2:]
+    assert row1.count("–") == 4 and "–" not in row8
+    assert "3.0x" in row8 and "40.0" in row8 and "100.0" in row8
+    asy = {**ours, "step_ms": 5.0, "host_share": 0.1}
+    text = bench.async_table([{**skipped, "ours_async": asy, "async_rows_equal_sync": 1},
+                              {**measured, "ours_async": asy, "async_rows_equal_sync": 8}])
+    assert "nan" not in text
+    row1, row8 = text.splitlines()[2:]
+    assert row1.count("–") == 3 and "2.00x" in row8
