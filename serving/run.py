@@ -113,6 +113,10 @@ def build_server(argv: list[str] | None = None, args=None):
         raise SystemExit(f"error: {e}") from e
     if tokenizer is None or os.path.abspath(engine.model_path) != os.path.abspath(model):
         tokenizer = GlmTokenizer.from_pretrained(engine.model_path)
+    if tokenizer.chat_template is None:
+        logger.warning("%s has no chat template (neither chat_template.jinja nor a chat_template entry in "
+                       "tokenizer_config.json): /v1/chat/completions will answer 400; /v1/completions serves",
+                       engine.model_path)
     if args.served_model_name:
         name = args.served_model_name
     elif model is None:  # no --model, or --model tiny
