@@ -62,6 +62,12 @@ def _run(e, requests: dict, async_scheduling: bool):
 
 
 @pytest.fixture(scope="module")
+def lazy():
+    """An engine that compiles its variants on the engine thread, on first use."""
+    return _engine()
+
+
+@pytest.fixture(scope="module")
 def precompiled():
     e = _engine()
     n = e.runner.start_variant_precompile(-(-e._structured_vocab_size // 32), forward_only=True)
@@ -69,7 +75,7 @@ def precompiled():
     return e, n
 
 
-def test_precompiled_variants_run_the_programs_first_use_compiles(precompiled):
+def test_precompiled_variants_run_the_programs_first_use_compiles(precompiled, lazy):
     e, n = precompiled
     runner = e.runner
     # One bucket, one program: the forward pass alone, the masked step, the sampler with and without a mask.
@@ -78,7 +84,7 @@ def test_precompiled_variants_run_the_programs_first_use_compiles(precompiled):
     assert all(j.compiled is not None for j in runner._variant_jobs.values())
     tok = GlmTokenizer.from_pretrained(e.model_path)
     reqs = _requests(tok)
-    ref = _engine()  # compiles its variants on the engine thread, on first use
+    ref = lazy
     for async_scheduling in (False, True):
         calls = runner.num_precompiled_calls
         got = _run(e, reqs, async_scheduling)
@@ -176,10 +182,12 @@ def test_server_default_and_the_config_key():
         StructuredOutputsConfig.from_dict({"precompile": "yes"})
 
 
-def test_which_engines_start_the_background_compile():
+def test_which_engines_start_the_background_compile(lazy):
     """The server asks for it by default (`default=True`), `LLM` does not; the config key wins both
-    ways; an engine that leaves its buckets to first use leaves the variants too."""
-    e = _engine()
+    ways; an engine that leaves its buckets to first use leaves the variants too. (Last in the
+    module: it starts the thread on the lazily compiling engine, whose variants are compiled by
+    then.)"""
+    e = lazy
     e.args.skip_precompile = True
     assert e.start_structured_precompile(default=True) == 0
     e.args.skip_precompile = False
