@@ -171,9 +171,12 @@ class VariantPrecompileMixin:
             self.variant_compile_seconds[job.key] = time.perf_counter() - t
             job.state = "done"
             job.done.set()
-        if n:
-            logger.info("structured outputs: %d step variants compiled in the background in %.1f s%s", n,
-                        time.perf_counter() - t0, " (stopped)" if stop.is_set() else "")
+        taken = sum(j.state == "taken" for j in self._variant_jobs.values()) if self._variant_jobs else 0
+        if n or taken:
+            logger.info("structured outputs: %d step variants compiled in the background in %.1f s%s%s", n,
+                        time.perf_counter() - t0,
+                        f"; {taken} compiled on first use by steps that needed them sooner" if taken else "",
+                        " (stopped)" if stop.is_set() else "")
 
     @property
     def _variant_lock(self) -> threading.Lock:
