@@ -15,7 +15,11 @@ compiling is waited for (less time than starting again).
 
 Same program either way: the executable is compiled from the same jitted function for the same
 argument shapes, shardings and donation (`tests/serving/test_structured_variants.py` checks the
-streams against the variants compiled on first use).
+streams against the variants compiled on first use), and each call first checks that the step's
+arguments are placed as the executable was compiled for (else the jit runs). Left to first use:
+HiSparse's hot program (its host pool is in pinned_host memory, which an executable lowered from
+abstract arguments mishandles on jax 0.11.2: `variant_jobs`), engines that skip the start-up
+compile, and multi-process engines (`StructuredOutputsMixin.start_structured_precompile`).
 """
 
 from __future__ import annotations
@@ -29,9 +33,6 @@ import jax
 import numpy as np
 
 logger = logging.getLogger("serving.runner")
-
-VARIANTS = ("forward-only", "masked")
-
 
 def abstract(x):
     """An argument leaf → what `lower` needs of it: a `jax.ShapeDtypeStruct` with the array's
