@@ -201,8 +201,14 @@ def read_manifest(path: str | os.PathLike) -> dict:
     if not os.path.isfile(marker):
         raise CheckpointError(f"{d} is not an orbax checkpoint written by glm53 (no {MARKER_FILE}; "
                               "convert an HF directory with scripts/convert_checkpoint.py)")
-    with open(marker) as f:
-        manifest = json.load(f)
+    try:
+        with open(marker) as f:
+            manifest = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{marker} is not valid JSON ({e}): the orbax checkpoint's manifest is damaged; "
+                              "convert the checkpoint again (scripts/convert_checkpoint.py)") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{marker} must be a JSON object: the orbax checkpoint's manifest is damaged")
     if manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:
         raise CheckpointError(f"{marker}: format {manifest.get('format')!r} version {manifest.get('version')!r}; "
                               f"this build reads {FORMAT_NAME!r} version {FORMAT_VERSION}")

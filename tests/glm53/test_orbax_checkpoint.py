@@ -171,3 +171,6 @@ def test_a_missing_or_cut_chunk_file_is_named_as_an_incomplete_checkpoint(tmp_pa
         f.truncate(chunks[0].stat().st_size // 2)
     with pytest.raises(CheckpointError, match=r"the orbax checkpoint .*broken is incomplete or corrupt"):
         load_model(str(broken), progress=False)
+    (broken / orbax_checkpoint.MARKER_FILE).write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"glm53_orbax\.json is not valid JSON .*manifest is damaged"):
+        load_model(str(broken), progress=False)
