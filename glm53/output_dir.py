@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 
 
-def check_output_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+def check_output_dir(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = True) -> None:
     """Raise ValueError when `dst` is `src`, contains it, or lies inside it (symbolic links and
-    relative paths resolved)."""
+    relative paths resolved), or — with `overwrite` False — when it exists (the message names
+    `--overwrite`, the scripts' flag)."""
     s, d = os.path.realpath(os.fspath(src)), os.path.realpath(os.fspath(dst))
     if d == s:
         raise ValueError(f"the output directory {dst} is the source checkpoint {src}: choose another directory")
@@ -23,3 +24,5 @@ def check_output_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     if os.path.commonpath([s, d]) == s:
         raise ValueError(f"the output directory {dst} is inside the source checkpoint {src}: choose a directory "
                          "outside it")
+    if not overwrite and os.path.exists(d):
+        raise ValueError(f"{dst} already exists (pass --overwrite to replace it)")

@@ -54,8 +54,8 @@ class TensorInfo:
 _MAX_HEADER_BYTES = 100 * 2**20
 
 
-def _read_header(path: str) -> tuple[dict, int]:
-    """(the JSON header, the data section's offset in the file). Raises CheckpointError naming the
+def _read_header(path: str) -> tuple[dict, int, int]:
+    """(the JSON header, the data section's offset in the file, the file's size). Raises CheckpointError naming the
     file when it is not a safetensors file or its header is cut short."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
@@ -72,7 +72,7 @@ def _read_header(path: str) -> tuple[dict, int]:
             raise CheckpointError(f"{path}: not a safetensors file, or corrupt: its header is not JSON ({e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: not a safetensors file: its header is not a JSON object")
-    return header, 8 + n
+    return header, 8 + n, size
 
 
 def _tensor_info(path: str, key: str, meta, base: int, size: int) -> TensorInfo:
@@ -123,8 +123,7 @@ class SafetensorsCheckpoint:
             path = os.path.join(d, name)
             if not os.path.exists(path):
                 raise FileNotFoundError(f"{index} lists {name}, which does not exist")
-            header, base = _read_header(path)
-            size = os.path.getsize(path)
+            header, base, size = _read_header(path)
             for key, meta in header.items():
                 if key == "__metadata__":
                     continue

@@ -18,7 +18,6 @@ Memory: the converted parameters are held in host memory once (the checkpoint's 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -46,12 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     from glm53.safetensors_reader import CheckpointError
 
     try:
-        check_output_dir(args.src, args.dst)
+        check_output_dir(args.src, args.dst, overwrite=args.overwrite)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    if os.path.exists(args.dst) and not args.overwrite:
-        print(f"error: {args.dst} already exists (pass --overwrite to replace it)", file=sys.stderr)
         return 2
     if orbax_checkpoint.is_orbax_checkpoint(args.src):
         print(f"error: {args.src} is already an orbax checkpoint", file=sys.stderr)

@@ -58,12 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     from glm53.safetensors_reader import CheckpointError
 
     try:
-        check_output_dir(args.src, args.dst)
+        check_output_dir(args.src, args.dst, overwrite=args.overwrite)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    if os.path.exists(args.dst) and not args.overwrite:
-        print(f"error: {args.dst} exists (pass --overwrite to replace it)", file=sys.stderr)
         return 2
     # Written next to DST and moved into place at the end: a failed run leaves nothing behind, and
     # --overwrite removes the old DST only once the new one is complete.

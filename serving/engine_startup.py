@@ -35,16 +35,15 @@ class EngineParts:
 
 
 def _check_limits_before_loading(path: str, args: EngineArgs) -> None:
-    """`--max-model-len` against the checkpoint's config.json, before minutes of weight loading.
-    (A config that cannot be read is left to `load_model`, whose error names the problem.)"""
+    """`--max-model-len` against the checkpoint's config.json's `max_position_embeddings`, before
+    minutes of weight loading. (A config that cannot be read or does not set it is left to the
+    check after `load_model`, whose errors name the problem.)"""
     import json
     import os
 
-    from glm53.config import _HF_FIELDS
-
     try:
         with open(os.path.join(path, "config.json")) as f:
-            positions = json.load(f).get("max_position_embeddings", _HF_FIELDS["max_position_embeddings"])
+            positions = json.load(f).get("max_position_embeddings")
     except (OSError, ValueError, AttributeError):
         return
     if not isinstance(positions, int):

@@ -15,8 +15,8 @@ compiling is waited for (less time than starting again).
 
 Same program either way: the executable is compiled from the same jitted function for the same
 argument shapes, shardings and donation (`tests/serving/test_structured_variants.py` checks the
-streams against the variants compiled on first use), and each call first checks that the step's
-arguments are placed as the executable was compiled for (else the jit runs). Left to first use:
+streams against the variants compiled on first use), and a variant's first call checks that the
+step's arguments are placed as the executable was compiled for (else the jit runs). Left to first use:
 HiSparse's hot program (its host pool is in pinned_host memory, which an executable lowered from
 abstract arguments mishandles on jax 0.11.2: `variant_jobs`), engines that skip the start-up
 compile, and multi-process engines (`StructuredOutputsMixin.start_structured_precompile`).
@@ -48,12 +48,13 @@ def abstract(x):
 class _Job:
     """One variant to compile: its key, the jitted function and the abstract arguments."""
 
-    __slots__ = ("args", "compiled", "done", "error", "fn", "key", "state")
+    __slots__ = ("args", "compiled", "done", "error", "fn", "key", "placed", "state")
 
     def __init__(self, key: tuple, fn, args: tuple):
         self.key, self.fn, self.args = key, fn, args
         self.state = "queued"  # → "compiling" → "done", or "taken" (the engine thread compiles it)
         self.compiled = None
+        self.placed = False  # the first call's arguments were placed as `args` (`call_variant`)
         self.error: BaseException | None = None
         self.done = threading.Event()
 
@@ -67,6 +68,9 @@ class VariantPrecompileMixin:
     _variant_thread: threading.Thread | None = None
     _variant_stop: threading.Event | None = None
     variant_compile_seconds: dict | None = None
+    # Guards a job's queued → compiling / taken transition between the thread and the engine
+    # thread (one lock for every runner of the process: the transitions are rare and short).
+    _variant_lock = threading.Lock()
     num_precompiled_calls = 0  # steps (and deferred samplers) that ran a background-compiled executable
 
     def variant_jobs(self, bitmask_words: int, forward_only: bool) -> list[_Job]:
@@ -179,13 +183,6 @@ class VariantPrecompileMixin:
                         f"; {taken} compiled on first use by steps that needed them sooner" if taken else "",
                         " (stopped)" if stop.is_set() else "")
 
-    @property
-    def _variant_lock(self) -> threading.Lock:
-        lock = self.__dict__.get("_variant_lock_")
-        if lock is None:
-            lock = self.__dict__["_variant_lock_"] = threading.Lock()
-        return lock
-
     def precompiled_variant(self, key: tuple) -> Callable | None:
         """The background-compiled executable for `key` (waiting for it when the thread is
         compiling it), or None: not a precompiled variant, not reached yet (it is then taken out
@@ -213,12 +210,18 @@ class VariantPrecompileMixin:
         included: an executable given a buffer in another memory kind aborts the process instead
         of raising). Otherwise — or when the executable refuses the call before running (its
         argument types differ: a TypeError, nothing donated) — logged once, the variant is dropped
-        and `fn` (the jit) runs."""
+        and `fn` (the jit) runs. The placements are checked at the key's first call only: later
+        calls of a key pass the same ones (the plain program's arguments are the weights, the
+        arena and host inputs, placed by the same functions every step), and the check walks every
+        weight, which a hot path need not repeat."""
         compiled = self.precompiled_variant(key)
-        if compiled is not None and not _placed_as(self._variant_jobs[key].args, args):
-            logger.warning("structured outputs: the precompiled %s step variant %s was compiled for other "
-                           "argument placements than this step's; it compiles on first use", key[0], key[1:])
-            self._variant_jobs[key].compiled = compiled = None
+        job = self._variant_jobs[key] if compiled is not None else None
+        if job is not None and not job.placed:
+            if not _placed_as(job.args, args):
+                logger.warning("structured outputs: the precompiled %s step variant %s was compiled for other "
+                               "argument placements than this step's; it compiles on first use", key[0], key[1:])
+                job.compiled = compiled = None
+            job.placed = True
         if compiled is not None:
             try:
                 out = compiled(*args)
