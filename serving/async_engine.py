@@ -42,6 +42,9 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._dead: BaseException | None = None
         self._stop = False
+        # Set by `abort_all` (a draining server's deadline) to the finish reason every request
+        # submitted after it ends with at once (e.g. the later choices of an n > 1 stream).
+        self._aborted_all: str | None = None
         self.on_dead: list = []  # callbacks(exc) run on the engine thread when the engine dies
         pd = getattr(engine, "pd", None)
         if pd is not None:  # P/D: a side-channel job or a finished pull wakes the loop
@@ -79,9 +82,16 @@ class AsyncEngine:
             if request_id in self._queues:
                 self._discard_precompiled(request_id)
                 raise ValueError(f"duplicate request id {request_id!r}")
-            self._queues[request_id] = (loop, q)
-            self._inbox.append(("add", request_id, prompt_token_ids, params, done))
-            self._cv.notify()
+            aborted = self._aborted_all
+            if aborted is not None:
+                self._discard_precompiled(request_id)
+            else:
+                self._queues[request_id] = (loop, q)
+                self._inbox.append(("add", request_id, prompt_token_ids, params, done))
+                self._cv.notify()
+        if aborted is not None:  # after the drain's deadline: it ends as the requests running then did
+            yield RequestOutput(request_id, [], True, aborted, len(prompt_token_ids), 0, 0)
+            return
         try:
             await done  # raises the engine's ValueError for a refused request
             while True:
@@ -106,12 +116,22 @@ class AsyncEngine:
 
     def abort_all(self, finished_reason: str = "abort") -> int:
         """Abort every request the engine holds, each stream ending with a final output (finish
-        reason `finished_reason`), as a draining server does at its deadline. Returns how many."""
+        reason `finished_reason`), as a draining server does at its deadline; a request submitted
+        afterwards (the later choices of an n > 1 request start after its first choice's first
+        output) gets that final output at once instead of running. Returns how many it aborted."""
         with self._cv:
+            self._aborted_all = finished_reason
             rids = list(self._queues)
             self._inbox.extend(("abort_all", rid, finished_reason) for rid in rids)
             self._cv.notify()
         return len(rids)
+
+    def background_compile_running(self) -> bool:
+        """Whether a background step-variant compile (`serving.runner_variants`) is still inside
+        XLA: the process must then end with `os._exit` (tearing the interpreter down under a
+        running XLA compile crashes it with SIGSEGV)."""
+        runner = getattr(self.engine, "runner", None)
+        return bool(getattr(runner, "variant_precompile_running", _noop)())
 
     def shutdown(self, timeout: float = 30.0, close: bool = True) -> None:
         """Stop the engine thread (waiting up to `timeout` seconds for its step) and, with

@@ -121,6 +121,11 @@ def log_engine_plan(engine, layout: KVCacheLayout, nblocks: int, args: EngineArg
         note = engine.hisparse.policy.admission_note(args.max_model_len)
         if note is not None:
             logger.warning("%s", note)
+    elif engine.effective_max_model_len < args.max_model_len:  # (vLLM refuses to start here)
+        logger.warning("%s Longer requests are refused with a 400, and the server reports %d tokens as the context "
+                       "length; a larger pool (--num-gpu-blocks-override / --gpu-memory-utilization) or a smaller "
+                       "--max-model-len removes this", engine.max_model_len_note().strip(),
+                       engine.effective_max_model_len)
     if engine.spec_config is not None:
         sc, mla, idx = engine.spec_config, layout.group("mla"), layout.group("indexer")
         mtp_rows = mla.bytes_per_token // mla.component("mla")[1].num_layers  # one layer's latent row

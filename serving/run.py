@@ -259,6 +259,15 @@ def main(argv: list[str] | None = None) -> None:
         engine.shutdown(timeout=30 if channel is None or not server.exit_code else 2)
     if channel is not None:
         _leave_multihost(channel, server.exit_code)
+    if engine.background_compile_running():
+        # The structured-output variants' compile thread is inside XLA (it stops after the variant
+        # in progress, which may take a minute): exit now, as the drain promised, without the
+        # interpreter's teardown, which would crash under it (SIGSEGV).
+        logger.info("exiting without waiting for the step variant being compiled in the background")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(server.exit_code)
     if server.exit_code:
         raise SystemExit(server.exit_code)
 

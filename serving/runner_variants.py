@@ -24,6 +24,7 @@ compile, and multi-process engines (`StructuredOutputsMixin.start_structured_pre
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -125,6 +126,10 @@ class VariantPrecompileMixin:
         self._variant_stop = threading.Event()
         self._variant_thread = threading.Thread(target=self._compile_variants, args=(jobs, self._variant_stop),
                                                 name="step-variant-compile", daemon=True)
+        # At interpreter exit (an offline LLM's script ending), wait for the variant in progress:
+        # tearing the interpreter down under a running XLA compile crashes it (the server exits
+        # with os._exit instead, serving/run.py). The thread unregisters this when it ends.
+        atexit.register(self.stop_variant_precompile, None)
         self._variant_thread.start()
         return len(jobs)
 
@@ -135,6 +140,11 @@ class VariantPrecompileMixin:
             return
         self._variant_stop.set()
         self._variant_thread.join(timeout)
+
+    def variant_precompile_running(self) -> bool:
+        """Whether the background compile thread is alive (after `stop_variant_precompile`: still
+        finishing the variant in progress, inside XLA, which cannot be interrupted)."""
+        return self._variant_thread is not None and self._variant_thread.is_alive()
 
     def wait_variant_precompile(self, timeout: float | None = None) -> bool:
         """Wait for the background compile to finish → whether it has (True without one)."""
@@ -182,6 +192,7 @@ class VariantPrecompileMixin:
                         time.perf_counter() - t0,
                         f"; {taken} compiled on first use by steps that needed them sooner" if taken else "",
                         " (stopped)" if stop.is_set() else "")
+        atexit.unregister(self.stop_variant_precompile)  # nothing left to wait for at exit
 
     def precompiled_variant(self, key: tuple) -> Callable | None:
         """The background-compiled executable for `key` (waiting for it when the thread is

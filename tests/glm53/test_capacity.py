@@ -408,3 +408,21 @@ def test_hisparse_page_plan_admits_a_context_longer_than_the_pool_with_a_window(
     assert win.first_pages == idx + 2 + 2 + 16
     assert win.steady_pages == idx + 2 + 2
     assert win.device_bound == 1 + (100 - win.first_pages) // win.steady_pages
+
+
+def test_a_pool_smaller_than_one_request_warns_at_start_up(caplog):
+    """Without HiSparse a pool that cannot hold one --max-model-len request shortens the context
+    the server reports and checks; the start-up log says so, with the length it will serve and the
+    flags that change it (HiSparse's own bound has its own warning: test_hisparse_policy.py)."""
+    from serving.engine import EngineArgs
+    from serving.engine_factory import build_engine
+
+    with caplog.at_level(logging.WARNING, logger="serving.engine"):
+        engine = build_engine(EngineArgs(max_num_seqs=4, max_num_batched_tokens=64, cuda_graph_sizes=[],
+                                         precompile_token_paddings=[], max_model_len=1024, num_gpu_blocks_override=10,
+                                         compile_progress=False, skip_precompile=True))
+    eff = engine.effective_max_model_len
+    assert eff < 1024
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"at most {eff} tokens" in m and "--max-model-len is 1024" in m and "--num-gpu-blocks-override" in m
+               for m in warnings), warnings
