@@ -13,7 +13,10 @@ read (`<think>`, `</think>`, `<tool_call>`, `<arg_key>`, ...) and `/nothink` are
 special, so they survive decoding either way.
 
 `default_model_dir()` returns a cached copy under `$GLM53_HOME/tiny-glm-5.3` (default
-`~/.cache/glm53/tiny-glm-5.3`), regenerating it when missing or stale.
+`~/.cache/glm53/tiny-glm-5.3`), regenerating it when missing or stale. `config_overrides` (every
+function that builds the config takes it) writes a twin of another shape with the same tokenizer
+and the same per-tensor weight draws; `default_model_dir(name, config_overrides)` caches one under
+its own name (the test suite's 7-layer twin: `tests/helpers/shallow_model.py`).
 """
 
 from __future__ import annotations
@@ -233,10 +236,11 @@ def padded_vocab_size(num_tokens: int, multiple: int = VOCAB_PAD_MULTIPLE) -> in
 
 
 # ---------------------------------------------------------------------- config files
-def tiny_hf_config(tok: Tokenizer) -> dict:
-    """config.json for the tiny checkpoint: the `tiny` preset with vocab/eos/pad from `tok`."""
+def tiny_hf_config(tok: Tokenizer, config_overrides: dict | None = None) -> dict:
+    """config.json for the tiny checkpoint: the `tiny` preset, updated with `config_overrides`
+    (e.g. fewer layers), with vocab/eos/pad from `tok`."""
     eos = [tok.token_to_id(t) for t in EOS_TOKENS]
-    cfg = dict(TINY_HF_CONFIG)
+    cfg = {**TINY_HF_CONFIG, **(config_overrides or {})}
     cfg.update(
         vocab_size=padded_vocab_size(tok.get_vocab_size(with_added_tokens=True)),
         eos_token_id=eos,
@@ -316,17 +320,19 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def write_tiny_checkpoint(path: str | os.PathLike, seed: int = 0) -> Path:
+def write_tiny_checkpoint(path: str | os.PathLike, seed: int = 0, config_overrides: dict | None = None) -> Path:
     """Write the tiny checkpoint into directory `path` (created if needed; files overwritten).
 
     Files: config.json, generation_config.json, tokenizer.json, tokenizer_config.json,
-    chat_template.jinja, model.safetensors. Deterministic: the same `seed` gives byte-identical
-    files. Returns `Path(path)`.
+    chat_template.jinja, model.safetensors. Deterministic: the same `seed` and `config_overrides`
+    (config.json fields replacing the `tiny` preset's, validated by `GlmConfig.from_hf_config`)
+    give byte-identical files. A tensor both shapes have (same name, same shape) gets the same
+    values in both. Returns `Path(path)`.
     """
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer()
-    cfg = tiny_hf_config(tok)
+    cfg = tiny_hf_config(tok, config_overrides)
     config = GlmConfig.from_hf_config(cfg)  # validates
     assert config.vocab_size >= tok.get_vocab_size(with_added_tokens=True)
 
@@ -342,14 +348,14 @@ def write_tiny_checkpoint(path: str | os.PathLike, seed: int = 0) -> Path:
 
 
 # ---------------------------------------------------------------------- cached default
-def generator_fingerprint(seed: int = 0) -> str:
-    """Hash of everything the tiny checkpoint's bytes depend on (generator version, seed, preset,
-    corpus, added tokens, chat template, tokenizers version)."""
+def generator_fingerprint(seed: int = 0, config_overrides: dict | None = None) -> str:
+    """Hash of everything the tiny checkpoint's bytes depend on (generator version, seed, preset
+    and overrides, corpus, added tokens, chat template, tokenizers version)."""
     h = hashlib.sha256()
     for part in (
         f"v{GENERATOR_VERSION}",
         f"seed={seed}",
-        json.dumps(TINY_HF_CONFIG, sort_keys=True),
+        json.dumps({**TINY_HF_CONFIG, **(config_overrides or {})}, sort_keys=True),
         _CORPUS,
         json.dumps(GLM_ADDED_TOKENS),
         f"bpe={BPE_VOCAB_SIZE}/{VOCAB_PAD_MULTIPLE}",
@@ -368,29 +374,30 @@ def _is_current(d: Path, fingerprint: str) -> bool:
         return False
 
 
-def default_model_dir() -> Path:
+def default_model_dir(name: str = CHECKPOINT_NAME, config_overrides: dict | None = None) -> Path:
     """The tiny checkpoint's cache directory, generating it when absent or stale.
 
-    Location: `$GLM53_HOME/tiny-glm-5.3` when GLM53_HOME is set, else
-    `~/.cache/glm53/tiny-glm-5.3`. A fingerprint file records the generator inputs; on mismatch
-    the directory is regenerated. Generation writes into a temporary sibling directory that is
-    renamed into place, so concurrent processes never see a partial checkpoint.
+    Location: `$GLM53_HOME/<name>` when GLM53_HOME is set, else `~/.cache/glm53/<name>` (`name`
+    defaults to `tiny-glm-5.3`; a twin written with `config_overrides` needs a name of its own).
+    A fingerprint file records the generator inputs; on mismatch the directory is regenerated.
+    Generation writes into a temporary sibling directory that is renamed into place, so
+    concurrent processes never see a partial checkpoint.
     """
     root = Path(os.environ.get("GLM53_HOME") or Path.home() / ".cache" / "glm53").expanduser()
-    target = root / CHECKPOINT_NAME
-    fp = generator_fingerprint(0)
+    target = root / name
+    fp = generator_fingerprint(0, config_overrides)
     if _is_current(target, fp):
         return target
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{CHECKPOINT_NAME}.tmp-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
     try:
-        write_tiny_checkpoint(tmp, seed=0)
+        write_tiny_checkpoint(tmp, seed=0, config_overrides=config_overrides)
         (tmp / FINGERPRINT_FILE).write_text(fp + "\n")
         for _ in range(5):
             if _is_current(target, fp):
                 return target  # another process won the race
             if target.exists():  # stale: move it aside, then drop it
-                stale = Path(tempfile.mkdtemp(prefix=f".{CHECKPOINT_NAME}.stale-", dir=root))
+                stale = Path(tempfile.mkdtemp(prefix=f".{name}.stale-", dir=root))
                 try:
                     os.rename(target, stale / "old")
                 except OSError:

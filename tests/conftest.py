@@ -25,6 +25,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=2"
 
+from pathlib import Path
+
 import pytest  # noqa: E402
 
 from glm53.compile_cache import enable_compilation_cache  # noqa: E402
@@ -84,6 +86,39 @@ def _module_compile_log(request):
            "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}
     with open(_COMPILE_LOG, "a") as f:
         f.write(json.dumps(row) + "\n")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "shallow_model: in this module, whatever falls back to the embedded tiny checkpoint (EngineArgs "
+        "without a model, glm53.api.load(), LLM()) gets its 7-layer twin (tests/helpers/shallow_model.py)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shallow_model(request):
+    """A module marked `shallow_model` runs on the tiny checkpoint's 7-layer twin: its in-process
+    fallbacks to the tiny checkpoint (`glm53.tiny_checkpoint.default_model_dir()` without
+    arguments, which `serving.engine_startup` and `glm53.api.load` call when no model is given)
+    return the twin's directory while the module runs."""
+    if request.node.get_closest_marker("shallow_model") is None:
+        yield
+        return
+    from glm53 import tiny_checkpoint
+    from tests.helpers.shallow_model import shallow_model_dir
+
+    original = tiny_checkpoint.default_model_dir
+    twin = shallow_model_dir()
+
+    def default_model_dir(name=tiny_checkpoint.CHECKPOINT_NAME, config_overrides=None):
+        if name == tiny_checkpoint.CHECKPOINT_NAME and not config_overrides:
+            return Path(twin)
+        return original(name, config_overrides)
+
+    tiny_checkpoint.default_model_dir = default_model_dir
+    try:
+        yield
+    finally:
+        tiny_checkpoint.default_model_dir = original
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -7,6 +7,9 @@ import pytest
 
 from glm53 import api
 
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
+
 PROMPTS = [list(range(5, 10)), [(7 * i) % 300 + 4 for i in range(30)], [(13 * i) % 400 + 4 for i in range(90)]]
 N = 10
 

@@ -20,6 +20,9 @@ from glm53.hot_cache import HostAccess, HotBatch, HotState, PagedKV
 from kernels.host_rows import HostRowStore, page_to_rows
 from tests.helpers.host_memory import host_memory_reads
 
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
+
 PROMPT = 400  # > index_topk (64): sparse selection over 7 MLA pages
 OFF = 5  # pages 0..4 live only in the host pool
 NH = 10  # host blocks (block i + 1 holds page i)

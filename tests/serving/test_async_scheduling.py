@@ -22,6 +22,9 @@ from serving.faults import FaultInjection
 from serving.metrics import PrometheusStatLogger, StepRecord
 from serving.types import SamplingParams
 
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
+
 MAX_NUM_SEQS = 32
 
 
@@ -38,7 +41,7 @@ class Recorder:
 @pytest.fixture(scope="module")
 def engine():
     # Buckets 8, 32 and the 128-token budget; 36 pages (35 usable; a request takes one per 64
-    # tokens in the `mla` group and one per 768 in the `indexer` group).
+    # tokens in the `mla` group and one per 448 in the `indexer` group, on the 7-layer twin).
     e = build_engine(EngineArgs(max_model_len=512, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=128,
                                 cuda_graph_sizes=[8, 32], precompile_token_paddings=[], num_gpu_blocks_override=36,
                                 enable_prefix_caching=True, compile_progress=False, disable_log_stats=True,
@@ -144,7 +147,7 @@ def test_streams_equal_the_synchronous_engine(engine, batch):
 
 
 def test_preemption_while_a_step_is_in_flight(engine):
-    """Twelve requests of 100 tokens (two 64-token pages of the `mla` group and one 768-token page
+    """Twelve requests of 100 tokens (two 64-token pages of the `mla` group and one 448-token page
     of the `indexer` group each) fill the 35-page pool as they are admitted; growing past 128
     tokens they need a third `mla` page, so the pool preempts, in both runs. With asynchronous
     scheduling a request preempted while the step in flight samples its next token drops that

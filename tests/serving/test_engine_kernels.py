@@ -31,6 +31,9 @@ from serving.engine_factory import build_engine
 from serving.types import SamplingParams
 from sharding.mesh import ParallelConfig
 
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
+
 SHORT = {"a": list(range(5, 100)), "b": [(7 * i) % 300 + 4 for i in range(40)]}
 
 CASES = {

@@ -13,6 +13,9 @@ from serving.faults import EngineDeadError, FaultInjection
 from serving.types import SamplingParams
 from tests.serving.test_hisparse_engine import AMPLE, HISPARSE, SMALL, engine
 
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
+
 OFFLOAD = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 2**26}}
 MODES = {"device": dict(num_blocks=AMPLE, kv_cache_dtype="bfloat16"),
          "hisparse": dict(num_blocks=SMALL, kv_cache_dtype="bfloat16", attention_config=HISPARSE),

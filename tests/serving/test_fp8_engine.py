@@ -22,6 +22,9 @@ from serving.engine import EngineArgs
 from serving.engine_factory import build_engine
 from serving.types import SamplingParams
 
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
+
 N_TOK = 4  # greedy tokens checked per request
 PROMPT = 72  # every prompt has this length: the reference forward compiles once (PROMPT + N_TOK - 1)
 

@@ -13,6 +13,9 @@ import pytest
 from serving.run import build_server
 from tests.helpers.live_server import live_server
 
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
+
 ARGV = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "1536", "--enable-prefix-caching",
         "--num-gpu-blocks-override", "32", "--log-level", "warning", "--cuda-graph-sizes", "--precompile-token-paddings",
         "--attention-config", '{"hisparse_config": {"host_pool_gib": 0.04}}']

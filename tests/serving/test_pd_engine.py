@@ -18,6 +18,9 @@ from serving.engine_factory import build_engine
 from serving.structured_outputs import StructuredOutputsParams
 from serving.types import SamplingParams
 
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
+
 PROMPTS = {"a": [(7 * i) % 300 + 4 for i in range(70)], "b": [(13 * i) % 400 + 4 for i in range(150)],
            "c": list(range(5, 25))}
 MAX_TOKENS = 6

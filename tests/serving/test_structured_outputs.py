@@ -28,6 +28,9 @@ from serving.engine_factory import build_engine
 from serving.structured_outputs import StructuredOutputsError, StructuredOutputsParams
 from serving.types import SamplingParams
 
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
+
 PERSON = {
     "type": "object",
     "properties": {

@@ -29,6 +29,9 @@ from serving.engine_factory import build_engine
 from tests.helpers.live_server import live_server
 from tests.serving.test_structured_outputs import CHOICES, MAX_TOKENS, PERSON, POINT
 
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
+
 MODEL = "tiny-structured"
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -31,6 +31,9 @@ from sharding.distributed import free_port_pair
 from sharding.mesh import ParallelConfig
 from tests.helpers.kv_event_view import Subscriber
 
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
+
 PROMPTS = {"a": list(range(5, 25)), "b": [(7 * i) % 300 + 4 for i in range(70)],
            "c": [(13 * i) % 400 + 4 for i in range(100)], "d": [(11 * i) % 350 + 4 for i in range(40)],
            "e": [(17 * i) % 450 + 4 for i in range(60)], "f": [(19 * i) % 420 + 4 for i in range(60)]}

@@ -36,6 +36,9 @@ from tests.helpers.conversations import run_conversations
 from tests.helpers.hisparse_pool import check_host_pool_bytes, replicas
 from tests.helpers.host_memory import host_memory_reads
 
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
+
 AMPLE = 160
 # One step bucket of 16 tokens: every engine compiles one hot-path and one plain program (plus the
 # store program) — compiles dominate these tests on simulated devices; under pressure a request

@@ -16,6 +16,9 @@ from kernels.paged import read_cache
 from sharding.mesh import ParallelConfig, ParallelLayout
 from tests.sharding.conftest import S, TOL, run_layout
 
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
+
 # Each size of each axis at least once (TP 2, TP 4, PCP 2 and PCP 4 inside the combinations; TP8
 # and DP8 + EP8 also alone; the a2a backend at DCP 8, alone and under PCP2 × TP4). Each layout is a
 # compile and a run of the model under it: a smaller axis alone adds little that its combinations

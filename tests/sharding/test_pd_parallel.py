@@ -12,6 +12,9 @@ from glm53.equality import compare_streams
 from sharding.mesh import ParallelConfig
 from tests.serving.test_pd_engine import PROMPTS, build, connector, decode_all, prefill_all, reference  # noqa: F401
 
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
+
 PCP2_DCP2 = ParallelConfig(prefill_context_parallel_size=2, decode_context_parallel_size=2)
 
 

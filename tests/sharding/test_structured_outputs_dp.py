@@ -25,6 +25,9 @@ from tests.serving.test_structured_outputs import (
     text_of,
 )
 
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
+
 
 @pytest.fixture(scope="module")
 def engine():
