@@ -153,13 +153,22 @@ def _peer_lost(holder: dict, reason: str) -> None:
                                      f"{reason}", "the engine could not start")
 
 
+def _exit_without_teardown(code: int) -> None:
+    """Flush the logs and stdio, then end the process with `code` at once, skipping the
+    interpreter's teardown and exit hooks: JAX's would wait for multi-process peers that may be
+    gone, and tearing down under a background XLA compile crashes (SIGSEGV)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _exit_now(channel, message: str, abort_reason: str) -> None:
     """A multi-process leader that cannot start: tell the followers, print `message`, exit 1 now
     (JAX's exit hooks would wait for the other processes in its shutdown barrier)."""
     channel.stop(abort_reason=abort_reason)
     print(message, file=sys.stderr, flush=True)
-    logging.shutdown()
-    os._exit(1)
+    _exit_without_teardown(1)
 
 
 def _follower_main(args) -> int:
@@ -198,8 +207,7 @@ def _leave_multihost(channel, exit_code: int) -> None:
 
     channel.stop(abort_reason=None if exit_code == 0 else "the leader's engine died")
     if exit_code:
-        logging.shutdown()
-        os._exit(exit_code)
+        _exit_without_teardown(exit_code)
     shutdown()
 
 
@@ -240,9 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
     if args.multihost is not None and not args.multihost.is_leader:
-        code = _follower_main(args)
-        logging.shutdown()
-        os._exit(code)  # JAX's exit hooks would wait for peers that may be gone
+        _exit_without_teardown(_follower_main(args))  # JAX's exit hooks would wait for peers that may be gone
     app, args, engine = build_server(args=args)
     from serving.lifecycle import DrainMiddleware, GracefulServer
 
@@ -261,13 +267,9 @@ def main(argv: list[str] | None = None) -> None:
         _leave_multihost(channel, server.exit_code)
     if engine.background_compile_running():
         # The structured-output variants' compile thread is inside XLA (it stops after the variant
-        # in progress, which may take a minute): exit now, as the drain promised, without the
-        # interpreter's teardown, which would crash under it (SIGSEGV).
+        # in progress, which may take a minute): exit now, as the drain promised.
         logger.info("exiting without waiting for the step variant being compiled in the background")
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(server.exit_code)
+        _exit_without_teardown(server.exit_code)
     if server.exit_code:
         raise SystemExit(server.exit_code)
 

@@ -107,18 +107,16 @@ def _shallow_model(request):
     from tests.helpers.shallow_model import shallow_model_dir
 
     original = tiny_checkpoint.default_model_dir
-    twin = shallow_model_dir()
+    twin = Path(shallow_model_dir())
 
     def default_model_dir(name=tiny_checkpoint.CHECKPOINT_NAME, config_overrides=None):
         if name == tiny_checkpoint.CHECKPOINT_NAME and not config_overrides:
-            return Path(twin)
+            return twin
         return original(name, config_overrides)
 
-    tiny_checkpoint.default_model_dir = default_model_dir
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tiny_checkpoint, "default_model_dir", default_model_dir)
         yield
-    finally:
-        tiny_checkpoint.default_model_dir = original
 
 
 @pytest.fixture(scope="module", autouse=True)
