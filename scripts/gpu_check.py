@@ -9,7 +9,7 @@ others with it; each gets a share of what is left of `--budget-s` and is killed 
 
 1. `env`         — jax / jaxlib versions, backend, devices and their kind, memory kinds, the
                    device's memory limit, `nvidia-smi` (driver, CUDA) when there is one.
-2. `serve`       — the tiny model end to end through the engine, each configuration twice: with
+2. `serve`       — the tiny model (or `--model`) end to end through the engine, each configuration twice: with
                    the Pallas kernels (`kernels/mode.py` "auto", which is "pallas" on a GPU;
                    "interpret" with `--dry-run`) and with the references ("reference"), greedy
                    streams compared under the equality rule (`glm53.equality.compare_streams`,
@@ -88,13 +88,13 @@ def _prompts(kind: str, dry_run: bool) -> dict:
     return {chr(97 + r): [(7 * i + 3 * r) % 300 + 4 for i in range(40 + 30 * r)] for r in range(n)}
 
 
-def _serve_once(mode: str, overrides: dict, prompts: dict, max_tokens: int) -> dict:
+def _serve_once(mode: str, overrides: dict, prompts: dict, max_tokens: int, model: str | None = None) -> dict:
     from kernels.mode import use_kernels
     from serving.engine import EngineArgs
     from serving.engine_factory import build_engine
     from serving.types import SamplingParams
 
-    args = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, cuda_graph_sizes=[4],
+    args = dict(model=model, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, cuda_graph_sizes=[4],
                 precompile_token_paddings=[], compile_progress=False, disable_log_stats=True)
     t0 = time.perf_counter()
     with use_kernels(mode):
@@ -126,7 +126,10 @@ def _serve_once(mode: str, overrides: dict, prompts: dict, max_tokens: int) -> d
     return {"summary": out, "streams": streams, "logprobs": lps}
 
 
-def part_serve(out: str, dry_run: bool, budget_s: float, configs=None) -> dict:
+def part_serve(out: str, dry_run: bool, budget_s: float, configs=None, model: str | None = None) -> dict:
+    """Each configuration of `configs` (default: all of SERVE_CONFIGS) served twice, kernels and
+    references, on `model` (a checkpoint directory; None: the embedded tiny checkpoint). Returns
+    {name: result}, also written to `out`/result.json after each configuration."""
     from glm53 import api
     from glm53.equality import compare_streams
 
@@ -146,9 +149,9 @@ def part_serve(out: str, dry_run: bool, budget_s: float, configs=None) -> dict:
         t0 = time.perf_counter()
         prompts = _prompts(kind, dry_run)
         try:
-            ref = _serve_once("reference", overrides, prompts, max_tokens)
-            got = _serve_once(kernels_mode, overrides, prompts, max_tokens)
-            lm = api.load(cache_dtype=overrides.get("kv_cache_dtype", "bfloat16"))
+            ref = _serve_once("reference", overrides, prompts, max_tokens, model)
+            got = _serve_once(kernels_mode, overrides, prompts, max_tokens, model)
+            lm = api.load(model, cache_dtype=overrides.get("kv_cache_dtype", "bfloat16"))
             divs = compare_streams(ref["streams"], got["streams"], ref["logprobs"], prompts, lm, strict=False,
                                    verbose=False)
             results[name] = {"status": "ok", "reference": ref["summary"], "kernels": got["summary"],
@@ -191,7 +194,8 @@ PART_FUNCS = {"env": part_env, "serve": part_serve, "kernels": part_kernels, "ho
 
 
 # ---------------------------------------------------------------------------------------- driver
-def run_part(part: str, out: str, dry_run: bool, budget_s: float, serve_configs: list[str]) -> dict:
+def run_part(part: str, out: str, dry_run: bool, budget_s: float, serve_configs: list[str],
+             model: str | None = None) -> dict:
     """Run one part in a child process killed at `budget_s` → its summary entry."""
     part_dir = os.path.join(out, part)
     os.makedirs(part_dir, exist_ok=True)
@@ -201,6 +205,8 @@ def run_part(part: str, out: str, dry_run: bool, budget_s: float, serve_configs:
         cmd.append("--dry-run")
     if part == "serve":
         cmd += ["--serve-configs", ",".join(serve_configs)]
+        if model:
+            cmd += ["--model", model]
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         try:
@@ -245,6 +251,9 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
     ap.add_argument("--serve-configs", default=",".join(SERVE_CONFIGS),
                     help=f"the serve part's configurations, in order (default: all of {', '.join(SERVE_CONFIGS)})")
+    ap.add_argument("--model", default=None,
+                    help="the serve part's checkpoint directory, local (default: the embedded tiny checkpoint; the "
+                         "configurations' pool sizes are the tiny model's, so give a model of that scale)")
     ap.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)  # internal: run one part in this process
     a = ap.parse_args(argv)
     if not a.budget_s > 0:  # (also NaN)
@@ -254,9 +263,13 @@ def main(argv=None) -> int:
     bad = [c for c in configs if c not in SERVE_CONFIGS]
     if bad:
         ap.error(f"--serve-configs: unknown {bad}; choose from {', '.join(SERVE_CONFIGS)}")
+    if a.model is not None and not os.path.isfile(os.path.join(a.model, "config.json")):
+        ap.error(f"--model: {a.model!r} is not a checkpoint directory (no config.json in it)")
+    if a.model is not None:
+        a.model = os.path.abspath(a.model)  # the parts run with the repository as their directory
     if a.part:  # child: run the part, write result.json
         if a.part == "serve":
-            result = part_serve(a.out, a.dry_run, a.budget_s, configs)
+            result = part_serve(a.out, a.dry_run, a.budget_s, configs, a.model)
         else:
             result = PART_FUNCS[a.part](a.out, a.dry_run, a.budget_s)
         with open(os.path.join(a.out, "result.json"), "w") as f:
@@ -268,6 +281,7 @@ def main(argv=None) -> int:
         ap.error(f"--parts: unknown {bad}; choose from {', '.join(PARTS)}")
     start = time.perf_counter()
     summary = {"argv": sys.argv[1:] if argv is None else list(argv), "dry_run": a.dry_run, "budget_s": a.budget_s,
+               "model": a.model or "the embedded tiny checkpoint",
                "parts": {}}
     for part in PARTS:
         if part not in parts:
@@ -280,7 +294,7 @@ def main(argv=None) -> int:
         # takes seconds)
         share = left if part == parts[-1] else min(left, max(30.0, left * SHARES[part]))
         print(f"== {part}: up to {share:.0f} s", flush=True)
-        summary["parts"][part] = run_part(part, a.out, a.dry_run, share, configs)
+        summary["parts"][part] = run_part(part, a.out, a.dry_run, share, configs, a.model)
     summary["seconds"] = round(time.perf_counter() - start, 1)
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)

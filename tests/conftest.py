@@ -147,11 +147,10 @@ SLOW_MODULES = (
     "tests/sharding/test_hisparse_parallel.py",  # 301 s
     "tests/sharding/test_pd_parallel.py",  # 491 s in a 2-worker cold run (the times above: serial)
     "tests/serving/test_pd_engine.py",  # 388 s in a 2-worker cold run
-    # On the 14-layer checkpoint while test_hisparse_engine runs on the 7-layer twin: it compiles
-    # its own ample engine (128 s in a 2-worker cold run, docs/results/suite_time/cold_2026-12-06.txt).
-    "tests/serving/test_offload.py",
     "tests/sharding/test_parallel_logits.py",  # 193 s
     "tests/serving/test_engine_kernels.py",  # 95 s alone, cold (Pallas interpret-mode step programs)
+    # After test_hisparse_engine: its ample engine is the same (read from the compilation cache).
+    "tests/serving/test_offload.py",  # 84 s alone, cold, on the 7-layer twin (120 s on 14 layers)
     "tests/serving/test_cuda_export.py",  # 20 s alone (eight engines built, nothing compiled)
     "tests/scripts/test_gpu_check.py",  # 91 s alone (gpu_check.py --dry-run: four parts, subprocesses)
     "tests/glm53/test_fp8_weights.py",  # 107 s

@@ -5,7 +5,9 @@ so the first GPU call cannot die on a typo; the summary has every part, the serv
 the Pallas-kernel engine with the reference engine on HiSparse with the callback mechanism under
 pressure — the engine-through-the-kernels check of the HiSparse step, which
 tests/serving/test_engine_kernels.py leaves to this test: the streams are equal and the hot step
-calls the resolver's Pallas kernels; a part killed at its budget is reported as such."""
+calls the resolver's Pallas kernels; a part killed at its budget is reported as such. The serve part runs on the suite's 7-layer twin of
+the tiny checkpoint (`--model`: the same structures, half the layers to compile and interpret;
+tests/helpers/shallow_model.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import subprocess
 import sys
 
 from tests.helpers.server_process import REPO
+from tests.helpers.shallow_model import shallow_model_dir
 
 
 def run(out, *args, timeout=600):
@@ -26,12 +29,12 @@ def test_dry_run_runs_its_parts_and_the_kernel_engine_serves_the_reference_strea
     # (The host_gather part runs scripts/probe_host_gather.py as the kernels part runs its script,
     # `_script_part`; tests/scripts/test_probe_host_gather.py runs that script with the same flags.)
     p = run(tmp_path, "--dry-run", "--budget-s", "240", "--parts", "env,serve,kernels",
-            "--serve-configs", "hisparse_callback")
+            "--serve-configs", "hisparse_callback", "--model", shallow_model_dir())
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     s = json.loads((tmp_path / "summary.json").read_text())
     assert set(s["parts"]) == {"env", "serve", "kernels"}
     assert all(e["status"] == "ok" for e in s["parts"].values()), {k: e["status"] for k, e in s["parts"].items()}
-    assert s["parts"]["env"]["result"]["jax"]
+    assert s["parts"]["env"]["result"]["jax"] and s["model"] == shallow_model_dir()
     serve = s["parts"]["serve"]["result"]
     assert set(serve) == {"hisparse_callback"}
     for name, r in serve.items():
@@ -62,5 +65,7 @@ def test_a_part_past_its_budget_is_reported_and_bad_names_are_refused(tmp_path):
         assert p.returncode == 2 and "--budget-s must be a positive number" in p.stderr, p.stderr
     bad = run(tmp_path, "--parts", "env,gpu")
     assert bad.returncode == 2 and "--parts: unknown ['gpu']" in bad.stderr
+    bad = run(tmp_path, "--model", str(tmp_path), "--parts", "env")
+    assert bad.returncode == 2 and "is not a checkpoint directory (no config.json in it)" in bad.stderr, bad.stderr
     bad = run(tmp_path, "--serve-configs", "nope")
     assert bad.returncode == 2 and "--serve-configs: unknown ['nope']" in bad.stderr

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.shallow_model
 CONV = dict(conversations=3, turns=3, first_tokens=950, new_tokens=24, max_tokens=12)
 SMALL, AMPLE = 36, 160
 # The ample engines take the 3×-pool test's prompt too: one ample engine (one compile) serves every
-# test of this module (tests/serving/test_offload.py builds the same engine on the tiny checkpoint).
+# test of this module (tests/serving/test_offload.py builds the same engine).
 AMPLE_MAX_MODEL_LEN = 4700
 HISPARSE = {"hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 1024}}
 

@@ -14,10 +14,15 @@ import pytest
 
 from tests.helpers.router_process import ROUTER, free_port, vllm_router
 from tests.helpers.server_process import server_process
+from tests.helpers.shallow_model import shallow_model_dir
 
 pytestmark = pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed (the `pd` extra)")
 
-COMMON = ["--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--cuda-graph-sizes", "--precompile-token-paddings",
+MODEL = "glm-5.3-tiny"
+# The servers run the suite's 7-layer twin of the tiny checkpoint (tests/helpers/shallow_model.py:
+# the same structures, half the layers to compile at start-up) under the tiny model's name.
+TWIN = ["--model", shallow_model_dir(), "--served-model-name", MODEL]
+COMMON = [*TWIN, "--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--cuda-graph-sizes", "--precompile-token-paddings",
           "--dtype", "float32", "--disable-log-stats", "--enable-prefix-caching"]
 # The prefill server as in the reference: the P/D connector and the CPU KV offload (MultiConnector),
 # on a device pool small enough (24 pages) that an earlier turn's pages leave the device.
@@ -26,7 +31,6 @@ PREFILL_CONFIG = {"kv_connector": "MultiConnector", "kv_role": "kv_producer", "k
                    {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                     "kv_connector_extra_config": {"cpu_bytes_to_use": 256 * 2**20}}]}}
 ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-MODEL = "glm-5.3-tiny"
 
 
 def _config(role: str) -> list[str]:
