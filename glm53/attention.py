@@ -361,18 +361,17 @@ def _resolve_rows(topk_TK, req_idx_T, bt, hb, row_S, rank_S, tpp: int, narrow_ro
 
     narrow = min(M, narrow_rows or M)
 
-    def resolve(_):
-        # Decode steps lease at most `narrow` rows: resolving over that width only (not the
-        # prefill leases' width) keeps the per-step work proportional to what is leased.
-        if narrow == M:
-            return resolve_width(M)(None)
-        return jax.lax.cond(hb.narrow, resolve_width(narrow), resolve_width(M), None)
-
     def skip(_):
         none = jnp.full((N,), -1, jnp.int32)
         return (positions_to_slots(topk_TK, bt, req_idx_T, tpp), none, none, jnp.zeros(3, jnp.int32), row_S, rank_S)
 
-    return jax.lax.cond(hb.active, resolve, skip, None)
+    # Decode steps lease at most `narrow` rows: resolving over that width only (not the prefill
+    # leases' width) keeps the per-step work proportional to what is leased. (One switch rather
+    # than a cond inside a cond: one conditional, and its operand copies, in the program.)
+    if narrow == M:
+        return jax.lax.cond(hb.active, resolve_width(M), skip, None)
+    branch = jnp.where(hb.active, jnp.where(hb.narrow, 1, 2), 0)
+    return jax.lax.switch(branch, (skip, resolve_width(narrow), resolve_width(M)), None)
 
 
 def _record_drops(first_drop_S, num_dropped, topk_TK, slots_TK, req_idx_T, positions_T, bt, hb, tpp: int):
