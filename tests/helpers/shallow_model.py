@@ -34,3 +34,9 @@ SHALLOW_NAME = "tiny-glm-5.3-7-layers"
 def shallow_model_dir() -> str:
     """The twin's checkpoint directory (generated under GLM53_HOME on first use, like the tiny one)."""
     return str(tiny_checkpoint.default_model_dir(SHALLOW_NAME, SHALLOW_OVERRIDES))
+
+
+def shallow_model_argv(served_model_name: str = "glm-5.3-tiny") -> list[str]:
+    """Server arguments that start a process on the twin under the tiny model's served name (what
+    the in-process fallback does for marked modules; a process needs it explicitly)."""
+    return ["--model", shallow_model_dir(), "--served-model-name", served_model_name]

@@ -18,14 +18,14 @@ import pytest
 from tests.helpers.router_process import ROUTER, vllm_router
 from tests.helpers.router_process import free_port as _free_port
 from tests.helpers.server_process import server_process
-from tests.helpers.shallow_model import shallow_model_dir
+from tests.helpers.shallow_model import shallow_model_argv
 
 pytestmark = pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed (the `pd` extra)")
 
 MODEL = "glm-5.3-tiny"
 # The servers run the suite's 7-layer twin of the tiny checkpoint (tests/helpers/shallow_model.py:
 # the same structures, half the layers to compile at start-up) under the tiny model's name.
-TWIN = ["--model", shallow_model_dir(), "--served-model-name", MODEL]
+TWIN = shallow_model_argv(MODEL)
 COMMON = [*TWIN, "--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--cuda-graph-sizes",
           "--precompile-token-paddings", "--dtype", "float32", "--disable-log-stats", "--enable-prefix-caching"]
 ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}

@@ -43,12 +43,12 @@ from serving.multihost.channel import CORRUPT_ENV
 from serving.run import engine_args
 from serving.types import SamplingParams
 from tests.helpers.multihost_process import multihost_engine
-from tests.helpers.shallow_model import shallow_model_dir
+from tests.helpers.shallow_model import shallow_model_argv
 
 # The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py), in the processes too.
 pytestmark = pytest.mark.shallow_model
 MODEL = "glm-5.3-tiny"
-TWIN = ["--model", shallow_model_dir(), "--served-model-name", MODEL]
+TWIN = shallow_model_argv(MODEL)
 
 PROMPTS = {"a": list(range(5, 25)), "b": [(7 * i) % 300 + 4 for i in range(70)],
            "c": [(13 * i) % 400 + 4 for i in range(100)]}
