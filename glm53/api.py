@@ -264,7 +264,7 @@ def _compiled_generate(graphdef, layout: KVCacheLayout, B: int, P: int, N: int, 
         return out
 
     @jax.jit
-    def run(state, prompts_BP, plen_B, temperature_B, top_p_B, seed_B, eos_E, pad_id):
+    def run(state, prompts_BP, plen_B, temperature_B, top_p_B, top_k_B, min_p_B, seed_B, eos_E, pad_id):
         model = nnx.merge(graphdef, state)
         arena = layout.empty_arena(num_blocks)
         # Prefill: every prompt's P rows (the rows past its length are padding: no write, null row).
@@ -280,7 +280,7 @@ def _compiled_generate(graphdef, layout: KVCacheLayout, B: int, P: int, N: int, 
 
         def sample(logits, step):
             return sample_tokens(mask_unreachable(logits, reachable), temperature_B, top_p_B, seed_B,
-                                 jnp.full((B,), step, jnp.int32))
+                                 jnp.full((B,), step, jnp.int32), top_k_B, min_p_B)
 
         tok = sample(logits, 0)
         is_eos = lambda t: jnp.any(t[:, None] == eos_E[None, :], axis=1) if num_eos else jnp.zeros(B, bool)  # noqa: E731
@@ -314,7 +314,8 @@ def _compiled_generate(graphdef, layout: KVCacheLayout, B: int, P: int, N: int, 
 
 
 def generate_batch(lm: LoadedModel, prompts, max_new_tokens: int = 16, *, temperature: float = 0.0,
-                   top_p: float = 1.0, seed: int = 0, eos_token_ids=(), pad_id: int | None = None) -> BatchGeneration:
+                   top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int = 0, eos_token_ids=(),
+                   pad_id: int | None = None) -> BatchGeneration:
     """Generate for a batch of prompts with ONE jit-compiled program: the prefill of every prompt,
     then the whole decode loop (`lax.while_loop`) with on-device sampling and EOS handling — no
     Python per token. For notebooks and batch scripts; the server's engine (`serving.llm.LLM`) adds
@@ -323,8 +324,9 @@ def generate_batch(lm: LoadedModel, prompts, max_new_tokens: int = 16, *, temper
     Args:
       prompts: B lists of token ids (ragged; each non-empty).
       max_new_tokens: N, the most tokens generated per prompt (a row stops at an EOS id).
-      temperature / top_p: 0 = greedy (ties: lowest id); else sampling with the engine's rules
-        (`glm53.sampling.sample_tokens`: temperature, then the top-p nucleus), reachable ids only.
+      temperature / top_p / top_k / min_p: temperature 0 = greedy (ties: lowest id); else sampling
+        with the engine's rules (`glm53.sampling.sample_tokens`: temperature, then min-p, top-k and
+        the top-p nucleus; top_k 0 or -1 and min_p 0 are off), reachable ids only.
       seed: row b draws from `fold_in(PRNGKey(seed + b), step)`.
       eos_token_ids: ids that end a row (kept as its last token); () = none.
       pad_id: fills the rows past their end (default: the tokenizer's pad id, else 0).
@@ -333,7 +335,8 @@ def generate_batch(lm: LoadedModel, prompts, max_new_tokens: int = 16, *, temper
     `prompt_lens`, `num_new`; `.new_token_ids`, `.sequences`). The program is compiled once per
     (B, longest prompt, N, number of EOS ids) and kept (and stored in the persistent compilation
     cache). Raises ValueError for an empty prompt or batch, an id outside [0, vocab_size), N < 1,
-    a negative or non-finite temperature, or top_p outside (0, 1].
+    a negative or non-finite temperature, top_p outside (0, 1], top_k below -1 or min_p outside
+    [0, 1].
     """
     from glm53.tokenizer import tokenizer_vocab_size
 
@@ -345,6 +348,10 @@ def generate_batch(lm: LoadedModel, prompts, max_new_tokens: int = 16, *, temper
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if int(top_k) != top_k or top_k < -1:
+        raise ValueError(f"top_k must be 0 or -1 (disabled) or at least 1, got {top_k!r}")
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
     eos_token_ids = _eos_ids(eos_token_ids)
     B, P, N = len(prompts), max(map(len, prompts)), int(max_new_tokens)
     if pad_id is None:
@@ -358,6 +365,7 @@ def generate_batch(lm: LoadedModel, prompts, max_new_tokens: int = 16, *, temper
         prompts_BP[b, : len(p)] = p
     plen = np.array([len(p) for p in prompts], np.int32)
     out, num_new = run(state, prompts_BP, plen, np.full(B, temperature, np.float32), np.full(B, top_p, np.float32),
+                       np.full(B, min(int(top_k), np.iinfo(np.int32).max), np.int32), np.full(B, min_p, np.float32),
                        (seed + np.arange(B)).astype(np.uint32), np.array(eos or (0,), np.int32), np.int32(pad_id))
     out, num_new = np.asarray(out), np.asarray(num_new)
     ids = np.full((B, P + N), pad_id, np.int32)

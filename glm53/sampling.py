@@ -1,4 +1,4 @@
-"""On-device sampling: greedy, temperature and top-p with per-request seeds.
+"""On-device sampling: greedy, temperature, min-p, top-k and top-p with per-request seeds.
 
 A request's random stream is `fold_in(PRNGKey(seed), step)` where step counts its generated
 tokens, so its tokens do not depend on which other requests share the batch.
@@ -53,25 +53,58 @@ def apply_token_bitmask(logits_NV: jax.Array, bitmask_NW: jax.Array) -> jax.Arra
     return jnp.where(allowed != 0, logits_NV, jnp.asarray(-jnp.inf, logits_NV.dtype))
 
 
-def sample_tokens(logits_BV: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array, seed_B: jax.Array,
-                  step_B: jax.Array) -> jax.Array:
-    """logits fp32 `[B, V]` → token ids int32 `[B]`. temperature 0 → argmax (ties: lowest id)."""
-    greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+def filter_sorted(sorted_logits_V: jax.Array, top_p: jax.Array, top_k: jax.Array | None = None,
+                  min_p: jax.Array | None = None) -> jax.Array:
+    """Which tokens one row samples from, in descending-logit order → bool `[V]`.
 
-    def one(logits, t, p, seed, step):
+    sorted_logits_V: fp32 `[V]`, the row's temperature-scaled logits sorted in descending order
+    (ties: lower id first). top_p: nucleus mass in (0, 1]. top_k: int, the k most likely tokens;
+    0 or -1 keeps all. min_p: in [0, 1], drop tokens less likely than min_p × the most likely
+    token's probability; 0 keeps all. None skips a filter.
+
+    vLLM's order (its v1 sampler: temperature, then min-p, then top-k, then top-p on what top-k
+    left): min-p over the whole distribution, top-k by rank, then the smallest prefix whose mass,
+    renormalised over what the first two kept, reaches top_p. The most likely token is always kept.
+    With top_k in {0, -1} and min_p 0 this is exactly the plain top-p nucleus (bit for bit)."""
+    keep = None
+    if min_p is not None:
+        probs = jax.nn.softmax(sorted_logits_V)
+        keep = probs >= min_p * probs[0]
+    if top_k is not None:
+        by_rank = (top_k <= 0) | (jnp.arange(sorted_logits_V.shape[-1]) < top_k)
+        keep = by_rank if keep is None else keep & by_rank
+    kept = sorted_logits_V if keep is None else jnp.where(keep, sorted_logits_V, -jnp.inf)
+    probs = jax.nn.softmax(kept)
+    # Always keeps the most likely token; top_p 1 keeps every token (the float32 sum of the more
+    # likely tokens' mass can round up to 1 before the least likely ones).
+    nucleus = ((jnp.cumsum(probs) - probs) < top_p) | (top_p >= 1.0)
+    return nucleus if keep is None else keep & nucleus
+
+
+def sample_tokens(logits_BV: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array, seed_B: jax.Array,
+                  step_B: jax.Array, top_k_B: jax.Array | None = None, min_p_B: jax.Array | None = None) -> jax.Array:
+    """logits fp32 `[B, V]` → token ids int32 `[B]`. temperature 0 → argmax (ties: lowest id);
+    otherwise a draw from softmax(logits / temperature) restricted by `filter_sorted` (top_p_B
+    float32, top_k_B int32, min_p_B float32, all `[B]`; None: that filter off for every row)."""
+    greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    B = logits_BV.shape[0]
+    filters = (top_k_B is not None, min_p_B is not None)  # static: a filter no caller uses is not traced
+    top_k_B = jnp.zeros((B,), jnp.int32) if top_k_B is None else top_k_B
+    min_p_B = jnp.zeros((B,), jnp.float32) if min_p_B is None else min_p_B
+
+    def one(logits, t, p, k, m, seed, step):
         key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
         scaled = logits / jnp.maximum(t, 1e-6)
         order = jnp.argsort(-scaled)
         sorted_logits = scaled[order]
-        probs = jax.nn.softmax(sorted_logits)
-        cum = jnp.cumsum(probs)
-        keep = (cum - probs) < p  # always keeps the most likely token
+        keep = filter_sorted(sorted_logits, p, k if filters[0] else None, m if filters[1] else None)
         masked = jnp.where(keep, sorted_logits, -jnp.inf)
         choice = jax.random.categorical(key, masked)
         return order[choice].astype(jnp.int32)
 
     def with_sampling():
-        sampled = jax.vmap(one)(logits_BV, temperature_B, top_p_B, seed_B.astype(jnp.uint32), step_B)
+        sampled = jax.vmap(one)(logits_BV, temperature_B, top_p_B, top_k_B, min_p_B, seed_B.astype(jnp.uint32),
+                                step_B)
         return jnp.where(temperature_B > 0, sampled, greedy)
 
     return jax.lax.cond(jnp.any(temperature_B > 0), with_sampling, lambda: greedy)
@@ -96,15 +129,16 @@ def compute_logprobs(logits_BV: jax.Array, token_B: jax.Array, k: int):
     return token_lp_B, top_ids_BK.astype(jnp.int32), top_lp_BK
 
 
-def sample_with_logprobs(logits_BV: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array, seed_B: jax.Array,
-                         step_B: jax.Array, want_logprobs: jax.Array, k: int):
-    """The sampling head of the step: `sample_tokens`, then `compute_logprobs` only when the
-    bool scalar `want_logprobs` is set (some request of the step asked for logprobs).
+def sample_with_logprobs(logits_BV: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array, top_k_B: jax.Array,
+                         min_p_B: jax.Array, seed_B: jax.Array, step_B: jax.Array, want_logprobs: jax.Array, k: int):
+    """The sampling head of the step: `sample_tokens` (top_k_B int32 `[B]`, min_p_B float32 `[B]`
+    as there), then `compute_logprobs` only when the bool scalar `want_logprobs` is set (some
+    request of the step asked for logprobs).
 
     Returns `(tokens_B int32, token_logprob_B fp32, top_ids_BK int32, top_logprobs_BK fp32)`;
     the last three are zeros when `want_logprobs` is False.
     """
-    tokens_B = sample_tokens(logits_BV, temperature_B, top_p_B, seed_B, step_B)
+    tokens_B = sample_tokens(logits_BV, temperature_B, top_p_B, seed_B, step_B, top_k_B, min_p_B)
     B = logits_BV.shape[0]
 
     def skipped():

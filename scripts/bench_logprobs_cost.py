@@ -7,7 +7,8 @@ vocabulary on this machine's default device.
 Prints the median device time per decode step (the jitted step, from dispatch to the sampled
 tokens on the host) for greedy decoding without logprobs and with `logprobs=5` on every request,
 and the time of the jitted sampling head on random logits `[rows, 154880]` for all-greedy and
-all-temperature-1 rows, with and without logprobs (work no row needs is skipped by `lax.cond`).
+all-temperature-1 rows, with and without logprobs (work no row needs is skipped by `lax.cond`),
+and temperature 1 with the top-k and min-p filters on.
 With `--out` writes `DIR/bench_logprobs_cost.json`.
 """
 
@@ -55,22 +56,25 @@ def decode_step_ms(llm: LLM, batch: int, tokens: int, logprobs: int | None) -> f
 
 
 def head_ms(rows: int, k: int, repeats: int = 5) -> dict[str, float]:
-    """ms of one compiled sampling head on random logits [rows, GLM53_VOCAB], per configuration."""
+    """ms of one compiled sampling head on random logits [rows, GLM53_VOCAB], per configuration
+    (top_k 50 and min_p 0.05 on every row in the "filtered" one; off — 0 — in the others)."""
     logits = jax.random.normal(jax.random.PRNGKey(0), (rows, GLM53_VOCAB), jnp.float32)
     o, s, st = jnp.ones(rows, jnp.float32), jnp.zeros(rows, jnp.uint32), jnp.zeros(rows, jnp.int32)
-    head = jax.jit(lambda x, t, lp: sample_with_logprobs(x, t, o, s, st, lp, k))
+    head = jax.jit(lambda x, t, tk, mp, lp: sample_with_logprobs(x, t, o, tk, mp, s, st, lp, k))
+    off = (jnp.zeros(rows, jnp.int32), jnp.zeros(rows, jnp.float32))
+    on = (jnp.full(rows, 50, jnp.int32), jnp.full(rows, 0.05, jnp.float32))
     out = {}
-    for temp in (0.0, 1.0):
-        for lp in (False, True):
-            args = (logits, jnp.full(rows, temp, jnp.float32), jnp.bool_(lp))
+    for name, temp, filters, lp in (("greedy", 0.0, off, False), ("greedy + logprobs", 0.0, off, True),
+                                    ("temperature 1", 1.0, off, False), ("temperature 1 + logprobs", 1.0, off, True),
+                                    ("temperature 1, top_k 50, min_p 0.05", 1.0, on, False)):
+        args = (logits, jnp.full(rows, temp, jnp.float32), *filters, jnp.bool_(lp))
+        jax.block_until_ready(head(*args))
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
             jax.block_until_ready(head(*args))
-            ts = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                jax.block_until_ready(head(*args))
-                ts.append(time.perf_counter() - t0)
-            out[f"{'greedy' if temp == 0 else 'temperature 1'}{' + logprobs' if lp else ''}"] = \
-                1e3 * statistics.median(ts)
+            ts.append(time.perf_counter() - t0)
+        out[name] = 1e3 * statistics.median(ts)
     return out
 
 

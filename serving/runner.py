@@ -45,7 +45,13 @@ from serving.runner_variants import VariantPrecompileMixin
 from serving.scheduler_output import SchedulerOutput
 from serving.spec_decode.inputs import build_spec_batch
 from serving.step_buckets import default_cuda_graph_sizes, token_buckets
-from serving.step_inputs import StepInputs
+from serving.step_inputs import (
+    COPY_DST,
+    COPY_SRC,
+    NUM_SAMPLING,
+    WANT_LOGPROBS,
+    StepInputs,
+)
 from serving.step_program import build_step_programs
 from serving.step_stats import InFlightStep, StepStats
 from serving.types import TokenLogprobs
@@ -239,6 +245,8 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         logits_idx = np.zeros(B, np.int32)
         temperature = np.zeros(B, np.float32)
         top_p = np.ones(B, np.float32)
+        top_k = np.zeros(B, np.int32)
+        min_p = np.zeros(B, np.float32)
         seeds = np.zeros(B, np.uint32)
         steps = np.zeros(B, np.int32)
         rids: list[str | None] = [None] * B
@@ -258,6 +266,8 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
             sp = r.sampling_params
             temperature[i] = sp.temperature
             top_p[i] = sp.top_p
+            top_k[i] = min(sp.top_k, np.iinfo(np.int32).max)  # any k past the vocabulary keeps it all
+            min_p[i] = sp.min_p
             seed = sp.seed if sp.seed is not None else zlib.crc32(r.request_id.encode()) ^ self.seed
             seeds[i] = np.uint32(seed & 0xFFFFFFFF)
             steps[i] = len(r.output_token_ids) + r.num_output_placeholders
@@ -280,7 +290,7 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
             self.num_page_copies += len(sched.page_copies)
         want_lp = np.bool_(any(sr.sample and sr.request.sampling_params.logprobs is not None
                                for sr in sched.scheduled))
-        return batch, (temperature, top_p, seeds, steps, want_lp, *copies)
+        return batch, (temperature, top_p, top_k, min_p, seeds, steps, want_lp, *copies)
 
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> dict[str, list[int]]:
         """Run one step; returns sampled tokens for the requests whose chunk samples.
@@ -322,7 +332,7 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         only (the step's `out` is None until `sample_deferred`)."""
         t1 = time.perf_counter()
         num_tokens = inputs.batch.input_ids_T.shape[0]
-        want_lp = bool(inputs.extra[4])
+        want_lp = bool(inputs.extra[WANT_LOGPROBS])
         B = self.max_num_seqs + 1
         rows = {sr.request_id: r * B + i for r, s in enumerate(scheds) for i, sr in enumerate(s.scheduled) if sr.sample}
         if defer_sampling:
@@ -366,7 +376,7 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         step.deferred = None
         bitmask = self._step_bitmask(step.scheds)
         put = self._put
-        out = self.call_variant(("sample", bitmask is not None), self._sample, logits, *map(put, extra[:5]),
+        out = self.call_variant(("sample", bitmask is not None), self._sample, logits, *map(put, extra[:NUM_SAMPLING]),
                                 *(() if bitmask is None else (put(bitmask),)))
         self._last_sampled = out[0]
         self.num_deferred_samples += 1
@@ -491,7 +501,8 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
             # A variant a background thread compiled (`serving.runner_variants`) runs its executable.
             if forward_only:
                 out, self.kv_arena, hs = self.call_variant(key, self._forward, self._state_leaves, placed,
-                                                           self.kv_arena, put(extra[5]), put(extra[6]), hs_args)
+                                                           self.kv_arena, put(extra[COPY_SRC]), put(extra[COPY_DST]),
+                                                           hs_args)
             else:
                 # (The mask is passed only when there is one: the programs compiled at start-up, and
                 # every unconstrained step, keep the signature without it.)

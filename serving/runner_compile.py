@@ -47,8 +47,8 @@ class StepCompileMixin:
         z = np.zeros(B, np.float32)
         copies = np.full((2, self.max_page_copies), -1, np.int32)
         self._dummy_spec = empty_spec_batch(T, B, self.spec_k) if self.spec_k else None
-        return batch, (z, np.ones(B, np.float32), np.zeros(B, np.uint32), np.zeros(B, np.int32), np.bool_(False),
-                       *copies)
+        return batch, (z, np.ones(B, np.float32), np.zeros(B, np.int32), z, np.zeros(B, np.uint32),
+                       np.zeros(B, np.int32), np.bool_(False), *copies)
 
     def example_step_args(self, hot: bool = False) -> tuple:
         """Arguments of the jitted step for the first bucket, as the start-up compile builds them:

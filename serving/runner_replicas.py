@@ -12,7 +12,13 @@ import numpy as np
 from glm53.parallel_batch import stack_replicas
 from serving.kv_cache import KVCacheManager
 from serving.scheduler_output import SchedulerOutput
-from serving.step_inputs import StepInputs
+from serving.step_inputs import (
+    COPY_DST,
+    COPY_SRC,
+    NUM_SAMPLING,
+    WANT_LOGPROBS,
+    StepInputs,
+)
 from serving.step_stats import InFlightStep
 
 
@@ -52,11 +58,12 @@ class ReplicaStepsMixin:
         self._dispatch_stores()
         batch = stack_replicas([b for b, _ in parts], self.parallel.pcp)
         cat = lambda k: np.concatenate([e[k] for _, e in parts])
-        want_lp = np.bool_(any(bool(e[4]) for _, e in parts))
+        want_lp = np.bool_(any(bool(e[WANT_LOGPROBS]) for _, e in parts))
         copies = np.full((2, self.max_page_copies), -1, np.int32)
-        valid = np.concatenate([np.stack(e[5:7])[:, np.asarray(e[6]) >= 0] for _, e in parts], axis=1)
+        valid = np.concatenate([np.stack((e[COPY_SRC], e[COPY_DST]))[:, np.asarray(e[COPY_DST]) >= 0]
+                                for _, e in parts], axis=1)
         copies[:, : valid.shape[1]] = valid  # valid entries first (copy_pages stops at the first −1)
-        extra = (cat(0), cat(1), cat(2), cat(3), want_lp, *copies)
+        extra = (*(cat(i) for i in range(NUM_SAMPLING - 1)), want_lp, *copies)
         self._maybe_fault()
         return self._launch(scheds, StepInputs(batch, extra, None, self._step_bitmask(scheds), feed_src), t0,
                             defer_sampling)

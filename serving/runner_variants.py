@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterable
 import jax
 import numpy as np
 
+from serving.step_inputs import COPY_DST, COPY_SRC, NUM_SAMPLING
+
 logger = logging.getLogger("serving.runner")
 
 def abstract(x):
@@ -102,14 +104,14 @@ class VariantPrecompileMixin:
             put_extra = tree(tuple(self._put(x) for x in extra))
             if forward_only:
                 jobs.append(_Job(("forward-only", n, True), self._forward,
-                                 (state, placed, arena, put_extra[5], put_extra[6], None)))
+                                 (state, placed, arena, put_extra[COPY_SRC], put_extra[COPY_DST], None)))
             spec = None if self._dummy_spec is None else tree(jax.tree.map(self._put, self._dummy_spec))
             jobs.append(_Job(("masked", n, True), self._step, (state, placed, arena, *put_extra, None, spec, bitmask)))
         jobs = [j for j in jobs if _device_only(j.args)]
         if forward_only and jobs:
             # The logits argument (None here) is the first forward pass's output, known once it compiled.
             _, extra = self._dummy(self.buckets[0])
-            samp = tree(tuple(self._put(x) for x in extra[:5]))
+            samp = tree(tuple(self._put(x) for x in extra[:NUM_SAMPLING]))
             jobs.append(_Job(("sample", True), self._sample, (None, *samp, bitmask)))
             jobs.append(_Job(("sample", False), self._sample, (None, *samp)))
         return jobs

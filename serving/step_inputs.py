@@ -6,6 +6,11 @@ from dataclasses import dataclass
 
 from glm53.batch import ForwardBatch
 
+# Positions in `StepInputs.extra`: the sampler's arrays (temperature … steps, then want_logprobs),
+# then the page copies.
+NUM_SAMPLING = 7
+WANT_LOGPROBS, COPY_SRC, COPY_DST = 6, 7, 8
+
 
 @dataclass
 class StepInputs:
@@ -13,8 +18,10 @@ class StepInputs:
     leader sends its followers (`serving.multihost`).
 
     batch: the `ForwardBatch` (its `hot` is None for the plain program). extra: (temperature
-    float32 [B], top_p float32 [B], seeds uint32 [B], steps int32 [B], want_logprobs bool,
-    copy_src int32 [C], copy_dst int32 [C]) as `prepare` returns them. spec: the
+    float32 [B], top_p float32 [B], top_k int32 [B], min_p float32 [B], seeds uint32 [B], steps
+    int32 [B], want_logprobs bool, copy_src int32 [C], copy_dst int32 [C]) as `prepare` returns
+    them (the first `NUM_SAMPLING` are the sampler's; `WANT_LOGPROBS`, `COPY_SRC`, `COPY_DST` index
+    the rest). spec: the
     `serving.spec_decode.inputs.SpecBatch` under MTP speculation, else None. bitmask: structured
     outputs' allowed-token masks, int32 [B, W] (or [B, k + 1, W] under MTP speculation), or None
     when no row of the step is constrained. feed_src: asynchronous scheduling's placeholder rows,

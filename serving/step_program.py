@@ -41,8 +41,8 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
     """→ (step, store_only, forward, sample): the jitted step, HiSparse's jitted store program
     (None without HiSparse), and the step split in two (None under speculation): `forward(state,
     batch, kv_arena, copy_src, copy_dst, hs)` → (the logits of the request rows [B, V], the unreachable ids
-    masked, the arena, HiSparse's state), and `sample(logits, temperature, top_p, seeds, steps,
-    want_logprobs, bitmask=None)` → the sampler's outputs.
+    masked, the arena, HiSparse's state), and `sample(logits, temperature, top_p, top_k, min_p, seeds,
+    steps, want_logprobs, bitmask=None)` → the sampler's outputs.
 
     Args:
       graphdef: the model's `nnx` graph definition (the state is the step's first argument).
@@ -63,9 +63,10 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
         replicate = jax.sharding.NamedSharding(parallel.mesh, jax.sharding.PartitionSpec())
     narrow_rows = hisparse.narrow_rows if hisparse is not None else None
 
-    @functools.partial(jax.jit, donate_argnums=(2, 10))
-    def step(state, batch: ForwardBatch, kv_arena, temperature, top_p, seeds, steps, want_logprobs, copy_src,
-             copy_dst, hs, sp=None, bitmask=None):
+    @functools.partial(jax.jit, donate_argnums=(2, 12))
+    def step(state, batch: ForwardBatch, kv_arena, temperature, top_p, top_k, min_p, seeds, steps, want_logprobs,
+             copy_src, copy_dst, hs, sp=None, bitmask=None):
+        # temperature … want_logprobs: the sampler's inputs (`serving.step_inputs.StepInputs`).
         # hs: None, or HiSparse's (hot state, host pool, after), donated. (Its write-through
         # copies run before, in their own program: `run_stores`; `after` is that program's
         # completion value, an operand of the step's host reads, returned unchanged.)
@@ -80,8 +81,8 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
         model = nnx.merge(graphdef, state if state_def is None else jax.tree.unflatten(state_def, state))
         if sp is not None:
             kv = kv_arena if hs is None else PagedKV(kv_arena, hot.for_step())
-            out, kv = spec_decode_forward(model, batch, kv, host, temperature, top_p, seeds, steps, want_logprobs,
-                                          sp, layout=layout, parallel=parallel, num_speculative_tokens=spec_k,
+            out, kv = spec_decode_forward(model, batch, kv, host, (temperature, top_p, top_k, min_p, seeds, steps),
+                                          want_logprobs, sp, layout=layout, parallel=parallel, num_speculative_tokens=spec_k,
                                           reachable=reachable, num_logprobs=k, bitmask_BSW=bitmask)
             if replicate is not None:
                 out = jax.lax.with_sharding_constraint(out, replicate)
@@ -89,7 +90,8 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
                 return out, kv, None
             return out, kv.arena, (kv.hot, host.pool, host.after)
         logits, kv_arena, hs_out = model_logits(model, batch, kv_arena, hs, host)
-        return _sample(logits, temperature, top_p, seeds, steps, want_logprobs, bitmask), kv_arena, hs_out
+        return (_sample(logits, temperature, top_p, top_k, min_p, seeds, steps, want_logprobs, bitmask), kv_arena,
+                hs_out)
 
     def model_logits(model, batch, kv_arena, hs, host):
         """The forward pass without speculation → (logits with the unreachable ids masked, the
@@ -101,10 +103,10 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
         logits, _, kv = model(batch, kv, layout, parallel, host)
         return mask_unreachable(logits, reachable), kv.arena, (kv.hot, host.pool, host.after)
 
-    def _sample(logits, temperature, top_p, seeds, steps, want_logprobs, bitmask=None):
+    def _sample(logits, temperature, top_p, top_k, min_p, seeds, steps, want_logprobs, bitmask=None):
         if bitmask is not None:
             logits = apply_token_bitmask(logits, bitmask)
-        out = sample_with_logprobs(logits, temperature, top_p, seeds, steps, want_logprobs, k)
+        out = sample_with_logprobs(logits, temperature, top_p, top_k, min_p, seeds, steps, want_logprobs, k)
         if replicate is not None:
             out = jax.lax.with_sharding_constraint(out, replicate)
         return out

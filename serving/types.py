@@ -32,6 +32,10 @@ class SamplingParams:
 
     temperature: 0 means greedy (argmax); otherwise logits / temperature.
     top_p: nucleus sampling mass in (0, 1]; 1 disables it.
+    top_k: sample from the k most likely tokens only; 0 or -1 disables it (vLLM's values).
+    min_p: drop tokens whose probability is below min_p × the most likely token's, in [0, 1];
+        0 disables it. Temperature first, then min_p, top_k, and top_p over what they left
+        (vLLM's order, `glm53.sampling.filter_sorted`); none of them changes greedy decoding.
     seed: a request-local seed: every draw is keyed by (seed, output index), so the same seed
         and prompt give the same tokens whatever the batch — except where float rounding that
         depends on how the prompt was computed (a prefix-cache hit chunks it differently, a
@@ -62,6 +66,8 @@ class SamplingParams:
 
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     max_tokens: int | None = 16
     stop_token_ids: list[int] = field(default_factory=list)
@@ -77,11 +83,11 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise ValueError with the offending field name (a wrong type included: `max_tokens`
         "4" or 4.5 is refused, not compared or rounded)."""
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise ValueError(f"{name} must be a number, got {v!r}")  # noqa: TRY004 - a 400, as every refusal
-        for name in ("max_tokens", "logprobs", "seed", "data_parallel_rank"):
+        for name in ("max_tokens", "logprobs", "seed", "data_parallel_rank", "top_k"):
             v = getattr(self, name)
             if v is not None and not is_integer(v):
                 raise ValueError(f"{name} must be an integer or None, got {v!r}")
@@ -93,6 +99,10 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 or -1 (disabled) or at least 1, got {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         if self.logprobs is not None and self.logprobs < 0:

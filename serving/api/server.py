@@ -20,9 +20,9 @@ HTTP status:
 
 * 400 `BadRequestError`: malformed JSON, a body that fails validation (wrong types, missing
   fields; vLLM also answers 400 here, where FastAPI's default would be 422), values out of range
-  (`max_tokens` < 1, `temperature` < 0, `top_p` outside (0, 1], `n` outside [1, 128], empty
-  stop strings, `top_logprobs` without `logprobs`), features this build does not support yet
-  (`echo`, penalties, `best_of`, ...), a prompt that does not fit `max_model_len` (alone or with
+  (`max_tokens` < 1, `temperature` < 0, `top_p` outside (0, 1], `top_k` < -1, `min_p` outside
+  [0, 1], `n` outside [1, 128], empty stop strings, `top_logprobs` without `logprobs`), features
+  this build does not support yet (`echo`, penalties, `best_of`, ...), a prompt that does not fit `max_model_len` (alone or with
   `max_tokens`), chat-template errors, `tools` / `tool_choice` / `reasoning_effort` values the
   output parsing cannot honour (`serving.api.chat_output`), and any ValueError raised by the
   engine (e.g. more logprobs than `--max-logprobs`).

@@ -138,8 +138,6 @@ def reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
         ("presence_penalty", _is_set(body.presence_penalty, 0.0)),
         ("frequency_penalty", _is_set(body.frequency_penalty, 0.0)),
         ("logit_bias", bool(body.logit_bias)),
-        ("top_k", body.top_k not in (None, 0, -1)),
-        ("min_p", _is_set(body.min_p, 0.0)),
         ("repetition_penalty", _is_set(body.repetition_penalty, 1.0)),
         # (vllm-router sends min_tokens 1 with max_tokens 1 to a P/D prefill server, whose sampled
         # token nobody sees: there it changes nothing)
@@ -220,6 +218,10 @@ def build_sampling_params(
         raise bad_request(f"temperature must be a finite number >= 0, got {body.temperature}.", "temperature")
     if body.top_p is not None and not 0.0 < body.top_p <= 1.0:
         raise bad_request(f"top_p must be in (0, 1], got {body.top_p}.", "top_p")
+    if body.top_k is not None and body.top_k < -1:
+        raise bad_request(f"top_k must be 0 or -1 (disabled) or at least 1, got {body.top_k}.", "top_k")
+    if body.min_p is not None and not 0.0 <= body.min_p <= 1.0:  # NaN fails too
+        raise bad_request(f"min_p must be in [0, 1], got {body.min_p}.", "min_p")
     if isinstance(body, ChatCompletionRequest):
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
@@ -245,6 +247,8 @@ def build_sampling_params(
         kv_transfer_params=kv_params or None,
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),
+        top_k=0 if body.top_k is None else int(body.top_k),
+        min_p=0.0 if body.min_p is None else float(body.min_p),
         seed=body.seed,
         max_tokens=max_tokens,
         stop_token_ids=list(body.stop_token_ids or []),

@@ -3,8 +3,8 @@ rejection rule that keeps the target distribution.
 
 A request verified with n drafts `d_1 … d_n` ran n + 1 target rows: row j (j = 0 … n) holds the
 target's distribution for the token after `d_j` (`d_0` = the last accepted token). Row j's target
-distribution `p_j` is the one ordinary sampling would use: logits / temperature, restricted to the
-top-p nucleus (`serving.sampling.sample_tokens`).
+distribution `p_j` is the one ordinary sampling would use: logits / temperature, restricted by min-p,
+top-k and the top-p nucleus (`serving.sampling.sample_tokens`).
 
 * Greedy (temperature 0): `d_{j+1}` is accepted while it equals argmax(p_j); the request gets the
   accepted drafts plus argmax of the first row that was not matched (the bonus when all matched).
@@ -27,23 +27,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from serving.sampling import sample_tokens
+from serving.sampling import filter_sorted, sample_tokens
 
 
-def _nucleus_probs(logits_V: jax.Array, t: jax.Array, p: jax.Array) -> jax.Array:
-    """The sampling distribution of one row: softmax(logits / t) restricted to the top-p nucleus
-    (the same nucleus rule as `serving.sampling.sample_tokens`), in vocabulary order, fp32."""
+def _nucleus_probs(logits_V: jax.Array, t: jax.Array, p: jax.Array, top_k: jax.Array, min_p: jax.Array) -> jax.Array:
+    """The sampling distribution of one row: softmax(logits / t) restricted by min-p, top-k and the
+    top-p nucleus (`serving.sampling.filter_sorted`, as `sample_tokens` draws), in vocabulary
+    order, fp32."""
     scaled = logits_V / jnp.maximum(t, 1e-6)
     order = jnp.argsort(-scaled)
-    sp = jax.nn.softmax(scaled[order])
-    keep_sorted = (jnp.cumsum(sp) - sp) < p
+    keep_sorted = filter_sorted(scaled[order], p, top_k, min_p)
     keep = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)
     probs = jnp.where(keep, jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf)), 0.0)
     return probs
 
 
 def verify_drafts(logits_BSV: jax.Array, draft_BK: jax.Array, num_draft_B: jax.Array, temperature_B: jax.Array,
-                  top_p_B: jax.Array, seed_B: jax.Array, step_B: jax.Array):
+                  top_p_B: jax.Array, top_k_B: jax.Array, min_p_B: jax.Array, seed_B: jax.Array, step_B: jax.Array):
     """Accept or reject each request's drafts (see the module docstring).
 
     Args:
@@ -51,8 +51,8 @@ def verify_drafts(logits_BSV: jax.Array, draft_BK: jax.Array, num_draft_B: jax.A
         rows past `num_draft_B` are ignored). Unreachable ids must already be −inf.
       draft_BK: int32 `[B, k]` the drafted tokens (k = S − 1 ≥ 0).
       num_draft_B: int32 `[B]` drafts actually verified per request (0 … k; 0 = plain decoding).
-      temperature_B / top_p_B / seed_B (uint32) / step_B (int32, tokens generated so far): as in
-        `serving.sampling.sample_tokens`.
+      temperature_B / top_p_B / top_k_B / min_p_B / seed_B (uint32) / step_B (int32, tokens generated so
+        far): as in `serving.sampling.sample_tokens`.
 
     Returns `(tokens_BS int32, num_accepted_B int32)`: the request emits
     `tokens_BS[b, : num_accepted_B[b] + 1]` (accepted drafts, then the correction or bonus token).
@@ -65,15 +65,15 @@ def verify_drafts(logits_BSV: jax.Array, draft_BK: jax.Array, num_draft_B: jax.A
     flat = logits_BSV.reshape(B * S, V)
     rep = lambda x: jnp.repeat(x, S)  # noqa: E731
     plain_BS = sample_tokens(flat, rep(temperature_B), rep(top_p_B), rep(seed_B),
-                             (step_B[:, None] + j_S[None, :]).reshape(-1)).reshape(B, S)
+                             (step_B[:, None] + j_S[None, :]).reshape(-1), rep(top_k_B), rep(min_p_B)).reshape(B, S)
     if k == 0:
         return plain_BS, jnp.zeros((B,), jnp.int32)
     in_range_BK = j_S[None, :k] < num_draft_B[:, None]
     greedy_ok_BK = draft_BK == jnp.argmax(logits_BSV[:, :k], axis=-1).astype(jnp.int32)
 
     def sampled():
-        def row(logits_SV, d_K, t, p, seed, step):
-            probs_SV = jax.vmap(_nucleus_probs, in_axes=(0, None, None))(logits_SV, t, p)
+        def row(logits_SV, d_K, t, p, top_k, min_p, seed, step):
+            probs_SV = jax.vmap(_nucleus_probs, in_axes=(0, None, None, None, None))(logits_SV, t, p, top_k, min_p)
             keys = jax.vmap(lambda j: jax.random.fold_in(jax.random.PRNGKey(seed), step + j))(j_S)
             coin = jax.vmap(lambda kk: jax.random.uniform(jax.random.fold_in(kk, 1)))(keys[:k])
             p_d = jnp.take_along_axis(probs_SV[:k], d_K[:, None], axis=-1)[:, 0]
@@ -84,7 +84,8 @@ def verify_drafts(logits_BSV: jax.Array, draft_BK: jax.Array, num_draft_B: jax.A
                 keys[:k], resid_logits).astype(jnp.int32)
             return accept, recovered
 
-        acc, rec = jax.vmap(row)(logits_BSV, draft_BK, temperature_B, top_p_B, seed_B.astype(jnp.uint32), step_B)
+        acc, rec = jax.vmap(row)(logits_BSV, draft_BK, temperature_B, top_p_B, top_k_B, min_p_B,
+                                 seed_B.astype(jnp.uint32), step_B)
         is_sampled = (temperature_B > 0)[:, None]
         return jnp.where(is_sampled, acc, greedy_ok_BK), jnp.where(is_sampled, rec, plain_BS[:, :k])
 

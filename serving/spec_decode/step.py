@@ -17,8 +17,7 @@ from serving.spec_decode.inputs import SpecBatch
 from serving.spec_decode.rejection import verify_drafts
 
 
-def spec_decode_forward(model, batch, kv, host, temperature_B, top_p_B, seed_B, step_B, want_logprobs,
-                        sp: SpecBatch, *, layout, parallel, num_speculative_tokens: int, reachable: int,
+def spec_decode_forward(model, batch, kv, host, sampling: tuple, want_logprobs, sp: SpecBatch, *, layout, parallel, num_speculative_tokens: int, reachable: int,
                         num_logprobs: int, bitmask_BSW=None):
     """One speculative step over `batch` (T rows, B request rows).
 
@@ -32,6 +31,8 @@ def spec_decode_forward(model, batch, kv, host, temperature_B, top_p_B, seed_B, 
 
     Args:
       kv: the arena, or a `PagedKV` (HiSparse), returned updated in the same form.
+      sampling: `(temperature_B, top_p_B, top_k_B, min_p_B, seed_B, step_B)`, the sampler's `[B]`
+        arrays (`serving.sampling.sample_tokens`).
       host: HiSparse host access or None.
       num_logprobs: static width of the top-logprobs arrays.
       bitmask_BSW: structured outputs' packed allowed-token masks, int32 `[B, k + 1, W]` (row j:
@@ -50,13 +51,12 @@ def spec_decode_forward(model, batch, kv, host, temperature_B, top_p_B, seed_B, 
     B = min(B_all, T)
     sp = dataclasses.replace(sp, sample_row_B=sp.sample_row_B[:B], draft_BK=sp.draft_BK[:B],
                              num_draft_B=sp.num_draft_B[:B], valid_B=sp.valid_B[:B])
-    temperature_B, top_p_B, seed_B, step_B = (x[:B] for x in (temperature_B, top_p_B, seed_B, step_B))
+    sampling = tuple(x[:B] for x in sampling)
     rows_BS = jnp.clip(sp.sample_row_B[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :], 0, T - 1)
     logits = mask_unreachable(model.logits(h[rows_BS.reshape(-1)]), reachable)
     if bitmask_BSW is not None:
         logits = apply_token_bitmask(logits, bitmask_BSW[:B].reshape(B * S, -1))
-    tokens_BS, acc_B = verify_drafts(logits.reshape(B, S, -1), sp.draft_BK, sp.num_draft_B, temperature_B, top_p_B,
-                                     seed_B, step_B)
+    tokens_BS, acc_B = verify_drafts(logits.reshape(B, S, -1), sp.draft_BK, sp.num_draft_B, *sampling)
     L = num_logprobs
 
     def lps():

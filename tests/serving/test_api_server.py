@@ -198,13 +198,14 @@ def test_chat_template_and_sampling_params_reach_engine(client, engine, tiny_tok
         top_p=0.9,
         seed=42,
         reasoning_effort="low",
-        extra_body={"ignore_eos": True, "stop_token_ids": [7]},
+        extra_body={"ignore_eos": True, "stop_token_ids": [7], "top_k": 20, "min_p": 0.05},
     )
     prompt_ids, params = engine.submitted[r.id]
     assert tiny_tokenizer.decode(prompt_ids, skip_special_tokens=False) == (
         "[gMASK]<sop><|system|>Reasoning Effort: Low<|user|>Hi<|assistant|><think>"
     )
     assert (params.temperature, params.top_p, params.seed, params.max_tokens) == (0.7, 0.9, 42, 3)
+    assert (params.top_k, params.min_p) == (20, 0.05)
     assert params.ignore_eos and params.stop_token_ids == [7]
     assert r.usage.prompt_tokens == len(prompt_ids)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
@@ -453,6 +454,10 @@ def _chat(**fields) -> dict:
         (_chat(max_completion_tokens=0), "max_completion_tokens"),
         ({"model": MODEL, "messages": _user("Hi"), "temperature": -0.5}, "temperature"),
         ({"model": MODEL, "messages": _user("Hi"), "top_p": 0}, "top_p"),
+        (_chat(top_k=-2), "top_k"),
+        (_chat(top_k=2.5), "top_k"),
+        (_chat(min_p=1.5), "min_p"),
+        (_chat(min_p=-0.1), "min_p"),
         (_chat(stream_options={"include_usage": True}), "stream_options"),
         (_chat(n=0), "n"),
         (_chat(n=500), "n"),

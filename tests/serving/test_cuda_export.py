@@ -31,6 +31,7 @@ import pytest
 from kernels.mode import use_kernels
 from serving.engine import EngineArgs
 from serving.engine_factory import build_engine
+from serving.step_inputs import COPY_DST, COPY_SRC, NUM_SAMPLING
 from sharding.mesh import ParallelConfig
 from tests.helpers.host_memory import host_memory_reads
 from tests.helpers.triton_lowering import (
@@ -92,11 +93,12 @@ def test_every_program_exports_for_cuda_with_its_kernels(name, lowered_kernels):
         programs["store"] = (r._store_only, (r.hisparse.pool, r.kv_arena, src, dst))
     if name in ("default", "hisparse"):  # the step split in two (async with structured outputs): its ops are
         # the step's, so the layouts' step exports cover them; exported on one device, plain and hot
-        args = r.example_step_args(hot)
-        programs["forward"] = (r._forward, (*args[:3], args[8], args[9], args[10]))
+        args = r.example_step_args(hot)  # (state, batch, arena, *StepInputs.extra, hs, spec)
+        extra = args[3:3 + COPY_DST + 1]
+        programs["forward"] = (r._forward, (*args[:3], extra[COPY_SRC], extra[COPY_DST], args[3 + COPY_DST + 1]))
         logits = jax.eval_shape(r._forward, *programs["forward"][1])[0]
         bitmask = jax.ShapeDtypeStruct((logits.shape[0], -(-logits.shape[1] // 32)), jax.numpy.int32)
-        programs["sample"] = (r._sample, (logits, *args[3:8], bitmask))
+        programs["sample"] = (r._sample, (logits, *extra[:NUM_SAMPLING], bitmask))
     if r.offload is not None:
         t = r.offload.transfer
         src, dst = next(iter(t._lists([(1, 1)])))

@@ -22,7 +22,7 @@ from serving.multihost.channel import (
     StartRefused,
 )
 from serving.spec_decode.inputs import SpecBatch
-from serving.step_inputs import StepInputs
+from serving.step_inputs import WANT_LOGPROBS, StepInputs
 from sharding.distributed import free_port_pair
 
 
@@ -32,8 +32,9 @@ def step_inputs(T=8, B=3, k=2) -> StepInputs:
                          np.full(T, B - 1, np.int32), {"mla": np.full(T, -1, np.int32), "indexer": np.arange(T, dtype=np.int32)},
                          {"mla": rng.integers(0, 9, (B, 4)).astype(np.int32), "indexer": np.zeros((B, 1), np.int32)},
                          np.zeros(B, np.int32))
-    extra = (rng.random(B).astype(np.float32), np.ones(B, np.float32), rng.integers(0, 2**32, B, dtype=np.uint32),
-             np.zeros(B, np.int32), np.bool_(True), np.full(6, -1, np.int32), np.full(6, -1, np.int32))
+    extra = (rng.random(B).astype(np.float32), np.ones(B, np.float32), rng.integers(-1, 50, B).astype(np.int32),
+             rng.random(B).astype(np.float32), rng.integers(0, 2**32, B, dtype=np.uint32), np.zeros(B, np.int32),
+             np.bool_(True), np.full(6, -1, np.int32), np.full(6, -1, np.int32))
     spec = SpecBatch(np.zeros(B, np.int32), np.zeros((B, k), np.int32), np.zeros(B, np.int32), np.ones(B, bool),
                      np.zeros(T, np.int32), np.int32(2))
     return StepInputs(batch, extra, spec)
@@ -64,7 +65,7 @@ def test_step_inputs_round_trip_with_dtypes_shapes_and_classes():
     x = step_inputs()
     y = codec.decode(codec.encode(x))
     assert_same(x, y)
-    assert y.extra[4].shape == () and y.extra[4].dtype == np.bool_  # a scalar stays a scalar
+    assert y.extra[WANT_LOGPROBS].shape == () and y.extra[WANT_LOGPROBS].dtype == np.bool_  # a scalar stays a scalar
     with pytest.raises(TypeError, match="cannot send a set"):
         codec.encode(StepInputs(x.batch, ({1, 2},)))
 

@@ -73,12 +73,13 @@ def make_engine(k: int | None, kv_cache_dtype: str = "bfloat16", **kw) -> LLMEng
     return build_engine(args)
 
 
-def serve(engine: LLMEngine, prompts=PROMPTS, logprobs=None, check=None, max_tokens=None):
-    """Run `prompts` to the end (greedy, ignore_eos, `max_tokens[rid]` or MAX_TOKENS tokens); audit
-    after every step; `check(engine)` too."""
-    for rid, p in prompts.items():
-        engine.add_request(rid, p, SamplingParams(temperature=0, max_tokens=(max_tokens or {}).get(rid, MAX_TOKENS),
-                                                  ignore_eos=True, logprobs=logprobs))
+def serve(engine: LLMEngine, prompts=PROMPTS, logprobs=None, check=None, max_tokens=None, sampling=None):
+    """Run `prompts` to the end (greedy unless `sampling` gives other `SamplingParams` fields,
+    ignore_eos, `max_tokens[rid]` or MAX_TOKENS tokens); audit after every step; `check(engine)` too."""
+    for i, (rid, p) in enumerate(prompts.items()):
+        sp = {"temperature": 0} if sampling is None else {**sampling, "seed": i}
+        engine.add_request(rid, p, SamplingParams(max_tokens=(max_tokens or {}).get(rid, MAX_TOKENS),
+                                                  ignore_eos=True, logprobs=logprobs, **sp))
     toks = {rid: [] for rid in prompts}
     lps = {rid: [] for rid in prompts}
     while engine.has_unfinished_requests():
@@ -116,6 +117,21 @@ def k3_engine():
 @pytest.fixture(scope="module")
 def plain_streams():
     return plain_run("bfloat16")
+
+
+@pytest.mark.parametrize("filters", [{"top_k": 1}, {"min_p": 1.0}])
+def test_top_k_1_and_min_p_1_sample_the_greedy_stream(k3_engine, plain_streams, filters):
+    """Temperature 1 with top_k = 1, or with min_p = 1, leaves only the most likely token: the
+    sampled streams equal the greedy run's, through the plain engine's sampler and through MTP's
+    verification (drafts accepted against the filtered target distribution, corrections and
+    bonus tokens drawn from it). Without the filters these draws differ from greedy at once."""
+    ref, ref_lps = plain_streams
+    lm = api.load(cache_dtype="bfloat16")
+    for e in (shared_engine(None, "bfloat16"), k3_engine):
+        got, _ = serve(e, sampling={"temperature": 1.0, **filters})
+        compare_streams(ref, got, ref_lps, PROMPTS, lm)
+    unfiltered, _ = serve(shared_engine(None, "bfloat16"), sampling={"temperature": 1.0})
+    assert unfiltered != ref  # the draws would differ without the filter
 
 
 def _per_pos_consistent(s, k):
@@ -375,7 +391,8 @@ def test_greedy_verification_is_the_exact_prefix_match():
     drafts[3, 1] = (drafts[3, 1] + 1) % V  # rejected at 1 (and 2 would match again)
     num_draft = np.array([3, 3, 3, 3, 1, 0], np.int32)
     toks, acc = jax.jit(verify_drafts)(logits, drafts, num_draft, np.zeros(B, np.float32), np.ones(B, np.float32),
-                                       np.zeros(B, np.uint32), np.zeros(B, np.int32))
+                                       np.zeros(B, np.int32), np.zeros(B, np.float32), np.zeros(B, np.uint32),
+                                       np.zeros(B, np.int32))
     toks, acc = np.asarray(toks), np.asarray(acc)
     for b in range(B):
         a = 0
@@ -385,9 +402,11 @@ def test_greedy_verification_is_the_exact_prefix_match():
         assert list(toks[b, : a + 1]) == list(am[b, : a + 1])  # the plain greedy tokens
 
 
-def test_rejection_sampling_keeps_the_target_distribution():
+@pytest.mark.parametrize("top_p,top_k,min_p", [(0.9, 0, 0.0), (0.95, 4, 0.0), (1.0, -1, 0.3)])
+def test_rejection_sampling_keeps_the_target_distribution(top_p, top_k, min_p):
     """Draws with a fixed draft token d: the first emitted token must follow p_0 (target at row 0)
-    and, when d was accepted, the second must follow p_1. Temperature 0.8, top-p 0.9, vocabulary 8.
+    and, when d was accepted, the second must follow p_1. Temperature 0.8, vocabulary 8, the
+    filters as given (numpy's own min-p / top-k / top-p below, in vLLM's order).
     Pearson chi-square against the expected counts; the test fails below p = 1e-4 (it passes at a
     fixed seed; a wrong rule — e.g. accepting d always, or drawing the correction from p_0 with d
     kept — gives p-values below 1e-30 at this sample size)."""
@@ -395,7 +414,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
         stat = float(((counts - expected) ** 2 / expected).sum())
         return float(jax.scipy.special.gammaincc((len(counts) - 1) / 2, stat / 2))
 
-    V, N, t, top_p = 8, 40_000, 0.8, 0.9
+    V, N, t = 8, 40_000, 0.8
     rng = np.random.default_rng(1)
     l0, l1 = rng.normal(size=V).astype(np.float32), rng.normal(size=V).astype(np.float32)
     d = int(np.argsort(l0)[-2])  # the second most likely token: accepted sometimes, rejected often
@@ -403,16 +422,21 @@ def test_rejection_sampling_keeps_the_target_distribution():
     def nucleus(lg):
         z = np.exp(lg / t - (lg / t).max())
         p = z / z.sum()
-        order = np.argsort(-p)
+        p = np.where(p >= min_p * p.max(), p, 0)  # min-p on the whole distribution
+        order = np.argsort(-p, kind="stable")
+        if top_k > 0:
+            p[order[top_k:]] = 0
+        p = p / p.sum()
         keep = np.zeros(V, bool)
         keep[order[(np.cumsum(p[order]) - p[order]) < top_p]] = True
-        q = np.where(keep, p, 0)
+        q = np.where(keep & (p > 0), p, 0)
         return q / q.sum()
 
     p0, p1 = nucleus(l0), nucleus(l1)
     logits = np.broadcast_to(np.stack([l0, l1])[None], (N, 2, V))
     toks, acc = jax.jit(verify_drafts)(logits, np.full((N, 1), d, np.int32), np.ones(N, np.int32),
                                        np.full(N, t, np.float32), np.full(N, top_p, np.float32),
+                                       np.full(N, top_k, np.int32), np.full(N, min_p, np.float32),
                                        np.arange(N, dtype=np.uint32), np.zeros(N, np.int32))
     toks, acc = np.asarray(toks), np.asarray(acc)
     first = np.bincount(toks[:, 0], minlength=V)
