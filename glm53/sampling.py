@@ -53,6 +53,18 @@ def apply_token_bitmask(logits_NV: jax.Array, bitmask_NW: jax.Array) -> jax.Arra
     return jnp.where(allowed != 0, logits_NV, jnp.asarray(-jnp.inf, logits_NV.dtype))
 
 
+# Temperatures are clipped to [MIN, MAX] in the division: XLA may divide by multiplying with the
+# reciprocal, and 1 / t for t near float32's largest value is subnormal, flushed to 0, and then
+# -inf (an unreachable id's logit) × 0 is NaN. Past MAX every finite logit scales to about 0: the
+# draw is uniform over the allowed ids, which is what such a temperature asks for.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e30
+
+
+def scale_logits(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+    """logits / temperature (fp32), the temperature clipped to [MIN_TEMPERATURE, MAX_TEMPERATURE]."""
+    return logits / jnp.clip(temperature, MIN_TEMPERATURE, MAX_TEMPERATURE)
+
+
 def filter_sorted(sorted_logits_V: jax.Array, top_p: jax.Array, top_k: jax.Array | None = None,
                   min_p: jax.Array | None = None) -> jax.Array:
     """Which tokens one row samples from, in descending-logit order → bool `[V]`.
@@ -94,7 +106,7 @@ def sample_tokens(logits_BV: jax.Array, temperature_B: jax.Array, top_p_B: jax.A
 
     def one(logits, t, p, k, m, seed, step):
         key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
-        scaled = logits / jnp.maximum(t, 1e-6)
+        scaled = scale_logits(logits, t)
         order = jnp.argsort(-scaled)
         sorted_logits = scaled[order]
         keep = filter_sorted(sorted_logits, p, k if filters[0] else None, m if filters[1] else None)

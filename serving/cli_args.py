@@ -18,7 +18,7 @@ from serving.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 logger = logging.getLogger(__name__)
 
 JSON_FLAGS = ("attention_config", "kv_transfer_config", "speculative_config", "kv_events_config",
-              "structured_outputs_config")
+              "structured_outputs_config", "override_generation_config")
 
 
 class ArgumentError(ValueError):
@@ -59,6 +59,16 @@ def make_arg_parser() -> argparse.ArgumentParser:
              "FP8 (online, as vLLM does).",
     )
     m.add_argument("--seed", type=int, default=0, help="Engine sampling seed.")
+    m.add_argument(
+        "--generation-config", default="auto",
+        help="Default sampling of requests that leave it out: 'auto' (default) takes temperature, top_p, top_k, "
+             "min_p and max_new_tokens from the checkpoint's generation_config.json, 'vllm' uses the OpenAI defaults, "
+             "a directory its generation_config.json (vLLM's flag).",
+    )
+    m.add_argument(
+        "--override-generation-config", default=None,
+        help='JSON, e.g. {"temperature": 0.6}: generation-config keys set on top of --generation-config.',
+    )
     m.add_argument(
         "--max-model-len", type=int, default=None, help="Prompt + output tokens at most."
     )
@@ -316,6 +326,7 @@ def validate_args(args: argparse.Namespace) -> None:
     _check_kv_transfer_config(args)
     _check_kv_events_config(args)
     _check_structured_outputs_config(args)
+    _check_generation_config(args)
     _check_attention_config(args.attention_config, args)
     _check_output_parsers(args)
 
@@ -410,6 +421,20 @@ def _check_kv_events_config(args: argparse.Namespace) -> None:
         raise ArgumentError(str(e)) from None
     if config is not None and not args.enable_prefix_caching:
         raise ArgumentError("--kv-events-config needs --enable-prefix-caching (the events report the prefix cache)")
+
+
+def _check_generation_config(args: argparse.Namespace) -> None:
+    """`--generation-config DIR` and `--override-generation-config`, read here so a missing file or
+    a bad value fails at start-up (the checkpoint's own file is read once the engine has it)."""
+    from serving.api.generation_defaults import (
+        GenerationConfigError,
+        load_generation_defaults,
+    )
+
+    try:
+        load_generation_defaults(args.generation_config, None, args.override_generation_config)
+    except GenerationConfigError as e:
+        raise ArgumentError(str(e)) from None
 
 
 def _check_structured_outputs_config(args: argparse.Namespace) -> None:

@@ -73,6 +73,10 @@ class LLM:
       model: checkpoint directory (None: the embedded tiny checkpoint).
       tokenizer: optional tokenizer: a directory with a tokenizer.json (vLLM's `tokenizer=`) or an
         object with `encode`, `decode` and `apply_chat_template`; default: the checkpoint's.
+      generation_config: where `get_default_sampling_params` (what `generate` and `chat` use when
+        given no `SamplingParams`) comes from: "auto" (default) the checkpoint's
+        generation_config.json, "vllm" `SamplingParams()`, or a directory holding one (vLLM's
+        argument; `serving.api.generation_defaults`).
       **engine_args: any `EngineArgs` field (max_model_len, max_num_seqs, max_num_batched_tokens,
         enable_prefix_caching, gpu_memory_utilization, num_gpu_blocks_override, seed,
         speculative_config, ...). `compile_progress` defaults to True: start-up shows a progress
@@ -82,10 +86,12 @@ class LLM:
 
     Raises:
       TypeError: an unknown engine argument, or a tokenizer that is neither. ValueError: as
-        `serving.engine_factory.build_engine`; FileNotFoundError: no tokenizer.json.
+        `serving.engine_factory.build_engine`, or a generation config that cannot be read or is out
+        of range (`GenerationConfigError`); FileNotFoundError: no tokenizer.json.
     """
 
-    def __init__(self, model: str | None = None, tokenizer: Any = None, **engine_args: Any):
+    def __init__(self, model: str | None = None, tokenizer: Any = None, generation_config: str = "auto",
+                 **engine_args: Any):
         names = {f.name for f in dataclasses.fields(EngineArgs)}
         unknown = sorted(set(engine_args) - names)
         if unknown:
@@ -106,7 +112,15 @@ class LLM:
         if tokenizer is None:
             tokenizer = GlmTokenizer.from_pretrained(self.engine.model_path)
         self.tokenizer = tokenizer
+        from serving.api.generation_defaults import load_generation_defaults
+
+        self._generation_defaults = load_generation_defaults(generation_config, self.engine.model_path)
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """`SamplingParams()` with the generation config's temperature, top_p, top_k, min_p and
+        max_new_tokens (as max_tokens) where it gives them (vLLM's method)."""
+        return SamplingParams(**self._generation_defaults)
 
     # ------------------------------------------------------------------ generate
     def generate(
@@ -120,14 +134,15 @@ class LLM:
         prompts: one prompt or a list. A prompt is a string, a list of token ids, or a dict with
             `prompt_token_ids` (vLLM's TokensPrompt) or `prompt`. A flat list of ints is one
             token prompt.
-        sampling_params: one for all prompts, or one per prompt (default `SamplingParams()`).
+        sampling_params: one for all prompts, or one per prompt (default
+            `get_default_sampling_params()`).
 
         Raises:
           ValueError: a bad prompt or params (nothing is left queued in the engine).
         """
         items = self._normalise(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(items)
         else:

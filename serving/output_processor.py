@@ -35,6 +35,13 @@ class StopStringMatcher:
         self.stopped = False
         self.matched: str | None = None
 
+    def skip(self, delta: str) -> str:
+        """Append `delta` without looking for stop strings in it (or in the text held back before
+        it) → all of it to show; later matches start after it."""
+        self._text += delta
+        start, self._emitted = self._emitted, len(self._text)
+        return self._text[start:]
+
     def feed(self, delta: str, final: bool = False) -> tuple[str, bool]:
         """Append `delta`; see the class docstring. After a stop, further input is ignored."""
         if self.stopped:
@@ -126,7 +133,10 @@ class RequestTextState:
         if out.finished and out.finish_reason == "stop" and ids:
             ids = ids[:-1]  # the stop token: in the token ids, not in the text
         raw = self._detok.step(ids, final=out.finished)
-        emit, stopped = self._stops.feed(raw, final=out.finished)
+        if len(self.token_ids) <= self.params.min_tokens:
+            emit, stopped = self._stops.skip(raw), False  # no stop string before min_tokens (vLLM's rule)
+        else:
+            emit, stopped = self._stops.feed(raw, final=out.finished)
         self.text += emit
         if stopped:
             self.finished, self.finish_reason, self.stop_reason = True, "stop", self._stops.matched

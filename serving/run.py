@@ -212,13 +212,15 @@ def _leave_multihost(channel, exit_code: int) -> None:
 
 
 def build_api(args, async_engine, tokenizer, metrics=None):
-    """The HTTP app for validated `args` over a running engine (API key, output parsers, and
-    `/metrics` when a `PrometheusStatLogger` is given)."""
+    """The HTTP app for validated `args` over a running engine (API key, output parsers, the
+    generation config's default sampling, and `/metrics` when a `PrometheusStatLogger` is given)."""
     from fastapi.responses import Response
     from prometheus_client import CONTENT_TYPE_LATEST
 
     from serving.api import build_app
     from serving.api.chat_output import ChatParsing
+    from serving.api.generation_defaults import describe as describe_generation_defaults
+    from serving.api.generation_defaults import load_generation_defaults
 
     async def prometheus_metrics(request) -> Response:
         """Prometheus text format, vLLM metric names (serving/metrics.py)."""
@@ -230,8 +232,12 @@ def build_api(args, async_engine, tokenizer, metrics=None):
 
     parsing = ChatParsing(reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                           enable_auto_tool_choice=args.enable_auto_tool_choice)
+    defaults = load_generation_defaults(args.generation_config, async_engine.engine.model_path,
+                                        args.override_generation_config)
+    logger.info(describe_generation_defaults(defaults, args.generation_config))
     app = build_app(async_engine, tokenizer, async_engine.model_name, api_key=args.api_key, chat_parsing=parsing,
-                    extra_routes=add_metrics if metrics is not None else None, model_root=args.model or "tiny")
+                    extra_routes=add_metrics if metrics is not None else None, model_root=args.model or "tiny",
+                    default_sampling=defaults)
     app.state.metrics = metrics
     return app
 

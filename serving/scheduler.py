@@ -580,7 +580,9 @@ class Scheduler:
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
         is_eos = not params.ignore_eos and token in self.eos_token_ids
-        if is_eos or token in params.stop_token_ids:
+        # (before min_tokens the sampler cannot draw these ids, `serving.min_tokens`; a grammar
+        # that allows nothing else keeps them, and then they do not end the request early either)
+        if (is_eos or token in params.stop_token_ids) and req.num_output_tokens > params.min_tokens:
             return RequestStatus.FINISHED_STOPPED
         if req.num_tokens >= self._len_limit:
             return RequestStatus.FINISHED_LENGTH

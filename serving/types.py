@@ -43,6 +43,9 @@ class SamplingParams:
         distribution, and under MTP speculation (docs/spec_decode.md). None draws from the
         engine's own stream.
     max_tokens: number of generated tokens at most (>= 1); None means up to max_model_len.
+    min_tokens: tokens generated before the request may stop (vLLM's): until then its EOS ids
+        (unless ignore_eos) and `stop_token_ids` are masked out of sampling and stop strings are
+        not matched; 0 (default) is no minimum; at most max_tokens.
     stop_token_ids: extra token ids that end the request (in addition to the model's EOS ids,
         which end it unless ignore_eos).
     ignore_eos: keep generating past EOS tokens until max_tokens.
@@ -70,6 +73,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int | None = 16
+    min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
@@ -87,7 +91,7 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise ValueError(f"{name} must be a number, got {v!r}")  # noqa: TRY004 - a 400, as every refusal
-        for name in ("max_tokens", "logprobs", "seed", "data_parallel_rank", "top_k"):
+        for name in ("max_tokens", "logprobs", "seed", "data_parallel_rank", "top_k", "min_tokens"):
             v = getattr(self, name)
             if v is not None and not is_integer(v):
                 raise ValueError(f"{name} must be an integer or None, got {v!r}")
@@ -105,6 +109,10 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
         if self.n < 1:

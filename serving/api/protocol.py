@@ -161,7 +161,7 @@ class ChatCompletionRequest(_Request):
     # vLLM extensions.
     add_generation_prompt: bool = True  # the template's assistant-turn opener after the messages
     continue_final_message: bool = False  # continue the last (assistant) message instead
-    min_tokens: int | None = 0  # refused when set: not built
+    min_tokens: int | None = 0  # tokens before EOS / stop ids / stop strings may end the output
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
@@ -169,6 +169,8 @@ class ChatCompletionRequest(_Request):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    echo: bool | None = False  # vLLM's chat field (prepend the last message): refused when set
+    best_of: int | None = None  # refused unless 1
     structured_outputs: dict[str, Any] | None = None  # serving/api/structured.py
 
 
@@ -267,7 +269,7 @@ class CompletionRequest(_Request):
     logit_bias: dict[str, float] | None = None
     # vLLM extensions.
     max_completion_tokens: int | None = None  # as on chat: takes precedence over max_tokens
-    min_tokens: int | None = 0  # refused when set: not built
+    min_tokens: int | None = 0  # tokens before EOS / stop ids / stop strings may end the output
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True

@@ -166,6 +166,7 @@ def build_app(
     chat_parsing: ChatParsing | None = None,
     max_body_bytes: int | None = None,
     model_root: str | None = None,
+    default_sampling: dict[str, Any] | None = None,
 ) -> FastAPI:
     """Build the OpenAI-compatible FastAPI app over `engine`.
 
@@ -182,6 +183,9 @@ def build_app(
     max_body_bytes: larger request bodies get a 413 (default `default_max_body_bytes`).
     model_root: what `/v1/models` lists as `root`: the checkpoint path, hub id or preset name the
         server was started with (vLLM's `--model`); default `served_model_name`.
+    default_sampling: `SamplingParams` fields for requests that leave them out (`temperature`,
+        `top_p`, `top_k`, `min_p`, and `max_tokens` as a cap on the room left), from the
+        checkpoint's generation config (`serving.api.generation_defaults`); default none.
     """
     chat_parsing = chat_parsing or ChatParsing()
     if max_body_bytes is None:
@@ -191,6 +195,7 @@ def build_app(
     app.state.engine = engine
     app.state.tokenizer = tokenizer
     app.state.served_model_name = served_model_name
+    app.state.default_sampling = dict(default_sampling or {})
     # The routes reach both through `request.app.state`, never through their closures: FastAPI
     # keeps route callables in process-wide caches, and a closure over the engine would keep a
     # shut-down engine (its weights and KV arena) alive after its app is gone.
@@ -497,11 +502,12 @@ def build_app(
             prompt = continue_final_message(prompt, messages[-1]["content"])
         prompt_ids = await encode_text(tokenizer, prompt, "messages")
 
+        defaults = request.app.state.default_sampling
         max_tokens = resolve_max_tokens(
             *requested_max_tokens(body), len(prompt_ids), engine.max_model_len, "messages",
-            note=getattr(engine, "max_model_len_note", ""),
+            note=getattr(engine, "max_model_len_note", ""), default=defaults.get("max_tokens"),
         )
-        params = build_sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None))
+        params = build_sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None), defaults)
         params.data_parallel_rank = header_data_parallel_rank(request)
         think_end = (reasoning_end_token_id(tokenizer)
                      if chat_parsing.reasoning_parser and prepared.opens_reasoning(prompt) else None)
@@ -601,11 +607,12 @@ def build_app(
         if not prompt_ids:
             raise bad_request("The prompt must not be empty.", "prompt")
 
+        defaults = request.app.state.default_sampling
         max_tokens = resolve_max_tokens(
             *requested_max_tokens(body), len(prompt_ids), engine.max_model_len, "prompt",
-            note=getattr(engine, "max_model_len_note", ""),
+            note=getattr(engine, "max_model_len_note", ""), default=defaults.get("max_tokens"),
         )
-        params = build_sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None))
+        params = build_sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None), defaults)
         params.data_parallel_rank = header_data_parallel_rank(request)
         params.structured_outputs = request_constraint(body)
         top_n = body.logprobs or 0

@@ -102,12 +102,6 @@ def _is_set(value: Any, default: Any) -> bool:
     return value is not None and value != default
 
 
-def _remote_decode(body: ChatCompletionRequest | CompletionRequest) -> bool:
-    """A P/D prefill request (`kv_transfer_params.do_remote_decode`): its output is discarded."""
-    kv = (body.model_extra or {}).get("kv_transfer_params")
-    return isinstance(kv, dict) and kv.get("do_remote_decode") is True
-
-
 MAX_N = 128  # most choices one request may ask for
 MAX_STOPS = 1024  # most stop strings, and most stop token ids, one request may give
 
@@ -139,9 +133,6 @@ def reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
         ("frequency_penalty", _is_set(body.frequency_penalty, 0.0)),
         ("logit_bias", bool(body.logit_bias)),
         ("repetition_penalty", _is_set(body.repetition_penalty, 1.0)),
-        # (vllm-router sends min_tokens 1 with max_tokens 1 to a P/D prefill server, whose sampled
-        # token nobody sees: there it changes nothing)
-        ("min_tokens", _is_set(body.min_tokens, 0) and not _remote_decode(body)),
         ("stream_options.continuous_usage_stats",
          body.stream_options is not None and body.stream_options.continuous_usage_stats),
     ]
@@ -159,11 +150,11 @@ def reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
     else:
         if body.logprobs is not None and body.logprobs < 0:
             raise bad_request(f"logprobs must be >= 0, got {body.logprobs}.", "logprobs")
-        checks += [
-            ("echo", bool(body.echo)),
-            ("best_of", body.best_of not in (None, 1)),
-            ("suffix", bool(body.suffix)),
-        ]
+        checks += [("suffix", bool(body.suffix))]
+    checks += [
+        ("echo", bool(body.echo)),
+        ("best_of", body.best_of not in (None, 1)),
+    ]
     for name, bad in checks:
         if bad:
             raise bad_request(f"{name} is not supported yet in this build.", name)
@@ -178,13 +169,15 @@ def requested_max_tokens(body: ChatCompletionRequest | CompletionRequest) -> tup
 
 
 def resolve_max_tokens(
-    requested: int | None, param: str, prompt_len: int, max_model_len: int, prompt_param: str, note: str = ""
+    requested: int | None, param: str, prompt_len: int, max_model_len: int, prompt_param: str, note: str = "",
+    default: int | None = None,
 ) -> int:
     """Check the prompt and completion lengths against `max_model_len` (the engine's effective
     one: less than --max-model-len when its KV cache bounds one request); 400 naming the lengths,
     with `note` (the engine's sentence on that bound, or "") appended.
 
-    Returns the number of tokens to generate: `requested`, or all the room left when None."""
+    Returns the number of tokens to generate: `requested`, or when None all the room left, at
+    most `default` (the generation config's `max_new_tokens`, `serving.api.generation_defaults`)."""
     if requested is not None and requested < 1:
         raise bad_request(f"{param} must be at least 1, got {requested}.", param)
     if prompt_len >= max_model_len:
@@ -195,7 +188,8 @@ def resolve_max_tokens(
             prompt_param,
         )
     if requested is None:
-        return max_model_len - prompt_len
+        room = max_model_len - prompt_len
+        return room if default is None else min(room, default)
     if prompt_len + requested > max_model_len:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
@@ -207,9 +201,14 @@ def resolve_max_tokens(
 
 
 def build_sampling_params(
-    body: ChatCompletionRequest | CompletionRequest, max_tokens: int, max_logprobs: int | None = None
+    body: ChatCompletionRequest | CompletionRequest, max_tokens: int, max_logprobs: int | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """The engine's `SamplingParams` of a request body (choice 0; see `params_per_choice`).
+
+    defaults: the server's values for `temperature`, `top_p`, `top_k`, `min_p` where the body
+    leaves them out (`serving.api.generation_defaults`: the checkpoint's generation config);
+    else the OpenAI defaults (1, 1, off, off).
 
     max_logprobs: the engine's `--max-logprobs` when it exposes one; more alternatives than that
     is a 400 naming the request's own field (`top_logprobs` for chat, `logprobs` for completions).
@@ -222,6 +221,12 @@ def build_sampling_params(
         raise bad_request(f"top_k must be 0 or -1 (disabled) or at least 1, got {body.top_k}.", "top_k")
     if body.min_p is not None and not 0.0 <= body.min_p <= 1.0:  # NaN fails too
         raise bad_request(f"min_p must be in [0, 1], got {body.min_p}.", "min_p")
+    min_tokens = body.min_tokens or 0
+    if min_tokens < 0:
+        raise bad_request(f"min_tokens must be >= 0, got {min_tokens}.", "min_tokens")
+    if min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({min_tokens}) must be at most the completion's length ({max_tokens}).",
+                          "min_tokens")
     if isinstance(body, ChatCompletionRequest):
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
@@ -243,14 +248,21 @@ def build_sampling_params(
             raise bad_request("kv_transfer_params.do_remote_decode needs stream=false: the response body carries "
                               "the kv_transfer_params a decode engine pulls with (vllm-router sends it so).",
                               "stream")
+    defaults = defaults or {}
+
+    def value(name: str, fallback: float) -> float:
+        v = getattr(body, name)
+        return defaults.get(name, fallback) if v is None else v
+
     params = SamplingParams(
         kv_transfer_params=kv_params or None,
-        temperature=1.0 if body.temperature is None else float(body.temperature),
-        top_p=1.0 if body.top_p is None else float(body.top_p),
-        top_k=0 if body.top_k is None else int(body.top_k),
-        min_p=0.0 if body.min_p is None else float(body.min_p),
+        temperature=float(value("temperature", 1.0)),
+        top_p=float(value("top_p", 1.0)),
+        top_k=int(value("top_k", 0)),
+        min_p=float(value("min_p", 0.0)),
         seed=body.seed,
         max_tokens=max_tokens,
+        min_tokens=min_tokens,
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,

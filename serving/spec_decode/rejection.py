@@ -27,14 +27,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from serving.sampling import filter_sorted, sample_tokens
+from serving.sampling import filter_sorted, sample_tokens, scale_logits
 
 
 def _nucleus_probs(logits_V: jax.Array, t: jax.Array, p: jax.Array, top_k: jax.Array, min_p: jax.Array) -> jax.Array:
     """The sampling distribution of one row: softmax(logits / t) restricted by min-p, top-k and the
     top-p nucleus (`serving.sampling.filter_sorted`, as `sample_tokens` draws), in vocabulary
     order, fp32."""
-    scaled = logits_V / jnp.maximum(t, 1e-6)
+    scaled = scale_logits(logits_V, t)
     order = jnp.argsort(-scaled)
     keep_sorted = filter_sorted(scaled[order], p, top_k, min_p)
     keep = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from serving.min_tokens import apply_min_tokens
 from serving.structured_outputs.backend import GuidanceBackend
 from serving.structured_outputs.config import StructuredOutputsConfig
 from serving.structured_outputs.manager import StructuredOutputManager
@@ -113,13 +114,14 @@ class StructuredOutputsMixin:
             raise
 
     def _structured_masks(self, scheds) -> None:
-        """Set each `SchedulerOutput.grammar_bitmask` (None where no sampled row is constrained)."""
-        if not self.structured.requests:
-            return
+        """Set each `SchedulerOutput.grammar_bitmask` (None where no sampled row is constrained
+        and none is held back by its `min_tokens`, `serving.min_tokens`)."""
         rows = self.args.max_num_seqs + 1
         positions = self.runner.spec_k + 1
+        words = -(-self._structured_vocab_size // 32)  # the backend's bitmask width
         for s in scheds:
-            s.grammar_bitmask = self.structured.bitmask(s, rows, positions)
+            mask = self.structured.bitmask(s, rows, positions) if self.structured.requests else None
+            s.grammar_bitmask = apply_min_tokens(s, mask, rows, positions, words, self.eos_token_ids)
 
     def _structured_advance(self, outs) -> None:
         """After tokens were applied: advance the matchers; drop finished requests. A token the

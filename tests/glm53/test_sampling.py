@@ -121,3 +121,18 @@ def test_greedy_rows_ignore_the_filters():
                                   jnp.zeros(B, jnp.int32), jnp.full(B, 1, jnp.int32), jnp.full(B, 0.9))
     np.testing.assert_array_equal(np.asarray(toks), np.argmax(np.asarray(logits), -1))
     assert math.isfinite(float(jnp.max(logits)))
+
+
+def test_a_huge_temperature_draws_uniformly_over_the_reachable_ids():
+    """1e38 (near float32's largest) and 1e39 (a finite request value that is inf in float32) used
+    to give NaN logits and always one id: now every reachable id is drawn, none of the unreachable
+    (−inf) ones."""
+    B, n = 4000, 10
+    logits = np.random.default_rng(4).normal(size=V).astype(np.float32) * 5
+    logits[n:] = -np.inf
+    for t in (np.float32(1e38), np.float32(np.inf)):
+        toks = np.asarray(jax.jit(sample_tokens)(jnp.broadcast_to(jnp.asarray(logits), (B, V)),
+                                                 jnp.full(B, t, jnp.float32), jnp.ones(B), jnp.arange(B, dtype=jnp.uint32),
+                                                 jnp.zeros(B, jnp.int32)))
+        counts = np.bincount(toks, minlength=V)
+        assert counts[n:].sum() == 0 and (counts[:n] > B / n / 2).all(), (t, counts)

@@ -156,3 +156,18 @@ def test_completion_logprobs_shape(client, tiny_tokenizer):
     assert lp.text_offset == [0, len(toks[0]), len(toks[0]) + len(toks[1])]
     second = tiny_tokenizer.decode([ids[0] + 1], skip_special_tokens=False)
     assert lp.top_logprobs[0] == {toks[0]: -0.25, second: -1.0}
+
+
+def test_stop_strings_are_not_matched_before_min_tokens(client, tiny_tokenizer):
+    """vLLM's rule: a stop string in the text of the first `min_tokens` tokens does not end the
+    output; the first one after it does (expected text from the reply's own tokens)."""
+    ids = tiny_tokenizer.encode(REPLY)
+    full = _reply_text(tiny_tokenizer)
+    k = next(n for n in range(1, len(ids)) if "o" in tiny_tokenizer.decode(ids[:n]))  # an "o" inside
+    head = tiny_tokenizer.decode(ids[:k])
+    assert full.startswith(head) and "o" in full[len(head):]
+    expected = head + full[len(head):][: full[len(head):].index("o")]
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=100, stop=["o"], extra_body={"min_tokens": k})
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.choices[0].stop_reason) == (expected, "stop", "o")
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=100, stop=["o"])
+    assert r.choices[0].text == full[: full.index("o")]  # without it, the first "o" ends the output

@@ -198,14 +198,14 @@ def test_chat_template_and_sampling_params_reach_engine(client, engine, tiny_tok
         top_p=0.9,
         seed=42,
         reasoning_effort="low",
-        extra_body={"ignore_eos": True, "stop_token_ids": [7], "top_k": 20, "min_p": 0.05},
+        extra_body={"ignore_eos": True, "stop_token_ids": [7], "top_k": 20, "min_p": 0.05, "min_tokens": 2},
     )
     prompt_ids, params = engine.submitted[r.id]
     assert tiny_tokenizer.decode(prompt_ids, skip_special_tokens=False) == (
         "[gMASK]<sop><|system|>Reasoning Effort: Low<|user|>Hi<|assistant|><think>"
     )
     assert (params.temperature, params.top_p, params.seed, params.max_tokens) == (0.7, 0.9, 42, 3)
-    assert (params.top_k, params.min_p) == (20, 0.05)
+    assert (params.top_k, params.min_p, params.min_tokens) == (20, 0.05, 2)
     assert params.ignore_eos and params.stop_token_ids == [7]
     assert r.usage.prompt_tokens == len(prompt_ids)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
@@ -474,8 +474,12 @@ def _chat(**fields) -> dict:
         (_chat(chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs"),
         (_chat(chat_template_kwargs={"chat_template": "{{ 7 * 6 }}"}), "chat_template_kwargs"),
         (_chat(chat_template_kwargs={"continue_final_message": True}), "chat_template_kwargs"),
+        (_chat(min_tokens=8, max_tokens=4), "min_tokens"),
+        (_chat(min_tokens=-1), "min_tokens"),
         # vLLM fields this build does not honour are refused, not dropped
-        (_chat(min_tokens=8), "min_tokens"),
+        (_chat(presence_penalty=0.5), "presence_penalty"),
+        (_chat(echo=True), "echo"),  # declared on chat too: it used to be dropped as an unknown field
+        (_chat(best_of=2), "best_of"),
         (_chat(stream=True, stream_options={"continuous_usage_stats": True}), "stream_options.continuous_usage_stats"),
         (_chat(continue_final_message=True), "continue_final_message"),  # the last message is the user's
         ({"model": MODEL, "messages": [{"role": "assistant", "content": "x", "tool_calls": "notalist"}]},
@@ -500,7 +504,7 @@ def test_chat_400(http, body, param):
         ({"model": MODEL, "prompt": [1] * 100, "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
         ({"model": MODEL, "prompt": [1] * 100, "max_completion_tokens": MAX_MODEL_LEN}, "max_completion_tokens"),
         ({"model": MODEL, "prompt": "x", "max_completion_tokens": 0}, "max_completion_tokens"),
-        ({"model": MODEL, "prompt": "x", "min_tokens": 3}, "min_tokens"),
+        ({"model": MODEL, "prompt": "x", "min_tokens": 17}, "min_tokens"),  # past the default max_tokens 16
         # every stop string is searched after every token: 100,000 of them stalled the event loop
         ({"model": MODEL, "prompt": "x", "stop": [f"s{i}" for i in range(1025)]}, "stop"),
         ({"model": MODEL, "prompt": "x", "stop_token_ids": [7] * 1025}, "stop_token_ids"),
@@ -860,3 +864,28 @@ def test_cli_rejects_unsupported(argv, flag):
 
     with pytest.raises(ArgumentError, match=flag):
         validate_args(make_arg_parser().parse_args(argv))
+
+
+def test_the_generation_configs_defaults_fill_what_a_request_leaves_out(tiny_tokenizer):
+    """`build_app(default_sampling=...)` (what `--generation-config` resolves to): fields a request
+    leaves out take the defaults, fields it sets win, and `max_tokens` caps the room left."""
+    fake = FakeEngine(tiny_tokenizer)
+    defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05, "max_tokens": 5}
+    app = build_app(fake, tiny_tokenizer, MODEL, default_sampling=defaults)
+    with live_server(app) as url, httpx.Client(base_url=url, timeout=10) as c:
+        r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": _user("Hi"),
+                                                  "chat_template_kwargs": {"enable_thinking": False}})
+        assert r.status_code == 200, r.text
+        _, p = fake.submitted[r.json()["id"]]
+        assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (0.6, 0.95, 20, 0.05, 5)
+        r = c.post("/v1/completions", json={"prompt": "Hi", "temperature": 0, "top_p": 0.5, "top_k": -1,
+                                            "min_p": 0, "max_tokens": 9, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        _, p = fake.submitted[r.json()["id"]]
+        assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (0.0, 0.5, -1, 0.0, 9)
+    plain = build_app(fake, tiny_tokenizer, MODEL)  # no generation config: the OpenAI defaults
+    with live_server(plain) as url, httpx.Client(base_url=url, timeout=10) as c:
+        r = c.post("/v1/completions", json={"prompt": "Hi"})
+        _, p = fake.submitted[r.json()["id"]]
+        assert (p.temperature, p.top_p, p.top_k, p.min_p) == (1.0, 1.0, 0, 0.0)
+        assert p.max_tokens == 16  # the legacy completions default, as OpenAI's and vLLM's

@@ -24,6 +24,8 @@ ARGV = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-le
 def server():
     app, args, engine = build_server(ARGV)
     assert engine.engine.async_scheduling  # the server's default (docs/async_scheduling.md)
+    # --generation-config auto (the default): the tiny checkpoint's generation_config.json
+    assert app.state.default_sampling == {"temperature": 1.0, "top_p": 0.95}
     with live_server(app) as base_url:
         yield base_url, engine
     engine.shutdown()

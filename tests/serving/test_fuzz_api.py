@@ -71,7 +71,8 @@ CHAT = {**COMMON,
                                                 "type": "object", "properties": {"a": {"type": "boolean"}}}}}])
         | junk,
         "chat_template_kwargs": st.dictionaries(st.text(max_size=8), junk, max_size=2) | junk,
-        "add_generation_prompt": st.booleans() | junk, "continue_final_message": st.booleans() | junk}
+        "add_generation_prompt": st.booleans() | junk, "continue_final_message": st.booleans() | junk,
+        "echo": st.booleans() | junk, "best_of": st.integers(-1, 3)}
 COMPLETION = {**COMMON,
               "prompt": text | token_ids | st.lists(text, max_size=3) | st.lists(token_ids, max_size=3) | junk,
               "echo": st.booleans() | junk, "logprobs": st.integers(-1, 30) | junk, "best_of": st.integers(-1, 3),

@@ -296,3 +296,33 @@ def test_constructor_arguments_are_checked_by_name():
     llm = LLM(**ENGINE, tokenizer=str(default_model_dir()))  # a directory, as vLLM takes it
     out = llm.generate(["hello"], greedy(max_tokens=3))[0].outputs[0]
     assert len(out.token_ids) == 3 and out.text == llm.tokenizer.decode(out.token_ids)
+
+
+def test_default_sampling_params_come_from_the_generation_config(llm, monkeypatch):
+    """vLLM's `get_default_sampling_params`: the checkpoint's generation_config.json (the tiny
+    one's temperature 1.0 and top_p 0.95); `generate` without `SamplingParams` uses them."""
+    d = llm.get_default_sampling_params()
+    assert (d.temperature, d.top_p, d.top_k, d.min_p, d.max_tokens) == (1.0, 0.95, 0, 0.0, SamplingParams().max_tokens)
+    monkeypatch.setattr(llm, "_generation_defaults", {"temperature": 0.0, "max_tokens": 3})
+    out = llm.generate(["hello"])[0].outputs[0]
+    assert out.token_ids == llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].token_ids
+    assert len(out.token_ids) <= 3
+
+
+def test_min_tokens_bans_the_stop_ids_until_then(llm):
+    """A stop token id the greedy stream reaches at position p ends it there; with min_tokens
+    past p the engine cannot sample it at p, so it takes the next most likely token there (the
+    unconstrained run's second alternative at p), and no stop id appears before min_tokens."""
+    prompt = [31, 7, 99, 250, 18]
+    ref = llm.generate([prompt], greedy(max_tokens=8, logprobs=3))[0].outputs[0]
+    toks = ref.token_ids
+    p = next(i for i in range(1, len(toks)) if toks[i] not in toks[:i])
+    stop = toks[p]
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop]))[0].outputs[0]
+    assert plain.token_ids == toks[: p + 1] and plain.finish_reason == "stop"
+    held = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop],
+                                                 min_tokens=p + 2))[0].outputs[0]
+    top = ref.logprobs[p].top
+    assert top[0][0] == stop and top[1][1] - top[2][1] > 1e-3  # a clear second choice
+    assert held.token_ids[:p] == toks[:p] and held.token_ids[p] == top[1][0]
+    assert len(held.token_ids) >= p + 2 and stop not in held.token_ids[: p + 2]

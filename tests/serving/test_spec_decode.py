@@ -134,6 +134,26 @@ def test_top_k_1_and_min_p_1_sample_the_greedy_stream(k3_engine, plain_streams, 
     assert unfiltered != ref  # the draws would differ without the filter
 
 
+def test_min_tokens_holds_back_a_stop_id_through_the_verification_rows(k3_engine, plain_streams):
+    """A stop token id the greedy stream reaches at position p, with min_tokens past p: every
+    verification row before min_tokens masks it (drafts of it rejected, corrections drawn
+    without it), so the stream takes the plain run's second choice at p and runs past it."""
+    ref, ref_lps = plain_streams
+    toks = ref["b"]
+    p = next(i for i in range(1, len(toks)) if toks[i] not in toks[:i])
+    stop = toks[p]
+    e = k3_engine
+    e.add_request("mt", PROMPTS["b"], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop],
+                                                     min_tokens=p + 2))
+    got = []
+    while e.has_unfinished_requests():
+        for o in e.step():
+            got += o.new_token_ids
+        assert e.audit() == []
+    assert got[:p] == toks[:p] and got[p] == ref_lps["b"][p].top[1][0]
+    assert len(got) >= p + 2 and stop not in got[: p + 2]
+
+
 def _per_pos_consistent(s, k):
     pp = s.accepted_per_pos
     assert len(pp) == k and all(a >= b for a, b in zip(pp, pp[1:]))  # monotone
