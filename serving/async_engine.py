@@ -133,6 +133,12 @@ class AsyncEngine:
         runner = getattr(self.engine, "runner", None)
         return bool(getattr(runner, "variant_precompile_running", _noop)())
 
+    def engine_thread_running(self) -> bool:
+        """Whether the engine thread is still inside a step after `shutdown` stopped waiting for it
+        (a step compiled on first use can take a minute): the process must then end with `os._exit`,
+        as under a background compile."""
+        return self._thread.is_alive()
+
     def shutdown(self, timeout: float = 30.0, close: bool = True) -> None:
         """Stop the engine thread (waiting up to `timeout` seconds for its step) and, with
         `close`, close the P/D side channel and the KV event publishers."""

@@ -11,9 +11,11 @@ A step can fail in two ways (docs/design.md §7, vLLM's `EngineDeadError` semant
   non-zero so that a supervisor restarts it.
 
 `FaultInjection` is the test hook (`ModelRunner.faults`): armed from a test, or for a server
-process from `$GLM53_FAULT_INJECTION` (`"<kind>@<n>"`, kind `step_error` or `device_lost`, n the
-1-based index of the step that fails, counting `ModelRunner.execute` calls from start-up;
-compilation runs none). It is never armed otherwise.
+process from `$GLM53_FAULT_INJECTION` (`"<kind>@<n>"`, kind `step_error`, `device_lost` or `stall`, n
+the 1-based index of the step that fails, counting `ModelRunner.execute` calls from start-up;
+compilation runs none). It is never armed otherwise. `stall` fails nothing: the engine thread
+sleeps `STALL_SECONDS` before that step, as it waits on a step program compiled on first use (for
+the shutdown tests: a server must exit without waiting for such a step, `serving/run.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import os
 from dataclasses import dataclass
 
 FAULT_ENV = "GLM53_FAULT_INJECTION"
-KINDS = ("step_error", "device_lost")
+KINDS = ("step_error", "device_lost", "stall")
+STALL_SECONDS = 120.0
 
 
 class EngineDeadError(RuntimeError):
@@ -39,7 +42,8 @@ class FaultInjection:
 
     kind: "step_error" raises before the step is dispatched (device state intact: recoverable);
         "device_lost" deletes the step's donated buffers first, as a step that failed on the
-        device after donation leaves them, then raises (fatal).
+        device after donation leaves them, then raises (fatal). "stall" sleeps `STALL_SECONDS`
+        and then runs the step.
     count: how many consecutive steps fail from `at_step` on.
 
     Raises ValueError for an unknown kind or at_step < 1.

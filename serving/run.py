@@ -267,10 +267,15 @@ def main(argv: list[str] | None = None) -> None:
     try:
         server.run()
     finally:
-        # A dead multi-process engine may have its thread blocked on a lost peer: do not wait long.
-        engine.shutdown(timeout=30 if channel is None or not server.exit_code else 2)
+        # Every request has been answered: the engine thread only finishes its step. A step
+        # compiled on first use may hold it for a minute, and a dead multi-process engine may
+        # have it blocked on a lost peer: do not wait long for either.
+        engine.shutdown(timeout=5 if channel is None or not server.exit_code else 2)
     if channel is not None:
         _leave_multihost(channel, server.exit_code)
+    if engine.engine_thread_running():
+        logger.info("exiting without waiting for the engine thread's step (still running after 5 s)")
+        _exit_without_teardown(server.exit_code)
     if engine.background_compile_running():
         # The structured-output variants' compile thread is inside XLA (it stops after the variant
         # in progress, which may take a minute): exit now, as the drain promised.

@@ -35,7 +35,7 @@ from glm53.parallel_batch import (
 )
 from kernels.mode import KERNEL_MODE_ENV, kernel_mode, use_kernels
 from serving.arena_pages import ArenaPageIO
-from serving.faults import FaultInjection, InjectedFault
+from serving.faults import STALL_SECONDS, FaultInjection, InjectedFault
 from serving.hisparse.device_state import HiSparseDeviceState
 from serving.kv_cache import KVCacheManager
 from serving.runner_compile import StepCompileMixin
@@ -560,6 +560,9 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         if self.faults is None:
             return
         kind = self.faults.fire()
+        if kind == "stall":  # an engine thread held up as by a long compile; nothing fails
+            time.sleep(STALL_SECONDS)
+            return
         if kind == "device_lost":  # what a step that failed after donating its buffers leaves
             for x in self._donated_buffers():
                 x.delete()

@@ -100,6 +100,22 @@ def test_streams_still_running_at_the_shutdown_deadline_end_properly():
         assert "(finish_reason abort)" in srv.log()
 
 
+def test_a_step_still_running_after_the_drain_does_not_hold_the_exit():
+    """The engine thread held up inside a step (the `stall` fault: 120 s, as a step program compiled
+    on first use can take a minute): after SIGTERM and the deadline the process exits without
+    waiting for that step (`os._exit` after 5 s; before, it waited up to 30 s for the thread)."""
+    with server_process(ARGV + ["--shutdown-timeout", "1"], env={"GLM53_FAULT_INJECTION": "stall@4"}) as srv:
+        t, result = start_stream(srv.url, 120)
+        time.sleep(1.0)  # the engine thread is in the stall by now (a step takes tens of ms)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(60) == 0, srv.log()[-3000:]
+        assert time.monotonic() - t0 < 25, srv.log()[-3000:]  # 1 s deadline, uvicorn's 5 s, the 5 s join
+        assert "exiting without waiting for the engine thread's step" in srv.log()
+        assert result["tokens"] < 120
+        t.join(10)
+
+
 def test_a_second_signal_exits_at_once():
     with server_process(ARGV + ["--shutdown-timeout", "300"]) as srv:
         t, result = start_stream(srv.url, 900)
