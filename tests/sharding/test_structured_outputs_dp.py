@@ -66,3 +66,25 @@ def test_constrained_requests_on_both_replicas(engine):
     atoks, areasons, _ = run(e, {rid: (prompt, params) for rid, params in reqs.items()}, async_scheduling=True)
     assert atoks == toks and areasons == reasons
     assert e.runner.num_deferred_samples - deferred > 5
+
+
+def test_min_tokens_on_both_replicas(engine):
+    """min_tokens rides on the replicas' stacked masks: on either replica, a stop token id the
+    greedy stream reaches at position p is replaced there by the unconstrained run's second choice
+    and the stream runs past min_tokens (with and without asynchronous scheduling)."""
+    e = engine
+    prompt = [31, 7, 99, 250, 18, 4, 77]
+    ref, _, lps = run(e, {f"ref{r}": (prompt, SamplingParams(temperature=0.0, max_tokens=8, logprobs=3,
+                                                             data_parallel_rank=r)) for r in (0, 1)})
+    toks = ref["ref0"]
+    assert ref["ref1"] == toks
+    p = next(i for i in range(1, len(toks)) if toks[i] not in toks[:i])
+    top = lps["ref0"][p].top
+    assert top[0][0] == toks[p] and top[1][1] - top[2][1] > 1e-3  # a clear second choice
+    for async_scheduling in (False, True):
+        got, _, _ = run(e, {f"m{r}": (prompt, SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[toks[p]],
+                                                             min_tokens=p + 2, data_parallel_rank=r))
+                            for r in (0, 1)}, async_scheduling=async_scheduling)
+        for r in (0, 1):
+            g = got[f"m{r}"]
+            assert g[:p] == toks[:p] and g[p] == top[1][0] and toks[p] not in g[: p + 2], (async_scheduling, r, g)
