@@ -386,6 +386,13 @@ def _put_rows(buf: jax.Array, piece: jax.Array, start) -> jax.Array:
     return lax.dynamic_update_slice_in_dim(buf, piece, start, 0)
 
 
+@functools.cache
+def _zeros_program(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding):
+    """A jitted `zeros(shape, dtype)` placed on `sharding`, one per distinct triple (a fresh
+    lambda per parameter compiled a program each time, stacked parameters of one shape included)."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
 def _local_shards(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> list[list]:
     """This process's distinct shards of a `shape` array under `sharding`: `[index, *devices
     holding it]` each (replicas of one shard share an entry)."""
@@ -415,7 +422,7 @@ def _place(src: Source, shape: tuple[int, ...], dtype, sharding: jax.sharding.Sh
     if not (isinstance(src, Stack) and nbytes > MAX_STAGING_BYTES and shard[0] == shape[0] and shape[0] > 1):
         return _from_shards(src, shape, dtype, sharding)
     per = max(1, MAX_STAGING_BYTES // (nbytes // shape[0]))
-    buf = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+    buf = _zeros_program(tuple(shape), np.dtype(dtype), sharding)()
     for start in range(0, shape[0], per):
         stop = min(shape[0], start + per)
         piece = _from_shards(Stack(src.parts[start:stop]), (stop - start, *shape[1:]), dtype, sharding)
