@@ -426,7 +426,7 @@ def _check_kv_events_config(args: argparse.Namespace) -> None:
 def _check_generation_config(args: argparse.Namespace) -> None:
     """`--generation-config DIR` and `--override-generation-config`, read here so a missing file or
     a bad value fails at start-up (the checkpoint's own file is read once the engine has it)."""
-    from serving.api.generation_defaults import (
+    from serving.generation_defaults import (
         GenerationConfigError,
         load_generation_defaults,
     )

@@ -76,7 +76,7 @@ class LLM:
       generation_config: where `get_default_sampling_params` (what `generate` and `chat` use when
         given no `SamplingParams`) comes from: "auto" (default) the checkpoint's
         generation_config.json, "vllm" `SamplingParams()`, or a directory holding one (vLLM's
-        argument; `serving.api.generation_defaults`).
+        argument; `serving.generation_defaults`).
       **engine_args: any `EngineArgs` field (max_model_len, max_num_seqs, max_num_batched_tokens,
         enable_prefix_caching, gpu_memory_utilization, num_gpu_blocks_override, seed,
         speculative_config, ...). `compile_progress` defaults to True: start-up shows a progress
@@ -112,7 +112,7 @@ class LLM:
         if tokenizer is None:
             tokenizer = GlmTokenizer.from_pretrained(self.engine.model_path)
         self.tokenizer = tokenizer
-        from serving.api.generation_defaults import load_generation_defaults
+        from serving.generation_defaults import load_generation_defaults
 
         self._generation_defaults = load_generation_defaults(generation_config, self.engine.model_path)
         self._ids = itertools.count()

@@ -219,8 +219,8 @@ def build_api(args, async_engine, tokenizer, metrics=None):
 
     from serving.api import build_app
     from serving.api.chat_output import ChatParsing
-    from serving.api.generation_defaults import describe as describe_generation_defaults
-    from serving.api.generation_defaults import load_generation_defaults
+    from serving.generation_defaults import describe as describe_generation_defaults
+    from serving.generation_defaults import load_generation_defaults
 
     async def prometheus_metrics(request) -> Response:
         """Prometheus text format, vLLM metric names (serving/metrics.py)."""

@@ -185,7 +185,7 @@ def build_app(
         server was started with (vLLM's `--model`); default `served_model_name`.
     default_sampling: `SamplingParams` fields for requests that leave them out (`temperature`,
         `top_p`, `top_k`, `min_p`, and `max_tokens` as a cap on the room left), from the
-        checkpoint's generation config (`serving.api.generation_defaults`); default none.
+        checkpoint's generation config (`serving.generation_defaults`); default none.
     """
     chat_parsing = chat_parsing or ChatParsing()
     if max_body_bytes is None:

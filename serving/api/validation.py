@@ -177,7 +177,7 @@ def resolve_max_tokens(
     with `note` (the engine's sentence on that bound, or "") appended.
 
     Returns the number of tokens to generate: `requested`, or when None all the room left, at
-    most `default` (the generation config's `max_new_tokens`, `serving.api.generation_defaults`)."""
+    most `default` (the generation config's `max_new_tokens`, `serving.generation_defaults`)."""
     if requested is not None and requested < 1:
         raise bad_request(f"{param} must be at least 1, got {requested}.", param)
     if prompt_len >= max_model_len:
@@ -207,7 +207,7 @@ def build_sampling_params(
     """The engine's `SamplingParams` of a request body (choice 0; see `params_per_choice`).
 
     defaults: the server's values for `temperature`, `top_p`, `top_k`, `min_p` where the body
-    leaves them out (`serving.api.generation_defaults`: the checkpoint's generation config);
+    leaves them out (`serving.generation_defaults`: the checkpoint's generation config);
     else the OpenAI defaults (1, 1, off, off).
 
     max_logprobs: the engine's `--max-logprobs` when it exposes one; more alternatives than that

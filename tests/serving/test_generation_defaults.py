@@ -1,4 +1,4 @@
-"""`--generation-config` / `--override-generation-config` (`serving.api.generation_defaults`):
+"""`--generation-config` / `--override-generation-config` (`serving.generation_defaults`):
 which default sampling a server applies, read from files written here and from the tiny
 checkpoint's own generation_config.json (temperature 1.0, top_p 0.95)."""
 
@@ -8,11 +8,11 @@ import logging
 import pytest
 
 from glm53.tiny_checkpoint import default_model_dir
-from serving.api.generation_defaults import (
+from serving.cli_args import ArgumentError, make_arg_parser, validate_args
+from serving.generation_defaults import (
     GenerationConfigError,
     load_generation_defaults,
 )
-from serving.cli_args import ArgumentError, make_arg_parser, validate_args
 
 
 def write(dirpath, **cfg):
@@ -33,13 +33,13 @@ def test_auto_reads_the_checkpoint_and_vllm_ignores_it():
 def test_a_directory_its_keys_the_override_and_what_is_not_applied(tmp_path, caplog):
     d = write(tmp_path, temperature=0.7, top_k=20, min_p=0.05, max_new_tokens=64, repetition_penalty=1.1,
               do_sample=True, eos_token_id=[1, 2])
-    with caplog.at_level(logging.WARNING, logger="serving.api.generation_defaults"):
+    with caplog.at_level(logging.WARNING, logger="serving.generation_defaults"):
         got = load_generation_defaults(d, "/nonexistent", {"temperature": 0.2, "top_p": 0.8})
     assert got == {"temperature": 0.2, "top_k": 20, "min_p": 0.05, "max_tokens": 64, "top_p": 0.8}
     assert "repetition_penalty=1.1 is not applied" in caplog.text
     # the neutral value of a key this build lacks says nothing
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="serving.api.generation_defaults"):
+    with caplog.at_level(logging.WARNING, logger="serving.generation_defaults"):
         load_generation_defaults(write(tmp_path, repetition_penalty=1.0), None)
     assert caplog.text == ""
 
