@@ -99,8 +99,15 @@ def _compiled(graphdef, layout: KVCacheLayout):
 
 
 def forward_step(lm: LoadedModel, batch: ForwardBatch, kv_arena: jax.Array):
-    """One jitted forward over a prepared batch → (logits, hidden, kv_arena). The arena is donated."""
+    """One jitted forward over a prepared batch → (logits, hidden, kv_arena). The arena is donated.
+
+    A model on one device gets the arena on that device (committed), as the arena this returns
+    is: jit keys its programs on argument placement too, so a fresh (uncommitted) arena and a
+    returned one would otherwise compile the same step twice."""
     graphdef, state = nnx.split(lm.model)
+    devices = jax.tree.leaves(state)[0].sharding.device_set
+    if len(devices) == 1:
+        kv_arena = jax.device_put(kv_arena, next(iter(devices)))
     return _compiled(graphdef, lm.layout)(state, jax.tree.map(jnp.asarray, batch), kv_arena)
 
 
