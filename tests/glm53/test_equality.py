@@ -12,6 +12,9 @@ import pytest
 from glm53 import api
 from glm53.equality import compare_streams, indexer_boundary_gap, top2_gap
 
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
+
 
 class _Lp:
     def __init__(self, *logprobs):

@@ -27,6 +27,9 @@ from glm53.tiny_checkpoint import default_model_dir
 from sharding.mesh import ATTN_HEADS, EXPERT_COLS, MLP_COLS
 from tests.helpers.fp8_checkpoint import dequantise, fp8_tensors, quant_config, write_fp8_checkpoint
 
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
+
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
 # fp32 activations: the kept model dequantises each block before an fp32 dot, the same maths as
 # the dequantised model up to summation order (observed: identical on XLA:CPU).

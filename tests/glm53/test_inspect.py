@@ -5,9 +5,13 @@ between layers past index_topk, deterministic."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from glm53 import api
 from glm53.inspect import indexer_selections
+
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
 
 
 def test_selections_are_causal_and_full():

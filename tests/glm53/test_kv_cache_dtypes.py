@@ -34,6 +34,9 @@ from glm53.layers import rope_cos_sin
 from kernels.indexer_topk.reference import indexer_topk_reference
 from kernels.paged import positions_to_slots, read_cache
 
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
+
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf", "dense")
 NEAR_TIE = 1e-4  # docs/design.md §10 equality rule: a divergence is allowed only where the top-2 gap is below this
 

@@ -2,8 +2,9 @@
 gradient separation.
 
 The independent result is the serving path (`glm53.api.forward`: paged arena, the indexer top-k
-kernel reference, absorbed sparse MLA over the selected rows) on the random tiny checkpoint
-(14 layers: single and stacked IndexShare groups, dense and MoE layers)."""
+kernel reference, absorbed sparse MLA over the selected rows) on the random tiny checkpoint's
+7-layer twin (tests/helpers/shallow_model.py: a one-layer, a mixed and two stacked IndexShare
+groups, dense and MoE layers, as the 14-layer checkpoint has)."""
 
 from functools import partial
 
@@ -15,6 +16,9 @@ from flax import nnx
 
 from glm53 import api
 from glm53.training import topk_mask, train_forward
+
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,9 @@ from tests.helpers.triton_lowering import (
     record_triton_lowerings,
 )
 
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
+
 HOT_RESOLVER = {"hot_resolve_validate", "hot_resolve_lookup", "hot_resolve_rank", "hot_resolve_assign"}
 
 

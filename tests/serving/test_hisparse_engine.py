@@ -37,8 +37,8 @@ HISPARSE = {"hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 10
 
 def engine(num_blocks, kv_cache_dtype, attention_config=None, max_model_len=2048, **kw):
     # One step bucket (64 tokens): a second one (16) is one more plain and one more hot program to
-    # compile per engine, and a step padded to 64 tokens runs in about the same time on the CPU
-    # (docs/test_suite.md). Also the engine of tests/serving/test_offload.py and of the HiSparse
+    # compile per engine, which costs more than padding the small steps does on the CPU (measured
+    # in docs/test_suite.md). Also the engine of tests/serving/test_offload.py and of the HiSparse
     # and offloading tests of tests/serving/test_spec_decode.py.
     args = EngineArgs(max_model_len=max_model_len, max_num_seqs=4, max_num_batched_tokens=64, cuda_graph_sizes=[], precompile_token_paddings=[],
                       num_gpu_blocks_override=num_blocks, kv_cache_dtype=kv_cache_dtype, compile_progress=False,

@@ -18,6 +18,9 @@ from serving.llm import LLM
 from serving.metrics import LoggingStatLogger, PrometheusStatLogger, StepRecord
 from serving.types import SamplingParams
 
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
+
 ENGINE = dict(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=True,
               cuda_graph_sizes=[], precompile_token_paddings=[])
 

@@ -22,6 +22,9 @@ from serving.runner_variants import VariantPrecompileMixin, _Job
 from serving.structured_outputs import StructuredOutputsParams
 from serving.types import SamplingParams
 
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
+
 SCHEMA = {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
                                            "y": {"type": "boolean"}},
           "required": ["x", "y"], "additionalProperties": False}

@@ -29,6 +29,9 @@ from sharding.rules import shard_params
 from tests.helpers.fp8_checkpoint import fp8_tensors, quant_config
 from tests.sharding.conftest import NUM_PROMPTS, TOL, run_layout, sharding_test_config
 
+# The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
+pytestmark = pytest.mark.shallow_model
+
 BLOCK = (32, 32)
 
 
