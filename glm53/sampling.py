@@ -53,6 +53,35 @@ def apply_token_bitmask(logits_NV: jax.Array, bitmask_NW: jax.Array) -> jax.Arra
     return jnp.where(allowed != 0, logits_NV, jnp.asarray(-jnp.inf, logits_NV.dtype))
 
 
+def apply_penalties(logits_BV: jax.Array, ids_BL: jax.Array, counts_BL: jax.Array, in_prompt_BL: jax.Array,
+                    bias_BL: jax.Array, presence_B: jax.Array, frequency_B: jax.Array,
+                    repetition_B: jax.Array) -> jax.Array:
+    """Logit bias and the repetition, frequency and presence penalties on fp32 logits `[B, V]`
+    → the adjusted logits `[B, V]` (the sampler's input; logprobs stay those of the raw logits).
+
+    Each row carries a sparse list of the ids it touches (`serving.penalties` builds it): ids_BL
+    int32 `[B, L]` (−1: an unused entry; ids are distinct within a row), counts_BL int32 `[B, L]`
+    (how often the id is in the request's output so far), in_prompt_BL bool `[B, L]` (the id is in
+    its prompt), bias_BL fp32 `[B, L]` (`logit_bias`, 0 when none); presence_B, frequency_B,
+    repetition_B fp32 `[B]` (0, 0, 1: off). The maths and order are vLLM's (its v1 sampler: the
+    logit-bias processor, then `apply_penalties` of `vllm.model_executor.layers.utils`, which
+    follows OpenAI's definition of the first two): for a listed id with logit x,
+    x += bias; where the id is in the prompt or the output, x /= repetition if x > 0 else
+    x *= repetition; then x −= frequency · count + presence · (count > 0). Ids not listed keep
+    their logits; −inf (a masked id) stays −inf.
+    """
+    B, V = logits_BV.shape
+    valid = ids_BL >= 0
+    safe = jnp.where(valid, ids_BL, 0)
+    x = jnp.take_along_axis(logits_BV, safe, axis=-1) + bias_BL
+    seen = in_prompt_BL | (counts_BL > 0)
+    rep = repetition_B[:, None]
+    x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
+    x = x - frequency_B[:, None] * counts_BL.astype(x.dtype) - presence_B[:, None] * (counts_BL > 0).astype(x.dtype)
+    rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], ids_BL.shape)
+    return logits_BV.at[rows, jnp.where(valid, ids_BL, V)].set(x, mode="drop")
+
+
 # Temperatures are clipped to [MIN, MAX] in the division: XLA may divide by multiplying with the
 # reciprocal, and 1 / t for t near float32's largest value is subnormal, flushed to 0, and then
 # -inf (an unreachable id's logit) × 0 is NaN. Past MAX every finite logit scales to about 0: the
@@ -142,15 +171,19 @@ def compute_logprobs(logits_BV: jax.Array, token_B: jax.Array, k: int):
 
 
 def sample_with_logprobs(logits_BV: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array, top_k_B: jax.Array,
-                         min_p_B: jax.Array, seed_B: jax.Array, step_B: jax.Array, want_logprobs: jax.Array, k: int):
+                         min_p_B: jax.Array, seed_B: jax.Array, step_B: jax.Array, want_logprobs: jax.Array, k: int,
+                         penalties: tuple | None = None):
     """The sampling head of the step: `sample_tokens` (top_k_B int32 `[B]`, min_p_B float32 `[B]`
     as there), then `compute_logprobs` only when the bool scalar `want_logprobs` is set (some
-    request of the step asked for logprobs).
+    request of the step asked for logprobs). penalties: None, or the arguments of
+    `apply_penalties` after the logits: the tokens are drawn from the adjusted logits, the
+    logprobs are those of `logits_BV` (vLLM's default, raw logprobs).
 
     Returns `(tokens_B int32, token_logprob_B fp32, top_ids_BK int32, top_logprobs_BK fp32)`;
     the last three are zeros when `want_logprobs` is False.
     """
-    tokens_B = sample_tokens(logits_BV, temperature_B, top_p_B, seed_B, step_B, top_k_B, min_p_B)
+    sampling_BV = logits_BV if penalties is None else apply_penalties(logits_BV.astype(jnp.float32), *penalties)
+    tokens_B = sample_tokens(sampling_BV, temperature_B, top_p_B, seed_B, step_B, top_k_B, min_p_B)
     B = logits_BV.shape[0]
 
     def skipped():

@@ -65,7 +65,9 @@ alone (its logits stay on the device, `ModelRunner.dispatch(defer_sampling=True)
 back and applied, which advances the grammar matchers; the masks of step n+1 are computed and its
 sampler runs on the logits (`ModelRunner.sample_deferred`), all while the device runs step n+1's
 forward pass. Forward then sampler computes what the one-program step computes. A multi-process
-engine (whose followers run whole steps) waits for the step in flight instead.
+engine (whose followers run whole steps) waits for the step in flight instead. Presence,
+frequency and repetition penalties count a request's output tokens, so a step after one with such
+a row is deferred the same way (`serving.penalties`); a logit bias alone is not.
 
 **Exposed host time.** The device idles when step n finished before step n+1 was dispatched.
 `LLMEngine.host_overhead_s` and the `host` of the stats line add, per step, the host time between
@@ -79,6 +81,13 @@ import time
 
 from serving.hisparse.truncation import truncate_step
 from serving.metrics import StepRecord
+from serving.penalties import output_dependent
+
+
+def _output_penalties(sched) -> bool:
+    """True when a sampled row of `sched` has penalties that count its output (`serving.penalties`):
+    the next step's counts need this step's token."""
+    return any(sr.sample and output_dependent(sr.request.sampling_params) for sr in sched.scheduled)
 
 
 def sync_reason(engine) -> str | None:
@@ -108,10 +117,11 @@ class AsyncStepMixin:
         prev = self._in_flight
         preempted_before = self._preemptions()
         defer = False
-        if prev is not None and any(self.structured.constrains(s) for s in prev.scheds):
-            # Structured outputs: the next masks need the tokens of the step in flight. Dispatch
-            # the next forward pass now and its sampler once those tokens are applied (one
-            # process, no speculation), else wait for the step in flight first.
+        if prev is not None and any(self.structured.constrains(s) or _output_penalties(s) for s in prev.scheds):
+            # Structured outputs and output-dependent penalties: the next masks (counts) need the
+            # tokens of the step in flight. Dispatch the next forward pass now and its sampler
+            # once those tokens are applied (one process, no speculation), else wait for the
+            # step in flight first.
             defer = self.runner.can_defer_sampling
             if not defer:
                 pd_outs = pd_outs + self._complete(prev, 0.0, preempted_before)

@@ -41,6 +41,7 @@ from serving.metrics import (
     StepRecord,
 )
 from serving.pd.engine_mixin import PDEngineMixin
+from serving.penalties import check_supported
 from serving.prefix_cache import PrefixCache
 from serving.runner import ModelRunner
 from serving.scheduler import Scheduler, SchedulerConfig
@@ -255,6 +256,11 @@ class LLMEngine(EngineStatsMixin, HostTiersMixin, PDEngineMixin, AsyncStepMixin,
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
+        bad = [t for t in (params.logit_bias or {}) if not 0 <= int(t) < vocab]
+        if bad:
+            raise InvalidRequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                                      "logit_bias")
+        check_supported(params, self.spec_config is not None)
 
     def abort(self, request_id: str, finished_reason: str = "abort") -> RequestOutput | None:
         """Abort a waiting or running request (frees its pages); its final output, or None when

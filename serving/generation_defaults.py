@@ -8,8 +8,9 @@ the file (the OpenAI defaults: temperature 1, top_p 1, no top-k / min-p, all the
 `--generation-config DIR` reads `DIR/generation_config.json` instead of the checkpoint's.
 `--override-generation-config '{"temperature": 0.6}'` sets keys on top of either.
 
-Keys this build cannot honour (`repetition_penalty` other than 1) are left out with a warning at
-start-up; a value out of range (`top_p` 0, say) stops the start-up naming the file and the key.
+`repetition_penalty` is a default too, except under MTP speculation, which does not apply penalties
+(`serving.penalties`): there a value other than 1 is left out with a warning at start-up. A value
+out of range (`top_p` 0, say) stops the start-up naming the file and the key.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ logger = logging.getLogger(__name__)
 
 # generation_config.json key → `SamplingParams` field.
 SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                 "max_new_tokens": "max_tokens"}
-# Keys whose neutral value is harmless and whose other values this build cannot apply.
-UNSUPPORTED_KEYS = {"repetition_penalty": 1.0}
+                 "max_new_tokens": "max_tokens", "repetition_penalty": "repetition_penalty"}
+# Keys whose neutral value is harmless and whose other values a speculative engine cannot apply.
+SPECULATIVE_UNSUPPORTED_KEYS = {"repetition_penalty": 1.0}
 
 
 class GenerationConfigError(ValueError):
@@ -50,11 +51,13 @@ def _check(key: str, value: Any, source: str) -> Any:
         raise bad("0 or -1 (disabled) or an integer >= 1")
     if key == "max_new_tokens" and (int(value) != value or value < 1):
         raise bad("an integer >= 1")
+    if key == "repetition_penalty" and not (math.isfinite(value) and value > 0):
+        raise bad("a finite number > 0")
     return int(value) if key in ("top_k", "max_new_tokens") else float(value)
 
 
 def load_generation_defaults(generation_config: str, model_dir: str | None,
-                             override: dict[str, Any] | None = None) -> dict[str, Any]:
+                             override: dict[str, Any] | None = None, speculative: bool = False) -> dict[str, Any]:
     """The default `SamplingParams` fields for requests that leave them out.
 
     Args:
@@ -62,6 +65,7 @@ def load_generation_defaults(generation_config: str, model_dir: str | None,
         (none), or a directory holding a `generation_config.json`.
       model_dir: the checkpoint directory ("auto" reads from it; None: nothing to read).
       override: `--override-generation-config`, generation-config keys set on top.
+      speculative: the engine runs MTP speculation (a repetition penalty is then not applied).
 
     Returns `{SamplingParams field: value}` for the keys given (e.g. `{"temperature": 1.0,
     "top_p": 0.95}`); empty when there is nothing to apply.
@@ -83,16 +87,16 @@ def load_generation_defaults(generation_config: str, model_dir: str | None,
     defaults: dict[str, Any] = {}
     for layer, where in ((raw, source), (override or {}, "--override-generation-config")):
         for key, value in layer.items():
-            if key in UNSUPPORTED_KEYS:
-                if value != UNSUPPORTED_KEYS[key]:
-                    logger.warning("%s: %s=%r is not applied (this build does not implement %s)", where, key, value,
-                                   key)
+            if speculative and key in SPECULATIVE_UNSUPPORTED_KEYS:
+                if value != SPECULATIVE_UNSUPPORTED_KEYS[key]:
+                    logger.warning("%s: %s=%r is not applied (not supported with speculative decoding, "
+                                   "--speculative-config)", where, key, value)
                 continue
             if key in SAMPLING_KEYS:
                 defaults[SAMPLING_KEYS[key]] = _check(key, value, where)
             elif layer is override:
                 raise GenerationConfigError(f"--override-generation-config: unknown key {key!r} (known: "
-                                            f"{', '.join([*SAMPLING_KEYS, *UNSUPPORTED_KEYS])})")
+                                            f"{', '.join(SAMPLING_KEYS)})")
     return defaults
 
 

@@ -114,12 +114,14 @@ class LLM:
         self.tokenizer = tokenizer
         from serving.generation_defaults import load_generation_defaults
 
-        self._generation_defaults = load_generation_defaults(generation_config, self.engine.model_path)
+        self._generation_defaults = load_generation_defaults(
+            generation_config, self.engine.model_path,
+            speculative=engine_args.get("speculative_config") is not None)
         self._ids = itertools.count()
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """`SamplingParams()` with the generation config's temperature, top_p, top_k, min_p and
-        max_new_tokens (as max_tokens) where it gives them (vLLM's method)."""
+        """`SamplingParams()` with the generation config's temperature, top_p, top_k, min_p,
+        repetition_penalty and max_new_tokens (as max_tokens) where it gives them (vLLM's method)."""
         return SamplingParams(**self._generation_defaults)
 
     # ------------------------------------------------------------------ generate

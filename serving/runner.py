@@ -38,6 +38,7 @@ from serving.arena_pages import ArenaPageIO
 from serving.faults import STALL_SECONDS, FaultInjection, InjectedFault
 from serving.hisparse.device_state import HiSparseDeviceState
 from serving.kv_cache import KVCacheManager
+from serving.penalties import step_penalties
 from serving.runner_compile import StepCompileMixin
 from serving.runner_replicas import ReplicaStepsMixin
 from serving.runner_transfers import HostTransfersMixin
@@ -320,7 +321,8 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         if self.spec_k:
             sp = build_spec_batch(sched, batch.input_ids_T.shape[0], self.max_num_seqs + 1, self.spec_k,
                                   sched.num_draft_steps)
-        return self._launch([sched], StepInputs(batch, extra, sp, self._step_bitmask([sched]), feed_src), t0,
+        pen = None if defer_sampling else self._step_penalties([sched])
+        return self._launch([sched], StepInputs(batch, extra, sp, self._step_bitmask([sched]), feed_src, pen), t0,
                             defer_sampling)
 
     def _launch(self, scheds: list[SchedulerOutput], inputs: StepInputs, t0: float,
@@ -335,7 +337,10 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         want_lp = bool(inputs.extra[WANT_LOGPROBS])
         B = self.max_num_seqs + 1
         rows = {sr.request_id: r * B + i for r, s in enumerate(scheds) for i, sr in enumerate(s.scheduled) if sr.sample}
-        if defer_sampling:
+        # Penalties and logit biases run in the split sampler program where the step can be split
+        # (one process, no speculation): a new list width then compiles the sampler, not the step.
+        split = not defer_sampling and inputs.penalties is not None and self.can_defer_sampling
+        if defer_sampling or split:
             logits, hs = self.run_inputs(inputs, forward_only=True)
             out = None
         else:
@@ -345,6 +350,8 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
                             num_tokens, t1 - t0, t1)
         if defer_sampling:
             step.deferred = (logits, inputs.extra)
+        elif split:
+            self._keep_outputs(step, self._run_sampler(logits, inputs.extra, inputs.bitmask, inputs.penalties))
         else:
             self._keep_outputs(step, out)
         return step
@@ -368,19 +375,31 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
     def sample_deferred(self, step: InFlightStep) -> None:
         """Run the sampler of a step dispatched with `defer_sampling` on its logits (still on the
         device), with structured outputs' masks as its schedules hold them now
-        (`SchedulerOutput.grammar_bitmask`) → `step.out`. The next step's token feed reads these
+        (`SchedulerOutput.grammar_bitmask`) and the penalties' output counts as its requests
+        hold them now (`serving.penalties`) → `step.out`. The next step's token feed reads these
         outputs. Raises RuntimeError for a step that was not deferred or was sampled already."""
         if step.deferred is None:
             raise RuntimeError("sample_deferred: the step was dispatched with its sampler")
         logits, extra = step.deferred
         step.deferred = None
-        bitmask = self._step_bitmask(step.scheds)
-        put = self._put
-        out = self.call_variant(("sample", bitmask is not None), self._sample, logits, *map(put, extra[:NUM_SAMPLING]),
-                                *(() if bitmask is None else (put(bitmask),)))
-        self._last_sampled = out[0]
+        out = self._run_sampler(logits, extra, self._step_bitmask(step.scheds), self._step_penalties(step.scheds))
         self.num_deferred_samples += 1
         self._keep_outputs(step, out)
+
+    def _run_sampler(self, logits, extra: tuple, bitmask: np.ndarray | None, pen: tuple | None) -> tuple:
+        """The split sampler program on a forward pass's logits (on the device) → its outputs; the
+        next step's token feed reads them. extra: the step's `StepInputs.extra`; bitmask, pen: the
+        step's masks and penalties (`StepInputs`), or None."""
+        put = self._put
+        if pen is None:
+            out = self.call_variant(("sample", bitmask is not None), self._sample, logits,
+                                    *map(put, extra[:NUM_SAMPLING]), *(() if bitmask is None else (put(bitmask),)))
+        else:
+            out = self.call_variant(("sample", bitmask is not None, f"penalized{pen[0].shape[1]}"), self._sample, logits,
+                                    *map(put, extra[:NUM_SAMPLING]), None if bitmask is None else put(bitmask),
+                                    tuple(map(put, pen)))
+        self._last_sampled = out[0]
+        return out
 
     def _feed(self, prev: InFlightStep | None, scheds: list[SchedulerOutput], num_tokens: int):
         """The token feed of a step dispatched while `prev` is in flight (`StepInputs.feed_src`):
@@ -494,7 +513,9 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
                 raise RuntimeError("a fed step needs a previous step's outputs")
             placed.input_ids_T = self._feed_tokens(placed.input_ids_T, put(inputs.feed_src), self._last_sampled)
         bitmask = None if inputs.bitmask is None else put(inputs.bitmask)
-        variant = "forward-only" if forward_only else "masked" if bitmask is not None else None
+        pen = None if forward_only or inputs.penalties is None else tuple(map(put, inputs.penalties))
+        variant = "forward-only" if forward_only else "+".join(
+            ([] if bitmask is None else ["masked"]) + ([] if pen is None else [f"penalized{pen[0].shape[1]}"])) or None
         key = (variant, batch.input_ids_T.shape[0], hs_args is None)
         t0 = time.perf_counter()
         with use_kernels(self.kernel_mode):  # a program traced now uses the engine's kernels
@@ -508,19 +529,26 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
                 # every unconstrained step, keep the signature without it.)
                 args = (self._state_leaves, placed, self.kv_arena, *map(put, extra), hs_args,
                         None if sp is None else jax.tree.map(put, sp))
-                if bitmask is None:
+                if bitmask is None and pen is None:
                     out, self.kv_arena, hs = self._step(*args)
-                else:
+                elif pen is None:
                     out, self.kv_arena, hs = self.call_variant(key, self._step, *args, bitmask)
+                else:
+                    out, self.kv_arena, hs = self.call_variant(key, self._step, *args, bitmask, pen)
         if variant is not None and key not in self._first_use_programs:  # compiled just now (once per key)
             self._first_use_programs.add(key)
             self.num_first_use_compiles += 1
-            logger.info("structured outputs: the %s step of bucket %d was compiled on first use in %.1f s",
+            logger.info("the %s step of bucket %d was compiled on first use in %.1f s",
                         variant, key[1], time.perf_counter() - t0)
         self._keep_hisparse(hs)
         if not forward_only:
             self._last_sampled = out[0]
         return out, hs
+
+    def _step_penalties(self, scheds: list[SchedulerOutput]) -> tuple | None:
+        """The step's penalties and logit biases (`serving.penalties.step_penalties`, rows stacked
+        replica-major like the request rows), or None when no sampled row uses any."""
+        return step_penalties(scheds, self.max_num_seqs + 1)
 
     def _step_bitmask(self, scheds: list[SchedulerOutput]) -> np.ndarray | None:
         """The step's structured-output masks (`SchedulerOutput.grammar_bitmask` of each replica,

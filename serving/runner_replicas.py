@@ -65,7 +65,8 @@ class ReplicaStepsMixin:
         copies[:, : valid.shape[1]] = valid  # valid entries first (copy_pages stops at the first −1)
         extra = (*(cat(i) for i in range(NUM_SAMPLING - 1)), want_lp, *copies)
         self._maybe_fault()
-        return self._launch(scheds, StepInputs(batch, extra, None, self._step_bitmask(scheds), feed_src), t0,
+        return self._launch(scheds, StepInputs(batch, extra, None, self._step_bitmask(scheds), feed_src,
+                                               None if defer_sampling else self._step_penalties(scheds)), t0,
                             defer_sampling)
 
     def finish_replicas(self, step: InFlightStep, overlapped: bool = False) -> list[dict[str, list[int]]]:

@@ -27,7 +27,9 @@ class StepInputs:
     when no row of the step is constrained. feed_src: asynchronous scheduling's placeholder rows,
     int32 [T] in the placed token order: row i's input id is the previous step's sampled token
     of request row feed_src[i] where ≥ 0 (`ModelRunner._feed`), taken on the device by every
-    process from its own copy of that step's outputs; None when no row is fed.
+    process from its own copy of that step's outputs; None when no row is fed. penalties: the
+    sampled rows' penalties and logit biases (`serving.penalties.step_penalties`: seven arrays),
+    or None when no row uses any (or the step's sampler is deferred).
     """
 
     batch: ForwardBatch
@@ -35,3 +37,4 @@ class StepInputs:
     spec: object = None
     bitmask: object = None
     feed_src: object = None
+    penalties: object = None

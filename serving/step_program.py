@@ -8,13 +8,14 @@ step counter, whether logprobs are wanted), the copy-on-write page lists (int32 
 destination rows, −1 padded; run before anything writes the arena), HiSparse's `(hot state, host
 pool)` (donated) or None, the `SpecBatch` under MTP speculation or None, and structured outputs'
 token bitmask or None (`serving.structured_outputs`; jit keeps the two variants apart, so steps
-without constrained rows run the program without the mask). It returns the sampler's
-outputs, the arena and HiSparse's state.
+without constrained rows run the program without the mask), and the rows' penalties and logit
+biases or None (`serving.penalties`, the same way). It returns the sampler's outputs, the arena
+and HiSparse's state.
 
 The step without speculation also comes split in two (`forward`, `sample`) for asynchronous
-scheduling with structured outputs: the forward pass is dispatched while the previous step is in
+scheduling with structured outputs or output-dependent penalties: the forward pass is dispatched while the previous step is in
 flight and keeps its logits on the device; the masks, which need the previous step's tokens, are
-computed on the host meanwhile and the sampler runs on the logits afterwards. Forward then sample
+(and the penalties' output counts) computed on the host meanwhile and the sampler runs on the logits afterwards. Forward then sample
 gives the outputs of the one-program step.
 """
 
@@ -42,7 +43,8 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
     (None without HiSparse), and the step split in two (None under speculation): `forward(state,
     batch, kv_arena, copy_src, copy_dst, hs)` → (the logits of the request rows [B, V], the unreachable ids
     masked, the arena, HiSparse's state), and `sample(logits, temperature, top_p, top_k, min_p, seeds,
-    steps, want_logprobs, bitmask=None)` → the sampler's outputs.
+    steps, want_logprobs, bitmask=None, pen=None)` → the sampler's outputs (pen: the arguments of
+    `glm53.sampling.apply_penalties` after the logits, or None).
 
     Args:
       graphdef: the model's `nnx` graph definition (the state is the step's first argument).
@@ -65,7 +67,7 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
 
     @functools.partial(jax.jit, donate_argnums=(2, 12))
     def step(state, batch: ForwardBatch, kv_arena, temperature, top_p, top_k, min_p, seeds, steps, want_logprobs,
-             copy_src, copy_dst, hs, sp=None, bitmask=None):
+             copy_src, copy_dst, hs, sp=None, bitmask=None, pen=None):
         # temperature … want_logprobs: the sampler's inputs (`serving.step_inputs.StepInputs`).
         # hs: None, or HiSparse's (hot state, host pool, after), donated. (Its write-through
         # copies run before, in their own program: `run_stores`; `after` is that program's
@@ -73,6 +75,8 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
         # sp: the `SpecBatch` under MTP speculation.
         # bitmask: structured outputs' packed allowed-token masks (int32 [B, W], or [B, k + 1, W]
         # under speculation) or None: a step without constrained rows is the program without it.
+        # pen: the penalties and logit biases of the step's rows (`serving.penalties`) or None, as
+        # the bitmask (not under speculation).
         host = None
         if hs is not None:
             hot, pool, after = hs
@@ -90,7 +94,7 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
                 return out, kv, None
             return out, kv.arena, (kv.hot, host.pool, host.after)
         logits, kv_arena, hs_out = model_logits(model, batch, kv_arena, hs, host)
-        return (_sample(logits, temperature, top_p, top_k, min_p, seeds, steps, want_logprobs, bitmask), kv_arena,
+        return (_sample(logits, temperature, top_p, top_k, min_p, seeds, steps, want_logprobs, bitmask, pen), kv_arena,
                 hs_out)
 
     def model_logits(model, batch, kv_arena, hs, host):
@@ -103,10 +107,10 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
         logits, _, kv = model(batch, kv, layout, parallel, host)
         return mask_unreachable(logits, reachable), kv.arena, (kv.hot, host.pool, host.after)
 
-    def _sample(logits, temperature, top_p, top_k, min_p, seeds, steps, want_logprobs, bitmask=None):
+    def _sample(logits, temperature, top_p, top_k, min_p, seeds, steps, want_logprobs, bitmask=None, pen=None):
         if bitmask is not None:
             logits = apply_token_bitmask(logits, bitmask)
-        out = sample_with_logprobs(logits, temperature, top_p, top_k, min_p, seeds, steps, want_logprobs, k)
+        out = sample_with_logprobs(logits, temperature, top_p, top_k, min_p, seeds, steps, want_logprobs, k, pen)
         if replicate is not None:
             out = jax.lax.with_sharding_constraint(out, replicate)
         return out

@@ -65,6 +65,17 @@ class SamplingParams:
     structured_outputs: a `serving.structured_outputs.StructuredOutputsParams` constraining the
         output (JSON schema, JSON object, regex, choice, grammar, forced tool calls), or None.
         Every sampled token, and every reported logprob, is then over the ids the grammar allows.
+    presence_penalty / frequency_penalty: in [-2, 2] (OpenAI's); subtracted from the logit of
+        every id in the output so far, once (presence) or once per occurrence (frequency).
+        0 (default) is off.
+    repetition_penalty: > 0 (vLLM's, from the CTRL paper); the logit of every id in the prompt
+        or the output so far is divided by it when positive, multiplied when not. 1 is off.
+    logit_bias: {token id: bias} added to those ids' logits before the penalties, or None; ids
+        must be in the vocabulary (the engine checks), biases finite (the server clamps them to
+        [-100, 100] as vLLM does).
+        All four change which token is drawn (greedy included), not the reported logprobs (those
+        of the raw distribution), in vLLM's order and maths (`glm53.sampling.apply_penalties`);
+        not with MTP speculation (`serving.penalties`).
     """
 
     temperature: float = 1.0
@@ -83,11 +94,15 @@ class SamplingParams:
     kv_transfer_params: dict | None = None
     data_parallel_rank: int | None = None
     structured_outputs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def validate(self) -> None:
         """Raise ValueError with the offending field name (a wrong type included: `max_tokens`
         "4" or 4.5 is refused, not compared or rounded)."""
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise ValueError(f"{name} must be a number, got {v!r}")  # noqa: TRY004 - a 400, as every refusal
@@ -117,6 +132,18 @@ class SamplingParams:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a mapping of token ids to numbers, got {self.logit_bias!r}")
+            for k, v in self.logit_bias.items():
+                if not is_integer(k) or isinstance(v, bool) or not isinstance(v, numbers.Real) \
+                        or not abs(float(v)) < float("inf"):
+                    raise ValueError(f"logit_bias maps token ids (integers) to finite numbers, got {k!r}: {v!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if any(not isinstance(s, str) or not s for s in self.stop):

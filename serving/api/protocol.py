@@ -153,10 +153,9 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    # Declared so that unsupported values can be refused rather than dropped.
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = 0.0  # [-2, 2]; serving.penalties
+    frequency_penalty: float | None = 0.0  # [-2, 2]
+    logit_bias: dict[str, float] | None = None  # {"token id": bias}, clamped to [-100, 100]
     response_format: dict[str, Any] | None = None
     # vLLM extensions.
     add_generation_prompt: bool = True  # the template's assistant-turn opener after the messages
@@ -261,12 +260,12 @@ class CompletionRequest(_Request):
     stream_options: StreamOptions | None = None
     echo: bool | None = False
     logprobs: int | None = None
+    presence_penalty: float | None = 0.0  # [-2, 2]; serving.penalties
+    frequency_penalty: float | None = 0.0  # [-2, 2]
+    logit_bias: dict[str, float] | None = None  # {"token id": bias}, clamped to [-100, 100]
     # Declared so that unsupported values can be refused rather than dropped.
     best_of: int | None = None
     suffix: str | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
     # vLLM extensions.
     max_completion_tokens: int | None = None  # as on chat: takes precedence over max_tokens
     min_tokens: int | None = 0  # tokens before EOS / stop ids / stop strings may end the output

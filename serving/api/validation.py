@@ -129,10 +129,6 @@ def reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options can only be set when stream=true.", "stream_options")
     checks: list[tuple[str, bool]] = [
-        ("presence_penalty", _is_set(body.presence_penalty, 0.0)),
-        ("frequency_penalty", _is_set(body.frequency_penalty, 0.0)),
-        ("logit_bias", bool(body.logit_bias)),
-        ("repetition_penalty", _is_set(body.repetition_penalty, 1.0)),
         ("stream_options.continuous_usage_stats",
          body.stream_options is not None and body.stream_options.continuous_usage_stats),
     ]
@@ -254,7 +250,11 @@ def build_sampling_params(
         v = getattr(body, name)
         return defaults.get(name, fallback) if v is None else v
 
+    penalties = {name: float(value(name, neutral)) for name, neutral in
+                 (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))}
     params = SamplingParams(
+        **penalties,
+        logit_bias=parse_logit_bias(body.logit_bias),
         kv_transfer_params=kv_params or None,
         temperature=float(value("temperature", 1.0)),
         top_p=float(value("top_p", 1.0)),
@@ -270,11 +270,36 @@ def build_sampling_params(
         n=body.n or 1,
         skip_special_tokens=body.skip_special_tokens,
     )
+    for name in penalties:  # the penalties' ranges, as a 400 naming the field
+        try:
+            dataclasses.replace(SamplingParams(), **{name: penalties[name]}).validate()
+        except ValueError as e:
+            raise bad_request(f"{e}.", name) from None
     try:
         params.validate()
     except ValueError as e:
         raise bad_request(str(e)) from None
     return params
+
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range; vLLM clamps to it
+
+
+def parse_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` ({"token id as a string": bias}) → {token id: bias clamped to
+    [-100, 100]} (vLLM's handling), or None when empty. A key that is not a decimal token id or a
+    value that is not a finite number is a 400 naming `logit_bias`; ids outside the vocabulary are
+    refused by the engine (also a 400)."""
+    if not logit_bias:
+        return None
+    out = {}
+    for k, v in logit_bias.items():
+        if re.fullmatch(r"[0-9]+", str(k)) is None:
+            raise bad_request(f"logit_bias keys must be token ids (decimal integers), got {k!r}.", "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise bad_request(f"logit_bias values must be finite numbers, got {v!r} for token {k}.", "logit_bias")
+        out[int(k)] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(v)))
+    return out
 
 
 def header_data_parallel_rank(request: Request) -> int | None:

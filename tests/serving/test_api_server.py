@@ -198,9 +198,16 @@ def test_chat_template_and_sampling_params_reach_engine(client, engine, tiny_tok
         top_p=0.9,
         seed=42,
         reasoning_effort="low",
-        extra_body={"ignore_eos": True, "stop_token_ids": [7], "top_k": 20, "min_p": 0.05, "min_tokens": 2},
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        logit_bias={"7": 250, "9": -3.5},
+        extra_body={"ignore_eos": True, "stop_token_ids": [7], "top_k": 20, "min_p": 0.05, "min_tokens": 2,
+                    "repetition_penalty": 1.2},
     )
     prompt_ids, params = engine.submitted[r.id]
+    # the penalties as given; a bias past OpenAI's range clamped to it (vLLM's handling)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -0.25, 1.2)
+    assert params.logit_bias == {7: 100.0, 9: -3.5}
     assert tiny_tokenizer.decode(prompt_ids, skip_special_tokens=False) == (
         "[gMASK]<sop><|system|>Reasoning Effort: Low<|user|>Hi<|assistant|><think>"
     )
@@ -476,8 +483,13 @@ def _chat(**fields) -> dict:
         (_chat(chat_template_kwargs={"continue_final_message": True}), "chat_template_kwargs"),
         (_chat(min_tokens=8, max_tokens=4), "min_tokens"),
         (_chat(min_tokens=-1), "min_tokens"),
+        # penalties out of their ranges, logit_bias keys that are not token ids
+        (_chat(presence_penalty=2.5), "presence_penalty"),
+        (_chat(frequency_penalty=-3), "frequency_penalty"),
+        (_chat(repetition_penalty=0), "repetition_penalty"),
+        (_chat(logit_bias={"x": 1}), "logit_bias"),
+        (_chat(logit_bias={"-1": 1}), "logit_bias"),
         # vLLM fields this build does not honour are refused, not dropped
-        (_chat(presence_penalty=0.5), "presence_penalty"),
         (_chat(echo=True), "echo"),  # declared on chat too: it used to be dropped as an unknown field
         (_chat(best_of=2), "best_of"),
         (_chat(stream=True, stream_options={"continuous_usage_stats": True}), "stream_options.continuous_usage_stats"),

@@ -33,14 +33,18 @@ def test_auto_reads_the_checkpoint_and_vllm_ignores_it():
 def test_a_directory_its_keys_the_override_and_what_is_not_applied(tmp_path, caplog):
     d = write(tmp_path, temperature=0.7, top_k=20, min_p=0.05, max_new_tokens=64, repetition_penalty=1.1,
               do_sample=True, eos_token_id=[1, 2])
+    got = load_generation_defaults(d, "/nonexistent", {"temperature": 0.2, "top_p": 0.8})
+    assert got == {"temperature": 0.2, "top_k": 20, "min_p": 0.05, "max_tokens": 64, "top_p": 0.8,
+                   "repetition_penalty": 1.1}
+    # MTP speculation applies no penalty: the key is left out, with a warning
     with caplog.at_level(logging.WARNING, logger="serving.generation_defaults"):
-        got = load_generation_defaults(d, "/nonexistent", {"temperature": 0.2, "top_p": 0.8})
-    assert got == {"temperature": 0.2, "top_k": 20, "min_p": 0.05, "max_tokens": 64, "top_p": 0.8}
-    assert "repetition_penalty=1.1 is not applied" in caplog.text
-    # the neutral value of a key this build lacks says nothing
+        got = load_generation_defaults(d, "/nonexistent", {"temperature": 0.2}, speculative=True)
+    assert "repetition_penalty" not in got and got["temperature"] == 0.2
+    assert "repetition_penalty=1.1 is not applied (not supported with speculative decoding" in caplog.text
+    # its neutral value says nothing
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="serving.generation_defaults"):
-        load_generation_defaults(write(tmp_path, repetition_penalty=1.0), None)
+        load_generation_defaults(write(tmp_path, repetition_penalty=1.0), None, speculative=True)
     assert caplog.text == ""
 
 
@@ -50,6 +54,7 @@ def test_a_directory_its_keys_the_override_and_what_is_not_applied(tmp_path, cap
     ({"top_k": -3}, "top_k must be 0 or -1"),
     ({"min_p": 2}, "min_p must be in [0, 1]"),
     ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be a finite number > 0"),
     ({"temperature": "hot"}, "temperature must be a number"),
 ])
 def test_bad_values_name_the_file_and_key(tmp_path, cfg, words):

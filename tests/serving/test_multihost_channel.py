@@ -37,7 +37,11 @@ def step_inputs(T=8, B=3, k=2) -> StepInputs:
              np.bool_(True), np.full(6, -1, np.int32), np.full(6, -1, np.int32))
     spec = SpecBatch(np.zeros(B, np.int32), np.zeros((B, k), np.int32), np.zeros(B, np.int32), np.ones(B, bool),
                      np.zeros(T, np.int32), np.int32(2))
-    return StepInputs(batch, extra, spec)
+    # the penalties' seven arrays (serving.penalties.step_penalties), the bool one included
+    pen = (rng.integers(-1, 500, (B, 64)).astype(np.int32), rng.integers(0, 3, (B, 64)).astype(np.int32),
+           rng.random((B, 64)) < 0.5, rng.random((B, 64)).astype(np.float32), np.zeros(B, np.float32),
+           np.full(B, 0.5, np.float32), np.ones(B, np.float32))
+    return StepInputs(batch, extra, spec, penalties=pen)
 
 
 def assert_same(a, b):

@@ -30,6 +30,7 @@ from serving.types import SamplingParams
 from sharding.distributed import free_port_pair
 from sharding.mesh import ParallelConfig
 from tests.helpers.kv_event_view import Subscriber
+from tests.helpers.penalties_oracle import check_greedy_stream
 
 # The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
 pytestmark = pytest.mark.shallow_model
@@ -197,6 +198,24 @@ def test_dp2_isolation_abort_and_preemption(dp2, reference):
     assert engine.audit() == [] and all(r.pool.usage() == 0.0 for r in engine.replicas)
     assert 0 < len(streams["d"]) < MAX_TOKENS and streams["d"] == reference["d"][:len(streams["d"])]
     check_streams(streams, reference, "ef")
+
+
+def test_dp2_penalties_of_each_replica_follow_the_oracle(dp2):
+    """Penalties and logit biases on both replicas of one stacked step (their sparse lists stacked
+    replica-major like the request rows, `serving.penalties.step_penalties`): each greedy stream
+    against the dense NumPy oracle (tests/helpers/penalties_oracle.py)."""
+    adjust = {"a": {"repetition_penalty": 0.5, "logit_bias": {42: 1.5}},
+              "d": {"frequency_penalty": -1.5, "presence_penalty": 0.3}}
+    for rid, adj in adjust.items():
+        dp2.add_request(f"{rid}_pen", PROMPTS[rid], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                                   ignore_eos=True, **adj))
+    assert [dp2.replica_of(f"{r}_pen").index for r in adjust] == [0, 1]
+    streams = drain(dp2, {}, audit_each_step=True)
+    lm = api.load()
+    for rid, adj in adjust.items():
+        assert len(streams[f"{rid}_pen"]) == MAX_TOKENS
+        check_greedy_stream(lm, PROMPTS[rid], streams[f"{rid}_pen"], adj, dp2.runner.sampling_vocab_size)
+    assert dp2.audit() == [] and all(r.pool.usage() == 0.0 for r in dp2.replicas)
 
 
 def test_dp2_tp2_dcp2_prefix_hit_copies_in_its_replica_shards(single_device, reference):
