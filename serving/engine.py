@@ -41,7 +41,6 @@ from serving.metrics import (
     StepRecord,
 )
 from serving.pd.engine_mixin import PDEngineMixin
-from serving.penalties import check_supported
 from serving.prefix_cache import PrefixCache
 from serving.runner import ModelRunner
 from serving.scheduler import Scheduler, SchedulerConfig
@@ -260,7 +259,6 @@ class LLMEngine(EngineStatsMixin, HostTiersMixin, PDEngineMixin, AsyncStepMixin,
         if bad:
             raise InvalidRequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})",
                                       "logit_bias")
-        check_supported(params, self.spec_config is not None)
 
     def abort(self, request_id: str, finished_reason: str = "abort") -> RequestOutput | None:
         """Abort a waiting or running request (frees its pages); its final output, or None when

@@ -8,9 +8,8 @@ the file (the OpenAI defaults: temperature 1, top_p 1, no top-k / min-p, all the
 `--generation-config DIR` reads `DIR/generation_config.json` instead of the checkpoint's.
 `--override-generation-config '{"temperature": 0.6}'` sets keys on top of either.
 
-`repetition_penalty` is a default too, except under MTP speculation, which does not apply penalties
-(`serving.penalties`): there a value other than 1 is left out with a warning at start-up. A value
-out of range (`top_p` 0, say) stops the start-up naming the file and the key.
+`repetition_penalty` is a default too (`serving.penalties`). A value out of range (`top_p` 0, say)
+stops the start-up naming the file and the key.
 """
 
 from __future__ import annotations
@@ -26,8 +25,6 @@ logger = logging.getLogger(__name__)
 # generation_config.json key → `SamplingParams` field.
 SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                  "max_new_tokens": "max_tokens", "repetition_penalty": "repetition_penalty"}
-# Keys whose neutral value is harmless and whose other values a speculative engine cannot apply.
-SPECULATIVE_UNSUPPORTED_KEYS = {"repetition_penalty": 1.0}
 
 
 class GenerationConfigError(ValueError):
@@ -57,7 +54,7 @@ def _check(key: str, value: Any, source: str) -> Any:
 
 
 def load_generation_defaults(generation_config: str, model_dir: str | None,
-                             override: dict[str, Any] | None = None, speculative: bool = False) -> dict[str, Any]:
+                             override: dict[str, Any] | None = None) -> dict[str, Any]:
     """The default `SamplingParams` fields for requests that leave them out.
 
     Args:
@@ -65,7 +62,6 @@ def load_generation_defaults(generation_config: str, model_dir: str | None,
         (none), or a directory holding a `generation_config.json`.
       model_dir: the checkpoint directory ("auto" reads from it; None: nothing to read).
       override: `--override-generation-config`, generation-config keys set on top.
-      speculative: the engine runs MTP speculation (a repetition penalty is then not applied).
 
     Returns `{SamplingParams field: value}` for the keys given (e.g. `{"temperature": 1.0,
     "top_p": 0.95}`); empty when there is nothing to apply.
@@ -87,11 +83,6 @@ def load_generation_defaults(generation_config: str, model_dir: str | None,
     defaults: dict[str, Any] = {}
     for layer, where in ((raw, source), (override or {}, "--override-generation-config")):
         for key, value in layer.items():
-            if speculative and key in SPECULATIVE_UNSUPPORTED_KEYS:
-                if value != SPECULATIVE_UNSUPPORTED_KEYS[key]:
-                    logger.warning("%s: %s=%r is not applied (not supported with speculative decoding, "
-                                   "--speculative-config)", where, key, value)
-                continue
             if key in SAMPLING_KEYS:
                 defaults[SAMPLING_KEYS[key]] = _check(key, value, where)
             elif layer is override:

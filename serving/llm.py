@@ -114,9 +114,7 @@ class LLM:
         self.tokenizer = tokenizer
         from serving.generation_defaults import load_generation_defaults
 
-        self._generation_defaults = load_generation_defaults(
-            generation_config, self.engine.model_path,
-            speculative=engine_args.get("speculative_config") is not None)
+        self._generation_defaults = load_generation_defaults(generation_config, self.engine.model_path)
         self._ids = itertools.count()
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -233,8 +233,7 @@ def build_api(args, async_engine, tokenizer, metrics=None):
     parsing = ChatParsing(reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                           enable_auto_tool_choice=args.enable_auto_tool_choice)
     defaults = load_generation_defaults(args.generation_config, async_engine.engine.model_path,
-                                        args.override_generation_config,
-                                        speculative=getattr(args, "speculative_config", None) is not None)
+                                        args.override_generation_config)
     logger.info(describe_generation_defaults(defaults, args.generation_config))
     app = build_app(async_engine, tokenizer, async_engine.model_name, api_key=args.api_key, chat_parsing=parsing,
                     extra_routes=add_metrics if metrics is not None else None, model_root=args.model or "tiny",

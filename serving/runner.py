@@ -395,7 +395,7 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
             out = self.call_variant(("sample", bitmask is not None), self._sample, logits,
                                     *map(put, extra[:NUM_SAMPLING]), *(() if bitmask is None else (put(bitmask),)))
         else:
-            out = self.call_variant(("sample", bitmask is not None, f"penalized{pen[0].shape[1]}"), self._sample, logits,
+            out = self.call_variant(("sample", bitmask is not None, f"penalized{pen[0].shape[-1]}"), self._sample, logits,
                                     *map(put, extra[:NUM_SAMPLING]), None if bitmask is None else put(bitmask),
                                     tuple(map(put, pen)))
         self._last_sampled = out[0]
@@ -515,7 +515,7 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         bitmask = None if inputs.bitmask is None else put(inputs.bitmask)
         pen = None if forward_only or inputs.penalties is None else tuple(map(put, inputs.penalties))
         variant = "forward-only" if forward_only else "+".join(
-            ([] if bitmask is None else ["masked"]) + ([] if pen is None else [f"penalized{pen[0].shape[1]}"])) or None
+            ([] if bitmask is None else ["masked"]) + ([] if pen is None else [f"penalized{pen[0].shape[-1]}"])) or None
         key = (variant, batch.input_ids_T.shape[0], hs_args is None)
         t0 = time.perf_counter()
         with use_kernels(self.kernel_mode):  # a program traced now uses the engine's kernels
@@ -547,8 +547,9 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
 
     def _step_penalties(self, scheds: list[SchedulerOutput]) -> tuple | None:
         """The step's penalties and logit biases (`serving.penalties.step_penalties`, rows stacked
-        replica-major like the request rows), or None when no sampled row uses any."""
-        return step_penalties(scheds, self.max_num_seqs + 1)
+        replica-major like the request rows; per verification row under MTP speculation), or None
+        when no sampled row uses any."""
+        return step_penalties(scheds, self.max_num_seqs + 1, self.spec_k + 1 if self.spec_k else 0)
 
     def _step_bitmask(self, scheds: list[SchedulerOutput]) -> np.ndarray | None:
         """The step's structured-output masks (`SchedulerOutput.grammar_bitmask` of each replica,

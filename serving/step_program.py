@@ -76,7 +76,7 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
         # bitmask: structured outputs' packed allowed-token masks (int32 [B, W], or [B, k + 1, W]
         # under speculation) or None: a step without constrained rows is the program without it.
         # pen: the penalties and logit biases of the step's rows (`serving.penalties`) or None, as
-        # the bitmask (not under speculation).
+        # the bitmask (under speculation per verification row).
         host = None
         if hs is not None:
             hot, pool, after = hs
@@ -87,7 +87,7 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
             kv = kv_arena if hs is None else PagedKV(kv_arena, hot.for_step())
             out, kv = spec_decode_forward(model, batch, kv, host, (temperature, top_p, top_k, min_p, seeds, steps),
                                           want_logprobs, sp, layout=layout, parallel=parallel, num_speculative_tokens=spec_k,
-                                          reachable=reachable, num_logprobs=k, bitmask_BSW=bitmask)
+                                          reachable=reachable, num_logprobs=k, bitmask_BSW=bitmask, pen=pen)
             if replicate is not None:
                 out = jax.lax.with_sharding_constraint(out, replicate)
             if hs is None:

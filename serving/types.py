@@ -74,8 +74,8 @@ class SamplingParams:
         must be in the vocabulary (the engine checks), biases finite (the server clamps them to
         [-100, 100] as vLLM does).
         All four change which token is drawn (greedy included), not the reported logprobs (those
-        of the raw distribution), in vLLM's order and maths (`glm53.sampling.apply_penalties`);
-        not with MTP speculation (`serving.penalties`).
+        of the raw distribution), in vLLM's order and maths (`glm53.sampling.apply_penalties`,
+        `serving.penalties`).
     """
 
     temperature: float = 1.0

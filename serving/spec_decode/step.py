@@ -12,13 +12,14 @@ import jax
 import jax.numpy as jnp
 
 from glm53.mtp import propose_drafts
+from glm53.sampling import apply_penalties
 from serving.sampling import apply_token_bitmask, compute_logprobs, mask_unreachable
 from serving.spec_decode.inputs import SpecBatch
 from serving.spec_decode.rejection import verify_drafts
 
 
 def spec_decode_forward(model, batch, kv, host, sampling: tuple, want_logprobs, sp: SpecBatch, *, layout, parallel, num_speculative_tokens: int, reachable: int,
-                        num_logprobs: int, bitmask_BSW=None):
+                        num_logprobs: int, bitmask_BSW=None, pen=None):
     """One speculative step over `batch` (T rows, B request rows).
 
     1. The target model over every row (`hidden_states`: prefill chunks, decode rows and the
@@ -38,6 +39,9 @@ def spec_decode_forward(model, batch, kv, host, sampling: tuple, want_logprobs, 
       bitmask_BSW: structured outputs' packed allowed-token masks, int32 `[B, k + 1, W]` (row j:
         the grammar's state after the drafts before it; a draft the grammar forbids is then
         rejected, its target probability being 0), or None.
+      pen: the rows' penalties and logit biases (`serving.penalties.step_penalties` with k + 1
+        positions: lists `[B, k + 1, L]`, row j counting the drafts before it; factors `[B]`), or
+        None. Verification and the tokens use the adjusted logits, the logprobs the raw ones.
 
     Returns `((tokens_BS, num_accepted_B, drafts_BK, token_logprob_BS, top_ids_BSL, top_logprobs_BSL), kv)`
     with S = k + 1; the logprob arrays are zeros unless `want_logprobs`.
@@ -56,7 +60,12 @@ def spec_decode_forward(model, batch, kv, host, sampling: tuple, want_logprobs, 
     logits = mask_unreachable(model.logits(h[rows_BS.reshape(-1)]), reachable)
     if bitmask_BSW is not None:
         logits = apply_token_bitmask(logits, bitmask_BSW[:B].reshape(B * S, -1))
-    tokens_BS, acc_B = verify_drafts(logits.reshape(B, S, -1), sp.draft_BK, sp.num_draft_B, *sampling)
+    target = logits
+    if pen is not None:
+        rows = lambda x: x[:B].reshape(B * S, -1)  # noqa: E731
+        per_row = lambda x: jnp.repeat(x[:B], S)  # noqa: E731
+        target = apply_penalties(logits.astype(jnp.float32), *map(rows, pen[:4]), *map(per_row, pen[4:]))
+    tokens_BS, acc_B = verify_drafts(target.reshape(B, S, -1), sp.draft_BK, sp.num_draft_B, *sampling)
     L = num_logprobs
 
     def lps():

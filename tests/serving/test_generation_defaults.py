@@ -33,19 +33,11 @@ def test_auto_reads_the_checkpoint_and_vllm_ignores_it():
 def test_a_directory_its_keys_the_override_and_what_is_not_applied(tmp_path, caplog):
     d = write(tmp_path, temperature=0.7, top_k=20, min_p=0.05, max_new_tokens=64, repetition_penalty=1.1,
               do_sample=True, eos_token_id=[1, 2])
-    got = load_generation_defaults(d, "/nonexistent", {"temperature": 0.2, "top_p": 0.8})
+    with caplog.at_level(logging.WARNING, logger="serving.generation_defaults"):
+        got = load_generation_defaults(d, "/nonexistent", {"temperature": 0.2, "top_p": 0.8})
     assert got == {"temperature": 0.2, "top_k": 20, "min_p": 0.05, "max_tokens": 64, "top_p": 0.8,
                    "repetition_penalty": 1.1}
-    # MTP speculation applies no penalty: the key is left out, with a warning
-    with caplog.at_level(logging.WARNING, logger="serving.generation_defaults"):
-        got = load_generation_defaults(d, "/nonexistent", {"temperature": 0.2}, speculative=True)
-    assert "repetition_penalty" not in got and got["temperature"] == 0.2
-    assert "repetition_penalty=1.1 is not applied (not supported with speculative decoding" in caplog.text
-    # its neutral value says nothing
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="serving.generation_defaults"):
-        load_generation_defaults(write(tmp_path, repetition_penalty=1.0), None, speculative=True)
-    assert caplog.text == ""
+    assert caplog.text == ""  # every key applied (do_sample and eos_token_id are not sampling defaults)
 
 
 @pytest.mark.parametrize("cfg,words", [

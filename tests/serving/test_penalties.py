@@ -56,7 +56,8 @@ def engine():
 
 def run(e, requests: dict, async_scheduling: bool):
     """{id: SamplingParams} on PROMPT to the end → ({id: tokens}, {id: [TokenLogprobs]})."""
-    e.set_async_scheduling(async_scheduling)
+    if async_scheduling or e.drafts is None:
+        e.set_async_scheduling(async_scheduling)
     for rid, sp in requests.items():
         e.add_request(rid, PROMPT, sp)
     toks, lps = {r: [] for r in requests}, {r: [] for r in requests}
@@ -125,11 +126,37 @@ def test_refusals_name_the_field(engine):
     assert not engine.has_unfinished_requests()
 
 
-def test_speculative_decoding_refuses_them_by_name():
-    e = build_engine(EngineArgs(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=64, cuda_graph_sizes=[],
+@pytest.fixture(scope="module")
+def mtp_engine():
+    e = build_engine(EngineArgs(max_model_len=128, max_num_seqs=6, max_num_batched_tokens=64, cuda_graph_sizes=[],
                                 precompile_token_paddings=[], compile_progress=False, disable_log_stats=True,
-                                speculative_config={"method": "mtp", "num_speculative_tokens": 1}))
-    for field, value in (("repetition_penalty", 1.2), ("logit_bias", {3: 1.0})):
-        with pytest.raises(ValueError, match=f"{field} is not supported with speculative decoding"):
-            e.add_request("x", PROMPT, SamplingParams(**{field: value}))
-    assert not e.has_unfinished_requests()
+                                speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
+    yield e
+    assert not e.has_unfinished_requests() and e.audit() == []
+    assert e.pool.num_free == e.pool.num_usable_blocks, "KV pages leaked"
+
+
+def test_mtp_verification_rows_count_the_drafts_before_them(engine, mtp_engine, lm):
+    """Under MTP speculation (k = 2) verification row j's penalties count the output and the j
+    drafts before it. Drafts taken from the non-speculative run are all accepted, so the emitted
+    tokens come from rows after drafts (each must count them); then the MTP layer's own drafts.
+    Both streams against the oracle, and the first equal to the non-speculative run's."""
+    requests = {name: SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=1, **adj)
+                for name, adj in ADJUST.items()}
+    ref, _ = run(engine, requests, False)
+    e = mtp_engine
+    reachable = e.runner.sampling_vocab_size
+    e.drafter_override = lambda req, n: (ref[req.request_id][req.num_output_tokens:] + [0] * n)[:n]
+    drafted, accepted = e.spec_stats.num_draft_tokens, e.spec_stats.num_accepted_tokens
+    try:
+        got, lps = run(e, requests, False)
+    finally:
+        e.drafter_override = None
+    drafted, accepted = e.spec_stats.num_draft_tokens - drafted, e.spec_stats.num_accepted_tokens - accepted
+    assert accepted == drafted > len(ADJUST) * (N // 2)  # every draft accepted, most tokens emitted after drafts
+    assert got == ref
+    for name, adj in ADJUST.items():
+        check_greedy_stream(lm, PROMPT, got[name], adj, reachable, lps[name])
+    own, lps = run(e, requests, False)
+    for name, adj in ADJUST.items():
+        check_greedy_stream(lm, PROMPT, own[name], adj, reachable, lps[name])
