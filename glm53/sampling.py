@@ -53,33 +53,33 @@ def apply_token_bitmask(logits_NV: jax.Array, bitmask_NW: jax.Array) -> jax.Arra
     return jnp.where(allowed != 0, logits_NV, jnp.asarray(-jnp.inf, logits_NV.dtype))
 
 
-def apply_penalties(logits_BV: jax.Array, ids_BL: jax.Array, counts_BL: jax.Array, in_prompt_BL: jax.Array,
-                    bias_BL: jax.Array, presence_B: jax.Array, frequency_B: jax.Array,
-                    repetition_B: jax.Array) -> jax.Array:
-    """Logit bias and the repetition, frequency and presence penalties on fp32 logits `[B, V]`
-    → the adjusted logits `[B, V]` (the sampler's input; logprobs stay those of the raw logits).
+def apply_penalties(logits_NV: jax.Array, row_E: jax.Array, ids_E: jax.Array, counts_E: jax.Array,
+                    in_prompt_E: jax.Array, bias_E: jax.Array, presence_N: jax.Array, frequency_N: jax.Array,
+                    repetition_N: jax.Array) -> jax.Array:
+    """Logit bias and the repetition, frequency and presence penalties on fp32 logits `[N, V]`
+    → the adjusted logits `[N, V]` (the sampler's input; logprobs stay those of the raw logits).
 
-    Each row carries a sparse list of the ids it touches (`serving.penalties` builds it): ids_BL
-    int32 `[B, L]` (−1: an unused entry; ids are distinct within a row), counts_BL int32 `[B, L]`
-    (how often the id is in the request's output so far), in_prompt_BL bool `[B, L]` (the id is in
-    its prompt), bias_BL fp32 `[B, L]` (`logit_bias`, 0 when none); presence_B, frequency_B,
-    repetition_B fp32 `[B]` (0, 0, 1: off). The maths and order are vLLM's (its v1 sampler: the
-    logit-bias processor, then `apply_penalties` of `vllm.model_executor.layers.utils`, which
-    follows OpenAI's definition of the first two): for a listed id with logit x,
-    x += bias; where the id is in the prompt or the output, x /= repetition if x > 0 else
-    x *= repetition; then x −= frequency · count + presence · (count > 0). Ids not listed keep
-    their logits; −inf (a masked id) stays −inf.
+    The step's entries, one per (row, id) a row touches (`serving.penalties` builds them; the pairs
+    are distinct): row_E int32 `[E]` (−1: padding; rows at or past N are dropped too), ids_E int32
+    `[E]`, counts_E int32 `[E]` (how often the id is in the row's output so far), in_prompt_E bool
+    `[E]` (the id is in its prompt), bias_E fp32 `[E]` (`logit_bias`, 0 when none); presence_N,
+    frequency_N, repetition_N fp32 `[N]` (0, 0, 1: off). The maths and order are vLLM's (its v1
+    sampler: the logit-bias processor, then `apply_penalties` of `vllm.model_executor.layers.utils`,
+    which follows OpenAI's definition of the last two): for a listed id with logit x, x += bias;
+    where the id is in the prompt or the output, x /= repetition if x > 0 else x *= repetition; then
+    x −= frequency · count + presence · (count > 0). Ids not listed keep their logits; −inf (a
+    masked id) stays −inf.
     """
-    B, V = logits_BV.shape
-    valid = ids_BL >= 0
-    safe = jnp.where(valid, ids_BL, 0)
-    x = jnp.take_along_axis(logits_BV, safe, axis=-1) + bias_BL
-    seen = in_prompt_BL | (counts_BL > 0)
-    rep = repetition_B[:, None]
+    N, V = logits_NV.shape
+    valid = (row_E >= 0) & (row_E < N)
+    r = jnp.where(valid, row_E, 0)
+    i = jnp.where(valid, ids_E, 0)
+    x = logits_NV[r, i] + bias_E
+    seen = in_prompt_E | (counts_E > 0)
+    rep = repetition_N[r]
     x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
-    x = x - frequency_B[:, None] * counts_BL.astype(x.dtype) - presence_B[:, None] * (counts_BL > 0).astype(x.dtype)
-    rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], ids_BL.shape)
-    return logits_BV.at[rows, jnp.where(valid, ids_BL, V)].set(x, mode="drop")
+    x = x - frequency_N[r] * counts_E.astype(x.dtype) - presence_N[r] * (counts_E > 0).astype(x.dtype)
+    return logits_NV.at[jnp.where(valid, r, N), i].set(x, mode="drop")
 
 
 # Temperatures are clipped to [MIN, MAX] in the division: XLA may divide by multiplying with the

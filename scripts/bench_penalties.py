@@ -13,6 +13,12 @@ compile), then `--rounds` timed rounds in turn. Reports, per mode, the median ov
 seconds per engine step (wall time of `step()` calls / steps) and its ratio to `none`, and writes
 `DIR/bench_penalties.json`. CPU numbers vary ±15 % between runs; only the side-by-side ratios of
 one run mean anything.
+
+`--host-cost` instead times the host side alone for one long request (a repetition and a frequency
+penalty; GLM-5.3's vocabulary size): bringing its kept list (`serving.penalties.PenaltyState`) up
+to date with one new token and reading its entries, against building the list from scratch each
+step (a Counter of the output and a set of the prompt: what a step would cost without the kept
+state), per step, for a few prompt and output lengths.
 """
 
 from __future__ import annotations
@@ -51,6 +57,44 @@ def serve(engine, prompts, max_tokens: int, adjust: dict, tag: str) -> tuple[flo
     return time.perf_counter() - t0, steps
 
 
+def host_cost(out: str) -> dict:
+    """The host side's time per step for one long request, kept list against a rebuild."""
+    import collections
+
+    from serving.penalties import PenaltyState
+    from serving.request import Request
+    from serving.types import SamplingParams
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for P, O in ((4096, 4096), (32768, 16384), (131072, 32768)):
+        req = Request("r", rng.integers(0, 154880, P).tolist(),
+                      SamplingParams(repetition_penalty=1.1, frequency_penalty=0.3))
+        req.output_token_ids = rng.integers(0, 154880, O).tolist()
+        state = PenaltyState(req)
+        state.update(req.output_token_ids[:-1])
+        t0, n = time.perf_counter(), 50
+        for _ in range(n):
+            state.counted = O - 1  # the last token is the step's new one
+            state.update(req.output_token_ids)
+            state.entries()
+        kept = (time.perf_counter() - t0) / n
+        t0, n = time.perf_counter(), 3
+        for _ in range(n):
+            counts, prompt = collections.Counter(req.output_token_ids), set(req.prompt_token_ids)
+            ids = np.asarray(sorted(set(counts) | prompt), np.int32)
+            np.asarray([counts.get(int(i), 0) for i in ids], np.int32), np.isin(ids, list(prompt))
+        rebuild = (time.perf_counter() - t0) / n
+        rows.append({"prompt_tokens": P, "output_tokens": O, "entries": int(len(state.ids)),
+                     "kept_ms": round(1000 * kept, 4), "rebuild_ms": round(1000 * rebuild, 2)})
+        print(f"prompt {P:>6}, output {O:>6}: {len(state.ids):>6} entries; kept list {1000 * kept:.3f} ms/step, "
+              f"rebuilt {1000 * rebuild:.1f} ms/step")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "host_cost.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return {"host_cost": rows}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -60,7 +104,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--host-cost", action="store_true", help="time the host side alone (see above)")
     args = ap.parse_args(argv)
+    if args.host_cost:
+        return host_cost(args.out)
     from serving.engine import EngineArgs
     from serving.engine_factory import build_engine
 

@@ -1,14 +1,15 @@
 """Presence, frequency and repetition penalties and `logit_bias` (vLLM's sampling parameters):
 the host side. `glm53.sampling.apply_penalties` applies them on the device, in the sampler.
 
-Each sampled row of a step that uses any of them gets a sparse list of the ids it touches — its
-`logit_bias` keys, and for the penalties the distinct ids of its output so far (with their counts)
-and, for the repetition penalty, of its prompt — padded to a power-of-two width (at least 64) so
-that a step's list width takes few values. A step with such rows runs split in two, the forward
+Each sampled row of a step that uses any of them touches a sparse list of ids — its `logit_bias`
+keys, and for the penalties the distinct ids of its output so far (with their counts) and, for the
+repetition penalty, of its prompt (`PenaltyState`, kept on the request and updated with each new
+token). The step passes the entries of all its rows as one flat list of (row, id, count, in-prompt,
+bias), padded to a power-of-two length (at least 64) so that it takes few values; rows without
+any get none (their factors are neutral). A step with such rows runs split in two, the forward
 pass and then the sampler (`serving.step_program`: the programs asynchronous scheduling uses for
-structured outputs), so each new width compiles only the small sampler program, on first use; a
-multi-process engine, whose followers run whole steps, compiles a step variant per width instead.
-Rows without any of them get an empty list and neutral factors.
+structured outputs), so each new length compiles only the small sampler program, on first use; a
+multi-process engine, whose followers run whole steps, compiles a step variant per length instead.
 
 Output counts are those of the tokens the request has generated when the list is built. Under
 asynchronous scheduling a request's last token may still be on the device then: a step after one
@@ -20,8 +21,6 @@ row's target distribution is the one the request would sample after those tokens
 """
 
 from __future__ import annotations
-
-import collections
 
 import numpy as np
 
@@ -47,38 +46,83 @@ def _width(n: int) -> int:
     return w
 
 
+class PenaltyState:
+    """One request's sparse list, kept up to date as its output grows (`Request.penalty_state`), so
+    a step costs the new tokens, not the whole output or prompt again (a long reasoning output or
+    a long prompt under the repetition penalty would otherwise be a pass over thousands of ids per
+    request per step).
+
+    ids: int32 [L] sorted distinct ids (the bias keys; for the penalties the output's ids and, for
+    the repetition penalty, the prompt's). counts: int32 [L] their output counts. in_prompt: bool
+    [L]. bias: fp32 [L]. counted: output tokens already counted (the output only grows)."""
+
+    def __init__(self, request):
+        sp = request.sampling_params
+        self.counting = output_dependent(sp)
+        bias = {int(k): float(v) for k, v in (sp.logit_bias or {}).items()}
+        prompt = np.unique(np.asarray(request.prompt_token_ids, np.int64)) if sp.repetition_penalty != 1.0 \
+            else np.zeros(0, np.int64)
+        self.ids = np.union1d(prompt, np.fromiter(bias, np.int64, len(bias))).astype(np.int32)
+        self.in_prompt = np.isin(self.ids, prompt)
+        self.bias = np.asarray([bias.get(int(i), 0.0) for i in self.ids], np.float32)
+        self.counts = np.zeros(len(self.ids), np.int32)
+        self.counted = 0
+
+    def _column(self, t: int) -> int:
+        """The column of id t, inserted (count 0, not in the prompt, no bias) when new."""
+        c = int(np.searchsorted(self.ids, t))
+        if c == len(self.ids) or self.ids[c] != t:
+            self.ids = np.insert(self.ids, c, t)
+            self.counts = np.insert(self.counts, c, 0)
+            self.in_prompt = np.insert(self.in_prompt, c, False)
+            self.bias = np.insert(self.bias, c, np.float32(0))
+        return c
+
+    def update(self, output_token_ids) -> None:
+        """Count the output tokens not counted yet."""
+        if self.counting:
+            for t in output_token_ids[self.counted:]:
+                c = self._column(int(t))  # (may replace self.counts: index it after)
+                self.counts[c] += 1
+        self.counted = len(output_token_ids)
+
+    def entries(self, drafts=()) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """→ (ids int32 [L], counts int32 [P, L], in_prompt bool [L], bias fp32 [L]) with P =
+        len(drafts) + 1 positions, position j counting the output and `drafts[:j]`."""
+        drafts = np.asarray([int(t) for t in drafts] if self.counting else [], np.int32)
+        ids, counts, in_prompt, bias = self.ids, self.counts, self.in_prompt, self.bias
+        if not len(drafts):
+            return ids, counts[None, :], in_prompt, bias
+        new = np.setdiff1d(drafts, ids)  # drafts' ids not in the list: columns for this step only
+        if len(new):
+            at = np.searchsorted(ids, new)
+            ids, counts = np.insert(ids, at, new), np.insert(counts, at, 0)
+            in_prompt, bias = np.insert(in_prompt, at, False), np.insert(bias, at, np.float32(0))
+        per_pos = np.repeat(counts[None, :], len(drafts) + 1, axis=0)
+        for j, c in enumerate(np.searchsorted(ids, drafts)):
+            per_pos[j + 1:, c] += 1
+        return ids, per_pos, in_prompt, bias
+
+
 def row_entries(request, drafts=()) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """One request's sparse list → (ids int32 [L], output counts int32 [P, L], in-prompt bool [L],
-    bias fp32 [L]), ids sorted and distinct; P = len(drafts) + 1 positions, position j counting the
-    output and the drafts before it (`drafts[:j]`)."""
-    sp = request.sampling_params
-    counts: collections.Counter = collections.Counter()
-    prompt: set[int] = set()
-    drafts = [int(t) for t in drafts] if output_dependent(sp) else []
-    if output_dependent(sp):
-        counts = collections.Counter(int(t) for t in request.output_token_ids)
-        if sp.repetition_penalty != 1.0:
-            prompt = {int(t) for t in request.prompt_token_ids}
-    bias = {int(k): float(v) for k, v in (sp.logit_bias or {}).items()}
-    ids = np.asarray(sorted(set(counts) | set(drafts) | prompt | set(bias)), np.int32)
-    col = {int(t): c for c, t in enumerate(ids)}
-    per_pos = np.zeros((len(drafts) + 1, len(ids)), np.int32)
-    per_pos[:] = [counts.get(int(i), 0) for i in ids]
-    for j, t in enumerate(drafts):
-        per_pos[j + 1:, col[t]] += 1
-    return (ids, per_pos, np.asarray([int(i) in prompt for i in ids], bool),
-            np.asarray([bias.get(int(i), 0.0) for i in ids], np.float32))
+    """One request's sparse list (`PenaltyState.entries`), its state brought up to date with its
+    output first (created on first use, kept on the request)."""
+    if request.penalty_state is None:
+        request.penalty_state = PenaltyState(request)
+    request.penalty_state.update(request.output_token_ids)
+    return request.penalty_state.entries(drafts)
 
 
 def step_penalties(scheds, rows_per_replica: int, positions: int = 0) -> tuple | None:
-    """The adjustments of a step's sampled rows, replica-major like its request rows (replica r's
-    rows start at r · rows_per_replica) → the arguments of `glm53.sampling.apply_penalties` after
-    the logits, as numpy: ids int32 [R, L], counts int32 [R, L], in_prompt bool [R, L], bias fp32
-    [R, L], presence, frequency, repetition fp32 [R]; None when no sampled row uses any.
+    """The adjustments of a step's sampled rows → the arguments of `glm53.sampling.apply_penalties`
+    after the logits, as numpy (row, ids, counts int32 [E], in_prompt bool [E], bias fp32 [E];
+    presence, frequency, repetition fp32 [R]), or None when no sampled row uses any. Rows are
+    replica-major like the step's request rows (replica r's start at r · rows_per_replica), R of
+    them in all.
 
-    positions: 0 without speculation; under MTP speculation k + 1, and the four lists are
-    [R, k + 1, L] (verification row j of a request: its counts after the drafts before it;
-    positions past a request's drafts repeat its last)."""
+    positions: 0 without speculation. Under MTP speculation k + 1: the logits rows are then
+    request b's verification rows b · (k + 1) + j, and row j counts the output and the drafts
+    before it (positions past a request's drafts repeat its last); R = requests · (k + 1)."""
     rows = {}
     for r, sched in enumerate(scheds):
         for i, sr in enumerate(sched.scheduled):
@@ -87,24 +131,23 @@ def step_penalties(scheds, rows_per_replica: int, positions: int = 0) -> tuple |
                 rows[r * rows_per_replica + i] = (sr.request, sr.token_ids[len(sr.token_ids) - ns:] if ns else ())
     if not rows:
         return None
-    R = rows_per_replica * len(scheds)
-    entries = {row: row_entries(req, drafts) for row, (req, drafts) in rows.items()}
-    L = _width(max(len(e[0]) for e in entries.values()))
     S = max(positions, 1)
-    ids = np.full((R, S, L), -1, np.int32)
-    counts = np.zeros((R, S, L), np.int32)
-    in_prompt = np.zeros((R, S, L), bool)
-    bias = np.zeros((R, S, L), np.float32)
+    R = rows_per_replica * len(scheds) * S
     presence = np.zeros(R, np.float32)
     frequency = np.zeros(R, np.float32)
     repetition = np.ones(R, np.float32)
-    for row, (i, c, p, b) in entries.items():
-        n = len(i)
-        ids[row, :, :n], in_prompt[row, :, :n], bias[row, :, :n] = i, p, b
-        counts[row, :len(c), :n] = c
-        counts[row, len(c):, :n] = c[-1]
-        sp = rows[row][0].sampling_params
-        presence[row], frequency[row], repetition[row] = sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty
-    if not positions:
-        ids, counts, in_prompt, bias = ids[:, 0], counts[:, 0], in_prompt[:, 0], bias[:, 0]
-    return ids, counts, in_prompt, bias, presence, frequency, repetition
+    parts = []
+    for row, (req, drafts) in rows.items():
+        ids, per_pos, in_prompt, bias = row_entries(req, drafts)
+        sp = req.sampling_params
+        for j in range(S):
+            n = row * S + j
+            parts.append((np.full(len(ids), n, np.int32), ids, per_pos[min(j, len(per_pos) - 1)], in_prompt, bias))
+            presence[n], frequency[n], repetition[n] = sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty
+    E = _width(sum(len(p[1]) for p in parts))
+    out = [np.full(E, -1, np.int32), np.zeros(E, np.int32), np.zeros(E, np.int32), np.zeros(E, bool),
+           np.zeros(E, np.float32)]
+    for k, arr in enumerate(out):
+        flat = np.concatenate([p[k] for p in parts])
+        arr[:len(flat)] = flat
+    return (*out, presence, frequency, repetition)

@@ -74,6 +74,9 @@ class Request:
         being sampled by steps in flight, not yet in `output_token_ids`. A step scheduled now
         feeds the first of them from the device; `num_computed_tokens` already counts the
         positions those steps write, so it may exceed `num_tokens` by this many.
+    penalty_state: the request's penalties and logit bias as a sparse list kept up to date with its
+        output (`serving.penalties.PenaltyState`), created by the first step that samples it; None
+        otherwise.
 
     A step may schedule any number of new tokens for a request (a prefill chunk, one decode
     token, or a decode token plus draft tokens for speculative verification).
@@ -99,6 +102,7 @@ class Request:
     remote_kv: object | None = None
     dp_rank: int | None = None  # the data-parallel replica chosen for it before it was queued
     num_output_placeholders: int = 0
+    penalty_state: object | None = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -40,8 +40,9 @@ def spec_decode_forward(model, batch, kv, host, sampling: tuple, want_logprobs, 
         the grammar's state after the drafts before it; a draft the grammar forbids is then
         rejected, its target probability being 0), or None.
       pen: the rows' penalties and logit biases (`serving.penalties.step_penalties` with k + 1
-        positions: lists `[B, k + 1, L]`, row j counting the drafts before it; factors `[B]`), or
-        None. Verification and the tokens use the adjusted logits, the logprobs the raw ones.
+        positions: entries of the verification rows b · (k + 1) + j, row j counting the drafts
+        before it; factors `[B · (k + 1)]`), or None. Verification and the tokens use the adjusted
+        logits, the logprobs the raw ones.
 
     Returns `((tokens_BS, num_accepted_B, drafts_BK, token_logprob_BS, top_ids_BSL, top_logprobs_BSL), kv)`
     with S = k + 1; the logprob arrays are zeros unless `want_logprobs`.
@@ -61,10 +62,8 @@ def spec_decode_forward(model, batch, kv, host, sampling: tuple, want_logprobs, 
     if bitmask_BSW is not None:
         logits = apply_token_bitmask(logits, bitmask_BSW[:B].reshape(B * S, -1))
     target = logits
-    if pen is not None:
-        rows = lambda x: x[:B].reshape(B * S, -1)  # noqa: E731
-        per_row = lambda x: jnp.repeat(x[:B], S)  # noqa: E731
-        target = apply_penalties(logits.astype(jnp.float32), *map(rows, pen[:4]), *map(per_row, pen[4:]))
+    if pen is not None:  # entries of rows past B · S (requests cut above) are dropped
+        target = apply_penalties(logits.astype(jnp.float32), *pen[:5], *(x[:B * S] for x in pen[5:]))
     tokens_BS, acc_B = verify_drafts(target.reshape(B, S, -1), sp.draft_BK, sp.num_draft_B, *sampling)
     L = num_logprobs
 

@@ -1,5 +1,5 @@
-"""`glm53.sampling.apply_penalties` (logit bias, repetition, frequency and presence penalties on a
-row's sparse list of ids) against a dense NumPy transcription of vLLM's definitions (its v1
+"""`glm53.sampling.apply_penalties` (logit bias, repetition, frequency and presence penalties on the
+step's flat list of (row, id) entries) against a dense NumPy transcription of vLLM's definitions (its v1
 sampler: the logit-bias processor, then `apply_penalties` of `vllm.model_executor.layers.utils`):
 per-vocabulary prompt masks and output counts, no sparse lists. float32 on both sides, the same
 operations per element: compared to 1e-6."""
@@ -29,26 +29,22 @@ def dense_vllm(logits, prompts, outputs, bias, presence, frequency, repetition):
     return x
 
 
-def sparse_lists(prompts, outputs, bias, repetition, L):
-    """The rows' sparse lists as serving.penalties builds them (ids of the prompt only when the
-    repetition penalty is on)."""
-    B = len(prompts)
-    ids = np.full((B, L), -1, np.int32)
-    counts = np.zeros((B, L), np.int32)
-    in_prompt = np.zeros((B, L), bool)
-    bias_l = np.zeros((B, L), np.float32)
-    for b in range(B):
+def sparse_lists(prompts, outputs, bias, repetition, E):
+    """The rows' entries as serving.penalties builds them, one flat list of (row, id, count,
+    in-prompt, bias) padded to E with row −1 (ids of the prompt only when the repetition penalty
+    is on); shuffled: their order must not matter."""
+    entries = []
+    for b in range(len(prompts)):
         c = {}
         for t in outputs[b]:
             c[t] = c.get(t, 0) + 1
         p = set(prompts[b]) if repetition[b] != 1 else set()
-        row = sorted(set(c) | p | set(bias[b]))
-        n = len(row)
-        ids[b, :n] = row
-        counts[b, :n] = [c.get(t, 0) for t in row]
-        in_prompt[b, :n] = [t in p for t in row]
-        bias_l[b, :n] = [bias[b].get(t, 0.0) for t in row]
-    return ids, counts, in_prompt, bias_l
+        entries += [(b, t, c.get(t, 0), t in p, bias[b].get(t, 0.0)) for t in sorted(set(c) | p | set(bias[b]))]
+    np.random.default_rng(9).shuffle(entries)
+    entries += [(-1, 0, 0, False, 0.0)] * (E - len(entries))
+    row, ids, counts, in_prompt, bias_e = zip(*entries)
+    return (np.asarray(row, np.int32), np.asarray(ids, np.int32), np.asarray(counts, np.int32),
+            np.asarray(in_prompt, bool), np.asarray(bias_e, np.float32))
 
 
 def case(seed=0, B=5, V=97):
@@ -69,7 +65,7 @@ def case(seed=0, B=5, V=97):
 def test_sparse_lists_give_vllms_dense_result():
     logits, prompts, outputs, bias, presence, frequency, repetition = case()
     want = dense_vllm(logits, prompts, outputs, bias, presence, frequency, repetition)
-    lists = sparse_lists(prompts, outputs, bias, repetition, L=64)
+    lists = sparse_lists(prompts, outputs, bias, repetition, E=256)
     got = np.asarray(apply_penalties(jnp.asarray(logits), *map(jnp.asarray, lists), jnp.asarray(presence),
                                      jnp.asarray(frequency), jnp.asarray(repetition)))
     assert np.isneginf(got[0, 5]) and np.isneginf(want[0, 5])
@@ -81,7 +77,7 @@ def test_sparse_lists_give_vllms_dense_result():
 def test_the_sampler_draws_from_the_adjusted_logits_and_reports_the_raw_logprobs():
     logits, prompts, outputs, bias, presence, frequency, repetition = case(seed=1)
     B, V = logits.shape
-    lists = sparse_lists(prompts, outputs, bias, repetition, L=64)
+    lists = sparse_lists(prompts, outputs, bias, repetition, E=256)
     pen = (*map(jnp.asarray, lists), jnp.asarray(presence), jnp.asarray(frequency), jnp.asarray(repetition))
     zeros = jnp.zeros(B, jnp.float32)
     toks, tok_lp, _, _ = sample_with_logprobs(jnp.asarray(logits), zeros, jnp.ones(B), jnp.zeros(B, jnp.int32), zeros,
@@ -92,7 +88,7 @@ def test_the_sampler_draws_from_the_adjusted_logits_and_reports_the_raw_logprobs
     raw = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
     np.testing.assert_allclose(np.asarray(tok_lp), raw[np.arange(B), want.argmax(-1)], rtol=1e-5, atol=1e-5)
     # a logit bias of +100 on one id at temperature 1: the draw is that id
-    biased = sparse_lists([[0]] * B, [[]] * B, [{7: 100.0}] * B, np.ones(B), L=64)
+    biased = sparse_lists([[0]] * B, [[]] * B, [{7: 100.0}] * B, np.ones(B), E=256)
     ones = jnp.ones(B, jnp.float32)
     toks, *_ = sample_with_logprobs(jnp.asarray(logits), ones, ones, jnp.zeros(B, jnp.int32), zeros,
                                     jnp.arange(B, dtype=jnp.uint32), jnp.zeros(B, jnp.int32), jnp.bool_(False), 1,

@@ -160,3 +160,30 @@ def test_mtp_verification_rows_count_the_drafts_before_them(engine, mtp_engine, 
     own, lps = run(e, requests, False)
     for name, adj in ADJUST.items():
         check_greedy_stream(lm, PROMPT, own[name], adj, reachable, lps[name])
+
+
+def test_the_kept_list_equals_one_built_from_scratch():
+    """`PenaltyState` updated token by token (new ids inserted in order, drafts given columns)
+    gives the lists a fresh state gives for the same output, at every length."""
+    from serving.penalties import PenaltyState
+    from serving.request import Request
+
+    rng = np.random.default_rng(7)
+    sp = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, logit_bias={3: 1.0, 450: -2.0})
+    req = Request("r", rng.integers(0, 500, 40).tolist(), sp)
+    kept = PenaltyState(req)
+    for step in range(30):
+        req.output_token_ids += rng.integers(0, 500, int(rng.integers(1, 4))).tolist()
+        kept.update(req.output_token_ids)
+        drafts = rng.integers(0, 500, 2).tolist()
+        fresh = PenaltyState(req)
+        fresh.update(req.output_token_ids)
+        a, b = kept.entries(drafts), fresh.entries(drafts)
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+        ids, per_pos, in_prompt, bias = a
+        for j in range(3):  # position j: the output's counts plus drafts[:j]
+            want = [(req.output_token_ids + drafts[:j]).count(int(t)) for t in ids]
+            assert per_pos[j].tolist() == want
+        assert in_prompt.tolist() == [int(t) in req.prompt_token_ids for t in ids]
+        assert bias.tolist() == [{3: 1.0, 450: -2.0}.get(int(t), 0.0) for t in ids]
