@@ -70,7 +70,7 @@ def apply_penalties(logits_NV: jax.Array, row_E: jax.Array, ids_E: jax.Array, co
     x −= frequency · count + presence · (count > 0). Ids not listed keep their logits; −inf (a
     masked id) stays −inf.
     """
-    N, V = logits_NV.shape
+    N = logits_NV.shape[0]
     valid = (row_E >= 0) & (row_E < N)
     r = jnp.where(valid, row_E, 0)
     i = jnp.where(valid, ids_E, 0)

@@ -85,7 +85,7 @@ def host_cost(out: str) -> dict:
             ids = np.asarray(sorted(set(counts) | prompt), np.int32)
             np.asarray([counts.get(int(i), 0) for i in ids], np.int32), np.isin(ids, list(prompt))
         rebuild = (time.perf_counter() - t0) / n
-        rows.append({"prompt_tokens": P, "output_tokens": O, "entries": int(len(state.ids)),
+        rows.append({"prompt_tokens": P, "output_tokens": O, "entries": len(state.ids),
                      "kept_ms": round(1000 * kept, 4), "rebuild_ms": round(1000 * rebuild, 2)})
         print(f"prompt {P:>6}, output {O:>6}: {len(state.ids):>6} entries; kept list {1000 * kept:.3f} ms/step, "
               f"rebuilt {1000 * rebuild:.1f} ms/step")

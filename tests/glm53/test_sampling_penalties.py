@@ -76,7 +76,7 @@ def test_sparse_lists_give_vllms_dense_result():
 
 def test_the_sampler_draws_from_the_adjusted_logits_and_reports_the_raw_logprobs():
     logits, prompts, outputs, bias, presence, frequency, repetition = case(seed=1)
-    B, V = logits.shape
+    B = logits.shape[0]
     lists = sparse_lists(prompts, outputs, bias, repetition, E=256)
     pen = (*map(jnp.asarray, lists), jnp.asarray(presence), jnp.asarray(frequency), jnp.asarray(repetition))
     zeros = jnp.zeros(B, jnp.float32)
