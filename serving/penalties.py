@@ -151,3 +151,11 @@ def step_penalties(scheds, rows_per_replica: int, positions: int = 0) -> tuple |
         flat = np.concatenate([p[k] for p in parts])
         arr[:len(flat)] = flat
     return (*out, presence, frequency, repetition)
+
+
+def empty_penalties(rows: int, entries: int = MIN_WIDTH) -> tuple:
+    """`step_penalties`' arrays with no entry (rows −1) and neutral factors, for `rows` logits rows:
+    the shapes a background compile lowers the penalised sampler with (`serving.runner_variants`)."""
+    return (np.full(entries, -1, np.int32), np.zeros(entries, np.int32), np.zeros(entries, np.int32),
+            np.zeros(entries, bool), np.zeros(entries, np.float32), np.zeros(rows, np.float32),
+            np.zeros(rows, np.float32), np.ones(rows, np.float32))

@@ -4,7 +4,8 @@ into `serving.runner.ModelRunner`).
 The start-up compile (`StepCompileMixin.compile`) builds each token bucket's step program without
 a token mask. A step with a constrained request runs a variant of it: the step with the grammar's
 bitmask as one more argument ("masked"), or, under asynchronous scheduling, the forward pass alone
-("forward-only", whose logits the sampler takes once the masks are known). Compiled on first use,
+("forward-only", whose logits the sampler takes once the masks are known; also every engine's
+steps with penalties or logit biases, `serving.penalties`). Compiled on first use,
 a variant stops the engine thread for a whole step compile — every request waits (seconds on the
 CPU test model, minutes for the full model). So once the engine has compiled its buckets, the
 server compiles the variants in a daemon thread, bucket by bucket from the smallest (decode
@@ -33,6 +34,7 @@ from collections.abc import Callable, Iterable
 import jax
 import numpy as np
 
+from serving.penalties import MIN_WIDTH, empty_penalties
 from serving.step_inputs import COPY_DST, COPY_SRC, NUM_SAMPLING
 
 logger = logging.getLogger("serving.runner")
@@ -114,6 +116,9 @@ class VariantPrecompileMixin:
             samp = tree(tuple(self._put(x) for x in extra[:NUM_SAMPLING]))
             jobs.append(_Job(("sample", True), self._sample, (None, *samp, bitmask)))
             jobs.append(_Job(("sample", False), self._sample, (None, *samp)))
+            # The sampler with penalties / logit biases at the smallest entry count (serving/penalties.py).
+            pen = tree(tuple(self._put(x) for x in empty_penalties(rows)))
+            jobs.append(_Job(("sample", False, f"penalized{MIN_WIDTH}"), self._sample, (None, *samp, None, pen)))
         return jobs
 
     def start_variant_precompile(self, bitmask_words: int, forward_only: bool) -> int:

@@ -42,8 +42,10 @@ class StructuredOutputsMixin:
         self.structured = StructuredOutputManager(lambda: GuidanceBackend.from_model_dir(model_path, vocab_size, eos))
 
     def start_structured_precompile(self, default: bool) -> int:
-        """Compile the step variants constrained steps run (the masked step, and under asynchronous
-        scheduling the forward pass alone and the sampler) in a background thread
+        """Compile the step variants constrained steps run (the masked step; the forward pass alone
+        and the sampler, which asynchronous scheduling runs for constrained steps and every engine
+        for steps with penalties or logit biases, the sampler's smallest penalised form too) in a
+        background thread
         (`serving.runner_variants`), when `--structured-outputs-config`'s `precompile` says so
         (`default` when it says nothing: the server passes True, `LLM` False) and the engine
         compiled its buckets at start-up in one process. Returns how many variants it compiles
@@ -61,7 +63,9 @@ class StructuredOutputsMixin:
         if jax.process_count() > 1:
             logger.info("structured outputs: step variants compile on first use (a multi-process engine)")
             return 0
-        forward_only = bool(self.async_scheduling) and self.runner.can_defer_sampling
+        # The split step (forward pass, then the sampler): structured outputs under asynchronous
+        # scheduling, and penalties / logit biases always (serving/penalties.py).
+        forward_only = self.runner.can_defer_sampling
         n = self.runner.start_variant_precompile(-(-self._structured_vocab_size // 32), forward_only)
         logger.info("structured outputs: compiling %d step variants in the background (constrained requests "
                     "no longer stop the engine to compile them; --structured-outputs-config "

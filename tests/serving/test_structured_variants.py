@@ -81,9 +81,11 @@ def precompiled():
 def test_precompiled_variants_run_the_programs_first_use_compiles(precompiled, lazy):
     e, n = precompiled
     runner = e.runner
-    # One bucket, one program: the forward pass alone, the masked step, the sampler with and without a mask.
-    assert n == 4 and set(runner.variant_compile_seconds) == {("forward-only", 64, True), ("masked", 64, True),
-                                                              ("sample", True), ("sample", False)}
+    # One bucket, one program: the forward pass alone, the masked step, the sampler with and without a
+    # mask, and with the smallest list of penalties (serving/penalties.py).
+    assert n == 5 and set(runner.variant_compile_seconds) == {("forward-only", 64, True), ("masked", 64, True),
+                                                              ("sample", True), ("sample", False),
+                                                              ("sample", False, "penalized64")}
     assert all(j.compiled is not None for j in runner._variant_jobs.values())
     tok = GlmTokenizer.from_pretrained(e.model_path)
     reqs = _requests(tok)
@@ -98,7 +100,14 @@ def test_precompiled_variants_run_the_programs_first_use_compiles(precompiled, l
             for a, b in zip(got[1][rid], want[1][rid]):
                 assert [t for t, _ in a] == [t for t, _ in b]
                 np.testing.assert_allclose([lp for _, lp in a], [lp for _, lp in b], atol=1e-6)
-    # Every constrained step of the precompiled engine ran an executable of the thread's.
+    # Penalties and a logit bias (under 64 entries) run the thread's forward pass and sampler too.
+    pen = {"p": (tok.encode("Give me a point:"), SamplingParams(temperature=0, max_tokens=12, frequency_penalty=-1.0,
+                                                                logit_bias={42: 1.5}))}
+    for async_scheduling in (False, True):
+        calls = runner.num_precompiled_calls
+        got = _run(e, pen, async_scheduling)
+        assert runner.num_precompiled_calls > calls and got[0] == _run(ref, pen, async_scheduling)[0]
+    # Every constrained or penalised step of the precompiled engine ran an executable of the thread's.
     assert runner.num_first_use_compiles == 0
     assert ref.runner.num_first_use_compiles >= 2
     assert e.pool.num_free == e.pool.num_usable_blocks and not e.structured.requests
@@ -198,10 +207,13 @@ def test_which_engines_start_the_background_compile(lazy):
     e.structured_config = type(e.structured_config).from_dict({"precompile": False})
     assert e.start_structured_precompile(default=True) == 0
     e.structured_config = type(e.structured_config).from_dict(None)
-    # Synchronous scheduling, one bucket, no HiSparse: the masked step only.
-    assert e.start_structured_precompile(default=True) == 1
+    # Synchronous scheduling, one bucket, no HiSparse: the masked step, and the split step that
+    # penalties and logit biases run whatever the scheduling (the forward pass, the samplers).
+    assert e.start_structured_precompile(default=True) == 5
     assert e.runner.wait_variant_precompile(timeout=900)
-    assert [(k, j.compiled is not None) for k, j in e.runner._variant_jobs.items()] == [(("masked", 64, True), True)]
+    assert [(k, j.compiled is not None) for k, j in e.runner._variant_jobs.items()] == [
+        (("forward-only", 64, True), True), (("masked", 64, True), True), (("sample", True), True),
+        (("sample", False), True), (("sample", False, "penalized64"), True)]
 
 
 def test_arguments_in_host_memory_are_left_to_first_use():
