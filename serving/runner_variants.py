@@ -188,14 +188,14 @@ class VariantPrecompileMixin:
                     logits = jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding)
             except Exception as e:  # noqa: BLE001 - the engine thread compiles it on first use instead
                 job.error = e
-                logger.warning("structured outputs: compiling the %s step variant %s in the background failed "
+                logger.warning("compiling the %s step variant %s in the background failed "
                                "(%s: %s); it compiles on first use", job.key[0], job.key[1:], type(e).__name__, e)
             self.variant_compile_seconds[job.key] = time.perf_counter() - t
             job.state = "done"
             job.done.set()
         taken = sum(j.state == "taken" for j in self._variant_jobs.values()) if self._variant_jobs else 0
         if n or taken:
-            logger.info("structured outputs: %d step variants compiled in the background in %.1f s%s%s", n,
+            logger.info("%d step variants compiled in the background in %.1f s%s%s", n,
                         time.perf_counter() - t0,
                         f"; {taken} compiled on first use by steps that needed them sooner" if taken else "",
                         " (stopped)" if stop.is_set() else "")
@@ -218,7 +218,7 @@ class VariantPrecompileMixin:
         if not job.done.is_set():
             t = time.perf_counter()
             job.done.wait()
-            logger.info("structured outputs: waited %.1f s for the background compile of the %s step variant %s",
+            logger.info("waited %.1f s for the background compile of the %s step variant %s",
                         time.perf_counter() - t, key[0], key[1:])
         return job.compiled
 
@@ -236,7 +236,7 @@ class VariantPrecompileMixin:
         job = self._variant_jobs[key] if compiled is not None else None
         if job is not None and not job.placed:
             if not _placed_as(job.args, args):
-                logger.warning("structured outputs: the precompiled %s step variant %s was compiled for other "
+                logger.warning("the precompiled %s step variant %s was compiled for other "
                                "argument placements than this step's; it compiles on first use", key[0], key[1:])
                 job.compiled = compiled = None
             job.placed = True
@@ -247,7 +247,7 @@ class VariantPrecompileMixin:
                 self.num_precompiled_calls += 1
                 return out
             except TypeError as e:
-                logger.warning("structured outputs: the precompiled %s step variant %s does not take this step's "
+                logger.warning("the precompiled %s step variant %s does not take this step's "
                                "arguments (%s); it compiles on first use", key[0], key[1:], str(e).splitlines()[0])
                 self._variant_jobs[key].compiled = None
         return fn(*args)

@@ -58,17 +58,17 @@ class StructuredOutputsMixin:
         if not (default if want is None else want):
             return 0
         if skip_precompile_requested(self.args):
-            logger.info("structured outputs: step variants compile on first use (the step buckets do too)")
+            logger.info("step variants compile on first use (the step buckets do too)")
             return 0
         if jax.process_count() > 1:
-            logger.info("structured outputs: step variants compile on first use (a multi-process engine)")
+            logger.info("step variants compile on first use (a multi-process engine)")
             return 0
         # The split step (forward pass, then the sampler): structured outputs under asynchronous
         # scheduling, and penalties / logit biases always (serving/penalties.py).
         forward_only = self.runner.can_defer_sampling
         n = self.runner.start_variant_precompile(-(-self._structured_vocab_size // 32), forward_only)
-        logger.info("structured outputs: compiling %d step variants in the background (constrained requests "
-                    "no longer stop the engine to compile them; --structured-outputs-config "
+        logger.info("compiling %d step variants in the background (requests with structured outputs, min_tokens, "
+                    "penalties or logit_bias no longer stop the engine to compile them; --structured-outputs-config "
                     "'{\"precompile\": false}' leaves them to first use)", n)
         return n
 
