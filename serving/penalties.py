@@ -5,7 +5,8 @@ Each sampled row of a step that uses any of them touches a sparse list of ids â€
 keys, and for the penalties the distinct ids of its output so far (with their counts) and, for the
 repetition penalty, of its prompt (`PenaltyState`, kept on the request and updated with each new
 token). The step passes the entries of all its rows as one flat list of (row, id, count, in-prompt,
-bias), padded to a power-of-two length (at least 64) so that it takes few values; rows without
+bias), padded to 64 Â· 4^n entries so that it takes few values (each is a sampler program, and a
+whole step program under MTP speculation or on a multi-process engine); rows without
 any get none (their factors are neutral). A step with such rows runs split in two, the forward
 pass and then the sampler (`serving.step_program`: the programs asynchronous scheduling uses for
 structured outputs), so each new length compiles only the small sampler program, on first use; a
@@ -42,7 +43,7 @@ def output_dependent(sp) -> bool:
 def _width(n: int) -> int:
     w = MIN_WIDTH
     while w < n:
-        w *= 2
+        w *= 4
     return w
 
 
