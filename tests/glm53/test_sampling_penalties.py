@@ -10,23 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from glm53.sampling import apply_penalties, sample_with_logprobs
+from tests.helpers.penalties_oracle import vllm_adjusted
 
 
 def dense_vllm(logits, prompts, outputs, bias, presence, frequency, repetition):
-    """vLLM's maths on [B, V] logits: prompts / outputs: token lists per row; bias: {id: value}."""
-    x = logits.astype(np.float32).copy()
-    B, V = x.shape
-    for b in range(B):
-        for t, v in bias[b].items():
-            x[b, t] += np.float32(v)
-        prompt_mask = np.zeros(V, bool)
-        prompt_mask[list(prompts[b])] = True
-        counts = np.bincount(np.asarray(outputs[b], np.int64), minlength=V).astype(np.float32)
-        pen = np.where(prompt_mask | (counts > 0), np.float32(repetition[b]), np.float32(1.0))
-        x[b] = np.where(x[b] > 0, x[b] / pen, x[b] * pen)
-        x[b] -= np.float32(frequency[b]) * counts
-        x[b] -= np.float32(presence[b]) * (counts > 0)
-    return x
+    """vLLM's maths on [B, V] logits (tests/helpers/penalties_oracle.py, row by row): prompts /
+    outputs: token lists per row; bias: {id: value} per row."""
+    return np.stack([vllm_adjusted(logits[b], prompts[b], outputs[b], bias[b], presence[b], frequency[b],
+                                   repetition[b]) for b in range(len(logits))])
 
 
 def sparse_lists(prompts, outputs, bias, repetition, E):
