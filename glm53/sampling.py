@@ -170,6 +170,28 @@ def compute_logprobs(logits_BV: jax.Array, token_B: jax.Array, k: int):
     return token_lp_B, top_ids_BK.astype(jnp.int32), top_lp_BK
 
 
+def prompt_token_logprobs(logits_PV: jax.Array, target_P: jax.Array, k: int):
+    """Prompt logprobs of one block of prompt positions (vLLM's `prompt_logprobs`): each row's
+    logits predict the next prompt token `target_P`; the distribution is the raw one (fp32
+    log-softmax, as `compute_logprobs`).
+
+    Args:
+      logits_PV: logits `[P, V]` (any float dtype; upcast to fp32).
+      target_P: int32 `[P]`, the prompt token that follows each row's position.
+      k: static number of alternatives (>= 1).
+
+    Returns:
+      `(target_logprob_P fp32, rank_P int32, top_ids_PK int32, top_logprobs_PK fp32)`; the rank is
+      the number of ids at least as likely as the target (vLLM's definition: 1 for the most
+      likely, ties counted against the target).
+    """
+    lp_PV = jax.nn.log_softmax(logits_PV.astype(jnp.float32), axis=-1)
+    target_lp_P = jnp.take_along_axis(lp_PV, target_P[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    rank_P = jnp.sum(lp_PV >= target_lp_P[:, None], axis=-1, dtype=jnp.int32)
+    top_lp_PK, top_ids_PK = jax.lax.top_k(lp_PV, k)
+    return target_lp_P, rank_P, top_ids_PK.astype(jnp.int32), top_lp_PK
+
+
 def sample_with_logprobs(logits_BV: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array, top_k_B: jax.Array,
                          min_p_B: jax.Array, seed_B: jax.Array, step_B: jax.Array, want_logprobs: jax.Array, k: int,
                          penalties: tuple | None = None):

@@ -240,6 +240,7 @@ class DataParallelEngine(LLMEngine):
             req = self._pd_request(request_id, prompt_token_ids, params, self.replicas[0].scheduler)
             if req is not None:
                 self._queue(req)
+                self._track_prompt_logprobs(req)
 
     def scheduler_of(self, request_id: str):
         rep = self.replica_of(request_id)
@@ -270,6 +271,7 @@ class DataParallelEngine(LLMEngine):
                 raise ValueError(f"finished_reason must be 'abort' or 'stop', got {finished_reason!r}")
             return None
         req = rep.scheduler.get_request(request_id)
+        self._prompt_logprob_requests.pop(request_id, None)
         out = rep.scheduler.abort(request_id, finished_reason)
         if out is not None:
             rec = StepRecord(is_step=False)

@@ -208,6 +208,7 @@ class LLMEngine(EngineStatsMixin, HostTiersMixin, PDEngineMixin, AsyncStepMixin,
             req = self._pd_request(request_id, prompt_token_ids, params, self.scheduler)
             if req is not None:
                 self.scheduler.add_request(req)
+                self._track_prompt_logprobs(req)
 
     @property
     def effective_max_model_len(self) -> int:
@@ -251,6 +252,8 @@ class LLMEngine(EngineStatsMixin, HostTiersMixin, PDEngineMixin, AsyncStepMixin,
         if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
             raise ValueError(f"logprobs {params.logprobs} exceeds the maximum {self.args.max_logprobs} "
                              "(--max-logprobs)")
+        if params.prompt_logprobs is not None:
+            self._validate_prompt_logprobs(params)
         vocab = self.config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
         if bad:
@@ -259,6 +262,24 @@ class LLMEngine(EngineStatsMixin, HostTiersMixin, PDEngineMixin, AsyncStepMixin,
         if bad:
             raise InvalidRequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})",
                                       "logit_bias")
+
+    def _validate_prompt_logprobs(self, params: SamplingParams) -> None:
+        """Refuse `prompt_logprobs` where this engine cannot compute them (InvalidRequestError
+        naming the field): more than --max-logprobs, a step that cannot run split (MTP
+        speculation, a multi-process engine), or a prompt prefilled by another engine (P/D)."""
+        if params.prompt_logprobs > self.args.max_logprobs:
+            raise InvalidRequestError(f"prompt_logprobs {params.prompt_logprobs} exceeds the maximum "
+                                      f"{self.args.max_logprobs} (--max-logprobs)", "prompt_logprobs")
+        if self.runner.spec_k:
+            raise InvalidRequestError("prompt_logprobs is not supported with MTP speculative decoding "
+                                      "(--speculative-config)", "prompt_logprobs")
+        if not self.runner.can_defer_sampling:
+            raise InvalidRequestError("prompt_logprobs is not supported on a multi-process engine yet",
+                                      "prompt_logprobs")
+        if params.kv_transfer_params:
+            raise InvalidRequestError("prompt_logprobs is not supported with kv_transfer_params (prefill/decode "
+                                      "disaggregation: the decode engine does not compute the prompt)",
+                                      "prompt_logprobs")
 
     def abort(self, request_id: str, finished_reason: str = "abort") -> RequestOutput | None:
         """Abort a waiting or running request (frees its pages); its final output, or None when
@@ -270,6 +291,7 @@ class LLMEngine(EngineStatsMixin, HostTiersMixin, PDEngineMixin, AsyncStepMixin,
         if pulled is not None:
             return pulled
         req = self.scheduler.get_request(request_id)
+        self._prompt_logprob_requests.pop(request_id, None)
         out = self.scheduler.abort(request_id, finished_reason)
         if out is not None and req is not None:
             rec = StepRecord(is_step=False)
@@ -371,6 +393,7 @@ class LLMEngine(EngineStatsMixin, HostTiersMixin, PDEngineMixin, AsyncStepMixin,
                     continue
                 out.error = msg
                 outs.append(out)
+                self._prompt_logprob_requests.pop(sr.request_id, None)
                 if req is not None:
                     rec.finished.append(self._finished_stats(req, now))
         self._structured_advance(outs)

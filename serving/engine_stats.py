@@ -12,6 +12,7 @@ import logging
 import time
 
 from serving.metrics import FinishedRequestStats, StepRecord
+from serving.prompt_logprobs import take_prompt_logprobs
 from serving.request import Request
 from serving.spec_decode import SpecDecodingStats
 from serving.types import RequestOutput
@@ -22,14 +23,34 @@ logger = logging.getLogger("serving.engine")
 class EngineStatsMixin:
     """Step statistics and output decorations of the engine (module docstring)."""
 
+    @property
+    def _prompt_logprob_requests(self) -> dict[str, Request]:
+        """Requests with `prompt_logprobs` whose first token has not been output yet, by id."""
+        d = self.__dict__.get("_prompt_lp_pending")
+        if d is None:
+            d = self.__dict__["_prompt_lp_pending"] = {}
+        return d
+
+    def _track_prompt_logprobs(self, req: Request | None) -> None:
+        """Keep a queued request that asked for prompt logprobs until its first output."""
+        if req is not None and req.sampling_params.prompt_logprobs is not None:
+            self._prompt_logprob_requests[req.request_id] = req
+
     def _attach_logprobs(self, outs: list[RequestOutput]) -> None:
         """Give each output the `TokenLogprobs` of its new tokens from the step just read
-        (`ModelRunner.last_logprobs`; only requests that asked for logprobs have them)."""
+        (`ModelRunner.last_logprobs`; only requests that asked for logprobs have them), and a
+        request's first output with a token its prompt logprobs (`serving.prompt_logprobs`)."""
         lps = self.runner.last_logprobs
+        pending = self._prompt_logprob_requests
         for out in outs:
             lp = lps.get(out.request_id)
             if lp is not None and out.new_token_ids:
                 out.new_logprobs = lp[: len(out.new_token_ids)]
+            req = pending.get(out.request_id) if pending else None
+            if req is not None and (out.new_token_ids or out.finished):
+                del pending[out.request_id]
+                if out.new_token_ids:
+                    out.prompt_logprobs = take_prompt_logprobs(req)
 
     def _observe_drafts(self, sched) -> SpecDecodingStats | None:
         """MTP speculation: count the step's verifications (drafts verified, accepted) into the

@@ -57,13 +57,16 @@ class CompletionOutput:
 @dataclass
 class GenerationOutput:
     """All samples of one prompt: `prompt` (the text, or None for a token prompt),
-    `prompt_token_ids`, `outputs` (n of them, by index) and `num_cached_tokens` (prompt tokens
-    served from the prefix cache for the first sample)."""
+    `prompt_token_ids`, `outputs` (n of them, by index), `num_cached_tokens` (prompt tokens
+    served from the prefix cache for the first sample) and `prompt_logprobs` (with
+    `SamplingParams.prompt_logprobs`, as vLLM's: one entry per prompt token, None for the first,
+    else the prompt token's `TokenLogprobs` with its rank and top alternatives; None otherwise)."""
 
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class LLM:
@@ -243,6 +246,7 @@ class LLM:
             res = results[i]
             if j == 0:
                 res.num_cached_tokens = st.num_cached_tokens
+                res.prompt_logprobs = st.prompt_logprobs
             res.outputs.append(CompletionOutput(
                 j, st.text, st.token_ids, st.logprobs if st.params.logprobs is not None else None, st.finish_reason,
                 st.stop_reason))

@@ -81,6 +81,7 @@ class TextDelta:
     finished: bool
     finish_reason: str | None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the increment that brought them
 
 
 @dataclass
@@ -105,6 +106,7 @@ class RequestTextState:
     num_prompt_tokens: int | None = None
     num_cached_tokens: int = 0
     stop_reason: int | str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # `RequestOutput.prompt_logprobs`
 
     def __post_init__(self) -> None:
         self._detok = IncrementalDetokenizer(self.tokenizer, self.params.skip_special_tokens)
@@ -125,6 +127,8 @@ class RequestTextState:
         if self.finished:
             return TextDelta("", [], None, True, self.finish_reason, self.stop_reason)
         self.token_ids.extend(out.new_token_ids)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.new_logprobs:
             self.logprobs.extend(out.new_logprobs)
         self.num_prompt_tokens = out.num_prompt_tokens
@@ -146,7 +150,8 @@ class RequestTextState:
             if out.finish_reason == "stop" and last in (self.params.stop_token_ids or ()):
                 self.stop_reason = last
         lps = list(out.new_logprobs) if out.new_logprobs else ([] if self.params.logprobs is not None else None)
-        return TextDelta(emit, list(out.new_token_ids), lps, self.finished, self.finish_reason, self.stop_reason)
+        return TextDelta(emit, list(out.new_token_ids), lps, self.finished, self.finish_reason, self.stop_reason,
+                         out.prompt_logprobs)
 
     def finish(self, reason: str = "abort") -> TextDelta:
         """End the output without a final engine increment (the stream ended early)."""

@@ -75,6 +75,7 @@ from serving.block_pool import NULL_BLOCK, BlockPool
 from serving.kv_cache import KVCacheManager
 from serving.kv_events.coverage import UnitCoverage
 from serving.kv_events.tracker import KVEventTracker
+from serving.prompt_logprobs import wants_prompt_logprobs
 from serving.request import Request
 
 _ROOT_HASH = b"glm53-prefix-cache-v1"
@@ -191,9 +192,12 @@ class PrefixCache:
     # ------------------------------------------------------------------ lookup
 
     def lookup(self, request: Request) -> PrefixHit:
-        """Longest usable cached prefix of the request's tokens (see `PrefixHit`). Changes
+        """Longest usable cached prefix of the request's tokens (see `PrefixHit`); none for a
+        request that still wants its prompt logprobs (`serving.prompt_logprobs`). Changes
         nothing (no references taken)."""
         limit = (request.num_tokens - 1) // self.unit  # in units
+        if wants_prompt_logprobs(request):  # its prompt positions must be computed (vLLM skips reading too)
+            limit = 0
         if limit == 0:
             return PrefixHit(0, {g.name: [] for g in self.kv.groups})
         hashes = self.block_hashes(request, limit * self.unit)

@@ -77,6 +77,9 @@ class Request:
     penalty_state: the request's penalties and logit bias as a sparse list kept up to date with its
         output (`serving.penalties.PenaltyState`), created by the first step that samples it; None
         otherwise.
+    prompt_logprobs_buf / prompt_logprobs_sent: a request with `SamplingParams.prompt_logprobs`: its
+        prompt logprobs computed so far (`serving.prompt_logprobs.PromptLogprobs`, None before the
+        first step that computes some) and whether its first output carried them.
 
     A step may schedule any number of new tokens for a request (a prefill chunk, one decode
     token, or a decode token plus draft tokens for speculative verification).
@@ -103,6 +106,8 @@ class Request:
     dp_rank: int | None = None  # the data-parallel replica chosen for it before it was queued
     num_output_placeholders: int = 0
     penalty_state: object | None = None
+    prompt_logprobs_buf: object | None = None
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

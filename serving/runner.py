@@ -39,6 +39,7 @@ from serving.faults import STALL_SECONDS, FaultInjection, InjectedFault
 from serving.hisparse.device_state import HiSparseDeviceState
 from serving.kv_cache import KVCacheManager
 from serving.penalties import step_penalties
+from serving.prompt_logprobs import PromptLogprobRows, record, step_rows
 from serving.runner_compile import StepCompileMixin
 from serving.runner_replicas import ReplicaStepsMixin
 from serving.runner_transfers import HostTransfersMixin
@@ -323,15 +324,20 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
                                   sched.num_draft_steps)
         pen = None if defer_sampling else self._step_penalties([sched])
         return self._launch([sched], StepInputs(batch, extra, sp, self._step_bitmask([sched]), feed_src, pen), t0,
-                            defer_sampling)
+                            defer_sampling, self._prompt_rows([sched], batch.input_ids_T.shape[0]))
+
+    def _prompt_rows(self, scheds: list[SchedulerOutput], num_tokens: int) -> PromptLogprobRows | None:
+        """The step's prompt-logprob rows (`serving.prompt_logprobs.step_rows`) or None."""
+        return step_rows(scheds, num_tokens, self.parallel.pcp if self.parallel is not None else 1)
 
     def _launch(self, scheds: list[SchedulerOutput], inputs: StepInputs, t0: float,
-                defer_sampling: bool = False) -> InFlightStep:
+                defer_sampling: bool = False, prompt_rows: PromptLogprobRows | None = None) -> InFlightStep:
         """Dispatch prepared inputs (`run_inputs`) → the `InFlightStep` of `scheds` (one per DP
         replica; replica r's request rows start at r · (max_num_seqs + 1)). The outputs' device →
         host copies start as soon as the step ends; logprob outputs are dropped when no request
         asked for them. t0: when preparing the step began. defer_sampling: the forward pass
-        only (the step's `out` is None until `sample_deferred`)."""
+        only (the step's `out` is None until `sample_deferred`). prompt_rows: the step's
+        prompt-logprob rows or None (with them the step runs split: `serving.prompt_logprobs`)."""
         t1 = time.perf_counter()
         num_tokens = inputs.batch.input_ids_T.shape[0]
         want_lp = bool(inputs.extra[WANT_LOGPROBS])
@@ -339,15 +345,25 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         rows = {sr.request_id: r * B + i for r, s in enumerate(scheds) for i, sr in enumerate(s.scheduled) if sr.sample}
         # Penalties and logit biases run in the split sampler program where the step can be split
         # (one process, no speculation): a new list width then compiles the sampler, not the step.
-        split = not defer_sampling and inputs.penalties is not None and self.can_defer_sampling
+        # Prompt logprobs come from the forward pass's hidden states: such a step runs split too.
+        split = not defer_sampling and (inputs.penalties is not None or prompt_rows is not None) \
+            and self.can_defer_sampling
+        prompt_out = None
         if defer_sampling or split:
-            logits, hs = self.run_inputs(inputs, forward_only=True)
+            (logits, prompt_out), hs = self.run_inputs(inputs, forward_only=True, prompt_rows=prompt_rows)
             out = None
         else:
+            if prompt_rows is not None:
+                raise RuntimeError("prompt logprobs need a step that can run split (one process, no speculation)")
             out, hs = self.run_inputs(inputs)
         stats = (hs[0].stats_Z5, hs[0].first_drop_S) if hs is not None else None
         step = InFlightStep(list(scheds), None, stats, want_lp, rows, sum(s.num_scheduled_tokens for s in scheds),
                             num_tokens, t1 - t0, t1)
+        if prompt_out is not None:
+            step.prompt_logprobs = (prompt_rows, prompt_out)
+            if jax.process_count() == 1:
+                for x in prompt_out:
+                    x.copy_to_host_async()
         if defer_sampling:
             step.deferred = (logits, inputs.extra)
         elif split:
@@ -465,6 +481,9 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         sets `last` (see `finish`) and an empty `last_logprobs`."""
         t1 = time.perf_counter()
         out, stats = jax.device_get((step.out, step.stats))
+        if step.prompt_logprobs is not None:
+            plan, prompt_out = step.prompt_logprobs
+            record(plan, jax.device_get(prompt_out))
         self._read_back()
         truncated = [{} for _ in step.scheds]
         if self.hisparse is not None:
@@ -479,10 +498,11 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         self.last_logprobs = {}
         return out, truncated
 
-    def run_inputs(self, inputs: StepInputs, forward_only: bool = False):
+    def run_inputs(self, inputs: StepInputs, forward_only: bool = False, prompt_rows: PromptLogprobRows | None = None):
         """Dispatch the jitted step on prepared host inputs → (sampler outputs, HiSparse state or
         None), both still on the device; with `forward_only` (one process, no speculation) the
-        forward pass alone → (its logits, HiSparse state or None), for `sample_deferred`. The engine's `execute` / `execute_replicas` call it after
+        forward pass alone → ((its logits, the prompt logprobs of `prompt_rows` or None), HiSparse
+        state or None), for `sample_deferred`. The engine's `execute` / `execute_replicas` call it after
         `prepare`; a multi-host follower calls it with the inputs the leader sent
         (`serving.multihost`). With `step_sink` set (the multi-host leader), the inputs are sent
         to the followers first, and the step counts in `steps_in_flight` until the caller has
@@ -514,16 +534,18 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
             placed.input_ids_T = self._feed_tokens(placed.input_ids_T, put(inputs.feed_src), self._last_sampled)
         bitmask = None if inputs.bitmask is None else put(inputs.bitmask)
         pen = None if forward_only or inputs.penalties is None else tuple(map(put, inputs.penalties))
-        variant = "forward-only" if forward_only else "+".join(
+        plp = None if prompt_rows is None else (put(prompt_rows.rows_P), put(prompt_rows.targets_P))
+        variant = ("forward-only" + ("+prompt-logprobs" if plp is not None else "")) if forward_only else "+".join(
             ([] if bitmask is None else ["masked"]) + ([] if pen is None else [f"penalized{pen[0].shape[-1]}"])) or None
         key = (variant, batch.input_ids_T.shape[0], hs_args is None)
         t0 = time.perf_counter()
         with use_kernels(self.kernel_mode):  # a program traced now uses the engine's kernels
             # A variant a background thread compiled (`serving.runner_variants`) runs its executable.
             if forward_only:
-                out, self.kv_arena, hs = self.call_variant(key, self._forward, self._state_leaves, placed,
-                                                           self.kv_arena, put(extra[COPY_SRC]), put(extra[COPY_DST]),
-                                                           hs_args)
+                fwd = self.call_variant(key, self._forward, self._state_leaves, placed, self.kv_arena,
+                                        put(extra[COPY_SRC]), put(extra[COPY_DST]), hs_args,
+                                        *(() if plp is None else (plp,)))
+                out, self.kv_arena, hs = (fwd[0], None if plp is None else fwd[3]), fwd[1], fwd[2]
             else:
                 # (The mask is passed only when there is one: the programs compiled at start-up, and
                 # every unconstrained step, keep the signature without it.)

@@ -67,7 +67,7 @@ class ReplicaStepsMixin:
         self._maybe_fault()
         return self._launch(scheds, StepInputs(batch, extra, None, self._step_bitmask(scheds), feed_src,
                                                None if defer_sampling else self._step_penalties(scheds)), t0,
-                            defer_sampling)
+                            defer_sampling, self._prompt_rows(scheds, T))
 
     def finish_replicas(self, step: InFlightStep, overlapped: bool = False) -> list[dict[str, list[int]]]:
         """Wait for a `dispatch_replicas` step and read it back → the sampled tokens per replica

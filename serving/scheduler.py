@@ -58,14 +58,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
-
 from serving.kv_cache import KVCacheManager
 from serving.kv_policy import DeviceResidentPolicy
 from serving.prefix_cache import PrefixCache
+from serving.prompt_logprobs import wants_prompt_logprobs
 from serving.request import Request, RequestStatus
 from serving.scheduler_output import ScheduledRequest, SchedulerOutput  # noqa: F401  (re-exported)
 from serving.types import RequestOutput
-
 
 _ABORT_STATUS = {"abort": RequestStatus.FINISHED_ABORTED, "stop": RequestStatus.FINISHED_STOPPED,
                  "error": RequestStatus.FINISHED_ERROR}
@@ -319,7 +318,7 @@ class Scheduler:
                 if is_cont:
                     continue  # the next continuation may fit
                 break  # first come, first served among the others
-            if hit is not None:
+            if hit is not None and not wants_prompt_logprobs(req):  # (it did not read the cache)
                 self.prefix_cache.record_query(req.num_tokens, hit)
                 if hit.loads:
                     self.prefix_cache.adopt_loads(hit)

@@ -16,7 +16,9 @@ The step without speculation also comes split in two (`forward`, `sample`) for a
 scheduling with structured outputs or output-dependent penalties: the forward pass is dispatched while the previous step is in
 flight and keeps its logits on the device; the masks, which need the previous step's tokens, are
 (and the penalties' output counts) computed on the host meanwhile and the sampler runs on the logits afterwards. Forward then sample
-gives the outputs of the one-program step.
+gives the outputs of the one-program step. Prompt logprobs (`serving.prompt_logprobs`) come from the
+split forward pass too: given prompt-logprob rows it also returns their logprobs, computed from the
+step's hidden states.
 """
 
 from __future__ import annotations
@@ -24,25 +26,32 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from glm53.attention import store_host_pages
 from glm53.batch import ForwardBatch
 from glm53.hot_cache import HostAccess, PagedKV
 from glm53.kv_layout import KVCacheLayout
+from glm53.sampling import prompt_token_logprobs
 from kernels.paged import copy_pages
 from serving.hisparse.device_state import HiSparseDeviceState
 from serving.sampling import apply_token_bitmask, mask_unreachable, sample_with_logprobs
 from serving.spec_decode.step import spec_decode_forward
 from sharding.mesh import ParallelLayout
 
+# Prompt logprobs are computed over at most this many token rows at a time (the logits of a block,
+# [block, vocab] fp32, are what is live: 158 MB at GLM-5.3's vocabulary).
+PROMPT_LOGPROBS_BLOCK = 256
+
 
 def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayout | None,
                         hisparse: HiSparseDeviceState | None, spec_k: int, reachable: int, k: int, state_def=None):
     """→ (step, store_only, forward, sample): the jitted step, HiSparse's jitted store program
     (None without HiSparse), and the step split in two (None under speculation): `forward(state,
-    batch, kv_arena, copy_src, copy_dst, hs)` → (the logits of the request rows [B, V], the unreachable ids
-    masked, the arena, HiSparse's state), and `sample(logits, temperature, top_p, top_k, min_p, seeds,
+    batch, kv_arena, copy_src, copy_dst, hs, plp=None)` → (the logits of the request rows [B, V], the unreachable ids
+    masked, the arena, HiSparse's state, and with `plp = (rows_P, targets_P)` the prompt logprobs of
+    those token rows: target logprob [P], rank [P], top ids [P, k], top logprobs [P, k]), and `sample(logits, temperature, top_p, top_k, min_p, seeds,
     steps, want_logprobs, bitmask=None, pen=None)` → the sampler's outputs (pen: the arguments of
     `glm53.sampling.apply_penalties` after the logits, or None).
 
@@ -93,19 +102,40 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
             if hs is None:
                 return out, kv, None
             return out, kv.arena, (kv.hot, host.pool, host.after)
-        logits, kv_arena, hs_out = model_logits(model, batch, kv_arena, hs, host)
+        logits, _, kv_arena, hs_out = model_logits(model, batch, kv_arena, hs, host)
         return (_sample(logits, temperature, top_p, top_k, min_p, seeds, steps, want_logprobs, bitmask, pen), kv_arena,
                 hs_out)
 
     def model_logits(model, batch, kv_arena, hs, host):
         """The forward pass without speculation → (logits with the unreachable ids masked, the
-        arena, HiSparse's state or None)."""
+        final hidden states [T, D], the arena, HiSparse's state or None)."""
         if hs is None:
-            logits, _, kv_arena = model(batch, kv_arena, layout, parallel)
-            return mask_unreachable(logits, reachable), kv_arena, None
+            logits, h, kv_arena = model(batch, kv_arena, layout, parallel)
+            return mask_unreachable(logits, reachable), h, kv_arena, None
         kv = PagedKV(kv_arena, hs[0].for_step())
-        logits, _, kv = model(batch, kv, layout, parallel, host)
-        return mask_unreachable(logits, reachable), kv.arena, (kv.hot, host.pool, host.after)
+        logits, h, kv = model(batch, kv, layout, parallel, host)
+        return mask_unreachable(logits, reachable), h, kv.arena, (kv.hot, host.pool, host.after)
+
+    def prompt_logprobs(model, h_TD, plp):
+        """`glm53.sampling.prompt_token_logprobs` of the token rows `plp = (rows_P, targets_P)`
+        of the step's hidden states (rows in the placed token order; P is the step's token
+        count, padded with row 0), in blocks of at most `PROMPT_LOGPROBS_BLOCK` rows so that the
+        logits of a block ([block, vocab] fp32) and not of the whole step are live at once."""
+        rows_P, target_P = plp
+        P = rows_P.shape[0]
+        blk = min(P, PROMPT_LOGPROBS_BLOCK)
+        n = -(-P // blk)
+        pad = lambda x: jnp.pad(x, (0, n * blk - P)).reshape(n, blk)
+
+        def block(args):
+            rows, target = args
+            return prompt_token_logprobs(mask_unreachable(model.logits(h_TD[rows]), reachable), target, k)
+
+        out = jax.lax.map(block, (pad(rows_P), pad(target_P)))
+        out = tuple(x.reshape(n * blk, *x.shape[2:])[:P] for x in out)
+        if replicate is not None:
+            out = jax.lax.with_sharding_constraint(out, replicate)
+        return out
 
     def _sample(logits, temperature, top_p, top_k, min_p, seeds, steps, want_logprobs, bitmask=None, pen=None):
         if bitmask is not None:
@@ -118,11 +148,16 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
     forward = sample = None
     if not spec_k:
         @functools.partial(jax.jit, donate_argnums=(2, 5))
-        def forward(state, batch: ForwardBatch, kv_arena, copy_src, copy_dst, hs):
+        def forward(state, batch: ForwardBatch, kv_arena, copy_src, copy_dst, hs, plp=None):
+            # plp: None, or the prompt-logprob rows (rows_P, targets_P) of `prompt_logprobs`,
+            # whose outputs then follow HiSparse's state (a variant of its own, as the mask).
             host = None if hs is None else HostAccess(hs[1], mechanism, after=hs[2], narrow_rows=narrow_rows)
             kv_arena = copy_pages(kv_arena, copy_src, copy_dst)
             model = nnx.merge(graphdef, state if state_def is None else jax.tree.unflatten(state_def, state))
-            return model_logits(model, batch, kv_arena, hs, host)
+            logits, h, kv_arena, hs_out = model_logits(model, batch, kv_arena, hs, host)
+            if plp is None:
+                return logits, kv_arena, hs_out
+            return logits, kv_arena, hs_out, prompt_logprobs(model, h, plp)
 
         sample = jax.jit(_sample)
 

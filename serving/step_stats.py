@@ -33,7 +33,8 @@ class InFlightStep:
     `time.perf_counter()` of its dispatch. policy_rows: Hybrid HiSparse's query rows per request
     of the step, one dict per replica (`HiSparsePolicy.step_rows`, set by the engine), or None.
     deferred: a step dispatched without its sampler (`ModelRunner.sample_deferred`): (its logits
-    on the device, its `StepInputs.extra`); `out` is None until then.
+    on the device, its `StepInputs.extra`); `out` is None until then. prompt_logprobs: the step's
+    (`serving.prompt_logprobs.PromptLogprobRows`, their outputs on the device) or None.
     """
     scheds: list
     out: tuple | None
@@ -46,6 +47,7 @@ class InFlightStep:
     dispatched: float
     policy_rows: list | None = None
     deferred: tuple | None = None
+    prompt_logprobs: tuple | None = None
 
     @property
     def sched(self) -> SchedulerOutput:

@@ -52,6 +52,11 @@ class SamplingParams:
     logprobs: None for no log-probabilities; k >= 0 returns, for every generated token, its
         log-probability under the model's raw distribution (fp32 log-softmax of the logits,
         before temperature and top-p) and the k most likely tokens with theirs.
+    prompt_logprobs: None, or k >= 0 (vLLM's): the first output then carries, for every prompt
+        token after the first, its log-probability given the tokens before it (the same raw
+        distribution), its rank, and the k most likely tokens with theirs
+        (`RequestOutput.prompt_logprobs`, `serving.prompt_logprobs`). Such a request computes its
+        whole prompt: it reads nothing from the prefix cache (vLLM does the same).
     stop: stop strings, matched by the front end (server, `LLM`) on the detokenized text; the
         output ends before the first match, which is not included (finish reason "stop").
     n: independent samples per prompt (front ends submit n requests; with a seed, sample i
@@ -88,6 +93,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stop: list[str] = field(default_factory=list)
     n: int = 1
     skip_special_tokens: bool = True
@@ -106,7 +112,7 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise ValueError(f"{name} must be a number, got {v!r}")  # noqa: TRY004 - a 400, as every refusal
-        for name in ("max_tokens", "logprobs", "seed", "data_parallel_rank", "top_k", "min_tokens"):
+        for name in ("max_tokens", "logprobs", "prompt_logprobs", "seed", "data_parallel_rank", "top_k", "min_tokens"):
             v = getattr(self, name)
             if v is not None and not is_integer(v):
                 raise ValueError(f"{name} must be an integer or None, got {v!r}")
@@ -130,6 +136,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -160,13 +168,17 @@ class SamplingParams:
 class TokenLogprobs:
     """Log-probabilities of one generated token (natural log, fp32 maths).
 
-    token_id / logprob: the sampled token and its log-probability.
+    token_id / logprob: the sampled token (or, for prompt logprobs, the prompt token) and its
+        log-probability.
     top: the most likely tokens as (token_id, logprob), most likely first (as many as requested).
+    rank: prompt logprobs only: 1 + the number of ids more likely than `token_id` (vLLM's count of
+        ids at least as likely; 1 is the most likely); None for generated tokens.
     """
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
 
 
 @dataclass
@@ -184,6 +196,9 @@ class RequestOutput:
     error: with finish_reason "error", the engine's message (the server turns it into a 500).
     kv_transfer_params: on the final output of a prefill engine's `do_remote_decode` request, the
         params its decode engine needs (`serving/pd/params.py`); None otherwise.
+    prompt_logprobs: for a request with `SamplingParams.prompt_logprobs`, on its first output with
+        a token: one entry per prompt token, None for the first (nothing precedes it), then a
+        `TokenLogprobs` with the prompt token, its rank and the top alternatives. None otherwise.
     """
 
     request_id: str
@@ -196,6 +211,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
     kv_transfer_params: dict | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class EngineClient(Protocol):

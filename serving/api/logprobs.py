@@ -15,6 +15,8 @@ from serving.api.protocol import (
     ChatTokenLogprob,
     ChatTokenLogprobContent,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
 )
 from serving.types import TokenLogprobs
 
@@ -59,5 +61,47 @@ def completion_logprobs(
         offset += len(text)
         top = {token_text(tokenizer, i): lp for i, lp in t.top[:top_n]}
         top.setdefault(text, t.logprob)
+        out.top_logprobs.append(top)
+    return out
+
+
+def prompt_logprobs_body(tokenizer: Any, entries: list[TokenLogprobs | None] | None) -> PromptLogprobs | None:
+    """vLLM's `prompt_logprobs` from the engine's (`RequestOutput.prompt_logprobs`): per prompt
+    token None (the first) or {token id: {logprob, rank, decoded_token}} holding the prompt token
+    (with its rank) and its top alternatives (their ranks: 1, 2, ...)."""
+    if entries is None:
+        return None
+    out: PromptLogprobs = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        d = {str(i): PromptLogprob(logprob=lp, rank=r + 1, decoded_token=token_text(tokenizer, i))
+             for r, (i, lp) in enumerate(e.top)}
+        d[str(e.token_id)] = PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=token_text(tokenizer, e.token_id))
+        out.append(d)
+    return out
+
+
+def echo_completion_logprobs(tokenizer: Any, prompt_ids: list[int], entries: list[TokenLogprobs | None],
+                             top_n: int) -> CompletionLogprobs:
+    """`choices[i].logprobs` of an echoed prompt (legacy completions with `echo` and `logprobs`),
+    as vLLM gives them: one entry per prompt token, the first with None for its logprob and its
+    `top_logprobs` (nothing precedes it); offsets from 0. The output's entries follow
+    (`completion_logprobs` with the prompt text's length as its offset)."""
+    out = CompletionLogprobs()
+    offset = 0
+    for tid, e in zip(prompt_ids, entries):
+        text = token_text(tokenizer, tid)
+        out.tokens.append(text)
+        out.text_offset.append(offset)
+        offset += len(text)
+        if e is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(e.logprob)
+        top = {token_text(tokenizer, i): lp for i, lp in e.top[:top_n]}
+        top.setdefault(text, e.logprob)
         out.top_logprobs.append(top)
     return out

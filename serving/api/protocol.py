@@ -109,6 +109,20 @@ class CompletionLogprobs(_Response):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(_Response):
+    """One entry of vLLM's `prompt_logprobs` (a prompt position's dict, keyed by token id): the
+    token's log-probability given the prompt before it, its rank (1: the most likely) and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's `prompt_logprobs` body: one entry per prompt token, None for the first, else {token id:
+# PromptLogprob} holding the prompt token and its top alternatives.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 # ------------------------------------------------------------------------------ chat completions
 
 
@@ -170,6 +184,7 @@ class ChatCompletionRequest(_Request):
     repetition_penalty: float | None = None
     echo: bool | None = False  # vLLM's chat field (prepend the last message): refused when set
     best_of: int | None = None  # refused unless 1
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs (not with stream)
     structured_outputs: dict[str, Any] | None = None  # serving/api/structured.py
 
 
@@ -202,6 +217,8 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     kv_transfer_params: dict[str, Any] | None = None  # P/D: a prefill engine's answer (serving/pd/params.py)
+    # vLLM's (`prompt_logprobs` requested): the rendered prompt's; left out of the body otherwise.
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class DeltaMessage(_Response):
@@ -258,7 +275,7 @@ class CompletionRequest(_Request):
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    echo: bool | None = False
+    echo: bool | None = False  # the prompt's text (and with logprobs its tokens') before the output
     logprobs: int | None = None
     presence_penalty: float | None = 0.0  # [-2, 2]; serving.penalties
     frequency_penalty: float | None = 0.0  # [-2, 2]
@@ -276,6 +293,7 @@ class CompletionRequest(_Request):
     min_p: float | None = None
     return_token_ids: bool = False  # vLLM: each choice also carries prompt_token_ids and token_ids
     repetition_penalty: float | None = None
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs (not with stream)
     structured_outputs: dict[str, Any] | None = None  # serving/api/structured.py
     response_format: dict[str, Any] | None = None  # vLLM applies it on completions too
 
@@ -292,6 +310,8 @@ class CompletionChoice(_Response):
     # output token ids (a stream: the chunk's new ones). Left out of the body unless requested.
     prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
     token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
+    # vLLM's `prompt_logprobs` (requested): left out of the body otherwise.
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(_Response):

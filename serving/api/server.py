@@ -22,7 +22,8 @@ HTTP status:
   fields; vLLM also answers 400 here, where FastAPI's default would be 422), values out of range
   (`max_tokens` < 1, `temperature` < 0, `top_p` outside (0, 1], `top_k` < -1, `min_p` outside
   [0, 1], `n` outside [1, 128], empty stop strings, `top_logprobs` without `logprobs`), features
-  this build does not support yet (`echo`, penalties, `best_of`, ...), a prompt that does not fit `max_model_len` (alone or with
+  this build does not support yet (chat's `echo`, `best_of`, `suffix`, `prompt_logprobs` with `stream`), a prompt
+  that does not fit `max_model_len` (alone or with
   `max_tokens`), chat-template errors, `tools` / `tool_choice` / `reasoning_effort` values the
   output parsing cannot honour (`serving.api.chat_output`), and any ValueError raised by the
   engine (e.g. more logprobs than `--max-logprobs`).
@@ -41,7 +42,9 @@ choice i uses seed + i); their stream chunks interleave, each tagged with its `i
 strings are matched on the detokenized text (`serving.output_processor`): the output ends before
 the match, a stream never shows text past it, and the engine request is aborted at once.
 `logprobs` (chat: `logprobs` + `top_logprobs`; completions: `logprobs: k`) come from the engine
-(fp32 log-softmax of the raw logits) and are formatted by `serving.api.logprobs`. Usage counts
+(fp32 log-softmax of the raw logits) and are formatted by `serving.api.logprobs`, as are vLLM's
+`prompt_logprobs` and an echoed prompt's entries (completions' `echo`; `max_tokens: 0` with `echo` is
+the prompt alone; `serving/prompt_logprobs.py`). Usage counts
 the prompt once and the completion tokens of all choices; `prompt_tokens_details.cached_tokens`
 is the prefix-cache hit of choice 0.
 """
@@ -72,7 +75,12 @@ from serving.api.errors import (
     error_json,
     validation_error,
 )
-from serving.api.logprobs import chat_logprobs, completion_logprobs
+from serving.api.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    echo_completion_logprobs,
+    prompt_logprobs_body,
+)
 from serving.api.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -81,6 +89,7 @@ from serving.api.protocol import (
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
@@ -542,6 +551,8 @@ def build_app(
                 ],
                 usage=ch.usage(),
                 kv_transfer_params=ch.handles[0].kv_transfer_params,
+                prompt_logprobs=None if body.prompt_logprobs is None
+                else prompt_logprobs_body(tokenizer, ch.states[0].prompt_logprobs),
             )
             return JSONResponse(without_null_kv_params(resp.model_dump(mode="json")))
 
@@ -591,9 +602,16 @@ def build_app(
         body: CompletionRequest = await parse_body(request, CompletionRequest, max_body_bytes)
         _check_model(body.model)
         reject_unsupported(body)
+        requested, requested_param = requested_max_tokens(body)
+        # echo with max_tokens 0: the prompt alone (its logprobs: a scoring request); the engine
+        # generates one token, which the response leaves out (vLLM's way).
+        echo_only = bool(body.echo) and requested == 0
+        if echo_only and body.stream:
+            raise bad_request(f"{requested_param}=0 with echo (the prompt alone) is not supported with stream=true.",
+                              requested_param)
         for name in ("max_completion_tokens", "max_tokens"):
             value = getattr(body, name)
-            if value is not None and value < 1:
+            if value is not None and value < 1 and not (echo_only and name == requested_param):
                 raise bad_request(f"{name} must be at least 1, got {value}.", name)
 
         prompt = body.prompt
@@ -609,13 +627,33 @@ def build_app(
 
         defaults = request.app.state.default_sampling
         max_tokens = resolve_max_tokens(
-            *requested_max_tokens(body), len(prompt_ids), engine.max_model_len, "prompt",
+            1 if echo_only else requested, requested_param, len(prompt_ids), engine.max_model_len, "prompt",
             note=getattr(engine, "max_model_len_note", ""), default=defaults.get("max_tokens"),
         )
         params = build_sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None), defaults)
         params.data_parallel_rank = header_data_parallel_rank(request)
         params.structured_outputs = request_constraint(body)
         top_n = body.logprobs or 0
+        echo = bool(body.echo)
+        prompt_text = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids, skip_special_tokens=False)) \
+            if echo else ""
+
+        def choice_logprobs(prompt_lps, lps, offset: int) -> CompletionLogprobs | None:
+            """The choice's (or chunk's) logprobs: with echo, the prompt's entries first (when
+            `prompt_lps`, this choice's prompt logprobs, are given), then the output's from `offset`."""
+            if params.logprobs is None:
+                return None
+            if not (echo and prompt_lps is not None):
+                return completion_logprobs(tokenizer, lps, top_n, offset)
+            head = echo_completion_logprobs(tokenizer, prompt_ids, prompt_lps, top_n)
+            end = head.text_offset[-1] + len(head.tokens[-1]) if head.tokens else 0
+            tail = completion_logprobs(tokenizer, lps, top_n, end)
+            return CompletionLogprobs(text_offset=head.text_offset + tail.text_offset,
+                                      token_logprobs=head.token_logprobs + tail.token_logprobs,
+                                      tokens=head.tokens + tail.tokens, top_logprobs=head.top_logprobs + tail.top_logprobs)
+
+        def prompt_lps_of(entries):
+            return None if body.prompt_logprobs is None else prompt_logprobs_body(tokenizer, entries)
 
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -631,13 +669,13 @@ def build_app(
                 choices=[
                     CompletionChoice(
                         index=i,
-                        text=st.text,
-                        logprobs=None if params.logprobs is None
-                        else completion_logprobs(tokenizer, st.logprobs, top_n),
+                        text=prompt_text + ("" if echo_only else st.text),
+                        logprobs=choice_logprobs(st.prompt_logprobs, [] if echo_only else st.logprobs, 0),
                         finish_reason=st.finish_reason or "abort",
                         stop_reason=st.stop_reason,
                         prompt_token_ids=list(prompt_ids) if body.return_token_ids else None,
-                        token_ids=list(st.token_ids) if body.return_token_ids else None,
+                        token_ids=(list(st.token_ids) if not echo_only else []) if body.return_token_ids else None,
+                        prompt_logprobs=prompt_lps_of(st.prompt_logprobs),
                     )
                     for i, st in enumerate(ch.states)
                 ],
@@ -653,11 +691,18 @@ def build_app(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         offsets = [0] * len(ch)
         sent_prompt = [False] * len(ch)
+        echoed = [not echo] * len(ch)
 
         def make_chunks(i: int, d: TextDelta, st: RequestTextState) -> list[dict[str, Any]]:
             lps = None
-            if d.logprobs:
+            text = d.text
+            if not echoed[i]:  # echo: the prompt's text (and logprobs) open the choice's first chunk
+                echoed[i] = True
+                text = prompt_text + text
+                lps = choice_logprobs(d.prompt_logprobs or [], d.logprobs or [], 0)
+            elif d.logprobs:
                 lps = completion_logprobs(tokenizer, d.logprobs, top_n, offsets[i])
+            if lps is not None and lps.tokens:
                 offsets[i] = lps.text_offset[-1] + len(lps.tokens[-1])
             ids = {}
             if body.return_token_ids:
@@ -671,8 +716,10 @@ def build_app(
                         id=rid,
                         created=created,
                         model=served_model_name,
-                        choices=[CompletionChoice(index=i, text=d.text, logprobs=lps,
-                                                  finish_reason=d.finish_reason, stop_reason=d.stop_reason, **ids)],
+                        choices=[CompletionChoice(index=i, text=text, logprobs=lps,
+                                                  finish_reason=d.finish_reason, stop_reason=d.stop_reason,
+                                                  prompt_logprobs=prompt_lps_of(d.prompt_logprobs)
+                                                  if d.prompt_logprobs is not None else None, **ids)],
                     )
                 )
             ]

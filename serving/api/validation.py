@@ -147,8 +147,15 @@ def reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
         if body.logprobs is not None and body.logprobs < 0:
             raise bad_request(f"logprobs must be >= 0, got {body.logprobs}.", "logprobs")
         checks += [("suffix", bool(body.suffix))]
+    if isinstance(body, ChatCompletionRequest):
+        checks += [("echo", bool(body.echo))]
+    if body.prompt_logprobs is not None:
+        if body.prompt_logprobs < 0:
+            raise bad_request(f"prompt_logprobs must be >= 0 (-1, the whole vocabulary, is not supported), got "
+                              f"{body.prompt_logprobs}.", "prompt_logprobs")
+        if body.stream and body.prompt_logprobs > 0:
+            raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
     checks += [
-        ("echo", bool(body.echo)),
         ("best_of", body.best_of not in (None, 1)),
     ]
     for name, bad in checks:
@@ -230,6 +237,12 @@ def build_sampling_params(
     if max_logprobs is not None and logprobs is not None and logprobs > max_logprobs:
         name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
         raise bad_request(f"{name} must be at most {max_logprobs} (--max-logprobs), got {logprobs}.", name)
+    prompt_logprobs = body.prompt_logprobs
+    if prompt_logprobs is not None and max_logprobs is not None and prompt_logprobs > max_logprobs:
+        raise bad_request(f"prompt_logprobs must be at most {max_logprobs} (--max-logprobs), got {prompt_logprobs}.",
+                          "prompt_logprobs")
+    if prompt_logprobs is None and not isinstance(body, ChatCompletionRequest) and body.echo:
+        prompt_logprobs = logprobs  # vLLM's: an echoed prompt's tokens carry logprobs as the output's
     kv_params = (body.model_extra or {}).get("kv_transfer_params")
     if kv_params is not None:
         try:
@@ -266,6 +279,7 @@ def build_sampling_params(
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         n=body.n or 1,
         skip_special_tokens=body.skip_special_tokens,

@@ -29,6 +29,13 @@ def fake_logprobs(token: int) -> TokenLogprobs:
     return TokenLogprobs(token, -0.25, [(token, -0.25)] + [(token + k, -float(k)) for k in range(1, 20)])
 
 
+def fake_prompt_logprobs(prompt: list[int], k: int) -> list[TokenLogprobs | None]:
+    """The fake engine's prompt logprobs: prompt token i at -i / 10 with rank i + 1 (above it the
+    ids 1000, 1001, ... at -0.01, -0.02, ...), k of those alternatives."""
+    return [None] + [TokenLogprobs(t, -i / 10, [(1000 + j, -(j + 1) / 100) for j in range(k)], i + 1)
+                     for i, t in enumerate(prompt[1:], 1)]
+
+
 class FakeEngine:
     """A deterministic `EngineClient`: answers REPLY then EOS, one or two tokens per increment.
 
@@ -108,6 +115,8 @@ class FakeEngine:
                     num_cached_tokens=0,
                     num_output_tokens=n_out,
                     new_logprobs=None if params.logprobs is None else [fake_logprobs(t) for t in new],
+                    prompt_logprobs=None if params.prompt_logprobs is None or step > 1
+                    else fake_prompt_logprobs(list(prompt_token_ids), params.prompt_logprobs),
                 )
         finally:
             if not finished:
@@ -397,6 +406,67 @@ def test_completions_stream(client, tiny_tokenizer):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
 
 
+def test_completions_prompt_logprobs_in_vllms_shape(http, engine, tiny_tokenizer):
+    """`prompt_logprobs: k` (vLLM's extension): each choice carries, per prompt token, None for
+    the first, then {token id: {logprob, rank, decoded_token}} for the prompt token and its k
+    alternatives; the engine is asked for them, and the output is unchanged."""
+    prompt = [10, 11, 12, 13]
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert engine.submitted[r.json()["id"]][1].prompt_logprobs == 2
+    assert choice["text"] == _expected(tiny_tokenizer, 3) and choice["logprobs"] is None
+    plp = choice["prompt_logprobs"]
+    assert len(plp) == 4 and plp[0] is None
+    for i, entry in enumerate(plp[1:], 1):
+        tok = str(prompt[i])
+        assert entry[tok] == {"logprob": -i / 10, "rank": i + 1, "decoded_token": tiny_tokenizer.decode([prompt[i]])}
+        assert entry["1000"]["rank"] == 1 and entry["1001"]["logprob"] == -0.02 and len(entry) == 3
+    # left out of the body when not asked for
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    assert "prompt_logprobs" not in r.json()["choices"][0]
+
+
+def test_completions_echo_and_scoring_a_prompt(http, client, engine, tiny_tokenizer):
+    """`echo`: the prompt's text before the output; with `logprobs` the prompt's tokens lead the
+    logprobs (the first with None, as vLLM and OpenAI give them); `max_tokens: 0` with echo is the
+    prompt alone (the engine generates one token, left out) — how evaluation harnesses score a text."""
+    r = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, echo=True)
+    assert r.choices[0].text == "Hello there" + _expected(tiny_tokenizer, 3)
+    assert engine.submitted[r.id][1].prompt_logprobs is None  # no logprobs: nothing to compute
+    ids = tiny_tokenizer.encode("Hello there")
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 0, "echo": True,
+                                           "logprobs": 1})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    sent = engine.submitted[body["id"]][1]
+    assert sent.max_tokens == 1 and sent.prompt_logprobs == 1 and sent.logprobs == 1
+    choice = body["choices"][0]
+    assert choice["text"] == "Hello there" and choice["finish_reason"] == "length"
+    lp = choice["logprobs"]
+    texts = [tiny_tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert lp["tokens"] == texts and lp["token_logprobs"] == [None] + [-i / 10 for i in range(1, len(ids))]
+    assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {texts[1]: -0.1, tiny_tokenizer.decode([1000]): -0.01}
+    assert lp["text_offset"] == [sum(len(t) for t in texts[:i]) for i in range(len(ids))]
+    # echo with output logprobs, streaming: the first chunk opens with the prompt and its entries
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello there", max_tokens=4, echo=True, logprobs=1,
+                                            stream=True))
+    assert chunks[0].choices[0].text.startswith("Hello there")
+    assert "".join(c.choices[0].text for c in chunks) == "Hello there" + _expected(tiny_tokenizer, 4)
+    streamed = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+    assert streamed[:len(ids)] == texts and len(streamed) == len(ids) + 4
+    assert chunks[0].choices[0].logprobs.token_logprobs[0] is None
+
+
+def test_chat_prompt_logprobs(http, engine):
+    r = http.post("/v1/chat/completions", json=_chat(max_tokens=2, prompt_logprobs=0))
+    assert r.status_code == 200, r.text
+    prompt_ids = engine.submitted[r.json()["id"]][0]
+    plp = r.json()["prompt_logprobs"]
+    assert len(plp) == len(prompt_ids) and plp[0] is None
+    assert all(list(e) == [str(t)] for e, t in zip(plp[1:], prompt_ids[1:]))
+
+
 def test_models(client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
@@ -491,6 +561,7 @@ def _chat(**fields) -> dict:
         (_chat(logit_bias={"-1": 1}), "logit_bias"),
         # vLLM fields this build does not honour are refused, not dropped
         (_chat(echo=True), "echo"),  # declared on chat too: it used to be dropped as an unknown field
+        (_chat(prompt_logprobs=2, stream=True), "prompt_logprobs"),
         (_chat(best_of=2), "best_of"),
         (_chat(stream=True, stream_options={"continuous_usage_stats": True}), "stream_options.continuous_usage_stats"),
         (_chat(continue_final_message=True), "continue_final_message"),  # the last message is the user's
@@ -506,7 +577,12 @@ def test_chat_400(http, body, param):
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"model": MODEL, "prompt": "x", "echo": True}, "echo"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only to echo the prompt
+        ({"model": MODEL, "prompt": "x", "max_tokens": 0, "echo": True, "stream": True}, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # vLLM's rule
+        ({"model": MODEL, "prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"model": MODEL, "prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),  # --max-logprobs 20
+        ({"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix"),
         ({"model": MODEL, "prompt": "x", "max_tokens": -1}, "max_tokens"),
         ({"model": MODEL, "prompt": ""}, "prompt"),
         ({"model": MODEL, "prompt": []}, "prompt"),

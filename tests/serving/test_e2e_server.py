@@ -127,6 +127,37 @@ def test_a_token_id_outside_the_vocabulary_is_a_400_naming_the_prompt(server):
     assert r.status_code == 200, r.text
 
 
+def test_scoring_a_text_with_echo_and_logprobs_follows_one_full_forward(server):
+    """What evaluation harnesses send to score a text (lm-evaluation-harness's loglikelihood: `echo`,
+    `logprobs: 1`, `max_tokens: 0`): the text back, and each token's logprob given the ones before
+    it (the first None) as one full forward of the prompt gives them (`glm53.api.forward`, float64
+    log-softmax; to 2e-4), twice — the second time not read from the prefix cache — and through
+    vLLM's `prompt_logprobs` with an output."""
+    import numpy as np
+
+    from glm53 import api
+
+    text = "The quick brown fox jumps over the lazy dog, twice: the quick brown fox jumps over the lazy dog."
+    body = {"model": "glm-5.3-tiny", "prompt": text, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0,
+            "return_token_ids": True}
+    first, again = (httpx.post(server[0] + "/v1/completions", json=body, timeout=120).json() for _ in range(2))
+    ids = first["choices"][0]["prompt_token_ids"]
+    logits = api.forward(api.load(), ids).astype(np.float64)[:, :server[1].engine.runner.sampling_vocab_size]
+    ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    for r in (first, again):
+        choice = r["choices"][0]
+        assert choice["text"] == text and choice["token_ids"] == []
+        lps = choice["logprobs"]["token_logprobs"]
+        assert len(lps) == len(ids) and lps[0] is None
+        assert max(abs(lps[i] - ref[i - 1, ids[i]]) for i in range(1, len(ids))) < 2e-4
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    r = httpx.post(server[0] + "/v1/completions", json={"model": "glm-5.3-tiny", "prompt": ids, "max_tokens": 2,
+                                                       "prompt_logprobs": 0, "temperature": 0}, timeout=120).json()
+    plp = r["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and [list(e) for e in plp[1:]] == [[str(t)] for t in ids[1:]]
+    assert max(abs(plp[i][str(ids[i])]["logprob"] - ref[i - 1, ids[i]]) for i in range(1, len(ids))) < 2e-4
+
+
 def test_x_data_parallel_rank_is_checked_and_its_refusals_name_the_header(server):
     # One replica: rank 0 is served; 1 and -1 are refused by the engine, the rest by the parser
     # (int() alone took "+1", " 1" and "1_0")

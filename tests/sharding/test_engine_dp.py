@@ -31,6 +31,7 @@ from sharding.distributed import free_port_pair
 from sharding.mesh import ParallelConfig
 from tests.helpers.kv_event_view import Subscriber
 from tests.helpers.penalties_oracle import check_greedy_stream
+from tests.helpers.prompt_logprobs_oracle import check_prompt_logprobs
 
 # The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
 pytestmark = pytest.mark.shallow_model
@@ -215,6 +216,24 @@ def test_dp2_penalties_of_each_replica_follow_the_oracle(dp2):
     for rid, adj in adjust.items():
         assert len(streams[f"{rid}_pen"]) == MAX_TOKENS
         check_greedy_stream(lm, PROMPTS[rid], streams[f"{rid}_pen"], adj, dp2.runner.sampling_vocab_size)
+    assert dp2.audit() == [] and all(r.pool.usage() == 0.0 for r in dp2.replicas)
+
+
+def test_dp2_prompt_logprobs_of_each_replica_follow_one_full_forward(dp2):
+    """Prompt logprobs (serving/prompt_logprobs.py) of a request on each replica of one stacked step
+    (rows indexed into replica r's slice of the hidden states) against one full forward
+    (tests/helpers/prompt_logprobs_oracle.py)."""
+    for rid in ("c", "e"):
+        dp2.add_request(f"{rid}_plp", PROMPTS[rid], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2))
+    assert [dp2.replica_of(f"{r}_plp").index for r in ("c", "e")] == [0, 1]
+    got = {}
+    while dp2.has_unfinished_requests():
+        for o in dp2.step():
+            if o.prompt_logprobs is not None:
+                got[o.request_id] = o.prompt_logprobs
+    lm = api.load()
+    for rid in ("c", "e"):
+        check_prompt_logprobs(lm, PROMPTS[rid], got[f"{rid}_plp"], 2, dp2.runner.sampling_vocab_size)
     assert dp2.audit() == [] and all(r.pool.usage() == 0.0 for r in dp2.replicas)
 
 

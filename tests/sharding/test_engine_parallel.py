@@ -19,6 +19,7 @@ from serving.engine import EngineArgs, LLMEngine
 from serving.engine_factory import build_engine
 from serving.types import SamplingParams
 from sharding.mesh import ParallelConfig
+from tests.helpers.prompt_logprobs_oracle import check_prompt_logprobs
 
 # The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
 pytestmark = pytest.mark.shallow_model
@@ -99,6 +100,15 @@ def test_served_streams_equal_single_device(cfg, single_device_streams):
     engine.set_async_scheduling(True)
     assert run(engine) == got
     assert engine.pool.num_free == engine.pool.num_usable_blocks
+    if cfg.prefill_context_parallel_size > 1:
+        # Prompt logprobs (serving/prompt_logprobs.py): their rows index the hidden states in the
+        # load-balanced token order; two chunks of c's 100 tokens against one full forward.
+        engine.add_request("c_plp", PROMPTS["c"], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))
+        entries = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                entries = out.prompt_logprobs or entries
+        check_prompt_logprobs(api.load(), PROMPTS["c"], entries, 1, engine.runner.sampling_vocab_size)
 
 
 def test_mtp_speculation_under_tp2_dcp2_serves_the_single_device_streams(single_device_streams):
