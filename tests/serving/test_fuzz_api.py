@@ -52,7 +52,7 @@ COMMON = {
     "stop": text | st.lists(text, max_size=5) | junk, "stream": st.booleans() | junk,
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | junk,
                                                           "continuous_usage_stats": st.booleans() | junk}) | junk,
-    "min_tokens": st.integers(-1, 4) | junk,
+    "min_tokens": st.integers(-1, 4) | junk, "prompt_logprobs": st.integers(-2, 25) | junk,
     "presence_penalty": prob | junk, "frequency_penalty": prob | junk, "repetition_penalty": prob | junk,
     "logit_bias": st.dictionaries(st.sampled_from(["5", "-1", "999", "x"]), st.floats(-200, 200)) | junk,
     "ignore_eos": st.booleans() | junk, "stop_token_ids": token_ids | junk, "skip_special_tokens": st.booleans(),
@@ -95,7 +95,7 @@ VALID_CHAT = {**VALID_COMMON, "logprobs": st.booleans(), "top_logprobs": st.inte
               "tools": st.lists(tool.filter(lambda t: t["type"] == "function" and t["function"]["name"] == "get_weather"
                                             and "parameters" not in t["function"]), max_size=1)}
 VALID_COMPLETION = {**VALID_COMMON, "logprobs": st.integers(0, 5), "echo": st.booleans(),
-                    "return_token_ids": st.booleans()}
+                    "prompt_logprobs": st.integers(0, 3), "return_token_ids": st.booleans()}
 REQUIRED = {
     "chat": {"model": st.just("glm-5.3-tiny"), "max_tokens": st.integers(1, 8), "messages": st.lists(
         st.fixed_dictionaries({"role": st.sampled_from(["system", "user"]), "content": ok_text}), min_size=1,
