@@ -265,17 +265,11 @@ class LLMEngine(EngineStatsMixin, HostTiersMixin, PDEngineMixin, AsyncStepMixin,
 
     def _validate_prompt_logprobs(self, params: SamplingParams) -> None:
         """Refuse `prompt_logprobs` where this engine cannot compute them (InvalidRequestError
-        naming the field): more than --max-logprobs, a step that cannot run split (MTP
-        speculation, a multi-process engine), or a prompt prefilled by another engine (P/D)."""
+        naming the field): more than --max-logprobs, or with P/D's `kv_transfer_params` (a decode
+        engine never computes the prompt)."""
         if params.prompt_logprobs > self.args.max_logprobs:
             raise InvalidRequestError(f"prompt_logprobs {params.prompt_logprobs} exceeds the maximum "
                                       f"{self.args.max_logprobs} (--max-logprobs)", "prompt_logprobs")
-        if self.runner.spec_k:
-            raise InvalidRequestError("prompt_logprobs is not supported with MTP speculative decoding "
-                                      "(--speculative-config)", "prompt_logprobs")
-        if not self.runner.can_defer_sampling:
-            raise InvalidRequestError("prompt_logprobs is not supported on a multi-process engine yet",
-                                      "prompt_logprobs")
         if params.kv_transfer_params:
             raise InvalidRequestError("prompt_logprobs is not supported with kv_transfer_params (prefill/decode "
                                       "disaggregation: the decode engine does not compute the prompt)",

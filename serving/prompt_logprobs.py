@@ -3,18 +3,19 @@ first, its log-probability given the tokens before it, its rank and the k most l
 
 The logits that predict prompt token p + 1 are those of position p, which the prefill computes
 anyway; only the request's last token's logits reach the sampler. A step that prefills positions
-of such a request runs split (`serving.step_program`: the forward pass with these rows, then the
-sampler): the forward pass takes the rows' indices in the step's hidden states and the prompt
-tokens they predict (`step_rows`), and computes the logprobs of those rows from the hidden
-states in blocks (`glm53.sampling.prompt_token_logprobs`). The runner writes what comes back into
+of such a request passes its program (the whole step, the speculative one under MTP, or the split
+forward pass: `serving.step_program`) the rows' indices in the step's hidden states and the prompt
+tokens they predict (`step_rows`; a variant of the program, as structured outputs' mask), and the
+program computes the logprobs of those rows from the hidden states in blocks
+(`glm53.sampling.prompt_token_logprobs`). A multi-process engine's followers get the rows with the
+step's inputs (`StepInputs.prompt_rows`); the leader reads the outputs. The runner writes what comes back into
 the request's `PromptLogprobs` by position (`record`), so a chunk computed again (a HiSparse chunk
 cut short, a preempted request) overwrites what it wrote before; the engine hands the whole list to
 the request's first output with a token (`take_prompt_logprobs`).
 
 What the request gives up (as in vLLM): prefix-cache hits, device or host tier (its positions must
-be computed to have logits), so `PrefixCache.lookup` finds nothing for it. Refused where the step
-cannot run split (MTP speculation, a multi-process engine) and on a P/D decode engine (the prompt
-was prefilled elsewhere).
+be computed to have logits), so `PrefixCache.lookup` finds nothing for it. Refused with P/D's
+`kv_transfer_params` (a decode engine never computes the prompt).
 """
 
 from __future__ import annotations

@@ -337,7 +337,8 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         host copies start as soon as the step ends; logprob outputs are dropped when no request
         asked for them. t0: when preparing the step began. defer_sampling: the forward pass
         only (the step's `out` is None until `sample_deferred`). prompt_rows: the step's
-        prompt-logprob rows or None (with them the step runs split: `serving.prompt_logprobs`)."""
+        prompt-logprob rows or None (`serving.prompt_logprobs`: their logprobs come with the step's
+        forward pass, split or not)."""
         t1 = time.perf_counter()
         num_tokens = inputs.batch.input_ids_T.shape[0]
         want_lp = bool(inputs.extra[WANT_LOGPROBS])
@@ -345,17 +346,14 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         rows = {sr.request_id: r * B + i for r, s in enumerate(scheds) for i, sr in enumerate(s.scheduled) if sr.sample}
         # Penalties and logit biases run in the split sampler program where the step can be split
         # (one process, no speculation): a new list width then compiles the sampler, not the step.
-        # Prompt logprobs come from the forward pass's hidden states: such a step runs split too.
-        split = not defer_sampling and (inputs.penalties is not None or prompt_rows is not None) \
-            and self.can_defer_sampling
-        prompt_out = None
+        split = not defer_sampling and inputs.penalties is not None and self.can_defer_sampling
+        if prompt_rows is not None:
+            inputs.prompt_rows = (prompt_rows.rows_P, prompt_rows.targets_P)
         if defer_sampling or split:
-            (logits, prompt_out), hs = self.run_inputs(inputs, forward_only=True, prompt_rows=prompt_rows)
+            logits, hs, prompt_out = self.run_inputs(inputs, forward_only=True)
             out = None
         else:
-            if prompt_rows is not None:
-                raise RuntimeError("prompt logprobs need a step that can run split (one process, no speculation)")
-            out, hs = self.run_inputs(inputs)
+            out, hs, prompt_out = self.run_inputs(inputs)
         stats = (hs[0].stats_Z5, hs[0].first_drop_S) if hs is not None else None
         step = InFlightStep(list(scheds), None, stats, want_lp, rows, sum(s.num_scheduled_tokens for s in scheds),
                             num_tokens, t1 - t0, t1)
@@ -498,11 +496,11 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         self.last_logprobs = {}
         return out, truncated
 
-    def run_inputs(self, inputs: StepInputs, forward_only: bool = False, prompt_rows: PromptLogprobRows | None = None):
+    def run_inputs(self, inputs: StepInputs, forward_only: bool = False):
         """Dispatch the jitted step on prepared host inputs → (sampler outputs, HiSparse state or
-        None), both still on the device; with `forward_only` (one process, no speculation) the
-        forward pass alone → ((its logits, the prompt logprobs of `prompt_rows` or None), HiSparse
-        state or None), for `sample_deferred`. The engine's `execute` / `execute_replicas` call it after
+        None, the prompt logprobs of `inputs.prompt_rows` or None), all still on the device; with
+        `forward_only` (one process, no speculation) the forward pass alone → (its logits, HiSparse
+        state or None, prompt logprobs or None), for `sample_deferred`. The engine's `execute` / `execute_replicas` call it after
         `prepare`; a multi-host follower calls it with the inputs the leader sent
         (`serving.multihost`). With `step_sink` set (the multi-host leader), the inputs are sent
         to the followers first, and the step counts in `steps_in_flight` until the caller has
@@ -534,29 +532,29 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
             placed.input_ids_T = self._feed_tokens(placed.input_ids_T, put(inputs.feed_src), self._last_sampled)
         bitmask = None if inputs.bitmask is None else put(inputs.bitmask)
         pen = None if forward_only or inputs.penalties is None else tuple(map(put, inputs.penalties))
-        plp = None if prompt_rows is None else (put(prompt_rows.rows_P), put(prompt_rows.targets_P))
-        variant = ("forward-only" + ("+prompt-logprobs" if plp is not None else "")) if forward_only else "+".join(
-            ([] if bitmask is None else ["masked"]) + ([] if pen is None else [f"penalized{pen[0].shape[-1]}"])) or None
+        plp = None if inputs.prompt_rows is None else tuple(map(put, inputs.prompt_rows))
+        parts = ["forward-only"] if forward_only else (
+            ([] if bitmask is None else ["masked"]) + ([] if pen is None else [f"penalized{pen[0].shape[-1]}"]))
+        variant = "+".join(parts + ([] if plp is None else ["prompt-logprobs"])) or None
         key = (variant, batch.input_ids_T.shape[0], hs_args is None)
         t0 = time.perf_counter()
         with use_kernels(self.kernel_mode):  # a program traced now uses the engine's kernels
             # A variant a background thread compiled (`serving.runner_variants`) runs its executable.
             if forward_only:
-                fwd = self.call_variant(key, self._forward, self._state_leaves, placed, self.kv_arena,
+                res = self.call_variant(key, self._forward, self._state_leaves, placed, self.kv_arena,
                                         put(extra[COPY_SRC]), put(extra[COPY_DST]), hs_args,
                                         *(() if plp is None else (plp,)))
-                out, self.kv_arena, hs = (fwd[0], None if plp is None else fwd[3]), fwd[1], fwd[2]
             else:
                 # (The mask is passed only when there is one: the programs compiled at start-up, and
                 # every unconstrained step, keep the signature without it.)
                 args = (self._state_leaves, placed, self.kv_arena, *map(put, extra), hs_args,
                         None if sp is None else jax.tree.map(put, sp))
-                if bitmask is None and pen is None:
-                    out, self.kv_arena, hs = self._step(*args)
-                elif pen is None:
-                    out, self.kv_arena, hs = self.call_variant(key, self._step, *args, bitmask)
-                else:
-                    out, self.kv_arena, hs = self.call_variant(key, self._step, *args, bitmask, pen)
+                # (the optional trailing arguments up to the last one given)
+                tail = (bitmask, pen, plp)
+                tail = tail[:max((i + 1 for i, x in enumerate(tail) if x is not None), default=0)]
+                res = self.call_variant(key, self._step, *args, *tail) if tail else self._step(*args)
+            out, self.kv_arena, hs = res[:3]
+            prompt_out = res[3] if plp is not None else None
         if variant is not None and key not in self._first_use_programs:  # compiled just now (once per key)
             self._first_use_programs.add(key)
             self.num_first_use_compiles += 1
@@ -565,7 +563,7 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         self._keep_hisparse(hs)
         if not forward_only:
             self._last_sampled = out[0]
-        return out, hs
+        return out, hs, prompt_out
 
     def _step_penalties(self, scheds: list[SchedulerOutput]) -> tuple | None:
         """The step's penalties and logit biases (`serving.penalties.step_penalties`, rows stacked

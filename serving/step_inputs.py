@@ -29,7 +29,9 @@ class StepInputs:
     of request row feed_src[i] where ≥ 0 (`ModelRunner._feed`), taken on the device by every
     process from its own copy of that step's outputs; None when no row is fed. penalties: the
     sampled rows' penalties and logit biases (`serving.penalties.step_penalties`: seven arrays),
-    or None when no row uses any (or the step's sampler is deferred).
+    or None when no row uses any (or the step's sampler is deferred). prompt_rows: the step's
+    prompt-logprob rows (rows_P int32 [P], targets_P int32 [P]; `serving.prompt_logprobs.step_rows`)
+    or None.
     """
 
     batch: ForwardBatch
@@ -38,3 +40,4 @@ class StepInputs:
     bitmask: object = None
     feed_src: object = None
     penalties: object = None
+    prompt_rows: object = None

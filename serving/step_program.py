@@ -76,7 +76,7 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
 
     @functools.partial(jax.jit, donate_argnums=(2, 12))
     def step(state, batch: ForwardBatch, kv_arena, temperature, top_p, top_k, min_p, seeds, steps, want_logprobs,
-             copy_src, copy_dst, hs, sp=None, bitmask=None, pen=None):
+             copy_src, copy_dst, hs, sp=None, bitmask=None, pen=None, plp=None):
         # temperature … want_logprobs: the sampler's inputs (`serving.step_inputs.StepInputs`).
         # hs: None, or HiSparse's (hot state, host pool, after), donated. (Its write-through
         # copies run before, in their own program: `run_stores`; `after` is that program's
@@ -86,6 +86,8 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
         # under speculation) or None: a step without constrained rows is the program without it.
         # pen: the penalties and logit biases of the step's rows (`serving.penalties`) or None, as
         # the bitmask (under speculation per verification row).
+        # plp: the prompt-logprob rows (rows_P, targets_P) or None, as the bitmask; with them the
+        # step returns their logprobs (`prompt_logprobs`) after HiSparse's state.
         host = None
         if hs is not None:
             hot, pool, after = hs
@@ -94,17 +96,20 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
         model = nnx.merge(graphdef, state if state_def is None else jax.tree.unflatten(state_def, state))
         if sp is not None:
             kv = kv_arena if hs is None else PagedKV(kv_arena, hot.for_step())
-            out, kv = spec_decode_forward(model, batch, kv, host, (temperature, top_p, top_k, min_p, seeds, steps),
-                                          want_logprobs, sp, layout=layout, parallel=parallel, num_speculative_tokens=spec_k,
-                                          reachable=reachable, num_logprobs=k, bitmask_BSW=bitmask, pen=pen)
+            out, kv, h = spec_decode_forward(model, batch, kv, host, (temperature, top_p, top_k, min_p, seeds, steps),
+                                             want_logprobs, sp, layout=layout, parallel=parallel,
+                                             num_speculative_tokens=spec_k, reachable=reachable, num_logprobs=k,
+                                             bitmask_BSW=bitmask, pen=pen, return_hidden=True)
             if replicate is not None:
                 out = jax.lax.with_sharding_constraint(out, replicate)
-            if hs is None:
-                return out, kv, None
-            return out, kv.arena, (kv.hot, host.pool, host.after)
-        logits, _, kv_arena, hs_out = model_logits(model, batch, kv_arena, hs, host)
-        return (_sample(logits, temperature, top_p, top_k, min_p, seeds, steps, want_logprobs, bitmask, pen), kv_arena,
-                hs_out)
+            hs_out = None if hs is None else (kv.hot, host.pool, host.after)
+            kv_arena = kv if hs is None else kv.arena
+        else:
+            logits, h, kv_arena, hs_out = model_logits(model, batch, kv_arena, hs, host)
+            out = _sample(logits, temperature, top_p, top_k, min_p, seeds, steps, want_logprobs, bitmask, pen)
+        if plp is None:
+            return out, kv_arena, hs_out
+        return out, kv_arena, hs_out, prompt_logprobs(model, h, plp)
 
     def model_logits(model, batch, kv_arena, hs, host):
         """The forward pass without speculation → (logits with the unreachable ids masked, the

@@ -63,7 +63,7 @@ def run_follower(engine, channel: FollowerChannel, config: MultiHostConfig) -> i
                 return 1
             op, inputs = codec.decode(body)
             if op == "step":
-                out, _ = runner.run_inputs(inputs)
+                out, _, _ = runner.run_inputs(inputs)
                 jax.block_until_ready(pending)
                 pending = out
                 steps += 1

@@ -19,7 +19,7 @@ from serving.spec_decode.rejection import verify_drafts
 
 
 def spec_decode_forward(model, batch, kv, host, sampling: tuple, want_logprobs, sp: SpecBatch, *, layout, parallel, num_speculative_tokens: int, reachable: int,
-                        num_logprobs: int, bitmask_BSW=None, pen=None):
+                        num_logprobs: int, bitmask_BSW=None, pen=None, return_hidden: bool = False):
     """One speculative step over `batch` (T rows, B request rows).
 
     1. The target model over every row (`hidden_states`: prefill chunks, decode rows and the
@@ -45,7 +45,8 @@ def spec_decode_forward(model, batch, kv, host, sampling: tuple, want_logprobs, 
         logits, the logprobs the raw ones.
 
     Returns `((tokens_BS, num_accepted_B, drafts_BK, token_logprob_BS, top_ids_BSL, top_logprobs_BSL), kv)`
-    with S = k + 1; the logprob arrays are zeros unless `want_logprobs`.
+    with S = k + 1; the logprob arrays are zeros unless `want_logprobs`. With `return_hidden` the
+    target model's final hidden states `[T, D]` follow (prompt logprobs: `serving.prompt_logprobs`).
     """
     k = num_speculative_tokens
     h, kv = model.hidden_states(batch, kv, layout, parallel, host)
@@ -82,4 +83,5 @@ def spec_decode_forward(model, batch, kv, host, sampling: tuple, want_logprobs, 
                                    num_steps=sp.num_draft_steps, k=k, reachable=reachable, parallel=parallel,
                                    host=host)
     pad = lambda x: jnp.pad(x, [(0, B_all - B)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
-    return tuple(pad(x) for x in (tokens_BS, acc_B, drafts_BK, *lp)), kv
+    out = tuple(pad(x) for x in (tokens_BS, acc_B, drafts_BK, *lp))
+    return (out, kv, h) if return_hidden else (out, kv)

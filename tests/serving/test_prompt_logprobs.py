@@ -95,7 +95,7 @@ def test_one_token_prompt_and_the_offline_llm(llm, lm):
     assert plain[0].prompt_logprobs is None and plain[0].outputs[0].token_ids == out[0].outputs[0].token_ids
 
 
-def test_refusals_name_the_field_and_leave_nothing_behind(llm, monkeypatch):
+def test_refusals_name_the_field_and_leave_nothing_behind(llm):
     e = llm.engine
     cases = [
         (SamplingParams(prompt_logprobs=e.args.max_logprobs + 1), "exceeds the maximum"),
@@ -107,15 +107,21 @@ def test_refusals_name_the_field_and_leave_nothing_behind(llm, monkeypatch):
         assert ei.value.param == "prompt_logprobs"
     with pytest.raises(ValueError, match="prompt_logprobs must be >= 0"):
         e.add_request("bad", SHORT, SamplingParams(prompt_logprobs=-1))
-    # where a step cannot run split: MTP speculation, a multi-process engine
-    monkeypatch.setattr(e.runner, "spec_k", 2)
-    with pytest.raises(InvalidRequestError, match="speculative"):
-        e.add_request("bad", SHORT, SamplingParams(prompt_logprobs=1))
-    monkeypatch.setattr(e.runner, "spec_k", 0)
-    monkeypatch.setattr(type(e.runner), "can_defer_sampling", property(lambda self: False))
-    with pytest.raises(InvalidRequestError, match="multi-process"):
-        e.add_request("bad", SHORT, SamplingParams(prompt_logprobs=1))
     assert not e.has_unfinished_requests() and not e._prompt_logprob_requests
+
+
+def test_the_whole_step_program_computes_them_too(llm, lm, monkeypatch):
+    """Where a step cannot run split (MTP speculation, a multi-process engine: their followers run
+    whole steps), the whole step program takes the rows (its "+prompt-logprobs" variant), forced
+    here on one process: the same entries. (MTP across two processes:
+    tests/sharding/test_multihost.py.)"""
+    e = llm.engine
+    e.set_async_scheduling(False)
+    monkeypatch.setattr(type(e.runner), "can_defer_sampling", property(lambda self: False))
+    got = run(e, {"long": (LONG, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2,
+                                                presence_penalty=0.5))})  # penalties: the whole step too
+    check_prompt_logprobs(lm, LONG, got["long"][1], 2, e.runner.sampling_vocab_size)
+    assert ("penalized64+prompt-logprobs", 64, True) in e.runner._first_use_programs
 
 
 def test_an_aborted_request_is_forgotten(llm):

@@ -154,6 +154,34 @@ def test_min_tokens_holds_back_a_stop_id_through_the_verification_rows(k3_engine
     assert len(got) >= p + 2 and stop not in got[: p + 2]
 
 
+def test_prompt_logprobs_under_mtp_equal_the_non_speculative_engines(k3_engine, plain_streams):
+    """Prompt logprobs (serving/prompt_logprobs.py) through the speculative step (its whole-step
+    "+prompt-logprobs" variant: the rows index the target model's hidden states), a 150-token
+    prompt prefilling beside a request whose drafts are verified: equal to the non-speculative
+    engine's (its split forward pass; the same chunks, the bf16 cache: to 1e-4), and the greedy
+    stream equal to the plain run's."""
+    ref, _ = plain_streams
+    got = {}
+    for e in (shared_engine(None), k3_engine):
+        e.add_request("a", PROMPTS["a"], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        e.step()  # a prefills first: its drafts are verified while c prefills
+        e.add_request("c", PROMPTS["c"], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                        prompt_logprobs=3))
+        toks, plp = [], None
+        while e.has_unfinished_requests():
+            for o in e.step():
+                toks += o.new_token_ids if o.request_id == "c" else []
+                plp = o.prompt_logprobs or plp
+            assert e.audit() == []
+        got[e.drafts is not None] = (toks, plp)
+    assert k3_engine.spec_stats.num_drafts > 0 and got[True][0] == ref["c"]
+    (_, plain), (_, spec) = got[False], got[True]
+    assert len(spec) == len(PROMPTS["c"]) and spec[0] is None
+    for a, b in zip(plain[1:], spec[1:]):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4 and a.rank == b.rank
+        assert [i for i, _ in a.top] == [i for i, _ in b.top]
+
+
 def _per_pos_consistent(s, k):
     pp = s.accepted_per_pos
     assert len(pp) == k and all(a >= b for a, b in zip(pp, pp[1:]))  # monotone

@@ -32,6 +32,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 from openai import OpenAI
 
@@ -53,6 +54,7 @@ TWIN = shallow_model_argv(MODEL)
 PROMPTS = {"a": list(range(5, 25)), "b": [(7 * i) % 300 + 4 for i in range(70)],
            "c": [(13 * i) % 400 + 4 for i in range(100)]}
 MAX_TOKENS = 6
+VOCAB = 496  # the tiny tokenizer's ids (the checkpoint pads its vocabulary to 512): what is sampled
 ENGINE = [*TWIN, "--max-model-len", "192", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
           "--num-gpu-blocks-override", "24", "--cuda-graph-sizes", "--precompile-token-paddings",
           "--disable-log-stats"]
@@ -377,7 +379,8 @@ def test_mtp_k2_and_offload_loads_across_two_processes_then_a_frozen_follower_st
     outputs match the regex and are among the choices only through the mask. Then the connector's
     loads: a 760-token prompt, another that evicts its pages from the 23-page device pool, and the
     first again — its prefix comes back from the host store (every process loads its own copy of
-    the pages, in the load program both run) and it answers as the first time. Then the follower
+    the pages, in the load program both run) and it answers as the first time. Prompt logprobs
+    across the processes follow one full forward. Then the follower
     is frozen (SIGSTOP) mid-stream: the stream ends in an error within --peer-timeout (3 s) plus a
     heartbeat period, /health answers 503 (or the port is closed), the leader exits 1 naming the
     silent process, and the follower, resumed, exits non-zero."""
@@ -392,6 +395,17 @@ def test_mtp_k2_and_offload_loads_across_two_processes_then_a_frozen_follower_st
             assert r.status_code == 200, f"{r.text}\n{mh.logs()}"
             for c in r.json()["choices"]:
                 assert c["finish_reason"] == "stop" and ok(c["text"]), c
+        # Prompt logprobs across the processes (serving/prompt_logprobs.py: the whole speculative
+        # step takes the rows on every process; the leader reads them), scored as evaluation
+        # harnesses ask (echo, logprobs 1, max_tokens 0), against one full forward of the prompt.
+        r = httpx.post(mh.url + "/v1/completions", timeout=300, json={
+            "model": MODEL, "prompt": PROMPTS["c"], "max_tokens": 0, "echo": True, "logprobs": 1})
+        assert r.status_code == 200, f"{r.text}\n{mh.logs()}"
+        got = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+        logits = api.forward(api.load(), PROMPTS["c"]).astype(np.float64)[:, :VOCAB]
+        ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        assert got[0] is None and len(got) == len(PROMPTS["c"])
+        assert max(abs(got[i] - ref[i - 1, t]) for i, t in enumerate(PROMPTS["c"]) if i) < 2e-4  # (observed 3e-6)
 
         def complete(prompt):
             r = httpx.post(mh.url + "/v1/completions", timeout=300, json={
