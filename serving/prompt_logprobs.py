@@ -70,12 +70,18 @@ class PromptLogprobs:
 class PromptLogprobRows:
     """A step's prompt-logprob rows: rows_P int32 [P] (indices into the step's hidden states, in
     the placed token order; P = the step's token rows over all replicas, padded with 0), targets_P
-    int32 [P] (the prompt token each row predicts), and spans: (request, first position, first
-    row in rows_P, count) per request."""
+    int32 [P] (the prompt token each row predicts), count (int32: the real rows, first), and spans:
+    (request, first position, first row in rows_P, count) per request."""
 
     rows_P: np.ndarray
     targets_P: np.ndarray
+    count: np.int32
     spans: list[tuple[Request, int, int, int]]
+
+    @property
+    def arrays(self) -> tuple:
+        """(rows_P, targets_P, count): what the step program takes (`StepInputs.prompt_rows`)."""
+        return self.rows_P, self.targets_P, self.count
 
 
 def step_rows(scheds, num_tokens: int, pcp: int = 1) -> PromptLogprobRows | None:
@@ -114,7 +120,7 @@ def step_rows(scheds, num_tokens: int, pcp: int = 1) -> PromptLogprobRows | None
     flat = np.concatenate(rows)
     rows_P[:len(flat)] = flat
     targets_P[:len(flat)] = np.concatenate(targets)
-    return PromptLogprobRows(rows_P, targets_P, spans)
+    return PromptLogprobRows(rows_P, targets_P, np.int32(len(flat)), spans)
 
 
 def record(plan: PromptLogprobRows, outputs) -> None:

@@ -348,7 +348,7 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         # (one process, no speculation): a new list width then compiles the sampler, not the step.
         split = not defer_sampling and inputs.penalties is not None and self.can_defer_sampling
         if prompt_rows is not None:
-            inputs.prompt_rows = (prompt_rows.rows_P, prompt_rows.targets_P)
+            inputs.prompt_rows = prompt_rows.arrays
         if defer_sampling or split:
             logits, hs, prompt_out = self.run_inputs(inputs, forward_only=True)
             out = None

@@ -30,8 +30,8 @@ class StepInputs:
     process from its own copy of that step's outputs; None when no row is fed. penalties: the
     sampled rows' penalties and logit biases (`serving.penalties.step_penalties`: seven arrays),
     or None when no row uses any (or the step's sampler is deferred). prompt_rows: the step's
-    prompt-logprob rows (rows_P int32 [P], targets_P int32 [P]; `serving.prompt_logprobs.step_rows`)
-    or None.
+    prompt-logprob rows (rows_P int32 [P], targets_P int32 [P], count int32: `serving.prompt_logprobs.
+    PromptLogprobRows.arrays`) or None.
     """
 
     batch: ForwardBatch

@@ -50,7 +50,7 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
     """→ (step, store_only, forward, sample): the jitted step, HiSparse's jitted store program
     (None without HiSparse), and the step split in two (None under speculation): `forward(state,
     batch, kv_arena, copy_src, copy_dst, hs, plp=None)` → (the logits of the request rows [B, V], the unreachable ids
-    masked, the arena, HiSparse's state, and with `plp = (rows_P, targets_P)` the prompt logprobs of
+    masked, the arena, HiSparse's state, and with `plp = (rows_P, targets_P, count)` the prompt logprobs of
     those token rows: target logprob [P], rank [P], top ids [P, k], top logprobs [P, k]), and `sample(logits, temperature, top_p, top_k, min_p, seeds,
     steps, want_logprobs, bitmask=None, pen=None)` → the sampler's outputs (pen: the arguments of
     `glm53.sampling.apply_penalties` after the logits, or None).
@@ -86,7 +86,7 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
         # under speculation) or None: a step without constrained rows is the program without it.
         # pen: the penalties and logit biases of the step's rows (`serving.penalties`) or None, as
         # the bitmask (under speculation per verification row).
-        # plp: the prompt-logprob rows (rows_P, targets_P) or None, as the bitmask; with them the
+        # plp: the prompt-logprob rows (rows_P, targets_P, count) or None, as the bitmask; with them the
         # step returns their logprobs (`prompt_logprobs`) after HiSparse's state.
         host = None
         if hs is not None:
@@ -122,21 +122,31 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
         return mask_unreachable(logits, reachable), h, kv.arena, (kv.hot, host.pool, host.after)
 
     def prompt_logprobs(model, h_TD, plp):
-        """`glm53.sampling.prompt_token_logprobs` of the token rows `plp = (rows_P, targets_P)`
-        of the step's hidden states (rows in the placed token order; P is the step's token
-        count, padded with row 0), in blocks of at most `PROMPT_LOGPROBS_BLOCK` rows so that the
-        logits of a block ([block, vocab] fp32) and not of the whole step are live at once."""
-        rows_P, target_P = plp
+        """`glm53.sampling.prompt_token_logprobs` of the token rows `plp = (rows_P, targets_P,
+        count)` of the step's hidden states (rows in the placed token order; P is the step's token
+        count, the first `count` rows real, the rest padding), in blocks of at most
+        `PROMPT_LOGPROBS_BLOCK` rows so that the logits of a block ([block, vocab] fp32) and not of
+        the whole step are live at once; blocks past `count` are skipped (zeros), so a step
+        computes the rows it has, not its bucket's."""
+        rows_P, target_P, count = plp
         P = rows_P.shape[0]
         blk = min(P, PROMPT_LOGPROBS_BLOCK)
         n = -(-P // blk)
         pad = lambda x: jnp.pad(x, (0, n * blk - P)).reshape(n, blk)
 
         def block(args):
-            rows, target = args
-            return prompt_token_logprobs(mask_unreachable(model.logits(h_TD[rows]), reachable), target, k)
+            i, rows, target = args
 
-        out = jax.lax.map(block, (pad(rows_P), pad(target_P)))
+            def compute():
+                return prompt_token_logprobs(mask_unreachable(model.logits(h_TD[rows]), reachable), target, k)
+
+            def skip():
+                return (jnp.zeros((blk,), jnp.float32), jnp.zeros((blk,), jnp.int32), jnp.zeros((blk, k), jnp.int32),
+                        jnp.zeros((blk, k), jnp.float32))
+
+            return jax.lax.cond(i * blk < count, compute, skip)
+
+        out = jax.lax.map(block, (jnp.arange(n, dtype=jnp.int32), pad(rows_P), pad(target_P)))
         out = tuple(x.reshape(n * blk, *x.shape[2:])[:P] for x in out)
         if replicate is not None:
             out = jax.lax.with_sharding_constraint(out, replicate)
@@ -154,7 +164,7 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
     if not spec_k:
         @functools.partial(jax.jit, donate_argnums=(2, 5))
         def forward(state, batch: ForwardBatch, kv_arena, copy_src, copy_dst, hs, plp=None):
-            # plp: None, or the prompt-logprob rows (rows_P, targets_P) of `prompt_logprobs`,
+            # plp: None, or the prompt-logprob rows (rows_P, targets_P, count) of `prompt_logprobs`,
             # whose outputs then follow HiSparse's state (a variant of its own, as the mask).
             host = None if hs is None else HostAccess(hs[1], mechanism, after=hs[2], narrow_rows=narrow_rows)
             kv_arena = copy_pages(kv_arena, copy_src, copy_dst)

@@ -41,8 +41,8 @@ def step_inputs(T=8, B=3, k=2) -> StepInputs:
     pen = (rng.integers(-1, 500, (B, 64)).astype(np.int32), rng.integers(0, 3, (B, 64)).astype(np.int32),
            rng.random((B, 64)) < 0.5, rng.random((B, 64)).astype(np.float32), np.zeros(B, np.float32),
            np.full(B, 0.5, np.float32), np.ones(B, np.float32))
-    # the prompt-logprob rows (serving.prompt_logprobs.step_rows): rows and targets, one per token row
-    plp = (rng.integers(0, T, T).astype(np.int32), rng.integers(0, 500, T).astype(np.int32))
+    # the prompt-logprob rows (serving.prompt_logprobs.step_rows): rows, targets and the real rows' count
+    plp = (rng.integers(0, T, T).astype(np.int32), rng.integers(0, 500, T).astype(np.int32), np.int32(5))
     return StepInputs(batch, extra, spec, penalties=pen, prompt_rows=plp)
 
 

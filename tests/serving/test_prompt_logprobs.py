@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from glm53 import api
+from serving import step_program
 from serving.llm import LLM
 from serving.types import InvalidRequestError, SamplingParams
 from tests.helpers.prompt_logprobs_oracle import check_prompt_logprobs
@@ -35,6 +36,10 @@ def lm():
 
 @pytest.fixture(scope="module")
 def llm():
+    # Blocks of 16 rows instead of 256 (read when a program is traced): a 64-token step holds four,
+    # and a chunk of fewer rows (the last of LONG's, SHORT's) computes the first and skips the rest.
+    mp = pytest.MonkeyPatch()
+    mp.setattr(step_program, "PROMPT_LOGPROBS_BLOCK", 16)
     e = LLM(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, cuda_graph_sizes=[],
             precompile_token_paddings=[], compile_progress=False, disable_log_stats=True, enable_prefix_caching=True)
     yield e
@@ -42,6 +47,7 @@ def llm():
     assert not engine.has_unfinished_requests() and engine.audit() == []
     assert engine.pool.num_free == engine.pool.num_usable_blocks, "KV pages leaked"
     assert not engine._prompt_logprob_requests, "prompt-logprob requests kept after their output"
+    mp.undo()
 
 
 def run(engine, requests: dict[str, tuple[list[int], SamplingParams]]):
