@@ -5,7 +5,8 @@ The start-up compile (`StepCompileMixin.compile`) builds each token bucket's ste
 a token mask. A step with a constrained request runs a variant of it: the step with the grammar's
 bitmask as one more argument ("masked"), or, under asynchronous scheduling, the forward pass alone
 ("forward-only", whose logits the sampler takes once the masks are known; also every engine's
-steps with penalties or logit biases, `serving.penalties`). Compiled on first use,
+steps with penalties or logit biases, `serving.penalties`), or the step with prompt-logprob rows
+("prompt-logprobs": scoring requests, `serving.prompt_logprobs`; compiled last). Compiled on first use,
 a variant stops the engine thread for a whole step compile — every request waits (seconds on the
 CPU test model, minutes for the full model). So once the engine has compiled its buckets, the
 server compiles the variants in a daemon thread, bucket by bucket from the smallest (decode
@@ -81,7 +82,8 @@ class VariantPrecompileMixin:
     def variant_jobs(self, bitmask_words: int, forward_only: bool) -> list[_Job]:
         """The variants a constrained step may run, smallest bucket first: per bucket the forward
         pass alone when `forward_only` (asynchronous scheduling) and the masked step, of the plain
-        program; then the sampler with and without a mask when `forward_only`. Built on the
+        program; then the sampler with and without a mask when `forward_only`; then, per bucket,
+        the step with prompt-logprob rows (`serving.prompt_logprobs`). Built on the
         calling thread: only shapes, dtypes and shardings are kept (the thread never touches the
         live arena, which steps donate).
 
@@ -97,7 +99,7 @@ class VariantPrecompileMixin:
         rows = (self.max_num_seqs + 1) * self.dp
         mask_shape = (rows, self.spec_k + 1, bitmask_words) if self.spec_k else (rows, bitmask_words)
         bitmask = tree(self._put(np.full(mask_shape, -1, np.int32)))
-        jobs = []
+        jobs, prompt_jobs = [], []
         for T in self.buckets:
             batch, extra = self._dummy(T)
             batch.hot = None  # the plain program (run_inputs' key: plain = True)
@@ -109,6 +111,11 @@ class VariantPrecompileMixin:
                                  (state, placed, arena, put_extra[COPY_SRC], put_extra[COPY_DST], None)))
             spec = None if self._dummy_spec is None else tree(jax.tree.map(self._put, self._dummy_spec))
             jobs.append(_Job(("masked", n, True), self._step, (state, placed, arena, *put_extra, None, spec, bitmask)))
+            # The whole step with prompt-logprob rows (serving/prompt_logprobs.py: scoring requests), n of
+            # them and their count; after every other job (`run_inputs` passes None for mask and penalties).
+            plp = tree(tuple(self._put(x) for x in (np.zeros(n, np.int32), np.zeros(n, np.int32), np.int32(0))))
+            prompt_jobs.append(_Job(("prompt-logprobs", n, True), self._step,
+                                    (state, placed, arena, *put_extra, None, spec, None, None, plp)))
         jobs = [j for j in jobs if _device_only(j.args)]
         if forward_only and jobs:
             # The logits argument (None here) is the first forward pass's output, known once it compiled.
@@ -119,7 +126,7 @@ class VariantPrecompileMixin:
             # The sampler with penalties / logit biases at the smallest entry count (serving/penalties.py).
             pen = tree(tuple(self._put(x) for x in empty_penalties(rows)))
             jobs.append(_Job(("sample", False, f"penalized{MIN_WIDTH}"), self._sample, (None, *samp, None, pen)))
-        return jobs
+        return jobs + [j for j in prompt_jobs if _device_only(j.args)]
 
     def start_variant_precompile(self, bitmask_words: int, forward_only: bool) -> int:
         """Compile `variant_jobs(bitmask_words, forward_only)` in a daemon thread (module

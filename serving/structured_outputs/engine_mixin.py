@@ -68,7 +68,8 @@ class StructuredOutputsMixin:
         forward_only = self.runner.can_defer_sampling
         n = self.runner.start_variant_precompile(-(-self._structured_vocab_size // 32), forward_only)
         logger.info("compiling %d step variants in the background (requests with structured outputs, min_tokens, "
-                    "penalties or logit_bias no longer stop the engine to compile them; --structured-outputs-config "
+                    "penalties, logit_bias or prompt logprobs no longer stop the engine to compile them; "
+                    "--structured-outputs-config "
                     "'{\"precompile\": false}' leaves them to first use)", n)
         return n
 

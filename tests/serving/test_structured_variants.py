@@ -82,10 +82,12 @@ def test_precompiled_variants_run_the_programs_first_use_compiles(precompiled, l
     e, n = precompiled
     runner = e.runner
     # One bucket, one program: the forward pass alone, the masked step, the sampler with and without a
-    # mask, and with the smallest list of penalties (serving/penalties.py).
-    assert n == 5 and set(runner.variant_compile_seconds) == {("forward-only", 64, True), ("masked", 64, True),
+    # mask, and with the smallest list of penalties (serving/penalties.py), then the step with
+    # prompt-logprob rows (serving/prompt_logprobs.py).
+    assert n == 6 and set(runner.variant_compile_seconds) == {("forward-only", 64, True), ("masked", 64, True),
                                                               ("sample", True), ("sample", False),
-                                                              ("sample", False, "penalized64")}
+                                                              ("sample", False, "penalized64"),
+                                                              ("prompt-logprobs", 64, True)}
     assert all(j.compiled is not None for j in runner._variant_jobs.values())
     tok = GlmTokenizer.from_pretrained(e.model_path)
     reqs = _requests(tok)
@@ -107,7 +109,24 @@ def test_precompiled_variants_run_the_programs_first_use_compiles(precompiled, l
         calls = runner.num_precompiled_calls
         got = _run(e, pen, async_scheduling)
         assert runner.num_precompiled_calls > calls and got[0] == _run(ref, pen, async_scheduling)[0]
-    # Every constrained or penalised step of the precompiled engine ran an executable of the thread's.
+    # A scoring request (prompt logprobs, serving/prompt_logprobs.py) runs the thread's step with its rows.
+
+    def score(engine):
+        engine.add_request("s", tok.encode("Score this text, please."),
+                           SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+        plp = None
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                plp = o.prompt_logprobs or plp
+        return plp[1:]
+
+    calls = runner.num_precompiled_calls
+    got = score(e)
+    assert runner.num_precompiled_calls > calls
+    want = score(ref)
+    assert [(x.token_id, x.rank) for x in got] == [(x.token_id, x.rank) for x in want]
+    np.testing.assert_allclose([x.logprob for x in got], [x.logprob for x in want], atol=1e-6)
+    # Every constrained, penalised or scoring step of the precompiled engine ran an executable of the thread's.
     assert runner.num_first_use_compiles == 0
     assert ref.runner.num_first_use_compiles >= 2
     assert e.pool.num_free == e.pool.num_usable_blocks and not e.structured.requests
@@ -209,11 +228,11 @@ def test_which_engines_start_the_background_compile(lazy):
     e.structured_config = type(e.structured_config).from_dict(None)
     # Synchronous scheduling, one bucket, no HiSparse: the masked step, and the split step that
     # penalties and logit biases run whatever the scheduling (the forward pass, the samplers).
-    assert e.start_structured_precompile(default=True) == 5
+    assert e.start_structured_precompile(default=True) == 6
     assert e.runner.wait_variant_precompile(timeout=900)
     assert [(k, j.compiled is not None) for k, j in e.runner._variant_jobs.items()] == [
         (("forward-only", 64, True), True), (("masked", 64, True), True), (("sample", True), True),
-        (("sample", False), True), (("sample", False, "penalized64"), True)]
+        (("sample", False), True), (("sample", False, "penalized64"), True), (("prompt-logprobs", 64, True), True)]
 
 
 def test_arguments_in_host_memory_are_left_to_first_use():
