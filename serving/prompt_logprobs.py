@@ -20,12 +20,15 @@ be computed to have logits), so `PrefixCache.lookup` finds nothing for it. Refus
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 
 from serving.request import Request
 from serving.types import TokenLogprobs
+
+logger = logging.getLogger(__name__)
 
 
 def wants_prompt_logprobs(req: Request) -> bool:
@@ -55,12 +58,17 @@ class PromptLogprobs:
 
     def entries(self, prompt_token_ids: list[int]) -> list[TokenLogprobs | None]:
         """One entry per prompt token: None for the first, then `TokenLogprobs(token, logprob,
-        top, rank)`. Raises RuntimeError when a position was never computed."""
-        if not self.written.all():
-            missing = int(np.flatnonzero(~self.written)[0])
-            raise RuntimeError(f"prompt logprob of position {missing} was never computed")
+        top, rank)`. A position never computed (an engine path that skipped it: a bug) is None too,
+        logged as an error, so that the request and the engine go on."""
         out: list[TokenLogprobs | None] = [None]
+        if not self.written.all():
+            missing = np.flatnonzero(~self.written)
+            logger.error("prompt logprobs of %d positions were never computed (the first: %d); they are null",
+                         len(missing), int(missing[0]))
         for p in range(len(self.logprob)):
+            if not self.written[p]:
+                out.append(None)
+                continue
             top = [(int(i), float(v)) for i, v in zip(self.top_ids[p], self.top_logprobs[p]) if v > -np.inf]
             out.append(TokenLogprobs(int(prompt_token_ids[p + 1]), float(self.logprob[p]), top, int(self.rank[p])))
         return out
