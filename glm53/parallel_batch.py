@@ -20,7 +20,7 @@ import numpy as np
 from glm53.batch import ForwardBatch, page_slots
 from glm53.hot_cache import HotBatch
 from glm53.kv_layout import KVCacheLayout
-from sharding.context_parallel import pcp_chunk_order
+from sharding.context_parallel import pcp_chunk_order, pcp_placed_rows
 from sharding.mesh import REQUESTS, TOKENS, ParallelLayout
 from sharding.rules import arena_shards, cache_sharding
 
@@ -69,12 +69,11 @@ def pcp_reorder(batch: ForwardBatch, pcp: int) -> ForwardBatch:
     if pcp == 1:
         return batch
     order = pcp_chunk_order(batch.num_tokens, pcp)
-    inv = np.empty_like(order)
-    inv[order] = np.arange(len(order))
     take = lambda a: np.asarray(a)[order]  # noqa: E731
     return ForwardBatch(take(batch.input_ids_T), take(batch.positions_T), take(batch.req_idx_T),
                         {k: take(v) for k, v in batch.slot_mapping.items()}, dict(batch.block_tables),
-                        inv[np.asarray(batch.logits_indices_B)].astype(np.int32), batch.hot)
+                        pcp_placed_rows(batch.num_tokens, pcp)[np.asarray(batch.logits_indices_B)].astype(np.int32),
+                        batch.hot)
 
 
 def stack_replicas(batches: list[ForwardBatch], pcp: int = 1) -> ForwardBatch:

@@ -164,7 +164,11 @@ def compute_logprobs(logits_BV: jax.Array, token_B: jax.Array, k: int):
       `(token_logprob_B fp32, top_ids_BK int32, top_logprobs_BK fp32)`: the sampled token's
       log-probability and the k most likely tokens (ties: lowest id first) with theirs.
     """
-    lp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+    return _token_and_top_logprobs(jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1), token_B, k)
+
+
+def _token_and_top_logprobs(lp_BV: jax.Array, token_B: jax.Array, k: int):
+    """From log-probabilities `[B, V]`: (each row's `token_B` logprob, the top k ids, their logprobs)."""
     token_lp_B = jnp.take_along_axis(lp_BV, token_B[:, None].astype(jnp.int32), axis=-1)[:, 0]
     top_lp_BK, top_ids_BK = jax.lax.top_k(lp_BV, k)
     return token_lp_B, top_ids_BK.astype(jnp.int32), top_lp_BK
@@ -186,10 +190,9 @@ def prompt_token_logprobs(logits_PV: jax.Array, target_P: jax.Array, k: int):
       likely, ties counted against the target).
     """
     lp_PV = jax.nn.log_softmax(logits_PV.astype(jnp.float32), axis=-1)
-    target_lp_P = jnp.take_along_axis(lp_PV, target_P[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    target_lp_P, top_ids_PK, top_lp_PK = _token_and_top_logprobs(lp_PV, target_P, k)
     rank_P = jnp.sum(lp_PV >= target_lp_P[:, None], axis=-1, dtype=jnp.int32)
-    top_lp_PK, top_ids_PK = jax.lax.top_k(lp_PV, k)
-    return target_lp_P, rank_P, top_ids_PK.astype(jnp.int32), top_lp_PK
+    return target_lp_P, rank_P, top_ids_PK, top_lp_PK
 
 
 def sample_with_logprobs(logits_BV: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array, top_k_B: jax.Array,

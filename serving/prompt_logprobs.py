@@ -27,6 +27,7 @@ import numpy as np
 
 from serving.request import Request
 from serving.types import TokenLogprobs
+from sharding.context_parallel import pcp_placed_rows
 
 logger = logging.getLogger(__name__)
 
@@ -98,14 +99,9 @@ def step_rows(scheds, num_tokens: int, pcp: int = 1) -> PromptLogprobRows | None
     as `glm53.parallel_batch.pcp_reorder` places them) → None when no scheduled request wants them.
     A chunk at positions s … s + n − 1 of a prompt of length L contributes positions s … min(s + n,
     L − 1) − 1 (the last prompt token predicts the first output token, not a prompt token)."""
-    from sharding.context_parallel import pcp_chunk_order
-
     spans, rows, targets = [], [], []
-    inv = None
-    if pcp > 1:
-        order = pcp_chunk_order(num_tokens, pcp)
-        inv = np.empty_like(order)
-        inv[order] = np.arange(len(order))
+    placed_rows = pcp_placed_rows(num_tokens, pcp) if pcp > 1 else None
+    num_rows = 0
     for r, sched in enumerate(scheds):
         off = 0
         for sr in sched.scheduled:
@@ -115,8 +111,9 @@ def step_rows(scheds, num_tokens: int, pcp: int = 1) -> PromptLogprobRows | None
                 count = min(s + n, req.num_prompt_tokens - 1) - s
                 if count > 0:
                     local = off + np.arange(count)
-                    placed = (inv[local] if inv is not None else local) + r * num_tokens
-                    spans.append((req, s, sum(len(x) for x in rows), count))
+                    placed = (placed_rows[local] if placed_rows is not None else local) + r * num_tokens
+                    spans.append((req, s, num_rows, count))
+                    num_rows += count
                     rows.append(placed.astype(np.int32))
                     targets.append(np.asarray(req.prompt_token_ids[s + 1:s + 1 + count], np.int32))
             off += n

@@ -359,9 +359,6 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
                             num_tokens, t1 - t0, t1)
         if prompt_out is not None:
             step.prompt_logprobs = (prompt_rows, prompt_out)
-            if jax.process_count() == 1:
-                for x in prompt_out:
-                    x.copy_to_host_async()
         if defer_sampling:
             step.deferred = (logits, inputs.extra)
         elif split:
@@ -372,12 +369,14 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
 
     def _keep_outputs(self, step: InFlightStep, out: tuple) -> None:
         """Set `step.out` (logprob outputs dropped when no request asked for them) and start the
-        device → host copies of its outputs, which run as soon as the step ends."""
+        device → host copies of its outputs (its prompt logprobs' too), which run as soon as the
+        step ends."""
         if not step.want_lp:
             out = out[:3] + (None,) * 3 if self.spec_k else out[:1] + (None,) * 3
         step.out = out
         if self.step_sink is None and jax.process_count() == 1:
-            for x in jax.tree.leaves((out, step.stats)):
+            prompt_out = step.prompt_logprobs[1] if step.prompt_logprobs is not None else None
+            for x in jax.tree.leaves((out, step.stats, prompt_out)):
                 x.copy_to_host_async()
 
     @property

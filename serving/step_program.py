@@ -99,7 +99,7 @@ def build_step_programs(graphdef, layout: KVCacheLayout, parallel: ParallelLayou
             out, kv, h = spec_decode_forward(model, batch, kv, host, (temperature, top_p, top_k, min_p, seeds, steps),
                                              want_logprobs, sp, layout=layout, parallel=parallel,
                                              num_speculative_tokens=spec_k, reachable=reachable, num_logprobs=k,
-                                             bitmask_BSW=bitmask, pen=pen, return_hidden=True)
+                                             bitmask_BSW=bitmask, pen=pen)
             if replicate is not None:
                 out = jax.lax.with_sharding_constraint(out, replicate)
             hs_out = None if hs is None else (kv.hot, host.pool, host.after)

@@ -91,3 +91,12 @@ def pcp_chunk_order(num_tokens: int, n: int) -> np.ndarray:
     c = num_tokens // (2 * n)
     chunks = np.arange(num_tokens).reshape(2 * n, c)
     return np.concatenate([np.concatenate([chunks[g], chunks[2 * n - 1 - g]]) for g in range(n)])
+
+
+def pcp_placed_rows(num_tokens: int, n: int) -> np.ndarray:
+    """The inverse of `pcp_chunk_order`: int64 [num_tokens], the placed row of each token (token t
+    sits at row `pcp_placed_rows(...)[t]` of the load-balanced order). Raises as `pcp_chunk_order`."""
+    order = pcp_chunk_order(num_tokens, n)
+    rows = np.empty_like(order)
+    rows[order] = np.arange(len(order))
+    return rows

@@ -47,18 +47,27 @@ def chat_logprobs(tokenizer: Any, lps: list[TokenLogprobs], top_n: int) -> ChatC
 
 
 def completion_logprobs(
-    tokenizer: Any, lps: list[TokenLogprobs], top_n: int, offset: int = 0
+    tokenizer: Any, lps: list[TokenLogprobs], top_n: int, offset: int = 0,
+    echo: tuple[list[int], list[TokenLogprobs | None]] | None = None,
 ) -> CompletionLogprobs:
     """`choices[i].logprobs` of a completion: parallel lists per token. `top_logprobs[k]` maps
     the `top_n` most likely tokens (and the sampled one) to their log-probabilities;
-    `text_offset` counts characters from `offset` (the text already sent for this choice)."""
+    `text_offset` counts characters from `offset` (the text already sent for this choice).
+    echo: (the prompt's token ids, their prompt logprobs) to lead the lists (completions' `echo`,
+    as vLLM gives them: an entry None — the first token's — has null for its logprob and its
+    `top_logprobs`), the offsets running on from the prompt into the output."""
     out = CompletionLogprobs()
-    for t in lps:
-        text = token_text(tokenizer, t.token_id)
+    entries = list(zip(*echo)) if echo is not None else []
+    for tid, t in entries + [(t.token_id, t) for t in lps]:
+        text = token_text(tokenizer, tid)
         out.tokens.append(text)
-        out.token_logprobs.append(t.logprob)
         out.text_offset.append(offset)
         offset += len(text)
+        if t is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(t.logprob)
         top = {token_text(tokenizer, i): lp for i, lp in t.top[:top_n]}
         top.setdefault(text, t.logprob)
         out.top_logprobs.append(top)
@@ -82,26 +91,3 @@ def prompt_logprobs_body(tokenizer: Any, entries: list[TokenLogprobs | None] | N
         out.append(d)
     return out
 
-
-def echo_completion_logprobs(tokenizer: Any, prompt_ids: list[int], entries: list[TokenLogprobs | None],
-                             top_n: int) -> CompletionLogprobs:
-    """`choices[i].logprobs` of an echoed prompt (legacy completions with `echo` and `logprobs`),
-    as vLLM gives them: one entry per prompt token, the first with None for its logprob and its
-    `top_logprobs` (nothing precedes it); offsets from 0. The output's entries follow
-    (`completion_logprobs` with the prompt text's length as its offset)."""
-    out = CompletionLogprobs()
-    offset = 0
-    for tid, e in zip(prompt_ids, entries):
-        text = token_text(tokenizer, tid)
-        out.tokens.append(text)
-        out.text_offset.append(offset)
-        offset += len(text)
-        if e is None:
-            out.token_logprobs.append(None)
-            out.top_logprobs.append(None)
-            continue
-        out.token_logprobs.append(e.logprob)
-        top = {token_text(tokenizer, i): lp for i, lp in e.top[:top_n]}
-        top.setdefault(text, e.logprob)
-        out.top_logprobs.append(top)
-    return out

@@ -78,7 +78,6 @@ from serving.api.errors import (
 from serving.api.logprobs import (
     chat_logprobs,
     completion_logprobs,
-    echo_completion_logprobs,
     prompt_logprobs_body,
 )
 from serving.api.protocol import (
@@ -643,14 +642,8 @@ def build_app(
             `prompt_lps`, this choice's prompt logprobs, are given), then the output's from `offset`."""
             if params.logprobs is None:
                 return None
-            if not (echo and prompt_lps is not None):
-                return completion_logprobs(tokenizer, lps, top_n, offset)
-            head = echo_completion_logprobs(tokenizer, prompt_ids, prompt_lps, top_n)
-            end = head.text_offset[-1] + len(head.tokens[-1]) if head.tokens else 0
-            tail = completion_logprobs(tokenizer, lps, top_n, end)
-            return CompletionLogprobs(text_offset=head.text_offset + tail.text_offset,
-                                      token_logprobs=head.token_logprobs + tail.token_logprobs,
-                                      tokens=head.tokens + tail.tokens, top_logprobs=head.top_logprobs + tail.top_logprobs)
+            lead = (prompt_ids, prompt_lps) if echo and prompt_lps is not None else None
+            return completion_logprobs(tokenizer, lps, top_n, offset, echo=lead)
 
         def prompt_lps_of(entries):
             return None if body.prompt_logprobs is None else prompt_logprobs_body(tokenizer, entries)

@@ -19,7 +19,7 @@ from serving.spec_decode.rejection import verify_drafts
 
 
 def spec_decode_forward(model, batch, kv, host, sampling: tuple, want_logprobs, sp: SpecBatch, *, layout, parallel, num_speculative_tokens: int, reachable: int,
-                        num_logprobs: int, bitmask_BSW=None, pen=None, return_hidden: bool = False):
+                        num_logprobs: int, bitmask_BSW=None, pen=None):
     """One speculative step over `batch` (T rows, B request rows).
 
     1. The target model over every row (`hidden_states`: prefill chunks, decode rows and the
@@ -44,9 +44,10 @@ def spec_decode_forward(model, batch, kv, host, sampling: tuple, want_logprobs, 
         before it; factors `[B · (k + 1)]`), or None. Verification and the tokens use the adjusted
         logits, the logprobs the raw ones.
 
-    Returns `((tokens_BS, num_accepted_B, drafts_BK, token_logprob_BS, top_ids_BSL, top_logprobs_BSL), kv)`
-    with S = k + 1; the logprob arrays are zeros unless `want_logprobs`. With `return_hidden` the
-    target model's final hidden states `[T, D]` follow (prompt logprobs: `serving.prompt_logprobs`).
+    Returns `((tokens_BS, num_accepted_B, drafts_BK, token_logprob_BS, top_ids_BSL, top_logprobs_BSL), kv,
+    hidden_TD)` with S = k + 1; the logprob arrays are zeros unless `want_logprobs`; `hidden_TD`: the
+    target model's final hidden states (prompt logprobs, `serving.prompt_logprobs`; XLA drops them
+    from a step that does not use them).
     """
     k = num_speculative_tokens
     h, kv = model.hidden_states(batch, kv, layout, parallel, host)
@@ -83,5 +84,4 @@ def spec_decode_forward(model, batch, kv, host, sampling: tuple, want_logprobs, 
                                    num_steps=sp.num_draft_steps, k=k, reachable=reachable, parallel=parallel,
                                    host=host)
     pad = lambda x: jnp.pad(x, [(0, B_all - B)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
-    out = tuple(pad(x) for x in (tokens_BS, acc_B, drafts_BK, *lp))
-    return (out, kv, h) if return_hidden else (out, kv)
+    return tuple(pad(x) for x in (tokens_BS, acc_B, drafts_BK, *lp)), kv, h
