@@ -32,6 +32,7 @@ from serving.kv_events import (
 from serving.kv_events.config import check_replica_ports
 from serving.request import Request
 from serving.types import SamplingParams
+from sharding.distributed import free_port_pair
 from tests.helpers.kv_event_view import RouterView, decode
 from tests.serving.hisparse_harness import HiSparseEngine
 from tests.serving.test_scheduler import prompt
@@ -185,7 +186,7 @@ def test_a_router_that_subscribes_late_still_hears_the_start_up_clear():
     `AllBlocksCleared` repeats until the replica announces something, so a late subscriber
     still hears it (vllm-router then forgets the previous process's blocks before routing by
     them); once a block is announced, no clear follows it."""
-    port = _free_port()
+    port = free_port_pair()  # replica 1 binds the port + 1
     cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}", replay_endpoint=None, topic="kv")
     pub = ZmqEventPublisher(cfg, data_parallel_rank=1)
     pub.announce_cleared(every_s=0.2)
