@@ -524,8 +524,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--layout", default="1", choices=list(LAYOUTS),
                    help="parallel layout of every server (8 simulated CPU devices when > 1); the offloading "
-                        "connector runs on one device, so under a parallel layout the offload mode is skipped and "
-                        "hisparse runs without the indexer connector")
+                        "connector runs beside HiSparse on one device only, so under a parallel layout hisparse "
+                        "runs without the indexer connector (the offload mode runs on every layout, one host "
+                        "store of the budget per data-parallel replica)")
     p.add_argument("--baseline-contexts", type=int, default=2,
                    help="the small pool (preemption and hisparse) holds this many final contexts fully resident")
     p.add_argument("--kv-cache-dtype", default="auto")
@@ -546,9 +547,6 @@ def main(argv=None) -> list[dict]:
     wl = Workload.scaled(args.scale, args.turns)
     cache_dtype = "float32" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     dcp, dp = layout_sizes(args.layout)
-    if args.layout != "1" and "offload" in modes:
-        print(f"--layout {args.layout}: skipping the offload mode (the offloading connector runs on one device)")
-        modes = [m for m in modes if m != "offload"]
     cfg, layout, per, small, ample = pool_sizes(wl, args.baseline_contexts, max(concs), cache_dtype, dcp)
     mla = layout.group("mla")
     host = host_budget(wl, max(concs), cfg, mla, json.loads(args.hisparse_config), args.max_num_batched_tokens, dcp)

@@ -21,10 +21,9 @@ sweep by c client threads over 2·c conversations. Rows:
 P/D rows go through a real `vllm-router --vllm-pd-disaggregation` (cache_aware prefill policy,
 round_robin decode). Each server process gets 4 simulated CPU devices, so all of them share the
 machine's cores: compare rows inside one run only; the figures measure the machinery on a tiny
-model, not GPUs. `--prefill-offload-gib N` gives the PCP2 × DCP2 prefill engine the CPU KV
-offload of the reference (a MultiConnector); the DP2 prefill engine cannot have it (the
-offloading connector does not run with data parallelism yet). The default, 0, runs both without
-it, so later turns reuse the prefill engines' device prefix caches only.
+model, not GPUs. `--prefill-offload-gib N` gives every prefill engine the CPU KV offload of the
+reference (a MultiConnector; the DP2 prefill engine one store of N GiB per replica). The default,
+0, runs them without it, so later turns reuse the prefill engines' device prefix caches only.
 
 Columns: those of bench_agentic (TTFT p50/p90, interactivity = 1 / mean TPOT, logical throughput,
 mean running requests of the decode engine, preemptions, HiSparse hot hit rate, equality with the
@@ -116,7 +115,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--host-pool-gib", type=float, default=0.1)
     ap.add_argument("--modes", default="colocated,pd-pcp2xdcp2,pd-dp2")
     ap.add_argument("--prefill-offload-gib", type=float, default=0.0,
-                    help="CPU KV offload of the PCP2 x DCP2 prefill engine (GiB; 0: none)")
+                    help="CPU KV offload of every prefill engine (GiB, per data-parallel replica; 0: none)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -151,7 +150,7 @@ def main(argv=None) -> list[dict]:
                                                     "cpu_bytes_to_use": int(offload_gib * 2**30)}}]}}
                     return ["--kv-transfer-config", json.dumps(pd)]
 
-                offload = args.prefill_offload_gib if mode == "pd-pcp2xdcp2" else 0.0
+                offload = args.prefill_offload_gib
                 spread = {"num_processes": 2, "devices_per_process": 1} if mode.endswith("-2proc") else {}
                 decode = Server(decode_flags + role("kv_consumer"), args.out / f"server_{mode}_decode.log", **spread)
                 prefill = Server(common + PREFILL[mode] + ["--cuda-graph-sizes"] + role("kv_producer", offload),

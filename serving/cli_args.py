@@ -384,8 +384,8 @@ def _check_multihost(args: argparse.Namespace) -> None:
 def _check_kv_transfer_config(args: argparse.Namespace) -> None:
     """`--kv-transfer-config`: the OffloadingConnector (`serving/offload/config.py`), parsed here
     so a bad key fails at start-up naming it. It keys the host store by the prefix cache's hashes,
-    so it needs --enable-prefix-caching; under a parallel layout it runs without DP and without
-    HiSparse for now."""
+    so it needs --enable-prefix-caching; under a parallel layout it runs without HiSparse for
+    now."""
     from serving.kv_transfer_config import KVTransferConfigError
     from serving.offload import OffloadConfigError, offload_config
     from serving.pd import pd_config
@@ -404,10 +404,9 @@ def _check_kv_transfer_config(args: argparse.Namespace) -> None:
                             "is keyed by the prefix cache's block hashes)")
     used = _parallel_flags_used(args)
     hisparse = isinstance(args.attention_config, dict) and "hisparse_config" in args.attention_config
-    if used and (hisparse or getattr(args, "data_parallel_size", 1) > 1):
-        raise _not_yet(f"--kv-transfer-config OffloadingConnector with {', '.join(used)}"
-                       f"{' and Hybrid HiSparse' if hisparse else ''} (under a parallel layout the offloading "
-                       "connector runs without --data-parallel-size and without HiSparse in this build)")
+    if used and hisparse:
+        raise _not_yet(f"--kv-transfer-config OffloadingConnector with {', '.join(used)} and Hybrid HiSparse "
+                       "(under a parallel layout the offloading connector runs without HiSparse in this build)")
 
 
 def _check_kv_events_config(args: argparse.Namespace) -> None:

@@ -129,7 +129,7 @@ class DataParallelEngine(LLMEngine):
         if par is None or par.data_parallel_size < 2:
             raise ValueError("DataParallelEngine needs --data-parallel-size >= 2")
         self.hisparse = None  # serving.hisparse.HiSparse (one host pool, policy, prefix cache per replica)
-        self.offload = None  # the offloading connector runs on one device for now
+        self.offload = None  # serving.offload.Offload (one host store per replica)
         self.spec_config = None  # MTP speculation is refused with --data-parallel-size > 1 (LLMEngine.from_args)
         self.spec_stats = self.drafts = self.drafter_override = None
         self.args = args
@@ -149,6 +149,7 @@ class DataParallelEngine(LLMEngine):
             rep.kv = KVCacheManager(rep.pool, groups, caps)
             self.replicas.append(rep)
         hs_config = hisparse_config(args.attention_config)
+        self.offload = self._build_offload(layout, hs_config is not None)
         if hs_config is not None:  # each replica: its own host pool of host_pool_gib, policy, prefix cache
             self.hisparse = build_hisparse(hs_config, [r.kv for r in self.replicas], layout, model.cfg, args,
                                            [r.on_host_block_reuse for r in self.replicas], parallel=self.parallel)
@@ -158,7 +159,8 @@ class DataParallelEngine(LLMEngine):
                 rep.prefix_cache = self.hisparse.prefix_caches[rep.index]
                 policy = self.hisparse.policies[rep.index]
             else:
-                rep.prefix_cache = PrefixCache(rep.kv) if args.enable_prefix_caching else None
+                off_store = self.offload.stores[rep.index] if self.offload is not None else None
+                rep.prefix_cache = PrefixCache(rep.kv, offload=off_store) if args.enable_prefix_caching else None
             rep.scheduler = Scheduler(
                 SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len),
                 rep.kv, eos_token_ids, rep.prefix_cache, policy)
@@ -170,7 +172,8 @@ class DataParallelEngine(LLMEngine):
                                   cuda_graph_sizes=args.cuda_graph_sizes,
                                   precompile_token_paddings=args.precompile_token_paddings,
                                   sampling_vocab_size=tokenizer_vocab_size(model_path),
-                                  hisparse=self.hisparse.device if self.hisparse is not None else None)
+                                  hisparse=self.hisparse.device if self.hisparse is not None else None,
+                                  offload=self.offload)
         self.pd = self._build_pd(model.cfg, num_blocks, [(r.index, r.scheduler, r.kv, r.pool) for r in self.replicas])
         self.kv_events = build_kv_events(args.kv_events_config, [r.prefix_cache for r in self.replicas])
         self.async_scheduling = self._async_scheduling(args)
@@ -183,11 +186,13 @@ class DataParallelEngine(LLMEngine):
                                    lambda: sum(r.scheduler.num_requests_waiting for r in reps),
                                    lambda: sum(r.scheduler.kv_cache_usage for r in reps) / len(reps),
                                    self.hisparse.gauges() if self.hisparse is not None else None,
+                                   self.offload.usage if self.offload is not None else None,
                                    kv_events=self.kv_events, dp_placements=self.placements)
         self.stat_loggers: list = []
         if not args.disable_log_stats:
             self.stat_loggers.append(LoggingStatLogger(self.gauges, args.log_stats_interval_s))
         self._prefix_counts = (0, 0)
+        self._offload_counts = (0, 0, 0, 0, 0)  # external queries and hits, pages stored, loaded, skipped
         logger.info("data parallel: %d attention replicas x %d pages each (%s)", len(reps), num_blocks, par)
 
     # ------------------------------------------------------------------ requests
@@ -327,6 +332,7 @@ class DataParallelEngine(LLMEngine):
             self._attach_logprobs(o)
             per_replica.append(o)
             outs.extend(o)
+        self._after_offload()
         self._end_step()
         hot_stats = self.hisparse.device.last_stats if self.hisparse is not None else None
         st = self.runner.last
@@ -352,10 +358,16 @@ class DataParallelEngine(LLMEngine):
     def _prefix_cache_totals(self) -> tuple[int, int]:
         return (sum(r.prefix_cache.queries for r in self.replicas), sum(r.prefix_cache.hits for r in self.replicas))
 
+    def _external_prefix_totals(self) -> tuple[int, int]:
+        return (sum(r.prefix_cache.external_queries for r in self.replicas),
+                sum(r.prefix_cache.external_hits for r in self.replicas))
+
     def audit(self) -> list[str]:
         """Invariant violations of every replica (prefixed "replica r: ") and request ids live on
         more than one replica (empty when sound)."""
         problems = [f"replica {r.index}: {p}" for r in self.replicas for p in r.scheduler.audit()]
+        if self.offload is not None:
+            problems += self.offload.audit()
         if self.pd is not None and self.pd.producer is not None:
             problems += self.pd.producer.audit()
         seen: dict[str, int] = {}

@@ -114,7 +114,7 @@ class LLMEngine(EngineStatsMixin, HostTiersMixin, PDEngineMixin, AsyncStepMixin,
                                    lambda: self.scheduler.num_requests_waiting,
                                    lambda: self.scheduler.kv_cache_usage,
                                    self.hisparse.gauges() if self.hisparse is not None else None,
-                                   self.offload.store.usage if self.offload is not None else None,
+                                   self.offload.usage if self.offload is not None else None,
                                    num_speculative_tokens=k, kv_events=self.kv_events)
         self.stat_loggers: list = []
         if not args.disable_log_stats:
@@ -404,7 +404,7 @@ class LLMEngine(EngineStatsMixin, HostTiersMixin, PDEngineMixin, AsyncStepMixin,
         and of the offloading connector's host store."""
         errors = self.scheduler.audit()
         if self.offload is not None:
-            errors += self.offload.store.audit()
+            errors += self.offload.audit()
         if self.pd is not None and self.pd.producer is not None:
             errors += self.pd.producer.audit()
         return errors

@@ -22,15 +22,16 @@ class HostTiersMixin:
     def _build_offload(self, layout, with_hisparse: bool):
         """The OffloadingConnector of `--kv-transfer-config` (None without the flag): it manages
         every KV cache group, or with Hybrid HiSparse the groups HiSparse does not (docs/design.md §6.1).
-        Raises ValueError (naming the flag) without prefix caching or under a parallel layout."""
+        Raises ValueError (naming the flag) without prefix caching, or beside HiSparse under a
+        parallel layout."""
         config = offload_config(self.args.kv_transfer_config)
         if config is None:
             return None
         if not self.args.enable_prefix_caching:
             raise ValueError("--kv-transfer-config OffloadingConnector needs --enable-prefix-caching")
-        if self.parallel is not None and (with_hisparse or self.parallel.dp > 1):
+        if self.parallel is not None and with_hisparse:
             raise ValueError("--kv-transfer-config OffloadingConnector under a parallel layout runs without "
-                             "--data-parallel-size and without Hybrid HiSparse for now")
+                             "Hybrid HiSparse for now")
         groups = [g.name for g in layout.groups if not (with_hisparse and g.name == "mla")]
         off = build_offload(config, layout, groups, self.parallel)
         logger.info("%s", off.summary())
@@ -56,16 +57,15 @@ class HostTiersMixin:
             return
         if self.hisparse is not None and any(h.queue for h in self.hisparse.hosts):
             self._flush_host_copies()
-        if self.offload is not None and self.offload.store.queue:
-            self.runner.run_offload([], wait=True)
+        if self.offload is not None and self.offload.has_queued_stores():
+            self.runner.run_offload([[] for _ in self.offload.stores], wait=True)
             self._after_offload()
 
     def _after_offload(self) -> None:
         """The step (and the connector transfers before it) ran: file the stores, release the
         loads' host blocks."""
         if self.offload is not None:
-            self.offload.store.complete()
-            self.offload.store.unpin()
+            self.offload.after_step()
 
     def _flush_host_copies(self) -> None:
         """The engine went idle with write-through copies queued (pages sealed by the last step,

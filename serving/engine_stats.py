@@ -101,17 +101,22 @@ class EngineStatsMixin:
         """(queried, hit) prompt tokens of the prefix cache since start-up."""
         return self.prefix_cache.queries, self.prefix_cache.hits
 
+    def _external_prefix_totals(self) -> tuple[int, int]:
+        """(queried, hit) prompt tokens with the offloading connector on, since start-up (vLLM's
+        external prefix cache counters)."""
+        return self.prefix_cache.external_queries, self.prefix_cache.external_hits
+
     def _emit(self, rec: StepRecord) -> None:
         if self.prefix_cache is not None:
             q, h = self._prefix_cache_totals()
             rec.prefix_cache_queries, rec.prefix_cache_hits = q - self._prefix_counts[0], h - self._prefix_counts[1]
             self._prefix_counts = (q, h)
         if self.offload is not None:
-            pc, st = self.prefix_cache, self.offload.store
-            now = (pc.external_queries, pc.external_hits, st.num_stored, st.num_loaded, st.num_skipped)
+            now = (*self._external_prefix_totals(), *self.offload.totals())
             d = [a - b for a, b in zip(now, self._offload_counts)]
             rec.external_prefix_cache_queries, rec.external_prefix_cache_hits = d[0], d[1]
-            rec.kv_offload_to_host_bytes, rec.kv_offload_to_device_bytes = d[2] * st.page_bytes, d[3] * st.page_bytes
+            page_bytes = self.offload.store.page_bytes
+            rec.kv_offload_to_host_bytes, rec.kv_offload_to_device_bytes = d[2] * page_bytes, d[3] * page_bytes
             rec.kv_offload_stores_skipped = d[4]
             self._offload_counts = now
         self._structured_record(rec)

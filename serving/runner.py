@@ -113,9 +113,7 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         self.last_drafts: dict[str, list[int]] = {}
         self.last_accepted: dict[str, int] = {}
         self.hisparse = hisparse
-        self.offload = offload  # serving.offload.Offload (its store's queue, its transfer programs)
-        if offload is not None and parallel is not None and parallel.dp > 1:
-            raise ValueError("the offloading connector does not run with --data-parallel-size > 1 yet")
+        self.offload = offload  # serving.offload.Offload (its stores' queues, its transfer programs)
         self.parallel = parallel
         self.graphdef, self.state = nnx.split(model)
         self.max_num_seqs = max_num_seqs
@@ -317,7 +315,7 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         self._dispatch_stores()
         self._maybe_fault()
         if self.offload is not None:
-            self.run_offload(sched.page_loads)
+            self.run_offload([sched.page_loads])
         sp = None
         if self.spec_k:
             sp = build_spec_batch(sched, batch.input_ids_T.shape[0], self.max_num_seqs + 1, self.spec_k,

@@ -56,6 +56,8 @@ class ReplicaStepsMixin:
         parts = [self.prepare(s, kv, T, r) for r, (s, kv) in enumerate(zip(scheds, kvs))]
         feed_src = self._feed(prev, scheds, T)
         self._dispatch_stores()
+        if self.offload is not None:
+            self.run_offload([s.page_loads for s in scheds])
         batch = stack_replicas([b for b, _ in parts], self.parallel.pcp)
         cat = lambda k: np.concatenate([e[k] for _, e in parts])
         want_lp = np.bool_(any(bool(e[WANT_LOGPROBS]) for _, e in parts))

@@ -37,23 +37,27 @@ class HostTransfersMixin:
         """The offloading connector's transfers before a step: every queued store (host block ←
         arena page, pages computed by earlier steps) as one program, then the step's `loads`
         (`(host block, device page)`: arena page ← host block) as another, which donates the
-        arena to the step. `wait` blocks until the stores ran (an idle engine flushing)."""
-        store = self.offload.store
-        jobs = store.take_stores(len(store.queue))
-        self.run_offload_lists([(j.device_block, j.host_block) for j in jobs], loads, wait)
+        arena to the step. `loads` has one list per data-parallel replica (one list without data
+        parallelism), each replica's stores come from its own host store's queue. `wait` blocks
+        until the stores ran (an idle engine flushing)."""
+        stores = []
+        for store in self.offload.stores:
+            jobs = store.take_stores(len(store.queue))
+            stores.append([(j.device_block, j.host_block) for j in jobs])
+        self.run_offload_lists(stores, loads, wait)
 
     def run_offload_lists(self, stores, loads, wait: bool = False) -> None:
-        """`run_offload` on explicit `(device block, host block)` stores and `(host block, device
-        block)` loads (what a multi-host leader sends its followers before running them itself)."""
-        stores = [tuple(int(x) for x in p) for p in stores]
-        loads = [tuple(int(x) for x in p) for p in loads]
-        if self.step_sink is not None and (stores or loads or wait):
-            self.step_sink("offload", (np.asarray(stores, np.int32).reshape(-1, 2),
-                                       np.asarray(loads, np.int32).reshape(-1, 2), np.bool_(wait)))
+        """`run_offload` on explicit per-replica lists: `stores[r]` of `(device block, host block)`,
+        `loads[r]` of `(host block, device block)` (what a multi-host leader sends its followers,
+        as `(replica, a, b)` rows, before running them itself)."""
+        stores = [[tuple(int(x) for x in p) for p in per] for per in stores]
+        loads = [[tuple(int(x) for x in p) for p in per] for per in loads]
+        if self.step_sink is not None and (any(stores) or any(loads) or wait):
+            self.step_sink("offload", (_tagged(stores), _tagged(loads), np.bool_(wait)))
         transfer = self.offload.transfer
-        if stores:
+        if any(stores):
             transfer.store(self.kv_arena, stores)
-        if loads:
+        if any(loads):
             self.kv_arena = transfer.load(self.kv_arena, loads)
         if wait:
             transfer.wait()
@@ -79,3 +83,18 @@ class HostTransfersMixin:
         """Take back the donated HiSparse state the step returned."""
         if hs is not None:
             self.hisparse.hot, self.hisparse.pool, self.hisparse.after = hs
+
+
+def _tagged(per_replica) -> np.ndarray:
+    """`int32[n, 3]` rows `(replica, a, b)` of per-replica `(a, b)` pair lists (the step channel's
+    form of `run_offload_lists`' arguments; `untag` inverts it)."""
+    rows = [(r, a, b) for r, pairs in enumerate(per_replica) for a, b in pairs]
+    return np.asarray(rows, np.int32).reshape(-1, 3)
+
+
+def untag(rows: np.ndarray, num_replicas: int) -> list[list[tuple[int, int]]]:
+    """Per-replica pair lists of `_tagged`'s rows."""
+    out: list[list[tuple[int, int]]] = [[] for _ in range(num_replicas)]
+    for r, a, b in np.asarray(rows).reshape(-1, 3).tolist():
+        out[r].append((a, b))
+    return out

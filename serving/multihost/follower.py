@@ -14,6 +14,7 @@ import jax
 
 from serving.multihost import MultiHostConfig, codec, engine_fingerprint
 from serving.multihost.channel import FollowerChannel
+from serving.runner_transfers import untag
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +72,9 @@ def run_follower(engine, channel: FollowerChannel, config: MultiHostConfig) -> i
                 src, dst, wait = inputs
                 runner.run_store_lists(src, dst, bool(wait))
             elif op == "offload":
-                stores, loads, wait = inputs
-                runner.run_offload_lists(stores.tolist(), loads.tolist(), bool(wait))
+                stores, loads, wait = inputs  # (replica, a, b) rows
+                nrep = runner.offload.transfer.num_replicas
+                runner.run_offload_lists(untag(stores, nrep), untag(loads, nrep), bool(wait))
             elif op == "read_pages":  # P/D staging on the leader: the gather spans every process
                 runner.read_pages(inputs)
             elif op == "write_pages":  # P/D landing: the rows the leader pulled, on every process

@@ -49,15 +49,49 @@ def offload_config(kv_transfer_config: dict | None) -> OffloadConfig | None:
 
 @dataclass
 class Offload:
-    """One engine's connector pieces."""
+    """One engine's connector pieces: one host store per data-parallel replica (`stores[r]` numbers
+    its own host blocks, as each replica's block pool numbers its own pages; one replica without
+    `--data-parallel-size`) over one `OffloadTransfer`, whose host page array holds every replica's
+    blocks in its own shards."""
 
     config: OffloadConfig
-    store: OffloadStore
+    stores: list[OffloadStore]
     transfer: OffloadTransfer
+
+    @property
+    def store(self) -> OffloadStore:
+        """Replica 0's store (the only one without data parallelism)."""
+        return self.stores[0]
+
+    def usage(self) -> float:
+        """Fraction of the host blocks filed, queued or pinned, over every replica's store."""
+        return sum(s.usage() for s in self.stores) / len(self.stores)
+
+    def has_queued_stores(self) -> bool:
+        return any(s.queue for s in self.stores)
+
+    def after_step(self) -> None:
+        """The step (and the transfers before it) ran: file every replica's stores, release its
+        loads' host blocks."""
+        for s in self.stores:
+            s.complete()
+            s.unpin()
+
+    def totals(self) -> tuple[int, int, int]:
+        """(pages stored, pages loaded, stores skipped) since start-up, over every replica."""
+        return (sum(s.num_stored for s in self.stores), sum(s.num_loaded for s in self.stores),
+                sum(s.num_skipped for s in self.stores))
+
+    def audit(self) -> list[str]:
+        """Every store's invariant violations (prefixed "replica r: " under data parallelism)."""
+        if len(self.stores) == 1:
+            return self.store.audit()
+        return [f"replica {r}: offload store: {p}" for r, s in enumerate(self.stores) for p in s.audit()]
 
     def summary(self) -> str:
         s = self.store
-        return (f"KV offloading connector: host store {s.num_usable} pages x {s.page_bytes / 2**20:.2f} MiB "
+        per = f" per replica x {len(self.stores)} replicas" if len(self.stores) > 1 else ""
+        return (f"KV offloading connector: host store {s.num_usable} pages x {s.page_bytes / 2**20:.2f} MiB{per} "
                 f"({s.num_usable * s.page_bytes / 2**30:.3f} GiB of cpu_bytes_to_use "
                 f"{self.config.cpu_bytes_to_use / 2**30:.3f} GiB, {self.transfer.mechanism} transfers) for the "
                 f"groups {list(s.groups)}")
@@ -66,26 +100,33 @@ class Offload:
 def build_offload(config: OffloadConfig, layout, groups, parallel=None) -> Offload:
     """Size and check the host store for `layout`'s pages and build the connector over `groups`.
 
+    `cpu_bytes_to_use` is one replica's budget: under DCP it counts the replica's ranks together
+    (each stores its share of every page), and under `--data-parallel-size N` every replica gets
+    its own store of that size, as every data-parallel engine of vLLM reads the same flag.
+
     Raises OffloadConfigError naming cpu_bytes_to_use when the store cannot hold one page, or
-    exceeds the host memory available."""
+    the stores together exceed the host memory available."""
     from kernels.host_rows import default_mechanism
     from serving.hisparse.config import available_host_memory
 
-    shards = 1
+    shards, replicas = 1, 1
     if parallel is not None and not parallel.is_single_device:
         from glm53.attention import num_kv_shards
 
-        shards = num_kv_shards(parallel)  # every DCP rank stores its share of each page
+        replicas = parallel.dp
+        shards = num_kv_shards(parallel) // replicas  # every DCP rank stores its share of each page
     page_bytes = layout.page_bytes
     n = config.host_blocks(page_bytes * shards)
     if n < 2:
         raise OffloadConfigError(f"--kv-transfer-config kv_connector_extra_config.cpu_bytes_to_use "
                                  f"{config.cpu_bytes_to_use} holds no page of {page_bytes} bytes")
     avail = available_host_memory()
-    if avail is not None and (n - 1) * page_bytes * shards > avail:
+    total = (n - 1) * page_bytes * shards * replicas
+    if avail is not None and total > avail:
+        each = f" ({replicas} data-parallel replicas, one store each)" if replicas > 1 else ""
         raise OffloadConfigError(f"--kv-transfer-config kv_connector_extra_config.cpu_bytes_to_use "
-                                 f"{(n - 1) * page_bytes * shards / 2**30:.3f} GiB exceeds the {avail / 2**30:.3f} GiB of "
+                                 f"{total / 2**30:.3f} GiB{each} exceeds the {avail / 2**30:.3f} GiB of "
                                  "host memory available")
-    store = OffloadStore(n, groups, page_bytes * shards)
+    stores = [OffloadStore(n, groups, page_bytes * shards) for _ in range(replicas)]
     transfer = OffloadTransfer(n, page_bytes // 4, default_mechanism(), parallel=parallel)
-    return Offload(config, store, transfer)
+    return Offload(config, stores, transfer)

@@ -310,3 +310,97 @@ def test_llmengine_from_args_refuses_a_data_parallel_layout_naming_the_factory()
     base class asked to build a DP layout says so before loading anything."""
     with pytest.raises(ValueError, match="build_engine"):
         LLMEngine.from_args(EngineArgs(parallel=DP2_EP, compile_progress=False))
+
+
+def test_dp2_offloading_connector_gives_each_replica_its_own_host_store():
+    """DP2 + EP with prefix caching and the CPU offloading connector (one host store per replica,
+    `cpu_bytes_to_use` each; one host page array, each replica's blocks in its own shards): two
+    prompts cold on the two replicas at once, others then take both replicas' device pages back,
+    and the two prompts again at once come back from their own replica's host store — every whole
+    indexer page of each (the hit the connector can give: only full pages are stored) loaded, not
+    recomputed, in one load program with a different list per replica — with the cold run's tokens
+    and logprobs. Placement follows the host tier: unpinned, the second run of each prompt goes to
+    the replica whose store holds it. Every pool and store audit is clean, and no replica's store
+    holds the other's prompt."""
+    from tests.serving.test_offload import offload_flag
+
+    engine = build(DP2_EP, 24, max_model_len=1024, max_num_batched_tokens=128, enable_prefix_caching=True,
+                   kv_transfer_config=offload_flag(2**24))
+    stores = engine.offload.stores
+    assert len(stores) == 2 and stores[0] is not stores[1] and engine.runner.offload is engine.offload
+    idx = engine.replicas[0].kv.group("indexer").tokens_per_page
+    rng = np.random.default_rng(5)
+    prompts = {"a": rng.integers(4, 450, 1000).tolist(), "b": rng.integers(4, 450, 950).tolist()}
+    sp = lambda rank=None: SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2,
+                                          data_parallel_rank=rank)
+
+    def run(reqs: dict[str, tuple[list[int], int | None]]):
+        computed: dict[str, int] = {}
+        origs = [rep.scheduler.schedule for rep in engine.replicas]
+
+        def counting(orig):
+            def schedule():
+                out = orig()
+                for sr in out.scheduled:
+                    if sr.start_pos < len(sr.request.prompt_token_ids):
+                        computed[sr.request_id] = computed.get(sr.request_id, 0) + sr.num_new_tokens
+                return out
+            return schedule
+
+        for rep, orig in zip(engine.replicas, origs):
+            rep.scheduler.schedule = counting(orig)
+        try:
+            for rid, (p, rank) in reqs.items():
+                engine.add_request(rid, p, sp(rank))
+            placed = {rid: engine.replica_of(rid).index for rid in reqs}
+            toks: dict = {}
+            lps: dict = {}
+            cached: dict = {}
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+                    lps.setdefault(o.request_id, []).extend(o.new_logprobs or [])
+                    cached[o.request_id] = o.num_cached_tokens
+                assert engine.audit() == []
+        finally:
+            for rep, orig in zip(engine.replicas, origs):
+                rep.scheduler.schedule = orig
+        return toks, lps, cached, computed, placed
+
+    cold = run({"a": (prompts["a"], 0), "b": (prompts["b"], 1)})
+    assert cold[4] == {"a": 0, "b": 1} and cold[2] == {"a": 0, "b": 0}
+    assert all(s.num_stored > 0 for s in stores)
+    for i in range(2):  # other prompts take both replicas' device pages back
+        run({f"x{i}": (rng.integers(4, 450, 900).tolist(), 0), f"y{i}": (rng.integers(4, 450, 900).tolist(), 1)})
+    loaded = [s.num_loaded for s in stores]
+    for r, (own, other) in enumerate((("a", "b"), ("b", "a"))):
+        pc = engine.replicas[r].prefix_cache
+        assert pc.lookup(_probe(prompts[own])).num_external_tokens > 0  # its device lost some: the host has it
+        assert pc.lookup(_probe(prompts[other])).num_tokens == 0  # the other replica's prompt: nowhere here
+    warm = run({"a2": (prompts["a"], None), "b2": (prompts["b"], None)})
+    assert warm[4] == {"a2": 0, "b2": 1}, "placed away from the replica whose host store holds the prompt"
+    for rid, p in (("a", prompts["a"]), ("b", prompts["b"])):
+        hit = (len(p) - 1) // idx * idx
+        assert hit > 0 and warm[2][rid + "2"] == hit
+        assert warm[3][rid + "2"] == len(p) - hit, "the host-tier hit was recomputed"
+        assert warm[0][rid + "2"] == cold[0][rid]
+        np.testing.assert_allclose([x.logprob for x in warm[1][rid + "2"]], [x.logprob for x in cold[1][rid]],
+                                   rtol=0, atol=1e-4)
+    tpp = engine.replicas[0].kv.group("mla").tokens_per_page
+    for r, p in enumerate((prompts["a"], prompts["b"])):
+        hit = (len(p) - 1) // idx * idx
+        assert stores[r].num_loaded - loaded[r] == hit // tpp + hit // idx  # its MLA pages + indexer pages
+    assert engine.prefix_cache is engine.replicas[0].prefix_cache
+    assert sum(r.prefix_cache.external_hits for r in engine.replicas) >= warm[2]["a2"] + warm[2]["b2"]
+    engine.step()  # idle: queued stores are flushed
+    assert engine.audit() == []
+    for s in stores:
+        assert not s.queue and not s.in_flight and not s.pinned and s.blocks.num_free == s.num_usable
+    for rep in engine.replicas:
+        assert rep.pool.num_free == rep.pool.num_usable_blocks
+
+
+def _probe(prompt: list[int]):
+    from serving.request import Request
+
+    return Request("probe", list(prompt) + [1], SamplingParams(max_tokens=1))
