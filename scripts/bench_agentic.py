@@ -523,10 +523,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--concurrency", default="1,8,16,24,32")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--layout", default="1", choices=list(LAYOUTS),
-                   help="parallel layout of every server (8 simulated CPU devices when > 1); the offloading "
-                        "connector runs beside HiSparse on one device only, so under a parallel layout hisparse "
-                        "runs without the indexer connector (the offload mode runs on every layout, one host "
-                        "store of the budget per data-parallel replica)")
+                   help="parallel layout of every server (8 simulated CPU devices when > 1); host budgets "
+                        "are per data-parallel replica (HiSparse's pool and every connector's store)")
     p.add_argument("--baseline-contexts", type=int, default=2,
                    help="the small pool (preemption and hisparse) holds this many final contexts fully resident")
     p.add_argument("--kv-cache-dtype", default="auto")
@@ -567,7 +565,7 @@ def main(argv=None) -> list[dict]:
              "offload": ["--num-gpu-blocks-override", str(small), *connector(host_total)],
              "hisparse": ["--num-gpu-blocks-override", str(small), "--attention-config",
                           json.dumps({"hisparse_config": hs}),
-                          *(connector(host_total // 4) if args.layout == "1" else [])]}
+                          *connector(host_total // 4)]}
     vocab = 400  # the tiny tokenizer's ordinary ids lie below its special tokens
     rows, refs = [], {}
     lm = None  # the model for the equality rule's indexer diagnostic (loaded once, for the compared modes)

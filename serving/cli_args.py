@@ -384,8 +384,7 @@ def _check_multihost(args: argparse.Namespace) -> None:
 def _check_kv_transfer_config(args: argparse.Namespace) -> None:
     """`--kv-transfer-config`: the OffloadingConnector (`serving/offload/config.py`), parsed here
     so a bad key fails at start-up naming it. It keys the host store by the prefix cache's hashes,
-    so it needs --enable-prefix-caching; under a parallel layout it runs without HiSparse for
-    now."""
+    so it needs --enable-prefix-caching."""
     from serving.kv_transfer_config import KVTransferConfigError
     from serving.offload import OffloadConfigError, offload_config
     from serving.pd import pd_config
@@ -402,11 +401,6 @@ def _check_kv_transfer_config(args: argparse.Namespace) -> None:
     if not args.enable_prefix_caching:
         raise ArgumentError("--kv-transfer-config OffloadingConnector needs --enable-prefix-caching (the host store "
                             "is keyed by the prefix cache's block hashes)")
-    used = _parallel_flags_used(args)
-    hisparse = isinstance(args.attention_config, dict) and "hisparse_config" in args.attention_config
-    if used and hisparse:
-        raise _not_yet(f"--kv-transfer-config OffloadingConnector with {', '.join(used)} and Hybrid HiSparse "
-                       "(under a parallel layout the offloading connector runs without HiSparse in this build)")
 
 
 def _check_kv_events_config(args: argparse.Namespace) -> None:

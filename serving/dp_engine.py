@@ -152,7 +152,9 @@ class DataParallelEngine(LLMEngine):
         self.offload = self._build_offload(layout, hs_config is not None)
         if hs_config is not None:  # each replica: its own host pool of host_pool_gib, policy, prefix cache
             self.hisparse = build_hisparse(hs_config, [r.kv for r in self.replicas], layout, model.cfg, args,
-                                           [r.on_host_block_reuse for r in self.replicas], parallel=self.parallel)
+                                           [r.on_host_block_reuse for r in self.replicas],
+                                           offload=self.offload.stores if self.offload is not None else None,
+                                           parallel=self.parallel)
         for rep in self.replicas:
             policy = None
             if self.hisparse is not None:

@@ -22,16 +22,12 @@ class HostTiersMixin:
     def _build_offload(self, layout, with_hisparse: bool):
         """The OffloadingConnector of `--kv-transfer-config` (None without the flag): it manages
         every KV cache group, or with Hybrid HiSparse the groups HiSparse does not (docs/design.md §6.1).
-        Raises ValueError (naming the flag) without prefix caching, or beside HiSparse under a
-        parallel layout."""
+        Raises ValueError (naming the flag) without prefix caching."""
         config = offload_config(self.args.kv_transfer_config)
         if config is None:
             return None
         if not self.args.enable_prefix_caching:
             raise ValueError("--kv-transfer-config OffloadingConnector needs --enable-prefix-caching")
-        if self.parallel is not None and with_hisparse:
-            raise ValueError("--kv-transfer-config OffloadingConnector under a parallel layout runs without "
-                             "Hybrid HiSparse for now")
         groups = [g.name for g in layout.groups if not (with_hisparse and g.name == "mla")]
         off = build_offload(config, layout, groups, self.parallel)
         logger.info("%s", off.summary())

@@ -140,7 +140,7 @@ def build_hisparse(config: HiSparseConfig, kv, layout, model_cfg, args, on_host_
                    num_speculative_tokens: int = 0, parallel=None) -> HiSparse:
     """Size and check the host pool, and build the policy (and, with --enable-prefix-caching, a
     prefix cache with a host tier, and the offloading connector's tier when `offload`, an
-    `OffloadStore`, is given) over `kv` for an engine with `args`. With MTP speculation
+    `OffloadStore` or one per data-parallel replica, is given) over `kv` for an engine with `args`. With MTP speculation
     (`num_speculative_tokens` k > 0) the hot buffer defaults to (k + 2) × index_topk rows per
     decoding request (k + 1 verification rows may each miss all of their top-k); the MTP layer's
     latent rows are one more layer of the `mla` group, so they go to the host pool with their
@@ -161,6 +161,7 @@ def build_hisparse(config: HiSparseConfig, kv, layout, model_cfg, args, on_host_
 
     kvs = list(kv) if isinstance(kv, (list, tuple)) else [kv]
     reuse = list(on_host_reuse) if isinstance(on_host_reuse, (list, tuple)) else [on_host_reuse]
+    offloads = list(offload) if isinstance(offload, (list, tuple)) else [offload] * len(kvs)
     dcp = parallel.dcp if parallel is not None else 1
     mla = layout.group("mla")
     tpp = mla.tokens_per_page
@@ -173,7 +174,7 @@ def build_hisparse(config: HiSparseConfig, kv, layout, model_cfg, args, on_host_
     hosts, policies, caches = [], [], []
     for r, kv_r in enumerate(kvs):
         host = HostPool(num_host, on_reuse=reuse[r])
-        prefix_cache = (PrefixCache(kv_r, host_pool=host.blocks, offload=offload) if args.enable_prefix_caching
+        prefix_cache = (PrefixCache(kv_r, host_pool=host.blocks, offload=offloads[r]) if args.enable_prefix_caching
                         else None)
         hosts.append(host)
         caches.append(prefix_cache)

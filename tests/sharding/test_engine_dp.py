@@ -312,7 +312,8 @@ def test_llmengine_from_args_refuses_a_data_parallel_layout_naming_the_factory()
         LLMEngine.from_args(EngineArgs(parallel=DP2_EP, compile_progress=False))
 
 
-def test_dp2_offloading_connector_gives_each_replica_its_own_host_store():
+@pytest.mark.parametrize("with_hisparse", [False, True], ids=["offload", "hisparse+offload"])
+def test_dp2_offloading_connector_gives_each_replica_its_own_host_store(with_hisparse):
     """DP2 + EP with prefix caching and the CPU offloading connector (one host store per replica,
     `cpu_bytes_to_use` each; one host page array, each replica's blocks in its own shards): two
     prompts cold on the two replicas at once, others then take both replicas' device pages back,
@@ -321,11 +322,17 @@ def test_dp2_offloading_connector_gives_each_replica_its_own_host_store():
     recomputed, in one load program with a different list per replica — with the cold run's tokens
     and logprobs. Placement follows the host tier: unpinned, the second run of each prompt goes to
     the replica whose store holds it. Every pool and store audit is clean, and no replica's store
-    holds the other's prompt."""
+    holds the other's prompt.
+
+    With Hybrid HiSparse as well (the reference's decode configuration: its host pool per replica
+    for the MLA rows, the connector for the indexer keys): the MLA pages of the hit come back as
+    HiSparse host pages, the indexer pages from the connector, with the same tokens and logprobs."""
     from tests.serving.test_offload import offload_flag
 
+    hs = {"hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 256}} if with_hisparse else None
     engine = build(DP2_EP, 24, max_model_len=1024, max_num_batched_tokens=128, enable_prefix_caching=True,
-                   kv_transfer_config=offload_flag(2**24))
+                   kv_transfer_config=offload_flag(2**24), attention_config=hs)
+    assert (engine.hisparse is not None) == with_hisparse
     stores = engine.offload.stores
     assert len(stores) == 2 and stores[0] is not stores[1] and engine.runner.offload is engine.offload
     idx = engine.replicas[0].kv.group("indexer").tokens_per_page
@@ -335,7 +342,8 @@ def test_dp2_offloading_connector_gives_each_replica_its_own_host_store():
                                           data_parallel_rank=rank)
 
     def run(reqs: dict[str, tuple[list[int], int | None]]):
-        computed: dict[str, int] = {}
+        computed: dict[str, int] = {}  # prompt rows scheduled
+        first: dict[str, int] = {}  # the first prompt position scheduled
         origs = [rep.scheduler.schedule for rep in engine.replicas]
 
         def counting(orig):
@@ -344,6 +352,7 @@ def test_dp2_offloading_connector_gives_each_replica_its_own_host_store():
                 for sr in out.scheduled:
                     if sr.start_pos < len(sr.request.prompt_token_ids):
                         computed[sr.request_id] = computed.get(sr.request_id, 0) + sr.num_new_tokens
+                        first[sr.request_id] = min(first.get(sr.request_id, sr.start_pos), sr.start_pos)
                 return out
             return schedule
 
@@ -365,31 +374,47 @@ def test_dp2_offloading_connector_gives_each_replica_its_own_host_store():
         finally:
             for rep, orig in zip(engine.replicas, origs):
                 rep.scheduler.schedule = orig
-        return toks, lps, cached, computed, placed
+        return toks, lps, cached, computed, placed, first
 
     cold = run({"a": (prompts["a"], 0), "b": (prompts["b"], 1)})
     assert cold[4] == {"a": 0, "b": 1} and cold[2] == {"a": 0, "b": 0}
     assert all(s.num_stored > 0 for s in stores)
-    for i in range(2):  # other prompts take both replicas' device pages back
+    def lost(r: int, key: str) -> bool:
+        """Replica r's device holds none of the prompt's pages: its hit is whole indexer pages, all
+        from the host (the connector's store, and with HiSparse its host pool for the MLA rows)."""
+        hit = engine.replicas[r].prefix_cache.lookup(_probe(prompts[key]))
+        return hit.num_local_tokens == 0 and hit.num_tokens == (len(prompts[key]) - 1) // idx * idx > 0
+
+    for i in range(6):  # other prompts take both replicas' device pages back (HiSparse keeps more: its
+        # MLA pages go to its host pool, so the indexer pages stay longer)
         run({f"x{i}": (rng.integers(4, 450, 900).tolist(), 0), f"y{i}": (rng.integers(4, 450, 900).tolist(), 1)})
+        if lost(0, "a") and lost(1, "b"):
+            break
     loaded = [s.num_loaded for s in stores]
     for r, (own, other) in enumerate((("a", "b"), ("b", "a"))):
         pc = engine.replicas[r].prefix_cache
-        assert pc.lookup(_probe(prompts[own])).num_external_tokens > 0  # its device lost some: the host has it
+        assert lost(r, own)
         assert pc.lookup(_probe(prompts[other])).num_tokens == 0  # the other replica's prompt: nowhere here
     warm = run({"a2": (prompts["a"], None), "b2": (prompts["b"], None)})
     assert warm[4] == {"a2": 0, "b2": 1}, "placed away from the replica whose host store holds the prompt"
     for rid, p in (("a", prompts["a"]), ("b", prompts["b"])):
         hit = (len(p) - 1) // idx * idx
         assert hit > 0 and warm[2][rid + "2"] == hit
-        assert warm[3][rid + "2"] == len(p) - hit, "the host-tier hit was recomputed"
+        assert warm[5][rid + "2"] == hit, "the host-tier hit was recomputed"
+        if not with_hisparse:  # (HiSparse may compute a cut prefill chunk's rows again)
+            assert warm[3][rid + "2"] == len(p) - hit
         assert warm[0][rid + "2"] == cold[0][rid]
         np.testing.assert_allclose([x.logprob for x in warm[1][rid + "2"]], [x.logprob for x in cold[1][rid]],
                                    rtol=0, atol=1e-4)
     tpp = engine.replicas[0].kv.group("mla").tokens_per_page
     for r, p in enumerate((prompts["a"], prompts["b"])):
         hit = (len(p) - 1) // idx * idx
-        assert stores[r].num_loaded - loaded[r] == hit // tpp + hit // idx  # its MLA pages + indexer pages
+        mla_pages = 0 if with_hisparse else hit // tpp  # HiSparse: the MLA rows come from its host pool
+        assert stores[r].num_loaded - loaded[r] == mla_pages + hit // idx  # (MLA pages +) indexer pages
+    if with_hisparse:
+        assert all(pc.host_hits > 0 for pc in engine.hisparse.prefix_caches)
+        for pol in engine.hisparse.policies:
+            assert pol.host.blocks.num_free == pol.host.num_usable
     assert engine.prefix_cache is engine.replicas[0].prefix_cache
     assert sum(r.prefix_cache.external_hits for r in engine.replicas) >= warm[2]["a2"] + warm[2]["b2"]
     engine.step()  # idle: queued stores are flushed

@@ -233,11 +233,16 @@ def test_streams_equal_the_single_device_ample_run(name, lm):
 @pytest.mark.parametrize("argv", [["-tp", "2"], ["-tp", "2", "-dcp", "2"], ["-dp", "2", "--enable-expert-parallel"],
                                   ["-pcp", "2", "-dcp", "2"], ["-dp", "2", "-tp", "2", "-dcp", "2"]])
 def test_cli_accepts_hisparse_on_every_parallel_layout(argv):
+    """... with the offloading connector beside it, as the reference's decode engine runs."""
     from serving.cli_args import make_arg_parser, validate_args
 
-    args = make_arg_parser().parse_args(["--attention-config", '{"hisparse_config": {"host_pool_gib": 1}}', *argv])
+    connector = ('{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": '
+                 '{"cpu_bytes_to_use": 1073741824}}')
+    args = make_arg_parser().parse_args(["--attention-config", '{"hisparse_config": {"host_pool_gib": 1}}', *argv,
+                                         "--enable-prefix-caching", "--kv-transfer-config", connector])
     validate_args(args)
     assert args.attention_config["hisparse_config"]["host_pool_gib"] == 1
+    assert args.kv_transfer_config["kv_connector"] == "OffloadingConnector"
 
 
 def test_hisparse_dcp_and_mtp_serve_the_single_device_non_speculative_streams(lm):
