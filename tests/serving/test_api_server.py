@@ -930,9 +930,6 @@ def test_cli_defaults_and_json_flags(caplog):
         (["--tool-call-parser", "hermes"], "--tool-call-parser"),
         (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser"),
         (["--attention-config", "{not json"], "--attention-config"),
-        (["--attention-config", '{"hisparse_config": {"host_pool_gib": 8}}', "-tp", "2", "--enable-prefix-caching",
-          "--kv-transfer-config", '{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": '
-          '{"cpu_bytes_to_use": 1000000}}'], "--kv-transfer-config .*--tensor-parallel-size 2"),
         (["--attention-config", '{"hisparse_config": {}}'], "hisparse_config needs host_pool_gib"),
         (["--attention-config", '{"hisparse_config": {"host_pool_gib": -1}}'], "host_pool_gib"),
         (["--attention-config", '{"hisparse_config": {"host_pool_gib": 1, "hot": 1}}'], "unknown key"),

@@ -76,6 +76,19 @@ def test_step_inputs_round_trip_with_dtypes_shapes_and_classes():
         codec.encode(StepInputs(x.batch, ({1, 2},)))
 
 
+def test_offload_transfer_lists_of_every_replica_round_trip():
+    """The connector's per-replica store and load lists travel as `(replica, a, b)` rows
+    (`serving.runner_transfers`): through the codec a follower gets back each replica's own list,
+    an empty replica included."""
+    from serving.runner_transfers import _tagged, untag
+
+    stores = [[(3, 1), (4, 2)], [], [(7, 5)]]
+    loads = [[], [(9, 8)], [(2, 6), (1, 3)]]
+    msg = codec.decode(codec.encode((_tagged(stores), _tagged(loads), np.bool_(False))))
+    assert untag(msg[0], 3) == stores and untag(msg[1], 3) == loads
+    assert untag(_tagged([[], []]), 2) == [[], []]
+
+
 @pytest.fixture
 def pair():
     port = free_port_pair()
