@@ -261,7 +261,8 @@ class ChatCompletionStreamResponse(_Response):
 class CompletionRequest(_Request):
     """Body of `POST /v1/completions`.
 
-    `prompt` is a string or a list of token ids; a one-element list of either is accepted too.
+    `prompt` is a string or a list of token ids, or a batch: a list of strings or of token-id
+    lists, each prompt served as its own `n` choices (choice `p · n + j`: prompt p's j-th).
     `max_tokens` defaults to 16, as in the OpenAI and vLLM completions APIs.
     """
 

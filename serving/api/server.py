@@ -111,6 +111,7 @@ from serving.api.structured import reasoning_end_token_id, request_constraint
 from serving.api.validation import (
     RESERVED_TEMPLATE_KWARGS,
     build_sampling_params,
+    completion_prompts,
     continue_final_message,
     default_max_body_bytes,
     encode_text,
@@ -122,7 +123,7 @@ from serving.api.validation import (
     template_messages,
 )
 from serving.output_processor import RequestTextState, TextDelta
-from serving.types import EngineClient, RequestOutput
+from serving.types import EngineClient, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -613,36 +614,41 @@ def build_app(
             if value is not None and value < 1 and not (echo_only and name == requested_param):
                 raise bad_request(f"{name} must be at least 1, got {value}.", name)
 
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise bad_request(
-                    "Batched prompts are not supported yet; send one prompt per request.", "prompt"
-                )
-            prompt = prompt[0]
-        prompt_ids = await encode_text(tokenizer, prompt, "prompt") if isinstance(prompt, str) else list(prompt)
-        if not prompt_ids:
-            raise bad_request("The prompt must not be empty.", "prompt")
+        prompts = completion_prompts(body.prompt, body.n or 1)
+        if len(prompts) > 1 and (body.model_extra or {}).get("kv_transfer_params") is not None:
+            raise bad_request("kv_transfer_params cannot be combined with batched prompts.", "prompt")
+        batch: list[tuple[list[int], SamplingParams]] = []
+        prompt_ids_of: list[list[int]] = []
+        for pi, prompt in enumerate(prompts):
+            name = "prompt" if len(prompts) == 1 else f"prompt[{pi}]"
+            ids = await encode_text(tokenizer, prompt, name) if isinstance(prompt, str) else list(prompt)
+            if not ids:
+                raise bad_request(f"The {'prompt' if len(prompts) == 1 else name} must not be empty.", "prompt")
+            prompt_ids_of.append(ids)
 
         defaults = request.app.state.default_sampling
-        max_tokens = resolve_max_tokens(
-            1 if echo_only else requested, requested_param, len(prompt_ids), engine.max_model_len, "prompt",
-            note=getattr(engine, "max_model_len_note", ""), default=defaults.get("max_tokens"),
-        )
-        params = build_sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None), defaults)
-        params.data_parallel_rank = header_data_parallel_rank(request)
-        params.structured_outputs = request_constraint(body)
+        for ids in prompt_ids_of:  # each prompt's own room below --max-model-len
+            max_tokens = resolve_max_tokens(
+                1 if echo_only else requested, requested_param, len(ids), engine.max_model_len, "prompt",
+                note=getattr(engine, "max_model_len_note", ""), default=defaults.get("max_tokens"),
+            )
+            params = build_sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None), defaults)
+            params.data_parallel_rank = header_data_parallel_rank(request)
+            params.structured_outputs = request_constraint(body)
+            batch.append((ids, params))
+        params = batch[0][1]
         top_n = body.logprobs or 0
         echo = bool(body.echo)
-        prompt_text = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids, skip_special_tokens=False)) \
-            if echo else ""
+        prompt_texts = [(p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=False)) if echo else ""
+                        for p, ids in zip(prompts, prompt_ids_of)]
 
-        def choice_logprobs(prompt_lps, lps, offset: int) -> CompletionLogprobs | None:
+        def choice_logprobs(pi: int, prompt_lps, lps, offset: int) -> CompletionLogprobs | None:
             """The choice's (or chunk's) logprobs: with echo, the prompt's entries first (when
-            `prompt_lps`, this choice's prompt logprobs, are given), then the output's from `offset`."""
+            `prompt_lps`, this choice's prompt logprobs of its prompt `pi`, are given), then the
+            output's from `offset`."""
             if params.logprobs is None:
                 return None
-            lead = (prompt_ids, prompt_lps) if echo and prompt_lps is not None else None
+            lead = (prompt_ids_of[pi], prompt_lps) if echo and prompt_lps is not None else None
             return completion_logprobs(tokenizer, lps, top_n, offset, echo=lead)
 
         def prompt_lps_of(entries):
@@ -650,7 +656,8 @@ def build_app(
 
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        ch = Choices(engine, tokenizer, prompt_ids, params, rid)
+        ch = Choices(engine, tokenizer, None, None, rid, batch=batch)
+        prompt_of = ch.prompt_of
 
         if not body.stream:
             if not await _run_nonstream(request, ch):
@@ -662,11 +669,12 @@ def build_app(
                 choices=[
                     CompletionChoice(
                         index=i,
-                        text=prompt_text + ("" if echo_only else st.text),
-                        logprobs=choice_logprobs(st.prompt_logprobs, [] if echo_only else st.logprobs, 0),
+                        text=prompt_texts[prompt_of[i]] + ("" if echo_only else st.text),
+                        logprobs=choice_logprobs(prompt_of[i], st.prompt_logprobs, [] if echo_only else st.logprobs,
+                                                 0),
                         finish_reason=st.finish_reason or "abort",
                         stop_reason=st.stop_reason,
-                        prompt_token_ids=list(prompt_ids) if body.return_token_ids else None,
+                        prompt_token_ids=list(prompt_ids_of[prompt_of[i]]) if body.return_token_ids else None,
                         token_ids=(list(st.token_ids) if not echo_only else []) if body.return_token_ids else None,
                         prompt_logprobs=prompt_lps_of(st.prompt_logprobs),
                     )
@@ -689,10 +697,11 @@ def build_app(
         def make_chunks(i: int, d: TextDelta, st: RequestTextState) -> list[dict[str, Any]]:
             lps = None
             text = d.text
+            pi = prompt_of[i]
             if not echoed[i]:  # echo: the prompt's text (and logprobs) open the choice's first chunk
                 echoed[i] = True
-                text = prompt_text + text
-                lps = choice_logprobs(d.prompt_logprobs or [], d.logprobs or [], 0)
+                text = prompt_texts[pi] + text
+                lps = choice_logprobs(pi, d.prompt_logprobs or [], d.logprobs or [], 0)
             elif d.logprobs:
                 lps = completion_logprobs(tokenizer, d.logprobs, top_n, offsets[i])
             if lps is not None and lps.tokens:
@@ -701,7 +710,7 @@ def build_app(
             if body.return_token_ids:
                 ids = {"token_ids": list(d.token_ids)}
                 if not sent_prompt[i]:
-                    ids["prompt_token_ids"] = list(prompt_ids)
+                    ids["prompt_token_ids"] = list(prompt_ids_of[pi])
                     sent_prompt[i] = True
             return [
                 chunk_dict(

@@ -108,21 +108,38 @@ class RequestHandle:
 
 
 class Choices:
-    """The `n` engine requests (choices) of one API request and their accumulated outputs.
+    """The engine requests (choices) of one API request and their accumulated outputs: `n` per
+    prompt, and a completions request may batch several prompts (`batch`).
 
-    Choice i has request id `rid` when n == 1, else `f"{rid}-{i}"`."""
+    Choice `p · n + j` is prompt p's j-th sample (OpenAI's and vLLM's order); its request id is
+    `rid` when there is one choice in all, else `f"{rid}-{index}"`. `prompt_of[i]` is choice i's
+    prompt index. Raises the engine's rejection as an API error when the engine refuses one
+    synchronously.
 
-    def __init__(self, engine: EngineClient, tokenizer: Any, prompt_ids: list[int],
-                 params: SamplingParams, rid: str) -> None:
+    Args:
+      prompt_ids, params: the one prompt and its sampling parameters, or
+      batch: `[(prompt_ids, params), ...]`, one entry per prompt (then `prompt_ids` and `params`
+        are None).
+    """
+
+    def __init__(self, engine: EngineClient, tokenizer: Any, prompt_ids: list[int] | None,
+                 params: SamplingParams | None, rid: str,
+                 batch: list[tuple[list[int], SamplingParams]] | None = None) -> None:
         self.request_id = rid
-        self.prompt_len = len(prompt_ids)
-        per_choice = params_per_choice(params)
-        self.states = [RequestTextState(tokenizer, p, len(prompt_ids)) for p in per_choice]
+        batch = batch if batch is not None else [(prompt_ids, params)]
+        self.prompt_lens = [len(ids) for ids, _ in batch]
+        self.prompt_len = self.prompt_lens[0]
+        per_prompt = [params_per_choice(p) for _, p in batch]
+        self.prompt_of = [pi for pi, ps in enumerate(per_prompt) for _ in ps]
+        self.states = [RequestTextState(tokenizer, p, len(batch[pi][0]))
+                       for pi, ps in enumerate(per_prompt) for p in ps]
+        total = len(self.states)
         self.handles: list[RequestHandle] = []
         try:
-            for i, p in enumerate(per_choice):
-                self.handles.append(
-                    RequestHandle(engine, prompt_ids, p, rid if len(per_choice) == 1 else f"{rid}-{i}"))
+            for pi, ps in enumerate(per_prompt):
+                for p in ps:
+                    i = len(self.handles)
+                    self.handles.append(RequestHandle(engine, batch[pi][0], p, rid if total == 1 else f"{rid}-{i}"))
         except Exception as e:  # noqa: BLE001 - a synchronous rejection by the engine
             raise engine_error(e, rid) from None
 
@@ -135,15 +152,25 @@ class Choices:
             await h.close()
 
     def usage(self) -> UsageInfo:
-        """Prompt counted once, completion tokens summed over choices, cached tokens of choice 0."""
+        """Each prompt counted once (and its cached tokens, from its first choice), completion
+        tokens summed over every choice."""
+        prompt = cached = 0
+        seen: set[int] = set()
+        for pi, st in zip(self.prompt_of, self.states):
+            if pi in seen:
+                continue
+            seen.add(pi)
+            prompt += st.num_prompt_tokens if st.num_prompt_tokens is not None else self.prompt_lens[pi]
+            cached += st.num_cached_tokens or 0
         first = self.states[0]
-        prompt = first.num_prompt_tokens if first.num_prompt_tokens is not None else self.prompt_len
+        if len(self.prompt_lens) == 1:
+            cached = first.num_cached_tokens
         completion = sum(st.num_output_tokens for st in self.states)
         return UsageInfo(
             prompt_tokens=prompt,
             completion_tokens=completion,
             total_tokens=prompt + completion,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=first.num_cached_tokens),
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
 
 

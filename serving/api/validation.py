@@ -163,6 +163,23 @@ def reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
             raise bad_request(f"{name} is not supported yet in this build.", name)
 
 
+def completion_prompts(prompt, n: int) -> list:
+    """The prompts of a completions request's `prompt`: a string, a list of token ids, or a batch
+    (a list of strings or of token-id lists; OpenAI's and vLLM's batched prompts), each entry then
+    served as its own `n` choices. Raises a 400 naming `prompt` for an empty batch, or for more
+    choices in all than `MAX_N` (send smaller batches)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        batch = list(prompt)
+    elif isinstance(prompt, list) and not prompt:
+        raise bad_request("The prompt must not be empty.", "prompt")
+    else:
+        batch = [prompt]
+    if len(batch) * n > MAX_N:
+        raise bad_request(f"{len(batch)} prompts x n={n} ask for {len(batch) * n} choices; at most {MAX_N} per "
+                          "request (send smaller batches).", "prompt")
+    return batch
+
+
 def requested_max_tokens(body: ChatCompletionRequest | CompletionRequest) -> tuple[int | None, str]:
     """(the completion length asked for, the field that asked): `max_completion_tokens` wins over
     `max_tokens` on both endpoints."""

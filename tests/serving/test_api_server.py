@@ -458,6 +458,48 @@ def test_completions_echo_and_scoring_a_prompt(http, client, engine, tiny_tokeni
     assert chunks[0].choices[0].logprobs.token_logprobs[0] is None
 
 
+def test_completions_batched_prompts(http, client, engine, tiny_tokenizer):
+    """A batch of prompts (strings or token-id lists): each prompt is served as its own `n`
+    choices, choice p·n + j being prompt p's j-th (OpenAI's order), each with its own prompt's
+    max_tokens default, echo and token ids; usage counts every prompt once. Streamed, every
+    choice's chunks carry its index and add up to the non-streamed text. Scoring a batch (echo,
+    logprobs, max_tokens 0 — what evaluation harnesses send with a batch size) gives each prompt's
+    own prompt logprobs."""
+    prompts = ["Hello there", "The quick brown fox"]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=3, n=2, echo=True)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [p + _expected(tiny_tokenizer, 3) for p in prompts for _ in range(2)]
+    ids = [tiny_tokenizer.encode(p) for p in prompts]
+    assert [engine.submitted[f"{r.id}-{i}"][0] for i in range(4)] == [ids[0], ids[0], ids[1], ids[1]]
+    assert r.usage.prompt_tokens == len(ids[0]) + len(ids[1]) and r.usage.completion_tokens == 4 * 3
+    # Token-id prompts; max_tokens null is each prompt's own room below --max-model-len.
+    long = [7] * (MAX_MODEL_LEN - 10)
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": [[10, 11, 12], long], "max_tokens": None,
+                                           "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [engine.submitted[f"{body['id']}-{i}"][1].max_tokens for i in range(2)] == [MAX_MODEL_LEN - 3, 10]
+    assert [c["prompt_token_ids"] for c in body["choices"]] == [[10, 11, 12], long]
+    # Streaming: every chunk has one choice; each choice's chunks add up to its text.
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts: dict[int, str] = {}
+    for c in chunks[:-1]:
+        assert len(c.choices) == 1
+        texts[c.choices[0].index] = texts.get(c.choices[0].index, "") + c.choices[0].text
+    assert texts == {0: _expected(tiny_tokenizer, 5), 1: _expected(tiny_tokenizer, 5)}
+    assert chunks[-1].usage.prompt_tokens == len(ids[0]) + len(ids[1])
+    # Scoring a batch: each choice's logprobs lead with its own prompt's entries.
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompts, "max_tokens": 0, "echo": True,
+                                           "logprobs": 0})
+    assert r.status_code == 200, r.text
+    for choice, p, pid in zip(r.json()["choices"], prompts, ids):
+        assert choice["text"] == p
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(pid)
+        assert lp["token_logprobs"] == [None] + [-i / 10 for i in range(1, len(pid))]
+
+
 def test_chat_prompt_logprobs(http, engine):
     r = http.post("/v1/chat/completions", json=_chat(max_tokens=2, prompt_logprobs=0))
     assert r.status_code == 200, r.text
@@ -587,7 +629,10 @@ def test_chat_400(http, body, param):
         ({"model": MODEL, "prompt": ""}, "prompt"),
         ({"model": MODEL, "prompt": []}, "prompt"),
         ({"model": MODEL, "prompt": [1, -2]}, "prompt"),
-        ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+        ({"model": MODEL, "prompt": ["a", ""]}, "prompt"),  # every prompt of a batch non-empty
+        ({"model": MODEL, "prompt": ["a"] * 65, "n": 2}, "prompt"),  # 130 choices in all: at most 128
+        ({"model": MODEL, "prompt": [[1, 2], [1] * MAX_MODEL_LEN]}, "prompt"),  # each prompt's own room
+        ({"model": MODEL, "prompt": ["a", "b"], "kv_transfer_params": {"do_remote_decode": True}}, "prompt"),
         ({"model": MODEL, "prompt": [1] * MAX_MODEL_LEN}, "prompt"),
         ({"model": MODEL, "prompt": [1] * 100, "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
         ({"model": MODEL, "prompt": [1] * 100, "max_completion_tokens": MAX_MODEL_LEN}, "max_completion_tokens"),

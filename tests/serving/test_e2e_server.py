@@ -131,8 +131,8 @@ def test_scoring_a_text_with_echo_and_logprobs_follows_one_full_forward(server):
     """What evaluation harnesses send to score a text (lm-evaluation-harness's loglikelihood: `echo`,
     `logprobs: 1`, `max_tokens: 0`): the text back, and each token's logprob given the ones before
     it (the first None) as one full forward of the prompt gives them (`glm53.api.forward`, float64
-    log-softmax; to 2e-4), twice — the second time not read from the prefix cache — and through
-    vLLM's `prompt_logprobs` with an output."""
+    log-softmax; to 2e-4), twice — the second time not read from the prefix cache —, through
+    vLLM's `prompt_logprobs` with an output, and for a batch of two texts in one request."""
     import numpy as np
 
     from glm53 import api
@@ -156,6 +156,19 @@ def test_scoring_a_text_with_echo_and_logprobs_follows_one_full_forward(server):
     plp = r["choices"][0]["prompt_logprobs"]
     assert plp[0] is None and [list(e) for e in plp[1:]] == [[str(t)] for t in ids[1:]]
     assert max(abs(plp[i][str(ids[i])]["logprob"] - ref[i - 1, ids[i]]) for i in range(1, len(ids))) < 2e-4
+    # A batch, as a harness with a batch size sends it: the texts scored in one request (their
+    # prompts in the same steps), each choice against its own prompt's full forward.
+    texts = [text, "A second, shorter text to score."]
+    r = httpx.post(server[0] + "/v1/completions", json={**body, "prompt": texts}, timeout=120).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1] and r["choices"][0]["prompt_token_ids"] == ids
+    for choice, t in zip(r["choices"], texts):
+        pid = choice["prompt_token_ids"]
+        logits = api.forward(api.load(), pid).astype(np.float64)[:, :server[1].engine.runner.sampling_vocab_size]
+        ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        lps = choice["logprobs"]["token_logprobs"]
+        assert choice["text"] == t and len(lps) == len(pid) and lps[0] is None
+        assert max(abs(lps[i] - ref[i - 1, pid[i]]) for i in range(1, len(pid))) < 2e-4
+    assert r["usage"]["prompt_tokens"] == sum(len(c["prompt_token_ids"]) for c in r["choices"])
 
 
 def test_x_data_parallel_rank_is_checked_and_its_refusals_name_the_header(server):
