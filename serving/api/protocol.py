@@ -57,7 +57,7 @@ class StreamOptions(_Request):
     """`stream_options`: `include_usage` adds a final chunk with empty `choices` and the usage."""
 
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (refused: not built)
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
 
 
 class PromptTokensDetails(_Response):

@@ -304,10 +304,12 @@ def build_app(
         make_chunks: Callable[[int, TextDelta, RequestTextState], list[dict[str, Any]]],
         make_usage_chunk: Callable[[UsageInfo], dict[str, Any]] | None,
         opening: list[dict[str, Any]],
+        continuous_usage: bool = False,
     ) -> StreamingResponse:
         """SSE over all choices: their outputs interleave as the engine produces them; a choice
         stops at its stop string (and is aborted in the engine); then the usage chunk (when
-        asked) and `[DONE]`."""
+        asked) and `[DONE]`. `continuous_usage` (vLLM's `stream_options.continuous_usage_stats`):
+        every choice's chunk also carries that choice's usage so far (`Choices.choice_usage`)."""
 
         async def events() -> AsyncIterator[str]:
             queue: asyncio.Queue = asyncio.Queue()
@@ -344,6 +346,10 @@ def build_app(
                 # parser holds) still gets its (empty) chunk, so clients count decode steps right.
                 if delta.text or delta.logprobs or delta.finished or delta.token_ids:
                     chunks = make_chunks(i, delta, st)
+                    if continuous_usage:
+                        usage = ch.choice_usage(i).model_dump(mode="json")
+                        for d in chunks:
+                            d["usage"] = usage
                 if st.finished:
                     pending.discard(i)
                     if not ch.handles[i].finished:
@@ -352,6 +358,8 @@ def build_app(
 
             try:
                 for d in opening:
+                    if continuous_usage and d.get("choices"):
+                        d["usage"] = ch.choice_usage(d["choices"][0]["index"]).model_dump(mode="json")
                     yield sse_event(d)
                 for i, out in enumerate(firsts):
                     if out is not _NOT_YET:
@@ -561,6 +569,8 @@ def build_app(
         except ClientDisconnected:
             return Response(status_code=499)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        # vLLM's rule: per-chunk usage only together with the final usage chunk
+        continuous_usage = include_usage and body.stream_options.continuous_usage_stats
 
         def chunk(i: int, delta: DeltaMessage, finish: str | None, lps=None, stop_reason=None) -> dict[str, Any]:
             return chunk_dict(
@@ -593,6 +603,7 @@ def build_app(
             make_chunks,
             usage_chunk if include_usage else None,
             opening=[chunk(i, DeltaMessage(role="assistant", content=""), None) for i in range(len(ch))],
+            continuous_usage=continuous_usage,
         )
 
     @v1.post("/completions")
@@ -690,6 +701,8 @@ def build_app(
         except ClientDisconnected:
             return Response(status_code=499)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        # vLLM's rule: per-chunk usage only together with the final usage chunk
+        continuous_usage = include_usage and body.stream_options.continuous_usage_stats
         offsets = [0] * len(ch)
         sent_prompt = [False] * len(ch)
         echoed = [not echo] * len(ch)
@@ -738,6 +751,7 @@ def build_app(
             make_chunks,
             usage_chunk if include_usage else None,
             opening=[],
+            continuous_usage=continuous_usage,
         )
 
     app.include_router(v1)

@@ -151,6 +151,14 @@ class Choices:
         for h in self.handles:
             await h.close()
 
+    def choice_usage(self, i: int) -> UsageInfo:
+        """Choice i's usage so far: its prompt and the tokens it generated up to now (vLLM's
+        `stream_options.continuous_usage_stats`, one per chunk)."""
+        st = self.states[i]
+        prompt = st.num_prompt_tokens if st.num_prompt_tokens is not None else self.prompt_lens[self.prompt_of[i]]
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=st.num_output_tokens,
+                         total_tokens=prompt + st.num_output_tokens)
+
     def usage(self) -> UsageInfo:
         """Each prompt counted once (and its cached tokens, from its first choice), completion
         tokens summed over every choice."""

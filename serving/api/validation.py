@@ -128,10 +128,7 @@ def reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
         check_unicode(s, "stop")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options can only be set when stream=true.", "stream_options")
-    checks: list[tuple[str, bool]] = [
-        ("stream_options.continuous_usage_stats",
-         body.stream_options is not None and body.stream_options.continuous_usage_stats),
-    ]
+    checks: list[tuple[str, bool]] = []
     if body.response_format is not None:
         fmt = body.response_format.get("type")
         if fmt not in ("text", "json_object", "json_schema"):

@@ -500,6 +500,31 @@ def test_completions_batched_prompts(http, client, engine, tiny_tokenizer):
         assert lp["token_logprobs"] == [None] + [-i / 10 for i in range(1, len(pid))]
 
 
+def test_continuous_usage_stats_put_each_choices_usage_on_its_chunks(client, tiny_tokenizer):
+    """vLLM's `stream_options.continuous_usage_stats` (with include_usage): every chunk of choice i
+    carries i's prompt tokens and the tokens it generated so far — growing to its final count —
+    and the last chunk the whole request's usage; without include_usage no chunk carries usage."""
+    for kind in ("chat", "completion"):
+        kw = dict(model=MODEL, max_tokens=6, n=2, stream=True,
+                  stream_options={"include_usage": True, "continuous_usage_stats": True})
+        chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **kw)
+                      if kind == "chat" else client.completions.create(prompt="Hello there", **kw))
+        per_choice: dict[int, list[int]] = {}
+        for c in chunks[:-1]:
+            assert c.usage is not None and len(c.choices) == 1, c
+            per_choice.setdefault(c.choices[0].index, []).append(c.usage.completion_tokens)
+            assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+        assert sorted(per_choice) == [0, 1]
+        for counts in per_choice.values():
+            assert counts == sorted(counts) and counts[-1] == 6
+        final = chunks[-1]
+        assert final.choices == [] and final.usage.completion_tokens == 12
+        assert {c.usage.prompt_tokens for c in chunks} == {final.usage.prompt_tokens}
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, stream=True,
+                                            stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in chunks)
+
+
 def test_chat_prompt_logprobs(http, engine):
     r = http.post("/v1/chat/completions", json=_chat(max_tokens=2, prompt_logprobs=0))
     assert r.status_code == 200, r.text
@@ -605,7 +630,6 @@ def _chat(**fields) -> dict:
         (_chat(echo=True), "echo"),  # declared on chat too: it used to be dropped as an unknown field
         (_chat(prompt_logprobs=2, stream=True), "prompt_logprobs"),
         (_chat(best_of=2), "best_of"),
-        (_chat(stream=True, stream_options={"continuous_usage_stats": True}), "stream_options.continuous_usage_stats"),
         (_chat(continue_final_message=True), "continue_final_message"),  # the last message is the user's
         ({"model": MODEL, "messages": [{"role": "assistant", "content": "x", "tool_calls": "notalist"}]},
          "messages.0.tool_calls"),
