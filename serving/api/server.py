@@ -256,10 +256,12 @@ def build_app(
 
     async def _first_outputs(request: Request, ch: Choices) -> list[RequestOutput | None | object]:
         """Wait for the first choice's first output before answering, so that an engine
-        rejection (the same for every choice: they share prompt and parameters) is a clean HTTP
-        error; the client leaving meanwhile aborts the requests. The other choices' entries are
-        `_NOT_YET` (their outputs stream as they come: with `n` above --max-num-seqs some
-        choices wait for others to finish, and the headers must not)."""
+        rejection (the same for every choice of a prompt: they share it and its parameters) is a
+        clean HTTP error; the client leaving meanwhile aborts the requests. The other choices'
+        entries are `_NOT_YET` (their outputs stream as they come: with `n` above --max-num-seqs
+        some choices wait for others to finish, and the headers must not). A batched completions
+        request whose later prompt the engine refuses gets the error in the stream, after the
+        200 status line."""
         try:
             first = await race_disconnect(request, ch.handles[0].next())
             return [first] + [_NOT_YET] * (len(ch.handles) - 1)
