@@ -536,6 +536,12 @@ def build_app(
         def logprobs_of(lps) -> ChatChoiceLogprobs | None:
             return None if params.logprobs is None else chat_logprobs(tokenizer, lps or [], top_n)
 
+        # vLLM's `echo`: the last message's content opens every choice's content when it is the
+        # response's role (the assistant's: an answer continued with continue_final_message, or
+        # a prefilled assistant turn with add_generation_prompt false).
+        echo_text = ""
+        if body.echo and messages[-1]["role"] == "assistant" and not body.add_generation_prompt:
+            echo_text = messages[-1].get("content") or ""
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         ch = Choices(engine, tokenizer, prompt_ids, params, rid)
@@ -545,6 +551,9 @@ def build_app(
             if not await _run_nonstream(request, ch):
                 return Response(status_code=499)  # nobody is listening
             messages_out = [outputs[i].message(st.text, st.finish_reason or "abort") for i, st in enumerate(ch.states)]
+            if echo_text:
+                messages_out = [(m.model_copy(update={"content": echo_text + (m.content or "")}), f)
+                                for m, f in messages_out]
             resp = ChatCompletionResponse(
                 id=rid,
                 created=created,
@@ -604,7 +613,8 @@ def build_app(
             firsts,
             make_chunks,
             usage_chunk if include_usage else None,
-            opening=[chunk(i, DeltaMessage(role="assistant", content=""), None) for i in range(len(ch))],
+            opening=[chunk(i, DeltaMessage(role="assistant", content=""), None) for i in range(len(ch))]
+            + ([chunk(i, DeltaMessage(content=echo_text), None) for i in range(len(ch))] if echo_text else []),
             continuous_usage=continuous_usage,
         )
 

@@ -144,8 +144,6 @@ def reject_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
         if body.logprobs is not None and body.logprobs < 0:
             raise bad_request(f"logprobs must be >= 0, got {body.logprobs}.", "logprobs")
         checks += [("suffix", bool(body.suffix))]
-    if isinstance(body, ChatCompletionRequest):
-        checks += [("echo", bool(body.echo))]
     if body.prompt_logprobs is not None:
         if body.prompt_logprobs < 0:
             raise bad_request(f"prompt_logprobs must be >= 0 (-1, the whole vocabulary, is not supported), got "

@@ -293,6 +293,24 @@ def test_add_generation_prompt_and_continue_final_message(client, engine, tiny_t
     assert continue_final_message("<|assistant|> Once upon<|end|>\n", " Once upon ") == "<|assistant|> Once upon"
 
 
+def test_chat_echo_opens_the_answer_with_the_continued_assistant_message(client, tiny_tokenizer):
+    """vLLM's chat `echo`: when the last message is the assistant's and the answer continues it
+    (add_generation_prompt false), that message's content opens every choice's content, streamed
+    as each choice's first content; with the usual last user message nothing is echoed."""
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once upon"}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=4, n=2,
+              extra_body={"echo": True, "add_generation_prompt": False, "continue_final_message": True})
+    r = client.chat.completions.create(**kw)
+    assert [c.message.content for c in r.choices] == ["Once upon" + _expected(tiny_tokenizer, 4)] * 2
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    for i in range(2):
+        parts = [c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i]
+        assert "".join(parts) == "Once upon" + _expected(tiny_tokenizer, 4)
+        assert next(p for p in parts if p) == "Once upon"
+    r = client.chat.completions.create(model=MODEL, messages=_user("Hi"), max_tokens=4, extra_body={"echo": True})
+    assert r.choices[0].message.content == _expected(tiny_tokenizer, 4)
+
+
 def test_chat_stream_with_usage(client, tiny_tokenizer):
     stream = client.chat.completions.create(
         model=MODEL,
@@ -627,7 +645,6 @@ def _chat(**fields) -> dict:
         (_chat(logit_bias={"x": 1}), "logit_bias"),
         (_chat(logit_bias={"-1": 1}), "logit_bias"),
         # vLLM fields this build does not honour are refused, not dropped
-        (_chat(echo=True), "echo"),  # declared on chat too: it used to be dropped as an unknown field
         (_chat(prompt_logprobs=2, stream=True), "prompt_logprobs"),
         (_chat(best_of=2), "best_of"),
         (_chat(continue_final_message=True), "continue_final_message"),  # the last message is the user's
