@@ -20,7 +20,9 @@ the longest prefix of its prompt (device pages count fully; pages only in a HiSp
 the offload tier count half, since they must be read or loaded back), among the replicas that are
 not overloaded: at most `PREFIX_LOAD_SLACK` more unfinished (waiting + running) requests than the
 least-loaded replica. Without a hit (or without prefix caching) that is the least-loaded replica;
-ties go to the replica using the fewest KV pages, then to the lowest index. A router's
+ties go to the replica using the fewest KV pages, then to the one placed the fewest requests so far
+(so requests sent one at a time, each finding the engine idle, alternate over the replicas and
+their prefix caches and host stores, instead of all filling replica 0's), then to the lowest index. A router's
 `X-data-parallel-rank` (`SamplingParams.data_parallel_rank`) overrides the choice. A request stays
 on its replica until it finishes (preemption re-queues it there). A P/D request is placed when it
 arrives, so its pull skips the prefix that replica already holds.
@@ -202,7 +204,7 @@ class DataParallelEngine(LLMEngine):
         """The replica a new request goes to (module docstring): its `data_parallel_rank` if set,
         else the longest weighted prefix hit among the replicas within `PREFIX_LOAD_SLACK`
         unfinished requests of the least loaded, then fewest unfinished requests, fewest pages in
-        use, lowest index."""
+        use, fewest placements so far, lowest index."""
         if req is not None and req.sampling_params.data_parallel_rank is not None:
             r = self.replicas[req.sampling_params.data_parallel_rank]
             self.placements.record(r.index, None)
@@ -228,7 +230,8 @@ class DataParallelEngine(LLMEngine):
             ext = hit.num_external_tokens  # from the offload tier
             return hit.num_tokens - 0.5 * (off + ext)
 
-        chosen = min(ok, key=lambda r: (-score(r), load[r.index], r.pool.usage(), r.index))
+        placed = self.placements.placed
+        chosen = min(ok, key=lambda r: (-score(r), load[r.index], r.pool.usage(), placed[r.index], r.index))
         if req is not None:
             self.placements.record(chosen.index, hit_tokens.get(chosen.index, 0))
         return chosen

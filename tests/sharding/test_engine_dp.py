@@ -201,6 +201,18 @@ def test_dp2_isolation_abort_and_preemption(dp2, reference):
     check_streams(streams, reference, "ef")
 
 
+def test_dp2_requests_sent_one_at_a_time_alternate_over_the_replicas(dp2):
+    """An idle engine ties on load and pages (finished requests' pages are free): the tie goes to the
+    replica placed the fewest requests, so one-at-a-time traffic uses both replicas' caches."""
+    chosen = []
+    for i in range(4):
+        dp2.add_request(f"serial{i}", PROMPTS["a"][: 10 + i], params())
+        chosen.append(dp2.replica_of(f"serial{i}").index)
+        drain(dp2, {})
+    assert chosen == [chosen[0], 1 - chosen[0], chosen[0], 1 - chosen[0]]
+    assert dp2.audit() == []
+
+
 def test_dp2_penalties_of_each_replica_follow_the_oracle(dp2):
     """Penalties and logit biases on both replicas of one stacked step (their sparse lists stacked
     replica-major like the request rows, `serving.penalties.step_penalties`): each greedy stream
