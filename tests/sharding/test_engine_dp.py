@@ -203,13 +203,16 @@ def test_dp2_isolation_abort_and_preemption(dp2, reference):
 
 def test_dp2_requests_sent_one_at_a_time_alternate_over_the_replicas(dp2):
     """An idle engine ties on load and pages (finished requests' pages are free): the tie goes to the
-    replica placed the fewest requests, so one-at-a-time traffic uses both replicas' caches."""
-    chosen = []
+    replica placed the fewest requests (then the lower index), so one-at-a-time traffic uses both
+    replicas' caches: the placement counts even out whatever the module's earlier tests left."""
+    start = list(dp2.placements.placed)
     for i in range(4):
+        before = list(dp2.placements.placed)
         dp2.add_request(f"serial{i}", PROMPTS["a"][: 10 + i], params())
-        chosen.append(dp2.replica_of(f"serial{i}").index)
+        assert dp2.replica_of(f"serial{i}").index == min(range(2), key=lambda r: (before[r], r)), before
         drain(dp2, {})
-    assert chosen == [chosen[0], 1 - chosen[0], chosen[0], 1 - chosen[0]]
+    p0, p1 = dp2.placements.placed
+    assert abs(p0 - p1) <= max(1, abs(start[0] - start[1]) - 4)
     assert dp2.audit() == []
 
 
@@ -222,7 +225,7 @@ def test_dp2_penalties_of_each_replica_follow_the_oracle(dp2):
     for rid, adj in adjust.items():
         dp2.add_request(f"{rid}_pen", PROMPTS[rid], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                                                                    ignore_eos=True, **adj))
-    assert [dp2.replica_of(f"{r}_pen").index for r in adjust] == [0, 1]
+    assert sorted(dp2.replica_of(f"{r}_pen").index for r in adjust) == [0, 1]  # one on each
     streams = drain(dp2, {}, audit_each_step=True)
     lm = api.load()
     for rid, adj in adjust.items():
@@ -237,7 +240,7 @@ def test_dp2_prompt_logprobs_of_each_replica_follow_one_full_forward(dp2):
     (tests/helpers/prompt_logprobs_oracle.py)."""
     for rid in ("c", "e"):
         dp2.add_request(f"{rid}_plp", PROMPTS[rid], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2))
-    assert [dp2.replica_of(f"{r}_plp").index for r in ("c", "e")] == [0, 1]
+    assert sorted(dp2.replica_of(f"{r}_plp").index for r in ("c", "e")) == [0, 1]  # one on each
     got = {}
     while dp2.has_unfinished_requests():
         for o in dp2.step():
