@@ -298,8 +298,8 @@ def test_chat_echo_opens_the_answer_with_the_continued_assistant_message(client,
     (add_generation_prompt false), that message's content opens every choice's content, streamed
     as each choice's first content; with the usual last user message nothing is echoed."""
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once upon"}]
-    kw = dict(model=MODEL, messages=msgs, max_tokens=4, n=2,
-              extra_body={"echo": True, "add_generation_prompt": False, "continue_final_message": True})
+    kw = {"model": MODEL, "messages": msgs, "max_tokens": 4, "n": 2,
+          "extra_body": {"echo": True, "add_generation_prompt": False, "continue_final_message": True}}
     r = client.chat.completions.create(**kw)
     assert [c.message.content for c in r.choices] == ["Once upon" + _expected(tiny_tokenizer, 4)] * 2
     chunks = list(client.chat.completions.create(stream=True, **kw))
@@ -523,8 +523,8 @@ def test_continuous_usage_stats_put_each_choices_usage_on_its_chunks(client, tin
     carries i's prompt tokens and the tokens it generated so far — growing to its final count —
     and the last chunk the whole request's usage; without include_usage no chunk carries usage."""
     for kind in ("chat", "completion"):
-        kw = dict(model=MODEL, max_tokens=6, n=2, stream=True,
-                  stream_options={"include_usage": True, "continuous_usage_stats": True})
+        kw = {"model": MODEL, "max_tokens": 6, "n": 2, "stream": True,
+              "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **kw)
                       if kind == "chat" else client.completions.create(prompt="Hello there", **kw))
         per_choice: dict[int, list[int]] = {}
