@@ -650,14 +650,16 @@ def build_app(
             prompt_ids_of.append(ids)
 
         defaults = request.app.state.default_sampling
+        rank = header_data_parallel_rank(request)
+        constraint = request_constraint(body)  # one for every prompt, as for every choice of one
         for ids in prompt_ids_of:  # each prompt's own room below --max-model-len
             max_tokens = resolve_max_tokens(
                 1 if echo_only else requested, requested_param, len(ids), engine.max_model_len, "prompt",
                 note=getattr(engine, "max_model_len_note", ""), default=defaults.get("max_tokens"),
             )
             params = build_sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None), defaults)
-            params.data_parallel_rank = header_data_parallel_rank(request)
-            params.structured_outputs = request_constraint(body)
+            params.data_parallel_rank = rank
+            params.structured_outputs = constraint
             batch.append((ids, params))
         params = batch[0][1]
         top_n = body.logprobs or 0
