@@ -102,7 +102,8 @@ def propose_drafts(model, batch: ForwardBatch, next_ids_T: jax.Array, hidden_TD:
       next_ids_T: int32 `[T]`. hidden_TD: the target's final-normed hidden states `[T, D]`.
       kv: the cache (arena or `PagedKV`), returned updated in the same form.
       last_row_B: int32 `[B]` row of each request's last accepted token (any row where not valid),
-        for the first B block-table rows (B may be fewer than the batch's request rows).
+        for the first B block-table rows (B may be fewer than the batch's request rows); under
+        data parallelism for each replica's first B / dp rows, replica-major.
       valid_B: bool `[B]`, requests that draft this step (their chunk sampled).
       num_steps: int32 scalar, drafted tokens wanted (≤ k; draft slots past it hold 0).
       k: static, the width of the draft array. reachable: ids ≥ it are never drafted.
@@ -122,8 +123,15 @@ def propose_drafts(model, batch: ForwardBatch, next_ids_T: jax.Array, hidden_TD:
     topk0_BK = sel[0][last_row_B]
     B = last_row_B.shape[0]
     q_B = batch.positions_T[last_row_B]
-    n_rows = batch.block_tables["mla"].shape[0]
-    req_B = jnp.where(valid_B, jnp.arange(B, dtype=jnp.int32), n_rows - 1)  # the last table row is all null
+    # Data parallel (dp replicas stacked replica-major): the B draft rows are every replica's
+    # first B / dp request rows, the block tables every replica's n_rows / dp rows, and a token's
+    # `req_idx` names a row of its own replica's table (glm53.parallel_batch).
+    dp = parallel.dp if parallel is not None else 1
+    rows_per_replica = batch.block_tables["mla"].shape[0] // dp
+    b_B = jnp.arange(B, dtype=jnp.int32)
+    # the replica's last table row is all null
+    req_B = jnp.where(valid_B, b_B % (B // dp), rows_per_replica - 1)
+    table_row_B = (b_B // (B // dp)) * rows_per_replica + req_B
     dcp = parallel.dcp if parallel is not None else 1
 
     def slots_of(g, pos):
@@ -131,7 +139,7 @@ def propose_drafts(model, batch: ForwardBatch, next_ids_T: jax.Array, hidden_TD:
         bt = batch.block_tables[g]
         tpp = layout.group(g).tokens_per_page * dcp
         page = pos // tpp
-        blk = bt[req_B, jnp.minimum(page, bt.shape[1] - 1)]
+        blk = bt[table_row_B, jnp.minimum(page, bt.shape[1] - 1)]
         return jnp.where(valid_B & (page < bt.shape[1]) & (blk > 0), blk * tpp + pos % tpp, -1).astype(jnp.int32)
 
     def body(s, carry):

@@ -2,6 +2,7 @@
 and 32, side by side in one run, with the oracle drafter as the upper bound.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_spec.py --out DIR [--quick] [--model PATH]
+        [--layout 1|tp2xdcp2|dp2|pcp2xdcp2] [--ks 0,1,3]
 
 For each k one engine is built (`--speculative-config {"method": "mtp", "num_speculative_tokens": k}`;
 k = 0 is plain decoding) and serves, for each batch size B, B greedy requests submitted together
@@ -17,7 +18,10 @@ All engines are built first; each batch's workload then runs `--repeats` times r
 the engines (the order rotating), and each row keeps its fastest run (CPU timings drift by tens of
 per cent over minutes; interleaving keeps the ratios of one run comparable).
 Random weights accept almost nothing: the `checkpoint` column says which checkpoint each row used.
-Writes DIR/spec_decode.{json,csv,png}.
+`--layout` serves every engine on a parallel layout (8 simulated CPU devices sharing this machine's
+cores: the ratios against k = 0 on the same layout are what it measures, not parallel speed; under
+`dp2` every batch is split over the two replicas, `max_num_seqs` per replica). Writes
+DIR/spec_decode.{json,csv,png}.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,6 +41,12 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 PROMPT_LEN = 128
+LAYOUTS = {  # --layout → ParallelConfig fields
+    "1": None,
+    "tp2xdcp2": {"tensor_parallel_size": 2, "decode_context_parallel_size": 2},
+    "dp2": {"data_parallel_size": 2, "enable_expert_parallel": True},
+    "pcp2xdcp2": {"prefill_context_parallel_size": 2, "decode_context_parallel_size": 2},
+}
 
 
 def prompts(batch: int) -> dict[str, list[int]]:
@@ -91,16 +102,23 @@ def measure(engine, reqs, max_tokens, repeats, oracle=None):
 
 
 def main(argv=None) -> list[dict]:
-    from serving.engine import EngineArgs
-    from serving.engine_factory import build_engine
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--model", default=None, help="checkpoint directory (default: the tiny random checkpoint)")
     p.add_argument("--quick", action="store_true", help="k in {0, 1, 3}, batches 1 and 8, 24 output tokens")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--layout", default="1", choices=list(LAYOUTS),
+                   help="parallel layout of every engine (8 simulated CPU devices when not 1)")
+    p.add_argument("--ks", default=None, help="comma-separated k values (default: 0…5, --quick 0,1,3)")
     args = p.parse_args(argv)
+    if args.layout != "1":  # before JAX starts
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    from serving.engine import EngineArgs
+    from serving.engine_factory import build_engine
+    from sharding.mesh import ParallelConfig
+
+    parallel = ParallelConfig(**LAYOUTS[args.layout]) if LAYOUTS[args.layout] else None
     if args.model is not None:
         from glm53.hub import ModelNotFoundError, resolve_model
 
@@ -109,18 +127,22 @@ def main(argv=None) -> list[dict]:
         except ModelNotFoundError as e:
             p.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)
-    ks = [0, 1, 3] if args.quick else [0, 1, 2, 3, 4, 5]
+    ks = [int(x) for x in args.ks.split(",")] if args.ks else [0, 1, 3] if args.quick else [0, 1, 2, 3, 4, 5]
+    if 0 not in ks:
+        p.error("--ks must include 0 (the baseline and the oracle's continuation)")
     batches = [1, 8] if args.quick else [1, 8, 32]
     max_tokens = args.max_tokens or (24 if args.quick else 48)
     checkpoint = args.model or "tiny random checkpoint (glm53/tiny_checkpoint.py, seed 0)"
 
+    mult = 2 * parallel.prefill_context_parallel_size if parallel is not None and parallel.prefill_context_parallel_size > 1 else 1
     engines = {}
     for k in ks:  # all engines first, so every workload runs on each of them interleaved
         spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
         engines[k] = build_engine(EngineArgs(
             model=args.model, max_model_len=PROMPT_LEN + max_tokens + 8, max_num_seqs=max(batches),
-            max_num_batched_tokens=max(256, max(batches) * (k + 1)), cuda_graph_sizes=[b * (k + 1) for b in batches],
-            compile_progress=False, disable_log_stats=True, speculative_config=spec))
+            max_num_batched_tokens=max(256, max(batches) * (k + 1)),
+            cuda_graph_sizes=sorted({-(-b * (k + 1) // mult) * mult for b in batches}),
+            compile_progress=False, disable_log_stats=True, speculative_config=spec, parallel=parallel))
         serve(engines[k], {"warm": prompts(1)["b1r0"]}, 4)  # first dispatches
         print(f"engine k={k} ready", flush=True)
 
@@ -141,7 +163,7 @@ def main(argv=None) -> list[dict]:
         for (k, mode), (res, streams) in sorted(best.items()):
             if streams != reference:
                 res["streams_differ"] = sum(streams[r] != reference[r] for r in reqs)
-            res.update(k=k, batch=b, drafter=mode, checkpoint=checkpoint,
+            res.update(k=k, batch=b, drafter=mode, checkpoint=checkpoint, layout=args.layout,
                        speedup_vs_k0=res["tokens_per_s"] / base["tokens_per_s"],
                        tpot_ratio_vs_k0=res["tpot_ms"] / base["tpot_ms"])
             rows.append(res)
@@ -151,7 +173,7 @@ def main(argv=None) -> list[dict]:
                   + (f", STREAMS DIFFER in {res['streams_differ']}" if res.get("streams_differ") else ""), flush=True)
     (args.out / "spec_decode.json").write_text(json.dumps(rows, indent=1))
     keys = ["k", "batch", "drafter", "tpot_ms", "tpot_ratio_vs_k0", "tokens_per_s", "speedup_vs_k0",
-            "acceptance_length", "steps", "wall_s", "checkpoint"]
+            "acceptance_length", "steps", "wall_s", "checkpoint", "layout"]
     with open(args.out / "spec_decode.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()

@@ -340,8 +340,8 @@ def _parallel_flags_used(args: argparse.Namespace) -> list[str]:
 
 def _check_speculative_config(args: argparse.Namespace) -> None:
     """`--speculative-config`: MTP speculation (`serving/spec_decode/config.py`), parsed here so a
-    bad key fails at start-up naming it. It runs on one device and with TP / EP / DCP; PCP and DP
-    are refused (the checkpoint's lack of an MTP layer is found when it is loaded)."""
+    bad key fails at start-up naming it. It runs on one device and on every parallel layout (the
+    checkpoint's lack of an MTP layer is found when it is loaded)."""
     from serving.spec_decode import SpeculativeConfig, SpeculativeConfigError
 
     if args.speculative_config is None:
@@ -350,10 +350,6 @@ def _check_speculative_config(args: argparse.Namespace) -> None:
         SpeculativeConfig.from_dict(args.speculative_config)
     except SpeculativeConfigError as e:
         raise ArgumentError(str(e)) from None
-    bad = [f for f in _parallel_flags_used(args) if f.startswith(("--data-parallel", "--prefill-context"))]
-    if bad:
-        raise ArgumentError(f"--speculative-config runs with tensor / expert / decode context parallelism; "
-                            f"drop {', '.join(bad)}")
 
 
 def _check_multihost(args: argparse.Namespace) -> None:

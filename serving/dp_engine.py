@@ -54,6 +54,7 @@ from serving.prefix_cache import PrefixCache
 from serving.request import Request
 from serving.runner import ModelRunner
 from serving.scheduler import Scheduler, SchedulerConfig
+from serving.spec_decode import DraftController, SpecDecodingStats, SpeculativeConfig
 from serving.types import RequestOutput, SamplingParams
 from sharding.mesh import ParallelLayout
 
@@ -132,8 +133,13 @@ class DataParallelEngine(LLMEngine):
             raise ValueError("DataParallelEngine needs --data-parallel-size >= 2")
         self.hisparse = None  # serving.hisparse.HiSparse (one host pool, policy, prefix cache per replica)
         self.offload = None  # serving.offload.Offload (one host store per replica)
-        self.spec_config = None  # MTP speculation is refused with --data-parallel-size > 1 (LLMEngine.from_args)
-        self.spec_stats = self.drafts = self.drafter_override = None
+        # MTP speculation: one draft controller for every replica's scheduler (each asks it for
+        # its own batch's draft count; the acceptance estimates pool every replica's verifications).
+        self.spec_config = SpeculativeConfig.from_dict(args.speculative_config)
+        k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
+        self.spec_stats = SpecDecodingStats(k) if k else None
+        self.drafts = DraftController(self.spec_config) if k else None
+        self.drafter_override = None  # as LLMEngine's
         self.args = args
         self.model_path = model_path
         self.config = model.cfg
@@ -156,7 +162,7 @@ class DataParallelEngine(LLMEngine):
             self.hisparse = build_hisparse(hs_config, [r.kv for r in self.replicas], layout, model.cfg, args,
                                            [r.on_host_block_reuse for r in self.replicas],
                                            offload=self.offload.stores if self.offload is not None else None,
-                                           parallel=self.parallel)
+                                           num_speculative_tokens=k, parallel=self.parallel)
         for rep in self.replicas:
             policy = None
             if self.hisparse is not None:
@@ -167,7 +173,7 @@ class DataParallelEngine(LLMEngine):
                 rep.prefix_cache = PrefixCache(rep.kv, offload=off_store) if args.enable_prefix_caching else None
             rep.scheduler = Scheduler(
                 SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len),
-                rep.kv, eos_token_ids, rep.prefix_cache, policy)
+                rep.kv, eos_token_ids, rep.prefix_cache, policy, drafts=self.drafts)
         self.prefix_cache = self.replicas[0].prefix_cache
         self.runner = ModelRunner(model, layout, num_blocks, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
@@ -177,7 +183,7 @@ class DataParallelEngine(LLMEngine):
                                   precompile_token_paddings=args.precompile_token_paddings,
                                   sampling_vocab_size=tokenizer_vocab_size(model_path),
                                   hisparse=self.hisparse.device if self.hisparse is not None else None,
-                                  offload=self.offload)
+                                  offload=self.offload, num_speculative_tokens=k)
         self.pd = self._build_pd(model.cfg, num_blocks, [(r.index, r.scheduler, r.kv, r.pool) for r in self.replicas])
         self.kv_events = build_kv_events(args.kv_events_config, [r.prefix_cache for r in self.replicas])
         self.async_scheduling = self._async_scheduling(args)
@@ -191,7 +197,7 @@ class DataParallelEngine(LLMEngine):
                                    lambda: sum(r.scheduler.kv_cache_usage for r in reps) / len(reps),
                                    self.hisparse.gauges() if self.hisparse is not None else None,
                                    self.offload.usage if self.offload is not None else None,
-                                   kv_events=self.kv_events, dp_placements=self.placements)
+                                   num_speculative_tokens=k, kv_events=self.kv_events, dp_placements=self.placements)
         self.stat_loggers: list = []
         if not args.disable_log_stats:
             self.stat_loggers.append(LoggingStatLogger(self.gauges, args.log_stats_interval_s))
@@ -327,16 +333,19 @@ class DataParallelEngine(LLMEngine):
         outs: list[RequestOutput] = list(pd_outs)
         per_replica = []
         recomputed = 0
+        drafts = self.runner.last_drafts if self.drafts is not None else None
         for r, (rep, sched, toks) in enumerate(zip(self.replicas, scheds, sampled)):
             if self.hisparse is not None:
                 sched, toks, kept = truncate_step(sched, toks, self.runner.last_truncated[r])
                 recomputed += self.hisparse.policies[r].observe_step(kept)
                 scheds[r] = sched
-            o = rep.scheduler.update_from_output(sched, toks) if not sched.is_empty else []
+            o = rep.scheduler.update_from_output(sched, toks, drafts) if not sched.is_empty else []
             self._structured_advance(o)
+            self._override_drafts(sched)
             self._attach_logprobs(o)
             per_replica.append(o)
             outs.extend(o)
+        spec_step = self._observe_drafts(*scheds)
         self._after_offload()
         self._end_step()
         hot_stats = self.hisparse.device.last_stats if self.hisparse is not None else None
@@ -354,6 +363,7 @@ class DataParallelEngine(LLMEngine):
             if hot_stats is not None:
                 rec.hisparse_hits, rec.hisparse_misses, _, rec.hisparse_h2d_bytes = hot_stats
                 rec.hisparse_recomputed_rows = recomputed
+            rec.spec_decoding = spec_step
             for sched, o in zip(scheds, per_replica):
                 self._timing(sched, o, rec)
             self._emit(rec)

@@ -333,10 +333,7 @@ class LLMEngine(EngineStatsMixin, HostTiersMixin, PDEngineMixin, AsyncStepMixin,
         drafts = self.runner.last_drafts if self.drafts is not None else None
         outs = self.scheduler.update_from_output(sched, sampled, drafts)
         self._structured_advance(outs)
-        if self.drafter_override is not None:
-            for sr in sched.scheduled:
-                if sr.request.spec_token_ids:
-                    sr.request.spec_token_ids = list(self.drafter_override(sr.request, len(sr.request.spec_token_ids)))
+        self._override_drafts(sched)
         spec_step = self._observe_drafts(sched)
         self._after_offload()
         st = self.runner.last
@@ -357,6 +354,15 @@ class LLMEngine(EngineStatsMixin, HostTiersMixin, PDEngineMixin, AsyncStepMixin,
             self._timing(sched, outs, rec)
             self._emit(rec)
         return pd_outs + outs
+
+    def _override_drafts(self, sched) -> None:
+        """`drafter_override` (tests, the benchmark's oracle): replace the drafts the step's
+        requests carry into the next step."""
+        if self.drafter_override is None:
+            return
+        for sr in sched.scheduled:
+            if sr.request.spec_token_ids:
+                sr.request.spec_token_ids = list(self.drafter_override(sr.request, len(sr.request.spec_token_ids)))
 
     def _fail_step(self, scheduled, error: BaseException) -> list[RequestOutput]:
         """A step raised: finish its requests with finish reason "error" (pages freed in every

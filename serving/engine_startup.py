@@ -100,8 +100,6 @@ def load_engine_parts(args: EngineArgs, eos_token_ids=None) -> EngineParts:
                 jnp.dtype(dtype).name, weight_bytes / 2**20, nblocks, layout.page_bytes / 2**20, cache_dtype,
                 {g.name: g.tokens_per_page for g in layout.groups})
     eos = tuple(eos_token_ids) if eos_token_ids is not None else read_eos(cfg, path)
-    if args.parallel is not None and args.parallel.data_parallel_size > 1 and spec is not None:
-        raise ValueError("--speculative-config with --data-parallel-size > 1 is not supported yet")
     return EngineParts(model, layout, nblocks, eos, path)
 
 

@@ -52,15 +52,16 @@ class EngineStatsMixin:
                 if out.new_token_ids:
                     out.prompt_logprobs = take_prompt_logprobs(req)
 
-    def _observe_drafts(self, sched) -> SpecDecodingStats | None:
+    def _observe_drafts(self, *scheds) -> SpecDecodingStats | None:
         """MTP speculation: count the step's verifications (drafts verified, accepted) into the
-        totals and the draft controller; → the step's counters (None without speculation)."""
+        totals and the draft controller; → the step's counters (None without speculation).
+        scheds: the step's `SchedulerOutput`s (one per data-parallel replica)."""
         if self.drafts is None:
             return None
         acc = self.runner.last_accepted
         step = SpecDecodingStats(self.drafts.k)
         verified = []
-        for sr in sched.scheduled:
+        for sr in (sr for sched in scheds for sr in sched.scheduled):
             if sr.num_spec_tokens and sr.request_id in acc:
                 step.observe(sr.num_spec_tokens, acc[sr.request_id])
                 verified.append((sr.num_spec_tokens, acc[sr.request_id]))

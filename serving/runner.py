@@ -107,9 +107,6 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         self.spec_k = num_speculative_tokens
         if self.spec_k and not layout_has_mtp(layout, model.cfg):
             raise ValueError("MTP speculation needs a KV layout holding the MTP layer's rows (build_kv_layout(with_mtp=True))")
-        if self.spec_k and parallel is not None and (parallel.pcp > 1 or parallel.dp > 1):
-            raise ValueError("--speculative-config runs with tensor / expert / decode context parallelism; drop "
-                             "--prefill-context-parallel-size / --data-parallel-size")
         self.last_drafts: dict[str, list[int]] = {}
         self.last_accepted: dict[str, int] = {}
         self.hisparse = hisparse
@@ -467,6 +464,7 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
             acc = drafts = None
             toks, tok_lp, top_ids, top_lp = out
         if self.spec_k:
+            self.last_drafts, self.last_accepted = {}, {}
             return self._collect_spec(sched, toks, acc, drafts, tok_lp, top_ids, top_lp)
         return self._collect(sched, toks, tok_lp, top_ids, top_lp)
 
@@ -579,15 +577,18 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         out = np.concatenate([np.full(shape, -1, np.int32) if m is None else m for m in masks])
         return out if self.spec_k else out[:, 0]
 
-    def _collect_spec(self, sched: SchedulerOutput, toks, acc, drafts, tok_lp, top_ids, top_lp) -> dict[str, list[int]]:
-        """Speculative step outputs → accepted tokens per sampling request (row i: `toks[i, :acc[i] + 1]`),
-        `last_drafts` (the next step's drafts, `sched.num_draft_steps` of them), `last_accepted`
-        (drafts accepted per verified request) and `last_logprobs`."""
-        sampled, self.last_drafts, self.last_accepted = {}, {}, {}
+    def _collect_spec(self, sched: SchedulerOutput, toks, acc, drafts, tok_lp, top_ids, top_lp,
+                      row0: int = 0) -> dict[str, list[int]]:
+        """Speculative step outputs → accepted tokens per sampling request (request i at row
+        j = row0 + i: `toks[j, :acc[j] + 1]`); adds to `last_drafts` (the next step's drafts,
+        `sched.num_draft_steps` of them), `last_accepted` (drafts accepted per verified request)
+        and `last_logprobs` (the caller empties them once per step)."""
+        sampled = {}
         n_drafts = max(1, min(self.spec_k, sched.num_draft_steps))
-        for i, sr in enumerate(sched.scheduled):
+        for i0, sr in enumerate(sched.scheduled):
             if not sr.sample:
                 continue
+            i = row0 + i0
             a = int(acc[i])
             rid = sr.request_id
             sampled[rid] = [int(t) for t in toks[i, : a + 1]]

@@ -12,6 +12,7 @@ import numpy as np
 from glm53.parallel_batch import stack_replicas
 from serving.kv_cache import KVCacheManager
 from serving.scheduler_output import SchedulerOutput
+from serving.spec_decode.inputs import build_spec_batch, stack_spec_batches
 from serving.step_inputs import (
     COPY_DST,
     COPY_SRC,
@@ -66,14 +67,24 @@ class ReplicaStepsMixin:
                                 for _, e in parts], axis=1)
         copies[:, : valid.shape[1]] = valid  # valid entries first (copy_pages stops at the first −1)
         extra = (*(cat(i) for i in range(NUM_SAMPLING - 1)), want_lp, *copies)
+        sp = None
+        if self.spec_k:  # each replica's verification rows and drafts, its rows offset by r · T
+            B = self.max_num_seqs + 1
+            sp = stack_spec_batches([build_spec_batch(s, T, B, self.spec_k, s.num_draft_steps) for s in scheds], T)
         self._maybe_fault()
-        return self._launch(scheds, StepInputs(batch, extra, None, self._step_bitmask(scheds), feed_src,
+        return self._launch(scheds, StepInputs(batch, extra, sp, self._step_bitmask(scheds), feed_src,
                                                None if defer_sampling else self._step_penalties(scheds)), t0,
                             defer_sampling, self._prompt_rows(scheds, T))
 
     def finish_replicas(self, step: InFlightStep, overlapped: bool = False) -> list[dict[str, list[int]]]:
         """Wait for a `dispatch_replicas` step and read it back → the sampled tokens per replica
         (as `finish`: `last`, `last_logprobs`, and `last_truncated` as one dict per replica)."""
-        (toks, tok_lp, top_ids, top_lp), self.last_truncated = self._fetch_outputs(step, overlapped)
+        out, self.last_truncated = self._fetch_outputs(step, overlapped)
         B = self.max_num_seqs + 1
+        if self.spec_k:  # MTP speculation: `last_drafts` / `last_accepted` of every replica
+            toks, acc, drafts, tok_lp, top_ids, top_lp = out
+            self.last_drafts, self.last_accepted = {}, {}
+            return [self._collect_spec(s, toks, acc, drafts, tok_lp, top_ids, top_lp, r * B)
+                    for r, s in enumerate(step.scheds)]
+        toks, tok_lp, top_ids, top_lp = out
         return [self._collect(s, toks, tok_lp, top_ids, top_lp, r * B) for r, s in enumerate(step.scheds)]

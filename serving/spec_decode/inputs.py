@@ -61,3 +61,16 @@ def build_spec_batch(sched, T: int, B: int, k: int, num_draft_steps: int) -> Spe
         sb.valid_B[i] = sr.sample
         off += n
     return sb
+
+
+def stack_spec_batches(batches: list[SpecBatch], num_tokens: int) -> SpecBatch:
+    """Data parallel: the replicas' `SpecBatch`es (each over `num_tokens` rows and B request rows,
+    replica r's token rows at `r · num_tokens` of the stacked batch, `glm53.parallel_batch.
+    stack_replicas`) as one, replica-major; `num_draft_steps` is the largest any replica asked for
+    (a replica reads only its own count's drafts)."""
+    cat = lambda xs: np.concatenate([np.asarray(x) for x in xs])
+    rows = cat([b.sample_row_B + r * num_tokens for r, b in enumerate(batches)]).astype(np.int32)
+    return SpecBatch(rows, cat([b.draft_BK for b in batches]), cat([b.num_draft_B for b in batches]),
+                     cat([b.valid_B for b in batches]), cat([b.mtp_ids_T for b in batches]),
+                     np.int32(max(int(b.num_draft_steps) for b in batches)))
+

@@ -10,12 +10,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from glm53.mtp import propose_drafts
 from glm53.sampling import apply_penalties
 from serving.sampling import apply_token_bitmask, compute_logprobs, mask_unreachable
 from serving.spec_decode.inputs import SpecBatch
 from serving.spec_decode.rejection import verify_drafts
+from sharding.context_parallel import pcp_chunk_order, pcp_placed_rows
 
 
 def spec_decode_forward(model, batch, kv, host, sampling: tuple, want_logprobs, sp: SpecBatch, *, layout, parallel, num_speculative_tokens: int, reachable: int,
@@ -52,20 +54,45 @@ def spec_decode_forward(model, batch, kv, host, sampling: tuple, want_logprobs, 
     k = num_speculative_tokens
     h, kv = model.hidden_states(batch, kv, layout, parallel, host)
     T, B_all, S = h.shape[0], sp.sample_row_B.shape[0], k + 1
-    # Every scheduled request has at least one row, so the first min(B, T) request rows hold them
-    # all: verification and drafting run on those only (a batch-1 decode step of bucket k + 1 does
-    # not verify and draft for max_num_seqs + 1 rows), and the outputs are padded back to B rows.
-    B = min(B_all, T)
-    sp = dataclasses.replace(sp, sample_row_B=sp.sample_row_B[:B], draft_BK=sp.draft_BK[:B],
-                             num_draft_B=sp.num_draft_B[:B], valid_B=sp.valid_B[:B])
-    sampling = tuple(x[:B] for x in sampling)
+    # Every scheduled request has at least one row, so a replica's first min(B, T) request rows
+    # hold them all: verification and drafting run on those only (a batch-1 decode step of bucket
+    # k + 1 does not verify and draft for max_num_seqs + 1 rows), and the outputs are put back in
+    # their B rows. Under data parallelism (dp replicas stacked replica-major, B and T rows each)
+    # the kept rows are every replica's first min(B, T).
+    dp = parallel.dp if parallel is not None else 1
+    B_r, T_r = B_all // dp, T // dp
+    Bk = min(B_r, T_r)
+    keep = (np.arange(dp)[:, None] * B_r + np.arange(Bk)[None, :]).reshape(-1)  # static rows kept
+    B = dp * Bk
+    take = (lambda x: x[:B]) if dp == 1 else (lambda x: x[keep])
+    sp = dataclasses.replace(sp, sample_row_B=take(sp.sample_row_B), draft_BK=take(sp.draft_BK),
+                             num_draft_B=take(sp.num_draft_B), valid_B=take(sp.valid_B))
+    sampling = tuple(take(x) for x in sampling)
+    # Rows are numbered in token order (the host's); under PCP the step's rows are in each
+    # replica's load-balanced order (glm53.parallel_batch.pcp_reorder), a permutation fixed by the
+    # bucket: `placed` maps a token row to its row there, `order` the other way.
+    pcp = parallel.pcp if parallel is not None else 1
+    mtp_ids_T = sp.mtp_ids_T
+    if pcp > 1:
+        base = np.arange(dp)[:, None] * T_r
+        placed_T = jnp.asarray((base + pcp_placed_rows(T_r, pcp)[None, :]).reshape(-1).astype(np.int32))
+        mtp_ids_T = mtp_ids_T[(base + pcp_chunk_order(T_r, pcp)[None, :]).reshape(-1)]
+        to_placed = lambda rows: placed_T[rows]
+    else:
+        to_placed = lambda rows: rows
     rows_BS = jnp.clip(sp.sample_row_B[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :], 0, T - 1)
-    logits = mask_unreachable(model.logits(h[rows_BS.reshape(-1)]), reachable)
+    logits = mask_unreachable(model.logits(h[to_placed(rows_BS).reshape(-1)]), reachable)
     if bitmask_BSW is not None:
-        logits = apply_token_bitmask(logits, bitmask_BSW[:B].reshape(B * S, -1))
+        logits = apply_token_bitmask(logits, take(bitmask_BSW).reshape(B * S, -1))
     target = logits
-    if pen is not None:  # entries of rows past B · S (requests cut above) are dropped
-        target = apply_penalties(logits.astype(jnp.float32), *pen[:5], *(x[:B * S] for x in pen[5:]))
+    if pen is not None:  # entries of the rows cut above are dropped
+        row_E = pen[0]
+        if dp > 1:  # entry row b · S + j of the B_all request rows → its kept row (−1: cut)
+            b_E, j_E = row_E // S, row_E % S
+            local_E = b_E % B_r
+            row_E = jnp.where((row_E >= 0) & (local_E < Bk), ((b_E // B_r) * Bk + local_E) * S + j_E, -1)
+        factors = (take(x.reshape(B_all, S)).reshape(-1) for x in pen[5:])
+        target = apply_penalties(logits.astype(jnp.float32), row_E, *pen[1:5], *factors)
     tokens_BS, acc_B = verify_drafts(target.reshape(B, S, -1), sp.draft_BK, sp.num_draft_B, *sampling)
     L = num_logprobs
 
@@ -77,11 +104,29 @@ def spec_decode_forward(model, batch, kv, host, sampling: tuple, want_logprobs, 
         return jnp.zeros((B, S), jnp.float32), jnp.zeros((B, S, L), jnp.int32), jnp.zeros((B, S, L), jnp.float32)
 
     lp = jax.lax.cond(want_logprobs, lps, no_lps)
-    last_row_B = jnp.where(sp.valid_B, sp.sample_row_B + acc_B, 0)
+    last_row_B = jnp.where(sp.valid_B, to_placed(sp.sample_row_B + acc_B), 0)
     emitted_B = jnp.take_along_axis(tokens_BS, acc_B[:, None], axis=1)[:, 0]  # the token after the last accepted row
-    mtp_ids = sp.mtp_ids_T.at[jnp.where(sp.valid_B, last_row_B, T)].set(emitted_B, mode="drop")
-    drafts_BK, kv = propose_drafts(model, batch, mtp_ids, h, kv, layout, last_row_B=last_row_B, valid_B=sp.valid_B,
+    mtp_ids = mtp_ids_T.at[jnp.where(sp.valid_B, last_row_B, T)].set(emitted_B, mode="drop")
+    # The draft steps after the first run one row per request, split over the PCP ranks too: each
+    # replica's rows are padded to a multiple of pcp with rows that draft nothing.
+    Bp = -(-Bk // pcp) * pcp
+
+    def per_replica_pad(x, fill):
+        x = x.reshape((dp, Bk) + x.shape[1:])
+        return jnp.pad(x, [(0, 0), (0, Bp - Bk)] + [(0, 0)] * (x.ndim - 2), constant_values=fill).reshape(
+            (dp * Bp,) + x.shape[2:])
+
+    drafts_BK, kv = propose_drafts(model, batch, mtp_ids, h, kv, layout,
+                                   last_row_B=per_replica_pad(last_row_B, 0) if Bp > Bk else last_row_B,
+                                   valid_B=per_replica_pad(sp.valid_B, False) if Bp > Bk else sp.valid_B,
                                    num_steps=sp.num_draft_steps, k=k, reachable=reachable, parallel=parallel,
                                    host=host)
-    pad = lambda x: jnp.pad(x, [(0, B_all - B)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
+    if Bp > Bk:
+        drafts_BK = drafts_BK.reshape(dp, Bp, k)[:, :Bk].reshape(B, k)
+
+    def pad(x):
+        if dp == 1:
+            return jnp.pad(x, [(0, B_all - B)] + [(0, 0)] * (x.ndim - 1))
+        return jnp.zeros((B_all,) + x.shape[1:], x.dtype).at[keep].set(x)
+
     return tuple(pad(x) for x in (tokens_BS, acc_B, drafts_BK, *lp)), kv, h

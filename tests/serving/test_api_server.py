@@ -1025,8 +1025,6 @@ def test_cli_defaults_and_json_flags(caplog):
         (["--speculative-config", "[1]"], "--speculative-config"),
         (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'], "--speculative-config method"),
         (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 9}'], "num_speculative_tokens"),
-        (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}', "-dp", "2"],
-         "--speculative-config runs with .* drop --data-parallel-size 2"),
         (["--max-model-len", "0"], "--max-model-len"),
     ],
 )

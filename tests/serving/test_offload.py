@@ -261,19 +261,23 @@ def test_the_reference_flag_is_accepted_and_needs_prefix_caching(caplog):
         engine(SMALL, "bfloat16", kv_transfer_config=offload_flag(1 << 50))
 
 
-@pytest.mark.parametrize("layout", [["--tensor-parallel-size", "8"], ["--data-parallel-size", "8",
-                                                                     "--enable-expert-parallel"]], ids=["tp8", "dp8_ep"])
+@pytest.mark.parametrize("layout", [["--tensor-parallel-size", "8"],
+                                    ["--data-parallel-size", "8", "--enable-expert-parallel"],
+                                    ["-pcp", "8", "-dcp", "8", "--enable-expert-parallel"]],
+                         ids=["tp8", "dp8_ep", "pcp8_dcp8_ep"])
 def test_the_reference_node_commands_pass_the_start_up_checks(layout):
-    """docs/gpu_deployment.md's reference commands (HiSparse and the connector on the node's layout;
-    MTP with TP8) pass every start-up check that needs no model or device."""
+    """docs/gpu_deployment.md's reference commands (HiSparse, the connector and MTP3 on the node's
+    layout: the single node's TP8, the disaggregated deployment's DP8 + EP decode engine and its
+    PCP8 × DCP8 prefill engine, which the reference runs without HiSparse) pass every start-up
+    check that needs no model or device."""
     from serving.cli_args import parallel_config
 
     ref = ('{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":'
            '{"cpu_bytes_to_use":137438953472}}')
     argv = [*layout, "--kv-cache-dtype", "fp8", "--max-model-len", "142000", "--enable-prefix-caching",
-            "--attention-config", '{"hisparse_config": {"host_pool_gib": 384}}', "--kv-transfer-config", ref]
-    if "--tensor-parallel-size" in layout:
-        argv += ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}']
+            "--kv-transfer-config", ref, "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}']
+    if "-pcp" not in layout:
+        argv += ["--attention-config", '{"hisparse_config": {"host_pool_gib": 384}}']
     args = make_arg_parser().parse_args(argv)
     validate_args(args)
     assert OffloadConfig.from_dict(args.kv_transfer_config).cpu_bytes_to_use == 128 * GiB

@@ -312,12 +312,98 @@ def test_dp2_tp2_dcp2_prefix_hit_copies_in_its_replica_shards(single_device, ref
     assert got["warm"] == ref["warm"]
 
 
+MTP2 = {"method": "mtp", "num_speculative_tokens": 2}
+
+
+def _spec_run(engine: LLMEngine, adjust: dict, drafter=None) -> tuple[dict, dict, set[int]]:
+    """PROMPTS (request `f` with the penalties `adjust`) to the end on an MTP engine, auditing after
+    every step → (streams, each request's drafts as `(tokens out, drafts)` per step, the step
+    buckets used). `drafter(request, n)`: the drafts verified next (None: the MTP layer's own)."""
+    drafts: dict[str, list] = {}
+
+    def record(req, n):
+        d = list(req.spec_token_ids) if drafter is None else drafter(req, n)
+        drafts.setdefault(req.request_id, []).append((req.num_output_tokens, tuple(d)))
+        return d
+
+    engine.drafter_override = record
+    for rid, p in PROMPTS.items():
+        engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                  logprobs=LOGPROBS.get(rid), **(adjust if rid == "f" else {})))
+    streams: dict[str, list[int]] = {}
+    lps: dict = {}
+    buckets = set()
+    try:
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            buckets.add(engine.runner.last.padded_tokens // (engine.runner.dp or 1))
+            assert engine.audit() == []
+            for out in outs:
+                streams.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.new_logprobs:
+                    lps.setdefault(out.request_id, []).extend(out.new_logprobs)
+    finally:
+        engine.drafter_override = None
+    streams["logprobs"] = lps
+    return streams, drafts, buckets
+
+
+def test_dp2_mtp_speculation_verifies_and_drafts_in_each_replica(reference):
+    """MTP speculation (k = 2) under DP2 + EP: each replica's verification rows, drafts and MTP
+    draft steps sit in its own slice of the stacked step (`serving.spec_decode.inputs.
+    stack_spec_batches`; `spec_decode_forward` keeps every replica's first rows when the bucket
+    has fewer token rows than request rows). Against independent results:
+    * the MTP layer's own drafts (random weights: mostly rejected): every replica's requests give
+      the single-device streams without speculation (the equality rule), request `d`'s logprobs
+      too (1e-4), and the drafts each request carries after each step equal those of the
+      single-device engine under the same speculation, step for step;
+    * an oracle drafter (the single-device continuation): every draft is accepted, same streams;
+    * request `f` (replica 1: its rows follow replica 0's) carries penalties: its stream follows the dense NumPy oracle (its
+      sparse entries are moved with its verification rows);
+    * a 4-token bucket (fewer token rows than the 5 request rows of a replica) is among the steps;
+      audits clean after every step, every pool empty at the end."""
+    adjust = {"repetition_penalty": 0.5, "presence_penalty": 0.3}
+    kw = {"speculative_config": MTP2, "precompile_token_paddings": [4]}
+    single = build(None, 24, **kw)
+    one_streams, one_drafts, _ = _spec_run(single, adjust)
+    engine = build(DP2_EP, 12, **kw)
+    assert isinstance(engine, DataParallelEngine) and engine.runner.spec_k == 2
+    streams, drafts, buckets = _spec_run(engine, adjust)
+    assert [engine.replica_of(rid) for rid in PROMPTS] == [None] * len(PROMPTS)
+    assert engine.placements.placed == [3, 3]  # a, c, e on replica 0; b, d, f on replica 1
+    assert 4 in buckets
+    others = [rid for rid in PROMPTS if rid != "f"]
+    check_streams(streams, reference, others)
+    for rid, ref in reference["logprobs"].items():
+        got = streams["logprobs"][rid]
+        assert [x.token_id for x in got] == [x.token_id for x in ref]
+        np.testing.assert_allclose([x.logprob for x in got], [x.logprob for x in ref], atol=1e-4)
+    check_greedy_stream(api.load(), PROMPTS["f"], streams["f"], adjust, engine.runner.sampling_vocab_size)
+    assert streams["f"] == one_streams["f"]
+    assert drafts == one_drafts and sum(len(d) for d in drafts.values()) > 2 * len(PROMPTS)
+    s = engine.spec_stats
+    assert s.num_draft_tokens > 0
+    before = (s.num_draft_tokens, s.num_accepted_tokens)
+    ref = {**reference, "f": streams["f"]}
+    oracle = lambda req, n: (ref[req.request_id][req.num_output_tokens:] + [0] * n)[:n]
+    streams, _, _ = _spec_run(engine, adjust, oracle)
+    check_streams(streams, reference, others)
+    assert streams["f"] == ref["f"]
+    assert s.num_draft_tokens > before[0] and s.num_accepted_tokens - before[1] == s.num_draft_tokens - before[0]
+    assert all(r.pool.usage() == 0.0 for r in engine.replicas)
+
+
 def test_cli_accepts_data_parallel():
     from serving.cli_args import make_arg_parser, validate_args
 
     args = make_arg_parser().parse_args(["--data-parallel-size", "8", "--enable-expert-parallel"])
     validate_args(args)
     assert args.parallel == ParallelConfig(data_parallel_size=8, enable_expert_parallel=True)
+    # the reference's disaggregated decode engine: DP8 + EP8 with MTP3
+    args = make_arg_parser().parse_args(["-dp", "8", "--enable-expert-parallel", "--speculative-config",
+                                         '{"method": "mtp", "num_speculative_tokens": 3}'])
+    validate_args(args)
+    assert args.parallel.data_parallel_size == 8 and args.speculative_config["num_speculative_tokens"] == 3
 
 
 def test_llmengine_from_args_refuses_a_data_parallel_layout_naming_the_factory():

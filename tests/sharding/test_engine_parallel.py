@@ -111,16 +111,51 @@ def test_served_streams_equal_single_device(cfg, single_device_streams):
         check_prompt_logprobs(api.load(), PROMPTS["c"], entries, 1, engine.runner.sampling_vocab_size)
 
 
-def test_mtp_speculation_under_tp2_dcp2_serves_the_single_device_streams(single_device_streams):
-    """MTP speculation (k = 2) under TP2 × DCP2: the k + 1 verification rows are decode rows whose KV
-    is spread over the DCP ranks like any decode token's; an oracle drafter (the single-device
-    continuation) makes every decode step verify 3 rows, and the streams equal the single-device
-    run without speculation; so do the MTP layer's own drafts (almost all rejected)."""
-    engine = build(ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2, dcp_comm_backend="a2a"),
-                   {"method": "mtp", "num_speculative_tokens": 2})
+MTP2 = {"method": "mtp", "num_speculative_tokens": 2}
+
+
+def run_recording_drafts(engine: LLMEngine) -> tuple[dict, dict]:
+    """`run` on an MTP engine → (streams, each request's drafts as `(tokens out, drafts)` after
+    each step: what the MTP layer proposed)."""
+    drafts: dict[str, list] = {}
+
+    def record(req, n):
+        drafts.setdefault(req.request_id, []).append((req.num_output_tokens, tuple(req.spec_token_ids)))
+        return list(req.spec_token_ids)
+
+    engine.drafter_override = record
+    try:
+        return run(engine), drafts
+    finally:
+        engine.drafter_override = None
+
+
+@pytest.fixture(scope="module")
+def single_device_drafts():
+    return run_recording_drafts(build(None, MTP2))[1]
+
+
+@pytest.mark.parametrize("cfg", [
+    ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2, dcp_comm_backend="a2a"),
+    ParallelConfig(prefill_context_parallel_size=4, decode_context_parallel_size=4, enable_expert_parallel=True),
+], ids=["tp2_dcp2_a2a", "pcp4_dcp4_ep4"])
+def test_mtp_speculation_serves_the_single_device_streams(cfg, single_device_streams, single_device_drafts):
+    """MTP speculation (k = 2) under TP2 × DCP2 and under PCP4 × DCP4 × EP4 (the reference's
+    prefill engine runs PCP × DCP with MTP3): the k + 1 verification rows are decode rows whose KV
+    is spread over the DCP ranks like any decode token's; under PCP the step's rows are in the
+    load-balanced order, so the verification rows, the MTP layer's inputs and the accepted rows
+    are found through it, and the draft steps' one row per request (5 per step here) is padded to
+    a multiple of the 4 PCP ranks. The MTP layer's own drafts (random weights: almost all
+    rejected) give the single-device streams without speculation, and every request's drafts
+    after every step equal the single-device engine's under the same speculation; an oracle
+    drafter (the single-device continuation) makes every decode step verify 3 rows, every draft
+    accepted, the same streams."""
+    engine = build(cfg, MTP2)
     ref = single_device_streams
 
-    assert run(engine) == ref  # the MTP layer's own drafts (random weights: rejected)
+    got, drafts = run_recording_drafts(engine)  # the MTP layer's own drafts (random weights: rejected)
+    assert got == ref
+    assert drafts == single_device_drafts and sum(len(d) for d in drafts.values()) > 2 * len(PROMPTS)
     s = engine.spec_stats
     assert s.num_draft_tokens > 0
     before = (s.num_draft_tokens, s.num_accepted_tokens)

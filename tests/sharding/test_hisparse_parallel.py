@@ -14,7 +14,7 @@ it copies. Both host-gather mechanisms run ("callback" under TP2 × DCP2 and DP2
 "memory_kind" elsewhere).
 
 Also: an abort and a preemption in one replica leave the other replica's streams unchanged, and
-HiSparse + DCP + MTP (k = 2) serves the single-device non-speculative streams. Under PCP2 × DCP2
+HiSparse + MTP (k = 2) under TP2 × DCP2 and DP2 + EP serves the single-device non-speculative streams. Under PCP2 × DCP2
 and DP2 × TP2 × DCP2 the prefill lease holds only two query rows' worst case, so prefill chunks are
 sized adaptively and some are truncated at their first dropped selection (serving/hisparse/
 truncation.py); the streams are held to the same rule.
@@ -245,18 +245,23 @@ def test_cli_accepts_hisparse_on_every_parallel_layout(argv):
     assert args.kv_transfer_config["kv_connector"] == "OffloadingConnector"
 
 
-def test_hisparse_dcp_and_mtp_serve_the_single_device_non_speculative_streams(lm):
-    """TP2 × DCP2 + HiSparse (a pool far too small) + MTP speculation (k = 2) with an oracle drafter
+@pytest.mark.parametrize("name", ["tp2_dcp2", "dp2_ep"])
+def test_hisparse_and_mtp_serve_the_single_device_non_speculative_streams(name, lm):
+    """HiSparse (a pool far too small) + MTP speculation (k = 2) under TP2 × DCP2 and under DP2 + EP
+    (the reference's decode engine: DP attention with HiSparse and MTP3), with an oracle drafter
     (the reference continuation: every draft accepted, so every decode step verifies 3 rows per
-    request, each of which may miss its whole top-k on either rank): the streams equal the
-    single-device run without speculation. (The MTP layer's own drafts under TP2 × DCP2 are
-    covered by tests/sharding/test_engine_parallel.py.)"""
-    par = ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2)
-    reference = reference_for(2)
-    # A 4-page hot lease per decoding request (2 without MTP): 4 more pages than without MTP. (The
-    # MTP layer's rows are one more layer of each group: no pages of their own.)
-    engine = build(SMALL[2] + 4, par, hisparse("memory_kind"), speculative_config={"method": "mtp",
-                                                                                 "num_speculative_tokens": 2})
+    request, each of which may miss its whole top-k on either rank or in either replica): the
+    streams equal the single-device run without speculation. (The MTP layer's own drafts on these
+    layouts are covered by tests/sharding/test_engine_parallel.py and test_engine_dp.py.)"""
+    dcp = 2 if name == "tp2_dcp2" else 1
+    par = (ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2) if dcp == 2
+           else ParallelConfig(data_parallel_size=2, enable_expert_parallel=True))
+    reference = reference_for(dcp)
+    # A 4-page hot lease per decoding request (2 without MTP): more pages than without MTP (4
+    # under DCP2, 2 per replica of DP2, which runs fewer requests each). (The MTP layer's rows
+    # are one more layer of each group: no pages of their own.)
+    engine = build(SMALL[dcp] + (4 if dcp == 2 else 2), par, hisparse("memory_kind"), speculative_config={"method": "mtp",
+                                                                                   "num_speculative_tokens": 2})
     assert engine.hisparse.config.device_buffer_rows == 4 * 64  # (k + 2) × index_topk rows per rank
 
     def oracle(req, n):
@@ -264,10 +269,12 @@ def test_hisparse_dcp_and_mtp_serve_the_single_device_non_speculative_streams(lm
         return (reference.outputs[(c, t)][req.num_output_tokens:] + [0] * n)[:n]
 
     engine.drafter_override = oracle
-    run = run_conversations(engine, **CONVS[2])
+    run = run_conversations(engine, **CONVS[dcp])
     compare_streams(reference.outputs, run.outputs, reference.logprobs, reference.prompts, lm)
     s = engine.spec_stats
     assert s.num_accepted_tokens > 0 and s.num_accepted_tokens == s.num_draft_tokens  # every draft accepted
     d = engine.hisparse.device
     assert engine.runner.num_hot_steps > 0 and d.misses > 0 and d.drops_outside_truncation == 0
-    assert engine.scheduler.num_preemptions_total == 0
+    assert preemptions(engine) == 0
+    if dcp == 1:  # both replicas served
+        assert engine.placements.placed[0] > 0 and engine.placements.placed[1] > 0

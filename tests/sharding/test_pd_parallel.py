@@ -1,7 +1,8 @@
 """P/D across parallel layouts (8 simulated devices, engines sharing them): a PCP2 × DCP2 prefill
 engine hands its token-sharded KV to a TP2 decode engine (DCP 2 → 1: every page whole), to a
 TP2 × DCP2 decode engine with another interleave (DCP 2 → 2, rows re-dealt), and to a DP2 Hybrid
-HiSparse decode engine whose pools are far too small (host landing). Greedy streams must equal
+HiSparse decode engine whose pools are far too small (host landing); and the reference's two
+layouts with MTP speculation on both sides (PCP2 × DCP2 → DP2 + EP). Greedy streams must equal
 the single-device colocated run; both sides audit clean."""
 
 from __future__ import annotations
@@ -147,3 +148,49 @@ def test_pcp2_dcp2_prefill_with_cpu_offload_serves_a_later_turn_from_host_memory
     compare_streams(ref, got, ref_lp, {"t2": turn2})
     prefill.step()
     assert not prefill.audit() and not decode.audit()
+
+
+def test_reference_layouts_with_mtp_on_both_sides():
+    """The reference deployment's two engines, scaled, both with MTP speculation (k = 2; the
+    reference runs MTP3 on both): a PCP2 × DCP2 prefill engine (the MTP layer's rows written in
+    the load-balanced token order and token-sharded like every other layer's) hands its KV to a
+    DP2 + EP decode engine (each replica lands its requests' MTP rows with the rest and verifies
+    their drafts). Greedy streams equal the colocated single-device MTP run's, and every
+    request's drafts after every decode step equal the colocated run's (they are computed from
+    the pulled MTP rows)."""
+    from tests.serving.test_pd_engine import MAX_TOKENS, greedy
+
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+
+    def recorder(engine):
+        drafts: dict[str, list] = {}
+
+        def record(req, n):
+            drafts.setdefault(req.request_id, []).append((req.num_output_tokens, tuple(req.spec_token_ids)))
+            return list(req.spec_token_ids)
+
+        engine.drafter_override = record
+        return drafts
+
+    colocated = build(speculative_config=spec)
+    want = recorder(colocated)
+    for rid, p in PROMPTS.items():
+        colocated.add_request(rid, p, greedy(max_tokens=MAX_TOKENS, logprobs=2))
+    ref, ref_lp = {}, {}
+    while colocated.has_unfinished_requests():
+        for out in colocated.step():
+            ref.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.new_logprobs:
+                ref_lp.setdefault(out.request_id, []).extend(out.new_logprobs)
+    prefill = build(connector("kv_producer"), parallel=PCP2_DCP2, speculative_config=spec)
+    decode = build(connector("kv_consumer"), parallel=ParallelConfig(data_parallel_size=2, enable_expert_parallel=True),
+                   speculative_config=spec)
+    got = recorder(decode)
+    params = prefill_all(prefill, PROMPTS)
+    streams, _ = decode_all(prefill, decode, PROMPTS, params)
+    compare_streams(ref, streams, ref_lp, PROMPTS)
+    assert decode.placements.placed == [2, 1]
+    assert got == want and decode.spec_stats.num_draft_tokens > 0
+    prefill.step()
+    assert prefill.pd.producer.held == {} and not prefill.audit() and not decode.audit()
+    assert all(r.pool.num_free == r.pool.num_usable_blocks for r in decode.replicas)
