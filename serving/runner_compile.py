@@ -46,7 +46,7 @@ class StepCompileMixin:
             batch, B = stack_replicas([batch] * self.dp, self.parallel.pcp), B * self.dp
         z = np.zeros(B, np.float32)
         copies = np.full((2, self.max_page_copies), -1, np.int32)
-        self._dummy_spec = empty_spec_batch(T, B, self.spec_k) if self.spec_k else None
+        self._dummy_spec = empty_spec_batch(len(batch.input_ids_T), B, self.spec_k) if self.spec_k else None
         return batch, (z, np.ones(B, np.float32), np.zeros(B, np.int32), z, np.zeros(B, np.uint32),
                        np.zeros(B, np.int32), np.bool_(False), *copies)
 

@@ -391,6 +391,9 @@ def test_dp2_mtp_speculation_verifies_and_drafts_in_each_replica(reference):
     assert streams["f"] == ref["f"]
     assert s.num_draft_tokens > before[0] and s.num_accepted_tokens - before[1] == s.num_draft_tokens - before[0]
     assert all(r.pool.usage() == 0.0 for r in engine.replicas)
+    # The start-up compile (which servers run; the suite skips it) builds the stacked padding step.
+    engine.runner.compile(progress=False)
+    assert set(engine.runner.compile_seconds) == set(engine.runner.buckets) == {4, 16}
 
 
 def test_cli_accepts_data_parallel():

@@ -162,3 +162,6 @@ def test_mtp_speculation_serves_the_single_device_streams(cfg, single_device_str
     engine.drafter_override = lambda req, n: (ref[req.request_id][req.num_output_tokens:] + [0] * n)[:n]
     assert run(engine) == ref  # every draft accepted
     assert s.num_draft_tokens > before[0] and s.num_accepted_tokens - before[1] == s.num_draft_tokens - before[0]
+    # The start-up compile (which servers run; the suite skips it) builds the padding step.
+    engine.runner.compile(progress=False)
+    assert set(engine.runner.compile_seconds) == set(engine.runner.buckets)
