@@ -14,7 +14,8 @@ it copies. Both host-gather mechanisms run ("callback" under TP2 × DCP2 and DP2
 "memory_kind" elsewhere).
 
 Also: an abort and a preemption in one replica leave the other replica's streams unchanged, and
-HiSparse + MTP (k = 2) under TP2 × DCP2 and DP2 + EP serves the single-device non-speculative streams. Under PCP2 × DCP2
+under TP2 × DCP2 and DP2 × TP2 + EP the engines run MTP speculation (k = 2, every draft accepted)
+and still serve the single-device non-speculative streams. Under PCP2 × DCP2
 and DP2 × TP2 × DCP2 the prefill lease holds only two query rows' worst case, so prefill chunks are
 sized adaptively and some are truncated at their first dropped selection (serving/hisparse/
 truncation.py); the streams are held to the same rule.
@@ -115,6 +116,16 @@ LAYOUTS = {
 }
 
 
+# Layouts served with MTP speculation (k = 2) and an oracle drafter (the reference continuation:
+# every draft accepted, so every decode step verifies 3 rows per request, each of which may miss
+# its whole top-k on either DCP rank or in either replica): the reference's decode engine runs
+# HiSparse with MTP3. The hot lease per decoding request is then 4 pages (2 without MTP): the
+# pool gets `MTP_PAGES` more (the MTP layer's rows are one more layer of each group, no pages of
+# their own).
+MTP_LAYOUTS = {"tp2_dcp2", "dp2_tp2_ep"}
+MTP_PAGES = {1: 2, 2: 4}
+
+
 def host_reads_of_the_programs(engine) -> list[tuple[str, str]]:
     """Host-memory reads of the engine's hot-path step and store program (`tests/helpers/host_memory`)."""
     r = engine.runner
@@ -173,13 +184,25 @@ class Interference:
 def test_streams_equal_the_single_device_ample_run(name, lm):
     """Under DP2 × TP2 + EP one replica also sees an abort and the other a preemption
     (`Interference`): every other stream — the preempted one included — still equals the
-    reference, the aborted one is its prefix."""
+    reference, the aborted one is its prefix. TP2 × DCP2 and DP2 × TP2 + EP run MTP speculation
+    (`MTP_LAYOUTS`): the streams are still those of the single-device run without it, and the
+    clean host blocks checked include the MTP layer's rows."""
     par, mechanism = LAYOUTS[name]
     dcp = par.decode_context_parallel_size
     reference = reference_for(dcp)
-    engine = build(SMALL[dcp], par, hisparse(mechanism, SMALL_PREFILL_LEASE.get(name, 1024)),
-                   async_scheduling=name in ASYNC)
+    mtp = name in MTP_LAYOUTS
+    engine = build(SMALL[dcp] + (MTP_PAGES[dcp] if mtp else 0), par,
+                   hisparse(mechanism, SMALL_PREFILL_LEASE.get(name, 1024)), async_scheduling=name in ASYNC,
+                   speculative_config={"method": "mtp", "num_speculative_tokens": 2} if mtp else None)
     assert engine.async_scheduling == (name in ASYNC)
+    if mtp:
+        assert engine.hisparse.config.device_buffer_rows == 4 * 64  # (k + 2) × index_topk rows per rank
+
+        def oracle(req, n):
+            c, t = (int(x) for x in req.request_id[1:].split("t"))
+            return (reference.outputs[(c, t)][req.num_output_tokens:] + [0] * n)[:n]
+
+        engine.drafter_override = oracle
     if mechanism == "memory_kind":  # on a GPU the host pool allows only slices and moves
         reads = host_reads_of_the_programs(engine)
         assert [x for x in reads if x[1] != "ok"] == []
@@ -211,6 +234,9 @@ def test_streams_equal_the_single_device_ample_run(name, lm):
         assert preemptions(engine) == 0
     compare_streams(want, run.outputs, reference.logprobs, reference.prompts, lm)
     assert engine.runner.num_hot_steps > 0 and d.misses > 0 and d.drops_outside_truncation == 0  # rows came from the host
+    if mtp:
+        s = engine.spec_stats
+        assert s.num_accepted_tokens > 0 and s.num_accepted_tokens == s.num_draft_tokens  # every draft accepted
     # The counters come back per KV shard, replica-major (summed on the host in 64-bit): every
     # DCP rank of a replica that missed rows missed rows of its own positions.
     per_replica = d.misses_per_shard.reshape(par.data_parallel_size, dcp)
@@ -244,37 +270,3 @@ def test_cli_accepts_hisparse_on_every_parallel_layout(argv):
     assert args.attention_config["hisparse_config"]["host_pool_gib"] == 1
     assert args.kv_transfer_config["kv_connector"] == "OffloadingConnector"
 
-
-@pytest.mark.parametrize("name", ["tp2_dcp2", "dp2_ep"])
-def test_hisparse_and_mtp_serve_the_single_device_non_speculative_streams(name, lm):
-    """HiSparse (a pool far too small) + MTP speculation (k = 2) under TP2 × DCP2 and under DP2 + EP
-    (the reference's decode engine: DP attention with HiSparse and MTP3), with an oracle drafter
-    (the reference continuation: every draft accepted, so every decode step verifies 3 rows per
-    request, each of which may miss its whole top-k on either rank or in either replica): the
-    streams equal the single-device run without speculation. (The MTP layer's own drafts on these
-    layouts are covered by tests/sharding/test_engine_parallel.py and test_engine_dp.py.)"""
-    dcp = 2 if name == "tp2_dcp2" else 1
-    par = (ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2) if dcp == 2
-           else ParallelConfig(data_parallel_size=2, enable_expert_parallel=True))
-    reference = reference_for(dcp)
-    # A 4-page hot lease per decoding request (2 without MTP): more pages than without MTP (4
-    # under DCP2, 2 per replica of DP2, which runs fewer requests each). (The MTP layer's rows
-    # are one more layer of each group: no pages of their own.)
-    engine = build(SMALL[dcp] + (4 if dcp == 2 else 2), par, hisparse("memory_kind"), speculative_config={"method": "mtp",
-                                                                                   "num_speculative_tokens": 2})
-    assert engine.hisparse.config.device_buffer_rows == 4 * 64  # (k + 2) × index_topk rows per rank
-
-    def oracle(req, n):
-        c, t = (int(x) for x in req.request_id[1:].split("t"))
-        return (reference.outputs[(c, t)][req.num_output_tokens:] + [0] * n)[:n]
-
-    engine.drafter_override = oracle
-    run = run_conversations(engine, **CONVS[dcp])
-    compare_streams(reference.outputs, run.outputs, reference.logprobs, reference.prompts, lm)
-    s = engine.spec_stats
-    assert s.num_accepted_tokens > 0 and s.num_accepted_tokens == s.num_draft_tokens  # every draft accepted
-    d = engine.hisparse.device
-    assert engine.runner.num_hot_steps > 0 and d.misses > 0 and d.drops_outside_truncation == 0
-    assert preemptions(engine) == 0
-    if dcp == 1:  # both replicas served
-        assert engine.placements.placed[0] > 0 and engine.placements.placed[1] > 0
