@@ -364,7 +364,7 @@ def test_dp2_mtp_speculation_verifies_and_drafts_in_each_replica(reference):
       audits clean after every step, every pool empty at the end."""
     adjust = {"repetition_penalty": 0.5, "presence_penalty": 0.3}
     # (The single-device engine: one bucket, no penalties, for the drafts of every other request.)
-    one_streams, one_drafts, _ = _spec_run(build(None, 24, speculative_config=MTP2), {})
+    _, one_drafts, _ = _spec_run(build(None, 24, speculative_config=MTP2), {})
     engine = build(DP2_EP, 12, speculative_config=MTP2, precompile_token_paddings=[4])
     assert isinstance(engine, DataParallelEngine) and engine.runner.spec_k == 2
     streams, drafts, buckets = _spec_run(engine, adjust)
