@@ -29,11 +29,15 @@ Columns: those of bench_agentic (TTFT p50/p90, interactivity = 1 / mean TPOT, lo
 mean running requests of the decode engine, preemptions, HiSparse hot hit rate, equality with the
 colocated run) plus `kv_bytes_per_request` and `xfer_ms_per_request` (Δ `vllm:nixl_bytes_transferred`
 and `vllm:nixl_xfer_time_seconds` over pulls), `remote_prompt_tokens` (prompt tokens landed
-instead of computed), `landed_host` (pulls landed in the HiSparse host pool), `failed_transfers`.
+instead of computed), `landed_host` (pulls landed in the HiSparse host pool), `failed_transfers`,
+`acceptance_length` (with `--speculative-config`: 1 + accepted / verified drafts of the engine that
+decodes).
 
     PYTHONPATH=. .venv/bin/python scripts/bench_pd.py --out /tmp/pd            # quick: scale 64, 4 turns, c = 1, 4
     PYTHONPATH=. .venv/bin/python scripts/bench_pd.py --scale 32 --turns 13 --concurrency 1,4,8 --out DIR
     PYTHONPATH=. .venv/bin/python scripts/bench_pd.py --modes colocated,pd-dp2,pd-dp2-2proc --out DIR
+    PYTHONPATH=. .venv/bin/python scripts/bench_pd.py --modes colocated,pd-pcp2xdcp2 \
+        --speculative-config '{"method": "mtp", "num_speculative_tokens": 3}' --out DIR    # MTP3 on every engine
 
 Writes OUT/summary.json, OUT/summary.csv, OUT/server_*.log and prints the table.
 """
@@ -63,7 +67,8 @@ PREFILL = {"pd-pcp2xdcp2": ["--prefill-context-parallel-size", "2", "--decode-co
            "pd-dp2-2proc": ["--data-parallel-size", "2", "--enable-expert-parallel"]}
 COLUMNS = ["mode", "concurrency", "requests", "errors", "ttft_p50_s", "ttft_p90_s", "interactivity",
            "logical_throughput_tok_s", "mean_running", "preemptions", "hot_hit_rate", "kv_bytes_per_request",
-           "xfer_ms_per_request", "remote_prompt_tokens", "landed_host", "failed_transfers", "greedy_identical",
+           "xfer_ms_per_request", "remote_prompt_tokens", "landed_host", "failed_transfers", "acceptance_length",
+           "greedy_identical",
            "equal_under_rule", "equality", "divergences", "turns_after_a_divergence"]
 
 
@@ -116,6 +121,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--modes", default="colocated,pd-pcp2xdcp2,pd-dp2")
     ap.add_argument("--prefill-offload-gib", type=float, default=0.0,
                     help="CPU KV offload of every prefill engine (GiB, per data-parallel replica; 0: none)")
+    ap.add_argument("--speculative-config", default=None,
+                    help='JSON, e.g. {"method": "mtp", "num_speculative_tokens": 3}: MTP speculation on every '
+                         "engine (the reference runs MTP3 on both sides)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -128,7 +136,12 @@ def main(argv=None) -> list[dict]:
     vocab = tokenizer_vocab_size(str(default_model_dir()))
     common = ["--max-model-len", str(max_len), "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
               "--enable-prefix-caching", "--disable-log-stats"]
-    decode_flags = common + DECODE + ["--cuda-graph-sizes", "8", "--num-gpu-blocks-override", str(args.decode_blocks),
+    k = 0
+    if args.speculative_config:  # every server; a decode step of 8 requests verifies 8 (k + 1) rows
+        k = json.loads(args.speculative_config)["num_speculative_tokens"]
+        common += ["--speculative-config", args.speculative_config]
+    decode_flags = common + DECODE + ["--cuda-graph-sizes", str(8 * (k + 1)), "--num-gpu-blocks-override",
+                                      str(args.decode_blocks),
                                       "--attention-config",
                                       json.dumps({"hisparse_config": {"host_pool_gib": args.host_pool_gib}})]
     env_before = os.environ.get("XLA_FLAGS")
@@ -172,6 +185,9 @@ def main(argv=None) -> list[dict]:
                     row["remote_prompt_tokens"] = int(d("vllm:kv_transfer_remote_prompt_tokens_total"))
                     row["landed_host"] = int(d("vllm:kv_transfer_landed_requests_total{host}"))
                     row["failed_transfers"] = int(d("vllm:nixl_num_failed_transfers_total"))
+                    drafts = d("vllm:spec_decode_num_drafts_total")  # MTP: the serving engine's verifications
+                    row["acceptance_length"] = (round(1 + d("vllm:spec_decode_num_accepted_tokens_total") / drafts, 3)
+                                                if drafts else None)
                     rows.append(row)
                     print("  " + ", ".join(f"{k}={row.get(k)}" for k in COLUMNS[1:]), flush=True)
             finally:
