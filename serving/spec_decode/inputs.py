@@ -19,7 +19,9 @@ class SpecBatch:
     """Speculative-decoding inputs of one step (B request rows, T token rows, k drafts).
 
     sample_row_B: int32 `[B]` the row of each request's first sampled position (the decode token
-        of a verified request, the last row of a prefill chunk that samples; 0 for others).
+        of a verified request, the last row of a prefill chunk that samples; 0 for others). Rows
+        and `mtp_ids_T` are in token order (the host's; under data parallelism replica r's start
+        at r · T); under PCP the step maps them to its load-balanced row order itself.
     draft_BK: int32 `[B, k]` the drafts verified (zeros past `num_draft_B`).
     num_draft_B: int32 `[B]` drafts verified per request (0 for prefill chunks and padding).
     valid_B: bool `[B]` requests whose chunk samples (they get tokens and new drafts).
