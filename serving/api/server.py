@@ -5,7 +5,7 @@ the error bodies in `serving/api/errors.py`, and the plumbing between an HTTP re
 engine requests (abort on disconnect, `n` choices, SSE) in `serving/api/streaming.py`.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
-`GET /v1/models/{model}`, `GET /health`. `/metrics` and other routes are added by the caller
+`GET /v1/models/{model}`, `GET /health`, `POST /tokenize`, `POST /detokenize`, `GET /get_load`. `/metrics` and other routes are added by the caller
 through `build_app(..., extra_routes=callback)`, which receives the app before it is returned
 (for example `lambda app: app.mount("/metrics", prometheus_client.make_asgi_app())`).
 
@@ -22,7 +22,7 @@ HTTP status:
   fields; vLLM also answers 400 here, where FastAPI's default would be 422), values out of range
   (`max_tokens` < 1, `temperature` < 0, `top_p` outside (0, 1], `top_k` < -1, `min_p` outside
   [0, 1], `n` outside [1, 128], empty stop strings, `top_logprobs` without `logprobs`), features
-  this build does not support yet (chat's `echo`, `best_of`, `suffix`, `prompt_logprobs` with `stream`), a prompt
+  this build does not support yet (`best_of`, `suffix`, `prompt_logprobs` with `stream`), a prompt
   that does not fit `max_model_len` (alone or with
   `max_tokens`), chat-template errors, `tools` / `tool_choice` / `reasoning_effort` values the
   output parsing cannot honour (`serving.api.chat_output`), and any ValueError raised by the
