@@ -19,11 +19,17 @@ tables over `REQUESTS`, the arena over `KV_REPLICA` × `KV_CONTEXT`) and runs on
   the queries' heads, attends the rank's shard for all heads, and the `(o, lse)` partials are
   merged NaN-safe by `ag_rs` (all-gather lse + reduce-scatter o) or `a2a` (all-to-all + local
   merge), leaving each rank its own heads.
-* DCP over PCP ("KV to queries", prefill style): the persistent cache stays sharded; per layer the
-  shards of the batch's pages are all-gathered into a temporary full copy and each rank runs the
-  kernels on its own queries against it.
-* DCP over TP × PCP: both at once — the PCP part of the shards is gathered into a temporary copy
-  that is still round-robin sharded over TP, and the TP part runs queries-to-KV as above.
+* DCP over PCP: the persistent cache stays sharded. The indexer runs queries to KV: the replica's
+  index queries are all-gathered over the PCP ranks, every DCP rank scores its own key shard,
+  the per-rank top-k lists are merged with the total-order tie rule and each rank keeps its own
+  tokens' rows. Sparse MLA takes, per step program, the smaller of two static sizes
+  (`reads_selected_rows`): the rows of the replica's selections each rank owns, exchanged with the
+  ranks whose queries selected them (`_owned_slots` + `_attend_resolved`; decode-sized steps), or
+  a temporary copy of the step's pages all-gathered per layer (`_gathered_copy`; sized by the
+  whole block table, `max_num_seqs + 1` rows × `max_model_len`, so only a large prefill chunk over
+  a small table takes it) with each rank running the kernels on its own queries against it.
+* DCP over TP × PCP: both at once — the PCP part as above (the copy is still round-robin sharded
+  over TP), and the TP part runs queries-to-KV as above.
 
 Under HiSparse (`resolve_hot`, `store_host_pages`) every KV shard (replica × DCP rank) has its own
 part of the host pool and its own hot state; `resolve_hot` returns each shard's own slots and
@@ -181,21 +187,27 @@ def select_topk(q_TID: jax.Array, w_TI: jax.Array, kv_arena: jax.Array, batch: F
     s = _specs(par)
     inter = par.config.dcp_kv_cache_interleave_size
 
+    gather, _ = _dcp_axes(par)
+    ctx = par.axes(KV_CONTEXT)
+
     def body(arena, q, w, bt, req, pos, lyr):
         if mode == "replicated":
             idx, _ = indexer_topk(q, w, arena, bt, req, pos, lyr, layout=g, component="indexer", topk=topk)
             return idx
-        arena, gv, bt, lyr, split, n = _read_view(arena, bt, g, "indexer", lyr, par)
-        if not split:
-            idx, _ = indexer_topk(q, w, arena, bt, req, pos, lyr, layout=gv, component="indexer", topk=topk)
-            return idx
-        # Queries to KV: score this rank's shard, then merge the per-rank top-k lists.
-        r = jax.lax.axis_index(split)
-        lim = cp.dcp_causal_limit(pos, r, n, inter, gv.tokens_per_page)
-        loc, _, score = indexer_topk(q, w, arena, bt, req, lim, lyr, layout=gv, component="indexer", topk=topk,
+        # Queries to KV: every DCP rank scores its own key shard, and the per-rank top-k lists are
+        # merged with the total-order tie rule. Over PCP the ranks hold different queries: the
+        # replica's queries are all-gathered first and each rank keeps its own rows of the merge.
+        T = q.shape[0]
+        if gather:
+            q, w, req, pos = (col.all_gather_tiled(x, gather) for x in (q, w, req, pos))
+        r = jax.lax.axis_index(ctx)
+        lim = cp.dcp_causal_limit(pos, r, par.dcp, inter, g.tokens_per_page)
+        loc, _, score = indexer_topk(q, w, arena, bt, req, lim, lyr, layout=g, component="indexer", topk=topk,
                                      return_scores=True)
-        glob = cp.dcp_global_positions(loc, r, n, inter, gv.tokens_per_page)
-        idx, _ = col.global_topk_merge(score, glob, split)
+        glob = cp.dcp_global_positions(loc, r, par.dcp, inter, g.tokens_per_page)
+        idx, _ = col.global_topk_merge(score, glob, ctx)
+        if gather:
+            idx = jax.lax.dynamic_slice_in_dim(idx, jax.lax.axis_index(gather) * T, T, axis=0)
         return idx
 
     f = _shard_map(par, body, (s["arena"], s["tok3"], s["tok2"], s["bt"], s["tok"], s["tok"], s["rep"]), s["tok2"])
@@ -222,6 +234,11 @@ def sparse_attention(q_abs_TNC: jax.Array, kv_arena: jax.Array, topk_TK: jax.Arr
     par = parallel
     s = _specs(par)
     inter = par.config.dcp_kv_cache_interleave_size
+    if slots_TK is None and mode == "dcp" and reads_selected_rows(topk_TK.shape, batch.block_tables[group].shape, g,
+                                                                   par):
+        # DCP over PCP: each rank reads the rows of the replica's selections it owns, exchanged
+        # with the ranks whose queries selected them (as HiSparse's resolved slots are).
+        slots_TK = _owned_slots(topk_TK, batch, g, par)
     if slots_TK is not None:
         return _attend_resolved(q_abs_TNC, kv_arena, slots_TK, g, layer, attend, par)
 
@@ -242,6 +259,40 @@ def sparse_attention(q_abs_TNC: jax.Array, kv_arena: jax.Array, topk_TK: jax.Arr
 
     f = _shard_map(par, body, (s["arena"], s["heads3"], s["tok2"], s["bt"], s["tok"], s["rep"]), s["heads3"])
     return f(kv_arena, q_abs_TNC, topk_TK, batch.block_tables[group], batch.req_idx_T, layer)
+
+
+def reads_selected_rows(topk_shape: tuple, block_table_shape: tuple, g: GroupLayout, par: ParallelLayout) -> bool:
+    """DCP over PCP: whether sparse MLA exchanges the selected rows (`_owned_slots`, then
+    `_attend_resolved`: `T_replica × K` rows per rank) rather than reading a temporary copy of
+    every page of the step's block tables (`_gathered_copy`: rows × width × page rows per rank).
+    Both sizes are static, so each step program takes the smaller: decode-sized steps exchange
+    selections, whose size does not grow with `--max-num-seqs` or `--max-model-len`; a large
+    prefill chunk over a small table reads the copy. False outside DCP over PCP."""
+    gather, _ = _dcp_axes(par)
+    if not gather:
+        return False
+    t_replica, k = topk_shape[0] // par.dp, topk_shape[1]
+    rows, width = block_table_shape[0] // par.dp, block_table_shape[1]
+    return t_replica * k <= rows * width * g.tokens_per_page * _split_size(par, gather)
+
+
+def _owned_slots(topk_TK: jax.Array, batch: ForwardBatch, g: GroupLayout, par: ParallelLayout) -> jax.Array:
+    """DCP over PCP: each KV shard's arena slots for the selections of every token of its replica
+    (`[shards · T_replica, K]`, `hot_slot_spec`; −1 where the shard does not own the position),
+    from the top-k positions (all-gathered over the PCP ranks) and the block tables."""
+    s = _specs(par)
+    gather, _ = _dcp_axes(par)
+    ctx = par.axes(KV_CONTEXT)
+    inter, tpp = par.config.dcp_kv_cache_interleave_size, g.tokens_per_page
+
+    def body(topk, bt, req):
+        topk = col.all_gather_tiled(topk, gather)
+        req = col.all_gather_tiled(req, gather)
+        loc = cp.dcp_local_positions(topk, jax.lax.axis_index(ctx), par.dcp, inter, tpp)
+        return positions_to_slots(loc, bt, req, tpp)
+
+    f = _shard_map(par, body, (s["tok2"], s["bt"], s["tok"]), hot_slot_spec(par))
+    return f(topk_TK, batch.block_tables[g.name], batch.req_idx_T)
 
 
 def _attend_resolved(q_abs_TNC, kv_arena, slots_TK, g: GroupLayout, layer, attend, par: ParallelLayout):

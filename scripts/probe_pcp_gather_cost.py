@@ -2,11 +2,12 @@
 
     PYTHONPATH=. .venv/bin/python scripts/probe_pcp_gather_cost.py --out DIR
 
-Under DCP over PCP (the reference prefill engine's layout) each layer's indexer and sparse MLA
-read a temporary copy of the step's pages all-gathered over the PCP ranks
-(`glm53.attention._gathered_copy`): every entry of the step's block table, i.e.
-(max_num_seqs + 1) x ceil(max_model_len / (tokens_per_page x dcp)) pages per layer, whatever the
-requests hold. This probe serves the same two 100-token greedy requests (40 output tokens) on
+Under DCP over PCP (the reference prefill engine's layout) each layer read a temporary copy of
+the step's pages all-gathered over the PCP ranks (`glm53.attention._gathered_copy`): every entry
+of the step's block table, i.e. (max_num_seqs + 1) x ceil(max_model_len / (tokens_per_page x
+dcp)) pages per layer, whatever the requests hold. The indexer now runs queries to KV and sparse
+MLA takes that copy only where it is smaller than the exchanged selections
+(`glm53.attention.reads_selected_rows`); docs/results/pcp_gather_cost/ has both runs. This probe serves the same two 100-token greedy requests (40 output tokens) on
 the tiny checkpoint under DP2 + EP, PCP2 x DCP2 and TP2 x DCP2 (8 simulated CPU devices), with
 `--max-num-seqs` 4 or 32 and `--max-model-len` 1,024 or 8,192, and reports the median wall time
 of the decode steps (after the first five steps). Layouts whose step reads only what the

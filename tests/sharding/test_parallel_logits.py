@@ -76,6 +76,25 @@ def test_layout_matches_single_device(name, model_setup, reference):
         check_dcp_shards(model_setup, par, arena, blocks, ref_arena, ref_blocks)
 
 
+@pytest.mark.parametrize("name", ["pcp4_dcp4", "pcp2_tp4_dcp8_a2a"])
+def test_dcp_over_pcp_exchanging_selected_rows_matches_single_device(name, model_setup, reference, monkeypatch):
+    """DCP over PCP (and over TP × PCP) with sparse MLA exchanging the selected rows instead of
+    reading a temporary copy of every page (`glm53.attention.reads_selected_rows`, which picks the
+    smaller per step program: here, a prefill over a small table, the copy; forced the other way
+    here, as decode steps over the engine's tables take it)."""
+    from glm53 import attention
+    import tests.sharding.conftest as layouts
+
+    monkeypatch.setattr(attention, "reads_selected_rows", lambda *a: True)
+    monkeypatch.setattr(layouts, "_STEPS", {})  # trace the step again (not the cached program of the layout)
+    par = ParallelLayout.create(LAYOUTS[name])
+    ref_logits, _ = reference
+    logits, _, _ = run_layout(model_setup, par)
+    worst = float(np.abs(logits - ref_logits[:par.dp]).max())
+    print(f"\n{name} (selected rows): max |Δlogit| vs one device = {worst:.2e}")
+    assert worst <= TOL
+
+
 def test_mtp_layer_under_pcp_tp_dcp(model_setup):
     """The MTP layer (its own KV group, indexer and MoE) under PCP2 × TP4 × DCP8 gives the
     single-device MTP logits for one 48-token prefill chunk (backbone hidden states from the same
