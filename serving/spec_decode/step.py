@@ -62,9 +62,10 @@ def spec_decode_forward(model, batch, kv, host, sampling: tuple, want_logprobs, 
     dp = parallel.dp if parallel is not None else 1
     B_r, T_r = B_all // dp, T // dp
     Bk = min(B_r, T_r)
-    keep = (np.arange(dp)[:, None] * B_r + np.arange(Bk)[None, :]).reshape(-1)  # static rows kept
     B = dp * Bk
-    take = (lambda x: x[:B]) if dp == 1 else (lambda x: x[keep])
+
+    def take(x):
+        return _first_rows_per_replica(x, dp, Bk)
     sp = dataclasses.replace(sp, sample_row_B=take(sp.sample_row_B), draft_BK=take(sp.draft_BK),
                              num_draft_B=take(sp.num_draft_B), valid_B=take(sp.valid_B))
     sampling = tuple(take(x) for x in sampling)
@@ -86,11 +87,11 @@ def spec_decode_forward(model, batch, kv, host, sampling: tuple, want_logprobs, 
         logits = apply_token_bitmask(logits, take(bitmask_BSW).reshape(B * S, -1))
     target = logits
     if pen is not None:  # entries of the rows cut above are dropped
+        # entry row b · S + j of the B_all request rows → its kept row (−1: cut)
         row_E = pen[0]
-        if dp > 1:  # entry row b · S + j of the B_all request rows → its kept row (−1: cut)
-            b_E, j_E = row_E // S, row_E % S
-            local_E = b_E % B_r
-            row_E = jnp.where((row_E >= 0) & (local_E < Bk), ((b_E // B_r) * Bk + local_E) * S + j_E, -1)
+        b_E, j_E = row_E // S, row_E % S
+        local_E = b_E % B_r
+        row_E = jnp.where((row_E >= 0) & (local_E < Bk), ((b_E // B_r) * Bk + local_E) * S + j_E, -1)
         factors = (take(x.reshape(B_all, S)).reshape(-1) for x in pen[5:])
         target = apply_penalties(logits.astype(jnp.float32), row_E, *pen[1:5], *factors)
     tokens_BS, acc_B = verify_drafts(target.reshape(B, S, -1), sp.draft_BK, sp.num_draft_B, *sampling)
@@ -110,23 +111,24 @@ def spec_decode_forward(model, batch, kv, host, sampling: tuple, want_logprobs, 
     # The draft steps after the first run one row per request, split over the PCP ranks too: each
     # replica's rows are padded to a multiple of pcp with rows that draft nothing.
     Bp = -(-Bk // pcp) * pcp
-
-    def per_replica_pad(x, fill):
-        x = x.reshape((dp, Bk) + x.shape[1:])
-        return jnp.pad(x, [(0, 0), (0, Bp - Bk)] + [(0, 0)] * (x.ndim - 2), constant_values=fill).reshape(
-            (dp * Bp,) + x.shape[2:])
-
     drafts_BK, kv = propose_drafts(model, batch, mtp_ids, h, kv, layout,
-                                   last_row_B=per_replica_pad(last_row_B, 0) if Bp > Bk else last_row_B,
-                                   valid_B=per_replica_pad(sp.valid_B, False) if Bp > Bk else sp.valid_B,
+                                   last_row_B=_pad_rows_per_replica(last_row_B, dp, Bp, 0),
+                                   valid_B=_pad_rows_per_replica(sp.valid_B, dp, Bp, False),
                                    num_steps=sp.num_draft_steps, k=k, reachable=reachable, parallel=parallel,
                                    host=host)
-    if Bp > Bk:
-        drafts_BK = drafts_BK.reshape(dp, Bp, k)[:, :Bk].reshape(B, k)
+    drafts_BK = _first_rows_per_replica(drafts_BK, dp, Bk)
+    return tuple(_pad_rows_per_replica(x, dp, B_r, 0) for x in (tokens_BS, acc_B, drafts_BK, *lp)), kv, h
 
-    def pad(x):
-        if dp == 1:
-            return jnp.pad(x, [(0, B_all - B)] + [(0, 0)] * (x.ndim - 1))
-        return jnp.zeros((B_all,) + x.shape[1:], x.dtype).at[keep].set(x)
 
-    return tuple(pad(x) for x in (tokens_BS, acc_B, drafts_BK, *lp)), kv, h
+def _first_rows_per_replica(x: jax.Array, dp: int, n: int) -> jax.Array:
+    """`x [dp · m, ...]` (dp replicas' rows, replica-major) → each replica's first n rows `[dp · n, ...]`."""
+    return x.reshape((dp, -1) + x.shape[1:])[:, :n].reshape((-1,) + x.shape[1:])
+
+
+def _pad_rows_per_replica(x: jax.Array, dp: int, n: int, fill) -> jax.Array:
+    """`x [dp · m, ...]` → each replica's rows padded with `fill` to n (≥ m) `[dp · n, ...]`."""
+    y = x.reshape((dp, -1) + x.shape[1:])
+    if y.shape[1] == n:
+        return x
+    y = jnp.pad(y, [(0, 0), (0, n - y.shape[1])] + [(0, 0)] * (y.ndim - 2), constant_values=fill)
+    return y.reshape((-1,) + x.shape[1:])

@@ -84,9 +84,12 @@ def drain_with(prefill: LLMEngine, decode: LLMEngine, audit: bool = False):
     return streams, outs
 
 
-def _colocated(prompts, **kw):
-    """One engine without P/D: (engine, greedy streams, their logprobs) of `prompts`."""
+def _colocated(prompts, setup=None, **kw):
+    """One engine without P/D: (engine, greedy streams, their logprobs) of `prompts`; `setup(engine)`
+    runs before the requests are added (None: nothing)."""
     eng = build(**kw)
+    if setup is not None:
+        setup(eng)
     for rid, p in prompts.items():
         eng.add_request(rid, p, greedy(max_tokens=MAX_TOKENS, logprobs=2))
     streams, lps = {}, {}

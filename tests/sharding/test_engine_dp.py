@@ -29,6 +29,7 @@ from serving.engine_factory import build_engine
 from serving.types import SamplingParams
 from sharding.distributed import free_port_pair
 from sharding.mesh import ParallelConfig
+from tests.helpers.drafts import record_drafts
 from tests.helpers.kv_event_view import Subscriber
 from tests.helpers.penalties_oracle import check_greedy_stream
 from tests.helpers.prompt_logprobs_oracle import check_prompt_logprobs
@@ -319,14 +320,7 @@ def _spec_run(engine: LLMEngine, adjust: dict, drafter=None) -> tuple[dict, dict
     """PROMPTS (request `f` with the penalties `adjust`) to the end on an MTP engine, auditing after
     every step → (streams, each request's drafts as `(tokens out, drafts)` per step, the step
     buckets used). `drafter(request, n)`: the drafts verified next (None: the MTP layer's own)."""
-    drafts: dict[str, list] = {}
-
-    def record(req, n):
-        d = list(req.spec_token_ids) if drafter is None else drafter(req, n)
-        drafts.setdefault(req.request_id, []).append((req.num_output_tokens, tuple(d)))
-        return d
-
-    engine.drafter_override = record
+    drafts = record_drafts(engine, drafter)
     for rid, p in PROMPTS.items():
         engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
                                                   logprobs=LOGPROBS.get(rid), **(adjust if rid == "f" else {})))

@@ -19,6 +19,7 @@ from serving.engine import EngineArgs, LLMEngine
 from serving.engine_factory import build_engine
 from serving.types import SamplingParams
 from sharding.mesh import ParallelConfig
+from tests.helpers.drafts import record_drafts
 from tests.helpers.prompt_logprobs_oracle import check_prompt_logprobs
 
 # The tiny checkpoint's 7-layer twin (tests/helpers/shallow_model.py): the same code paths, faster steps.
@@ -117,13 +118,7 @@ MTP2 = {"method": "mtp", "num_speculative_tokens": 2}
 def run_recording_drafts(engine: LLMEngine) -> tuple[dict, dict]:
     """`run` on an MTP engine → (streams, each request's drafts as `(tokens out, drafts)` after
     each step: what the MTP layer proposed)."""
-    drafts: dict[str, list] = {}
-
-    def record(req, n):
-        drafts.setdefault(req.request_id, []).append((req.num_output_tokens, tuple(req.spec_token_ids)))
-        return list(req.spec_token_ids)
-
-    engine.drafter_override = record
+    drafts = record_drafts(engine)
     try:
         return run(engine), drafts
     finally:

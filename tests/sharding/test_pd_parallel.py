@@ -158,34 +158,16 @@ def test_reference_layouts_with_mtp_on_both_sides():
     their drafts). Greedy streams equal the colocated single-device MTP run's, and every
     request's drafts after every decode step equal the colocated run's (they are computed from
     the pulled MTP rows)."""
-    from tests.serving.test_pd_engine import MAX_TOKENS, greedy
+    from tests.helpers.drafts import record_drafts
+    from tests.serving.test_pd_engine import _colocated
 
     spec = {"method": "mtp", "num_speculative_tokens": 2}
-
-    def recorder(engine):
-        drafts: dict[str, list] = {}
-
-        def record(req, n):
-            drafts.setdefault(req.request_id, []).append((req.num_output_tokens, tuple(req.spec_token_ids)))
-            return list(req.spec_token_ids)
-
-        engine.drafter_override = record
-        return drafts
-
-    colocated = build(speculative_config=spec)
-    want = recorder(colocated)
-    for rid, p in PROMPTS.items():
-        colocated.add_request(rid, p, greedy(max_tokens=MAX_TOKENS, logprobs=2))
-    ref, ref_lp = {}, {}
-    while colocated.has_unfinished_requests():
-        for out in colocated.step():
-            ref.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.new_logprobs:
-                ref_lp.setdefault(out.request_id, []).extend(out.new_logprobs)
+    want: dict = {}
+    _, ref, ref_lp = _colocated(PROMPTS, setup=lambda e: record_drafts(e, into=want), speculative_config=spec)
     prefill = build(connector("kv_producer"), parallel=PCP2_DCP2, speculative_config=spec)
     decode = build(connector("kv_consumer"), parallel=ParallelConfig(data_parallel_size=2, enable_expert_parallel=True),
                    speculative_config=spec)
-    got = recorder(decode)
+    got = record_drafts(decode)
     params = prefill_all(prefill, PROMPTS)
     streams, _ = decode_all(prefill, decode, PROMPTS, params)
     compare_streams(ref, streams, ref_lp, PROMPTS)
