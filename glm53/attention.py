@@ -22,12 +22,14 @@ tables over `REQUESTS`, the arena over `KV_REPLICA` × `KV_CONTEXT`) and runs on
 * DCP over PCP: the persistent cache stays sharded. The indexer runs queries to KV: the replica's
   index queries are all-gathered over the PCP ranks, every DCP rank scores its own key shard,
   the per-rank top-k lists are merged with the total-order tie rule and each rank keeps its own
-  tokens' rows. Sparse MLA takes, per step program, the smaller of two static sizes
-  (`reads_selected_rows`): the rows of the replica's selections each rank owns, exchanged with the
-  ranks whose queries selected them (`_owned_slots` + `_attend_resolved`; decode-sized steps), or
-  a temporary copy of the step's pages all-gathered per layer (`_gathered_copy`; sized by the
-  whole block table, `max_num_seqs + 1` rows × `max_model_len`, so only a large prefill chunk over
-  a small table takes it) with each rank running the kernels on its own queries against it.
+  tokens' rows. Sparse MLA reads the other ranks' rows one of two ways, chosen per step on the
+  device by which moves fewer rows (`reads_selected_rows`): the rows of the replica's selections
+  each rank owns, exchanged with the ranks whose queries selected them (`_owned_slots` +
+  `_selected_rows_partials`: `T_replica × top-k` rows, so decode steps), or a temporary copy of
+  the pages of the step's requests only, all-gathered a chunk at a time with the chunks' partials
+  merged (`_attend_step_pages`: prefill chunks). Both keep what a layer holds at once within one
+  block-table row's worth of gathered rows (`copy_budget_rows`: one request at `--max-model-len`),
+  whatever `--max-num-seqs` and the step's tokens are.
 * DCP over TP × PCP: both at once — the PCP part as above (the copy is still round-robin sharded
   over TP), and the TP part runs queries-to-KV as above.
 
@@ -96,51 +98,165 @@ def _split_size(par: ParallelLayout, axes) -> int:
     return int(np.prod([par.mesh.shape[a] for a in axes])) if axes else 1
 
 
-def _gathered_copy(kv_arena, block_table_BP, g: GroupLayout, component: str, layer, par: ParallelLayout):
-    """Temporary copy (one layer) of the batch's pages, all-gathered over the DCP axes that split
-    the queries' tokens (PCP), for attention and indexing of this rank's own queries.
+def _gathered_copy(kv_arena, pages_C, g: GroupLayout, component: str, layer, par: ParallelLayout):
+    """Temporary copy (one layer) of the engine pages `pages_C [C]`, all-gathered over the DCP axes
+    that split the queries' tokens (PCP), for attention of this rank's own queries.
 
-    Each rank gathers its `g`-row share of every block-table page; the shares are all-gathered over
-    the gathered axes and reassembled. Without a remaining DCP axis the result holds full pages of
+    Each rank gathers its `g`-row share of every listed page; the shares are all-gathered over the
+    gathered axes and reassembled. Without a remaining DCP axis the result holds full pages of
     `g·N` tokens; with one (TP × PCP), this TP rank's round-robin share of each page (`g · pcp`
     rows), i.e. a DCP-over-TP shard with pages of `g · pcp` tokens.
 
-    Returns (arena of 1 + B·P pages, its GroupLayout with one layer, block table `[B, P]` into it;
-    null entries stay null).
+    Returns (arena of 1 + C pages: page 1 + i is `pages_C[i]`, page 0 and null entries zero; its
+    GroupLayout with one layer).
     """
     gather, split = _dcp_axes(par)
     n, inter, tpp = par.dcp, par.config.dcp_kv_cache_interleave_size, g.tokens_per_page
     n_split = _split_size(par, split)
     n_gather = n // n_split
-    B, P = block_table_BP.shape
-    slots = block_table_BP[:, :, None] * tpp + jnp.arange(tpp, dtype=jnp.int32)
-    rows = gather_rows(kv_arena, slots, g, component, layer)  # [B, P, g, W]
-    allr = jax.lax.all_gather(rows, gather, axis=0)  # [n_gather, B, P, g, W]
+    C = pages_C.shape[0]
+    slots = jnp.where(pages_C > 0, pages_C, -1)[:, None] * tpp + jnp.arange(tpp, dtype=jnp.int32)
+    rows = gather_rows(kv_arena, slots, g, component, layer)  # [C, g, W]
+    rows = jnp.where((pages_C > 0)[:, None, None], rows, 0)
+    allr = jax.lax.all_gather(rows, gather, axis=0)  # [n_gather, C, g, W]
     t = jax.lax.axis_index(split) if split else 0
     j = jnp.arange(tpp * n_gather, dtype=jnp.int32)  # row of the temporary page
     o = (j // inter) * inter * n_split + t * inter + j % inter  # its offset in the engine page
     src_rank = ((o // inter) % n) // n_split  # index along the gathered axes (rank = gather · n_split + t)
     src_row = (o // (inter * n)) * inter + o % inter
-    part = allr[src_rank, :, :, src_row]  # [g·n_gather, B, P, W]
-    part = jnp.moveaxis(part, 0, 2).reshape(B * P, -1)
+    part = allr[src_rank, :, src_row]  # [g·n_gather, C, W]
+    part = jnp.moveaxis(part, 0, 1).reshape(C, -1)
     temp = jnp.concatenate([jnp.zeros((1, part.shape[1]), part.dtype), part], axis=0)
     _, comp = g.component(component)
     tg = GroupLayout(g.name + "_gathered", tpp * n_gather, (dataclasses.replace(comp, num_layers=1),))
-    ids = 1 + jnp.arange(B * P, dtype=jnp.int32).reshape(B, P)
-    return temp, tg, jnp.where(block_table_BP > 0, ids, 0)
+    return temp, tg
 
 
-def _read_view(arena, bt, g: GroupLayout, component: str, layer, par: ParallelLayout):
-    """What this rank's queries read: (arena, group layout, block table, layer, DCP axes still
-    sharded, their size). Gathers a temporary copy over the PCP part of the DCP axes first."""
+def copy_budget_rows(block_table_shape: tuple, g: GroupLayout, par: ParallelLayout) -> int:
+    """DCP over PCP: the rows per rank and layer either sparse-MLA path may hold at once — one
+    block-table row's worth of gathered pages, i.e. one request at `--max-model-len` (656 B a row in
+    FP8): the step-pages copy takes that many pages per chunk (`_attend_step_pages`) and the
+    selected-rows exchange that many rows per query block (`_selected_rows_partials`), so neither
+    grows with `--max-num-seqs` or with the step's tokens."""
+    gather, _ = _dcp_axes(par)
+    return int(block_table_shape[1]) * g.tokens_per_page * _split_size(par, gather)
+
+
+def reads_selected_rows(copied_rows: jax.Array, selected_rows: int) -> jax.Array:
+    """DCP over PCP: whether sparse MLA exchanges the selected rows (`selected_rows` = the replica's
+    tokens × top-k, gathered and reduce-scattered by every rank) rather than copying the step's
+    pages (`copied_rows` = the chunks the step's requests need × the rows a chunk holds, traced).
+    Decided per step on the device: decode steps (few tokens over long contexts) exchange
+    selections, prefill chunks (many tokens over one context) copy pages."""
+    return selected_rows <= copied_rows
+
+
+def _step_pages(bt, req, gather):
+    """The pages of the replica's requests in the step, numbered in block-table order: (used `[B, P]`
+    bool, copy index `[B, P]`, count — the same on every rank of the replica)."""
+    B, P = bt.shape
+    in_step = jnp.zeros((B,), bool).at[col.all_gather_tiled(req, gather)].set(True)
+    used_BP = in_step[:, None] & (bt > 0)
+    order_BP = (jnp.cumsum(used_BP.reshape(-1)) - 1).reshape(B, P)
+    return used_BP, order_BP, jnp.sum(used_BP, dtype=jnp.int32)
+
+
+def _attend_step_pages(q, arena, topk, bt, req, lyr, g: GroupLayout, attend, par: ParallelLayout, chunk: int,
+                       step_pages, kv_lora_rank: int):
+    """DCP over PCP: sparse MLA of this rank's queries `q [T, N, C]` over a temporary copy of the
+    pages of the step's requests only (`step_pages` from `_step_pages`), `chunk` pages at a time.
+
+    The chunks are copied one after the other (`_gathered_copy`), as many as the step needs (a
+    dynamic trip count, the same on every rank of the replica); each chunk's partial `(o, lse)` is
+    merged into the running result with `lse_merge` (exactly the one-pass result when one chunk
+    covers the step). With a TP part of DCP left, the heads are all-gathered and the partials are
+    this TP rank's shard's, for the caller's merge.
+
+    Returns (o `[T, N', A]` fp32, lse `[T, N']`): N' = this rank's heads, or all with a TP part.
+    """
+    _, split = _dcp_axes(par)
+    n_split = _split_size(par, split)
+    tpp_view = g.tokens_per_page * (par.dcp // n_split)
+    used_BP, order_BP, n_used = step_pages
+    B, P = bt.shape
+    pages = jnp.zeros((B * P + chunk,), jnp.int32).at[jnp.where(used_BP, order_BP, B * P + chunk).reshape(-1)].set(
+        bt.reshape(-1), mode="drop")
+    if split:
+        q = col.all_gather_tiled(q, split, axis=1)
+        topk = cp.dcp_local_positions(topk, jax.lax.axis_index(split), n_split, par.config.dcp_kv_cache_interleave_size,
+                                      tpp_view)
+
+    def one_chunk(c, acc):
+        temp, tg = _gathered_copy(arena, jax.lax.dynamic_slice_in_dim(pages, c * chunk, chunk), g, "mla", lyr, par)
+        local = order_BP - c * chunk
+        bt_c = jnp.where(used_BP & (local >= 0) & (local < chunk), 1 + local, 0)
+        o, lse = attend(q, temp, positions_to_slots(topk, bt_c, req, tpp_view), 0, layout=tg)
+        return col.lse_merge(jnp.stack([acc[0], o]), jnp.stack([acc[1], lse]))
+
+    T, N = q.shape[0], q.shape[1]
+    acc0 = (jnp.zeros((T, N, kv_lora_rank), jnp.float32), jnp.full((T, N), -jnp.inf, jnp.float32))
+    return jax.lax.fori_loop(0, (n_used + chunk - 1) // chunk, one_chunk, acc0)
+
+
+def _owned_slots(topk, bt, req, g: GroupLayout, par: ParallelLayout):
+    """DCP over PCP, inside the shard_map: this KV shard's arena slots for the selections of every
+    token of its replica (`[T_replica, K]`, −1 where the shard does not own the position), from
+    this rank's top-k positions `[T, K]` (all-gathered over the PCP ranks) and the block tables."""
+    gather, _ = _dcp_axes(par)
+    ctx = par.axes(KV_CONTEXT)
+    inter, tpp = par.config.dcp_kv_cache_interleave_size, g.tokens_per_page
+    topk = col.all_gather_tiled(topk, gather)
+    req = col.all_gather_tiled(req, gather)
+    loc = cp.dcp_local_positions(topk, jax.lax.axis_index(ctx), par.dcp, inter, tpp)
+    return positions_to_slots(loc, bt, req, tpp)
+
+
+def _query_block(T: int, n_gather: int, K: int, budget_rows: int) -> int:
+    """The largest divisor of `T` whose selected rows over the replica (`n_gather · block · K`) fit
+    the budget (at least 1)."""
+    b = max(1, min(T, budget_rows // max(1, n_gather * K)))
+    while T % b:
+        b -= 1
+    return b
+
+
+def _selected_rows_partials(arena, q, slots, lyr, g: GroupLayout, attend, par: ParallelLayout, budget_rows: int):
+    """DCP over PCP, inside the shard_map: sparse MLA of this rank's queries `q [T, N, C]` over the
+    selected rows, exchanged. `slots [T_replica, K]` are this shard's slots for the replica's
+    tokens (rank-major, −1 where not owned). Per block of queries, every rank gathers the rows it
+    owns for that block of every rank's queries and a reduce-scatter over the PCP ranks gives each
+    rank its own queries' rows (each row comes from exactly one rank, the others add zeros),
+    attended as a temporary one-page-per-query arena. Blocks of queries keep the gathered rows
+    within `budget_rows` (`copy_budget_rows`); one block is the whole step where it fits.
+
+    Returns (o `[T, N', A]` fp32, lse `[T, N']`): N' = this rank's heads, or all with a TP part of
+    DCP left (the caller merges them)."""
     gather, split = _dcp_axes(par)
-    if gather:
-        arena, g, bt = _gathered_copy(arena, bt, g, component, layer, par)
-        layer = 0
-    return arena, g, bt, layer, split, _split_size(par, split)
+    n_gather = _split_size(par, gather)
+    T, K = q.shape[0], slots.shape[1]
+    if split:
+        q = col.all_gather_tiled(q, split, axis=1)
+    _, comp = g.component("mla")
+    block = _query_block(T, n_gather, K, budget_rows)
+    tg = GroupLayout(g.name + "_selected", K, (dataclasses.replace(comp, num_layers=1),))
+
+    def attend_block(slots_b, q_b):
+        rows = gather_rows(arena, slots_b, g, "mla", lyr)  # [n_gather · block, K, W]
+        rows = jnp.where((slots_b >= 0)[..., None], rows, 0)
+        rows = col.reduce_scatter_tiled(rows, gather, axis=0)  # [block, K, W]: every owned row once
+        valid = col.reduce_scatter_tiled((slots_b >= 0).astype(jnp.int32), gather, axis=0) > 0
+        temp = jnp.concatenate([jnp.zeros((1, K * rows.shape[2]), rows.dtype), rows.reshape(block, -1)], axis=0)
+        sel = (1 + jnp.arange(block, dtype=jnp.int32))[:, None] * K + jnp.arange(K, dtype=jnp.int32)[None, :]
+        return attend(q_b, temp, jnp.where(valid, sel, -1), 0, layout=tg)
+
+    if block == T:
+        return attend_block(slots, q)
+    nb = T // block
+    slots_b = slots.reshape(n_gather, nb, block, K).swapaxes(0, 1).reshape(nb, n_gather * block, K)
+    o, lse = jax.lax.map(lambda a: attend_block(*a), (slots_b, q.reshape(nb, block, *q.shape[1:])))
+    return o.reshape(T, *o.shape[2:]), lse.reshape(T, *lse.shape[2:])
 
 
-# ---------------------------------------------------------------------- cache write
 def write_kv(kv_arena: jax.Array, rows_TW: jax.Array, batch: ForwardBatch, layout: KVCacheLayout,
              group: str, component: str, layer, parallel: ParallelLayout | None = None) -> jax.Array:
     """Write this step's new rows `[T, width]` for one layer into the group's pages (slot_mapping).
@@ -232,70 +348,45 @@ def sparse_attention(q_abs_TNC: jax.Array, kv_arena: jax.Array, topk_TK: jax.Arr
         o, _ = attend(q_abs_TNC, kv_arena, slots, layer, layout=g)
         return o
     par = parallel
+    budget = copy_budget_rows(batch.block_tables[group].shape, g, par)
+    if slots_TK is not None:
+        return _attend_resolved(q_abs_TNC, kv_arena, slots_TK, g, layer, attend, par, budget)
     s = _specs(par)
     inter = par.config.dcp_kv_cache_interleave_size
-    if slots_TK is None and mode == "dcp" and reads_selected_rows(topk_TK.shape, batch.block_tables[group].shape, g,
-                                                                   par):
-        # DCP over PCP: each rank reads the rows of the replica's selections it owns, exchanged
-        # with the ranks whose queries selected them (as HiSparse's resolved slots are).
-        slots_TK = _owned_slots(topk_TK, batch, g, par)
-    if slots_TK is not None:
-        return _attend_resolved(q_abs_TNC, kv_arena, slots_TK, g, layer, attend, par)
+    gather, split = _dcp_axes(par)
+    tpp_view = tpp * _split_size(par, gather)
+    chunk = max(1, budget // tpp_view)  # pages per chunk of the step-pages copy
 
     def body(arena, q, topk, bt, req, lyr):
         if mode == "replicated":
             o, _ = attend(q, arena, positions_to_slots(topk, bt, req, tpp), lyr, layout=g)
             return o
-        arena, gv, bt, lyr, split, n = _read_view(arena, bt, g, "mla", lyr, par)
-        if not split:
-            o, _ = attend(q, arena, positions_to_slots(topk, bt, req, gv.tokens_per_page), lyr, layout=gv)
-            return o
-        # Queries to KV: every head over this rank's shard, (o, lse) partials merged per head.
-        q_all = col.all_gather_tiled(q, split, axis=1)
-        loc = cp.dcp_local_positions(topk, jax.lax.axis_index(split), n, inter, gv.tokens_per_page)
-        o, lse = attend(q_all, arena, positions_to_slots(loc, bt, req, gv.tokens_per_page), lyr, layout=gv)
-        o, _ = col.merge_partials(o, lse, split, par.config.dcp_comm_backend)
+        if gather:
+            # DCP over PCP: exchange the selected rows each rank owns, or copy the step's pages,
+            # whichever moves fewer rows for this step (decided on the device).
+            step_pages = _step_pages(bt, req, gather)
+            selected = q.shape[0] * _split_size(par, gather) * topk.shape[1]
+            copied = (step_pages[2] + chunk - 1) // chunk * chunk * tpp_view  # whole chunks are copied
+            o, lse = jax.lax.cond(
+                reads_selected_rows(copied, selected),
+                lambda: _selected_rows_partials(arena, q, _owned_slots(topk, bt, req, g, par), lyr, g, attend, par,
+                                                budget),
+                lambda: _attend_step_pages(q, arena, topk, bt, req, lyr, g, attend, par, chunk, step_pages,
+                                           kv_lora_rank))
+        else:  # DCP over TP, queries to KV: every head over this rank's shard
+            loc = cp.dcp_local_positions(topk, jax.lax.axis_index(split), par.dcp, inter, tpp)
+            o, lse = attend(col.all_gather_tiled(q, split, axis=1), arena, positions_to_slots(loc, bt, req, tpp), lyr,
+                            layout=g)
+        if split:  # (o, lse) partials merged per head over the DCP ranks that split the KV
+            o, _ = col.merge_partials(o, lse, split, par.config.dcp_comm_backend)
         return o
 
     f = _shard_map(par, body, (s["arena"], s["heads3"], s["tok2"], s["bt"], s["tok"], s["rep"]), s["heads3"])
     return f(kv_arena, q_abs_TNC, topk_TK, batch.block_tables[group], batch.req_idx_T, layer)
 
 
-def reads_selected_rows(topk_shape: tuple, block_table_shape: tuple, g: GroupLayout, par: ParallelLayout) -> bool:
-    """DCP over PCP: whether sparse MLA exchanges the selected rows (`_owned_slots`, then
-    `_attend_resolved`: `T_replica × K` rows per rank) rather than reading a temporary copy of
-    every page of the step's block tables (`_gathered_copy`: rows × width × page rows per rank).
-    Both sizes are static, so each step program takes the smaller: decode-sized steps exchange
-    selections, whose size does not grow with `--max-num-seqs` or `--max-model-len`; a large
-    prefill chunk over a small table reads the copy. False outside DCP over PCP."""
-    gather, _ = _dcp_axes(par)
-    if not gather:
-        return False
-    t_replica, k = topk_shape[0] // par.dp, topk_shape[1]
-    rows, width = block_table_shape[0] // par.dp, block_table_shape[1]
-    return t_replica * k <= rows * width * g.tokens_per_page * _split_size(par, gather)
-
-
-def _owned_slots(topk_TK: jax.Array, batch: ForwardBatch, g: GroupLayout, par: ParallelLayout) -> jax.Array:
-    """DCP over PCP: each KV shard's arena slots for the selections of every token of its replica
-    (`[shards · T_replica, K]`, `hot_slot_spec`; −1 where the shard does not own the position),
-    from the top-k positions (all-gathered over the PCP ranks) and the block tables."""
-    s = _specs(par)
-    gather, _ = _dcp_axes(par)
-    ctx = par.axes(KV_CONTEXT)
-    inter, tpp = par.config.dcp_kv_cache_interleave_size, g.tokens_per_page
-
-    def body(topk, bt, req):
-        topk = col.all_gather_tiled(topk, gather)
-        req = col.all_gather_tiled(req, gather)
-        loc = cp.dcp_local_positions(topk, jax.lax.axis_index(ctx), par.dcp, inter, tpp)
-        return positions_to_slots(loc, bt, req, tpp)
-
-    f = _shard_map(par, body, (s["tok2"], s["bt"], s["tok"]), hot_slot_spec(par))
-    return f(topk_TK, batch.block_tables[g.name], batch.req_idx_T)
-
-
-def _attend_resolved(q_abs_TNC, kv_arena, slots_TK, g: GroupLayout, layer, attend, par: ParallelLayout):
+def _attend_resolved(q_abs_TNC, kv_arena, slots_TK, g: GroupLayout, layer, attend, par: ParallelLayout,
+                     budget_rows: int):
     """Sparse MLA over slots resolved per KV shard by `resolve_hot` under a parallel layout.
 
     `slots_TK` is `[shards · T_replica, K]` (`hot_slot_spec`): each (replica, DCP rank) shard's
@@ -304,12 +395,12 @@ def _attend_resolved(q_abs_TNC, kv_arena, slots_TK, g: GroupLayout, layer, atten
     shard's slots, `(o, lse)` merged over the ranks. DCP over PCP (or TP × PCP): each rank gathers
     the rows of the replica's selections it owns and a reduce-scatter over the PCP ranks gives
     every rank the selected rows of its own queries (each row comes from exactly one rank, the
-    others add zeros), attended as a temporary one-page-per-query arena; with a TP part left, the
-    partials are merged over it as above."""
+    others add zeros), attended as a temporary one-page-per-query arena, a block of queries at a
+    time within `budget_rows` (`_selected_rows_partials`); with a TP part left, the partials are
+    merged over it as above."""
     s = _specs(par)
     gather, split = _dcp_axes(par)
     pcp_axes = ("pcp",) if par.pcp > 1 else ()
-    _, comp = g.component("mla")
 
     def body(arena, q, slots, lyr):
         T = q.shape[0]
@@ -322,20 +413,9 @@ def _attend_resolved(q_abs_TNC, kv_arena, slots_TK, g: GroupLayout, layer, atten
             o, lse = attend(col.all_gather_tiled(q, split, axis=1), arena, slots, lyr, layout=g)
             o, _ = col.merge_partials(o, lse, split, par.config.dcp_comm_backend)
             return o
-        K = slots.shape[1]
-        rows = gather_rows(arena, slots, g, "mla", lyr)  # [T_replica, K, W]
-        rows = jnp.where((slots >= 0)[..., None], rows, 0)
-        rows = col.reduce_scatter_tiled(rows, gather, axis=0)  # [T, K, W]: every owned row once
-        valid = col.reduce_scatter_tiled((slots >= 0).astype(jnp.int32), gather, axis=0) > 0
-        tg = GroupLayout(g.name + "_selected", K, (dataclasses.replace(comp, num_layers=1),))
-        temp = jnp.concatenate([jnp.zeros((1, K * rows.shape[2]), rows.dtype), rows.reshape(T, -1)], axis=0)
-        sel = (1 + jnp.arange(T, dtype=jnp.int32))[:, None] * K + jnp.arange(K, dtype=jnp.int32)[None, :]
-        sel = jnp.where(valid, sel, -1)
-        if not split:
-            o, _ = attend(q, temp, sel, 0, layout=tg)
-            return o
-        o, lse = attend(col.all_gather_tiled(q, split, axis=1), temp, sel, 0, layout=tg)
-        o, _ = col.merge_partials(o, lse, split, par.config.dcp_comm_backend)
+        o, lse = _selected_rows_partials(arena, q, slots, lyr, g, attend, par, budget_rows)
+        if split:
+            o, _ = col.merge_partials(o, lse, split, par.config.dcp_comm_backend)
         return o
 
     f = _shard_map(par, body, (s["arena"], s["heads3"], hot_slot_spec(par), s["rep"]), s["heads3"])

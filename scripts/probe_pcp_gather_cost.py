@@ -36,7 +36,11 @@ LAYOUTS = {"dp2": {"data_parallel_size": 2, "enable_expert_parallel": True},
 LIMITS = [(4, 1024), (32, 1024), (4, 8192)]  # (max_num_seqs, max_model_len)
 
 
-def median_decode_ms(parallel, max_num_seqs: int, max_model_len: int) -> float:
+PREFILL_LIMITS = [(4, 2048), (32, 2048), (4, 16384)]
+
+
+def step_times(parallel, max_num_seqs: int, max_model_len: int, prompts: int, prompt_len: int,
+               max_tokens: int) -> list[float]:
     from serving.engine import EngineArgs
     from serving.engine_factory import build_engine
     from serving.types import SamplingParams
@@ -46,25 +50,48 @@ def median_decode_ms(parallel, max_num_seqs: int, max_model_len: int) -> float:
                                 parallel=parallel, cuda_graph_sizes=[4], precompile_token_paddings=[],
                                 disable_log_stats=True))
     rng = np.random.default_rng(0)
-    for i in range(2):
-        e.add_request(f"r{i}", rng.integers(10, 400, 100).tolist(),
-                      SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    for i in range(prompts):
+        e.add_request(f"r{i}", rng.integers(10, 400, prompt_len).tolist(),
+                      SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     times = []
     while e.has_unfinished_requests():
         t = time.perf_counter()
         e.step()
         times.append(time.perf_counter() - t)
-    return float(np.median(times[5:]) * 1e3)
+    return times
+
+
+def median_decode_ms(parallel, max_num_seqs: int, max_model_len: int) -> float:
+    """Two 100-token prompts, 40 output tokens: the median decode step after the first five steps."""
+    return float(np.median(step_times(parallel, max_num_seqs, max_model_len, 2, 100, 40)[5:]) * 1e3)
+
+
+def median_prefill_ms(parallel, max_num_seqs: int, max_model_len: int) -> float:
+    """One 1,280-token prompt in five 256-token chunks: the median of chunks 2-5 (the first
+    compiles the bucket)."""
+    return float(np.median(step_times(parallel, max_num_seqs, max_model_len, 1, 1280, 1)[1:5]) * 1e3)
 
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--prefill", action="store_true",
+                   help="time 256-token prefill chunks of one 1,280-token prompt under PCP2 x DCP2 instead "
+                        "(writes DIR/pcp_prefill_cost.json)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     from sharding.mesh import ParallelConfig
 
     rows = []
+    if args.prefill:
+        for mns, mml in PREFILL_LIMITS:
+            ms = median_prefill_ms(ParallelConfig(**LAYOUTS["pcp2xdcp2"]), mns, mml)
+            rows.append({"layout": "pcp2xdcp2", "max_num_seqs": mns, "max_model_len": mml,
+                         "median_prefill_step_ms": ms})
+            print(f"pcp2xdcp2 max_num_seqs={mns:>2} max_model_len={mml:>5}: median 256-token prefill step "
+                  f"{ms:6.1f} ms", flush=True)
+        (args.out / "pcp_prefill_cost.json").write_text(json.dumps(rows, indent=1))
+        return rows
     for name, fields in LAYOUTS.items():
         for mns, mml in LIMITS:
             ms = median_decode_ms(ParallelConfig(**fields), mns, mml)

@@ -76,22 +76,90 @@ def test_layout_matches_single_device(name, model_setup, reference):
         check_dcp_shards(model_setup, par, arena, blocks, ref_arena, ref_blocks)
 
 
+def _small_budget(monkeypatch, attention, par, layout, selected: bool):
+    """Force one sparse-MLA path under DCP over PCP and a memory budget of one gathered page, so the
+    copy runs a page per chunk and the exchange a few queries per block. Returns a function giving,
+    per exchange traced so far, whether it ran in more than one block."""
+    g = layout.group("mla")
+    gather, _ = attention._dcp_axes(par)
+    blocks = []
+    query_block = attention._query_block
+    monkeypatch.setattr(attention, "_query_block", lambda *a: blocks.append(a) or query_block(*a))
+    monkeypatch.setattr(attention, "reads_selected_rows", lambda *a: selected)
+    monkeypatch.setattr(attention, "copy_budget_rows",
+                        lambda *a: g.tokens_per_page * attention._split_size(par, gather))
+    return lambda: [query_block(*a) < a[0] for a in blocks]
+
+
 @pytest.mark.parametrize("name", ["pcp4_dcp4", "pcp2_tp4_dcp8_a2a"])
 def test_dcp_over_pcp_exchanging_selected_rows_matches_single_device(name, model_setup, reference, monkeypatch):
-    """DCP over PCP (and over TP × PCP) with sparse MLA exchanging the selected rows instead of
-    reading a temporary copy of every page (`glm53.attention.reads_selected_rows`, which picks the
-    smaller per step program: here, a prefill over a small table, the copy; forced the other way
-    here, as decode steps over the engine's tables take it)."""
+    """DCP over PCP (and over TP × PCP) with sparse MLA exchanging the selected rows each rank owns
+    (forced: `glm53.attention.reads_selected_rows` picks this or the copy of the step's pages per
+    step on the device, and a prefill chunk over short contexts takes the copy), a few queries per
+    block (a budget of one gathered page), gives the single-device logits."""
     from glm53 import attention
     import tests.sharding.conftest as layouts
 
-    monkeypatch.setattr(attention, "reads_selected_rows", lambda *a: True)
-    monkeypatch.setattr(layouts, "_STEPS", {})  # trace the step again (not the cached program of the layout)
     par = ParallelLayout.create(LAYOUTS[name])
+    in_blocks = _small_budget(monkeypatch, attention, par, model_setup[1], selected=True)
+    monkeypatch.setattr(layouts, "_STEPS", {})  # trace the step again (not the cached program of the layout)
     ref_logits, _ = reference
     logits, _, _ = run_layout(model_setup, par)
     worst = float(np.abs(logits - ref_logits[:par.dp]).max())
-    print(f"\n{name} (selected rows): max |Δlogit| vs one device = {worst:.2e}")
+    split = in_blocks()
+    print(f"\n{name} (selected rows, {len(split)} exchanges traced): max |Δlogit| vs one device = {worst:.2e}")
+    assert split and all(split), "the exchange ran in one block"
+    assert worst <= TOL
+
+
+def test_dcp_over_pcp_copying_the_step_pages_in_chunks_matches_single_device(model_setup, monkeypatch):
+    """PCP2 × DCP2, two 192-token requests prefilled together in chunks of 96 tokens each: sparse MLA
+    reads a copy of the step's pages only (two engine pages per request, other table rows left
+    out), one page per chunk, so every query's selections are spread over chunks whose partials
+    are merged. Logits equal the single-device run of the same batch within TOL."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from glm53 import attention
+    from glm53.parallel_batch import empty_parallel_arena, replica_batch, shard_batch, stack_replicas
+    from sharding.rules import shard_params
+
+    cfg, layout, graphdef, state, prompts = model_setup
+    length, chunk, rows = 2 * S, S, 4  # block tables of 4 rows (3 empty or padding) x 2 pages
+    par = ParallelLayout.create(ParallelConfig(prefill_context_parallel_size=2, decode_context_parallel_size=2))
+    seqs = [np.concatenate([prompts[i], prompts[i + 2]]) for i in range(2)]
+
+    def run(p):
+        dcp = p.dcp if p is not None else 1
+        blocks, nxt = [], 1
+        for _ in seqs:
+            b = {}
+            for g in layout.groups:
+                n = -(-length // (g.tokens_per_page * dcp))
+                b[g.name], nxt = list(range(nxt, nxt + n)), nxt + n
+            blocks.append(b)
+        step = jax.jit(lambda st, bt, a: nnx.merge(graphdef, st)(bt, a, layout, p), donate_argnums=2)
+        arena = layout.empty_arena(nxt) if p is None else empty_parallel_arena(layout, nxt, p)
+        st = state if p is None else shard_params(state, p)
+        out = []
+        for c in range(length // chunk):
+            sl = slice(c * chunk, (c + 1) * chunk)
+            rep = replica_batch(layout, [(s_[sl], c * chunk, b) for s_, b in zip(seqs, blocks)], 2 * chunk, rows, dcp,
+                                logits_all=True)
+            batch = jax.tree.map(jnp.asarray, rep) if p is None else shard_batch(stack_replicas([rep], p.pcp), p)
+            logits, _, arena = step(st, batch, arena)
+            out.append(np.asarray(logits).reshape(2 * chunk, -1))
+        return np.concatenate(out), blocks
+
+    ref, blocks = run(None)
+    g = layout.group("mla")
+    assert len(blocks[0]["mla"]) * g.tokens_per_page >= length  # one device: pages of 64
+    _small_budget(monkeypatch, attention, par, layout, selected=False)
+    logits, blocks = run(par)
+    assert all(len(b["mla"]) == 2 for b in blocks), "each request should span two engine pages"
+    worst = float(np.abs(logits - ref).max())
+    print(f"\npcp2_dcp2 (step pages, 1-page chunks): max |Δlogit| vs one device = {worst:.2e}")
     assert worst <= TOL
 
 
