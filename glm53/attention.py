@@ -257,6 +257,7 @@ def _selected_rows_partials(arena, q, slots, lyr, g: GroupLayout, attend, par: P
     return o.reshape(T, *o.shape[2:]), lse.reshape(T, *lse.shape[2:])
 
 
+# ---------------------------------------------------------------------- cache write
 def write_kv(kv_arena: jax.Array, rows_TW: jax.Array, batch: ForwardBatch, layout: KVCacheLayout,
              group: str, component: str, layer, parallel: ParallelLayout | None = None) -> jax.Array:
     """Write this step's new rows `[T, width]` for one layer into the group's pages (slot_mapping).

@@ -114,9 +114,9 @@ def test_dcp_over_pcp_exchanging_selected_rows_matches_single_device(name, model
 
 def test_dcp_over_pcp_copying_the_step_pages_in_chunks_matches_single_device(model_setup, monkeypatch):
     """PCP2 × DCP2, two 192-token requests prefilled together in chunks of 96 tokens each: sparse MLA
-    reads a copy of the step's pages only (two engine pages per request, other table rows left
-    out), one page per chunk, so every query's selections are spread over chunks whose partials
-    are merged. Logits equal the single-device run of the same batch within TOL."""
+    reads a copy of the step's pages (two engine pages per request), one page per chunk, so every
+    query's selections are spread over chunks whose partials are merged (forced, with a budget of
+    one page). Logits equal the single-device run of the same batch within TOL."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
