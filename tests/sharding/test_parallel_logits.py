@@ -112,6 +112,28 @@ def test_dcp_over_pcp_exchanging_selected_rows_matches_single_device(name, model
     assert worst <= TOL
 
 
+def test_dcp_over_pcp_replicas_may_read_their_caches_differently(model_setup, reference, monkeypatch):
+    """DP2 × PCP2 × DCP2: the choice between exchanging selected rows and copying the step's pages
+    is made per replica on the device (each replica's collectives are its own), so two replicas of
+    one step may take different ones. Forced here: replica 0 exchanges, replica 1 copies; each
+    gives its prompt's single-device logits."""
+    import jax
+
+    from glm53 import attention
+    import tests.sharding.conftest as layouts
+
+    par = ParallelLayout.create(ParallelConfig(data_parallel_size=2, prefill_context_parallel_size=2,
+                                               decode_context_parallel_size=2), devices=jax.devices()[:4])
+    assert attention._dcp_axes(par)[0] == ("pcp",)
+    monkeypatch.setattr(attention, "reads_selected_rows", lambda *a: jax.lax.axis_index("dp") == 0)
+    monkeypatch.setattr(layouts, "_STEPS", {})
+    ref_logits, _ = reference
+    logits, _, _ = run_layout(model_setup, par)
+    worst = [float(np.abs(logits[r] - ref_logits[r]).max()) for r in range(2)]
+    print(f"\ndp2_pcp2_dcp2 (replica 0 selected rows, replica 1 step pages): max |Δlogit| {worst}")
+    assert max(worst) <= TOL
+
+
 def test_dcp_over_pcp_copying_the_step_pages_in_chunks_matches_single_device(model_setup, monkeypatch):
     """PCP2 × DCP2, two 192-token requests prefilled together in chunks of 96 tokens each: sparse MLA
     reads a copy of the step's pages (two engine pages per request), one page per chunk, so every
