@@ -147,7 +147,7 @@ def test_dcp_over_pcp_copying_the_step_pages_in_chunks_matches_single_device(mod
     from glm53.parallel_batch import empty_parallel_arena, replica_batch, shard_batch, stack_replicas
     from sharding.rules import shard_params
 
-    cfg, layout, graphdef, state, prompts = model_setup
+    _, layout, graphdef, state, prompts = model_setup
     length, chunk, rows = 2 * S, S, 4  # block tables of 4 rows (3 empty or padding) x 2 pages
     par = ParallelLayout.create(ParallelConfig(prefill_context_parallel_size=2, decode_context_parallel_size=2))
     seqs = [np.concatenate([prompts[i], prompts[i + 2]]) for i in range(2)]
