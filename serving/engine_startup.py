@@ -99,6 +99,8 @@ def load_engine_parts(args: EngineArgs, eos_token_ids=None) -> EngineParts:
                 "pages x %.2f MiB (%s cache rows; %s tokens/page per group)", path, time.perf_counter() - t0, weights,
                 jnp.dtype(dtype).name, weight_bytes / 2**20, nblocks, layout.page_bytes / 2**20, cache_dtype,
                 {g.name: g.tokens_per_page for g in layout.groups})
+    if parallel is not None:
+        logger.info("parallel layout: %s", par.describe())
     eos = tuple(eos_token_ids) if eos_token_ids is not None else read_eos(cfg, path)
     return EngineParts(model, layout, nblocks, eos, path)
 

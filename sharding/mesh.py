@@ -100,6 +100,17 @@ class ParallelConfig:
         return {"dp": self.data_parallel_size, "pcp": self.prefill_context_parallel_size,
                 "tp": self.tensor_parallel_size}
 
+    def describe(self) -> str:
+        """One line for the start-up log, e.g. "DP 1 x PCP 2 x TP 1 = 2 devices, DCP 2 over PCP (ag_rs),
+        EP off"."""
+        line = (f"DP {self.data_parallel_size} x PCP {self.prefill_context_parallel_size} x TP "
+                f"{self.tensor_parallel_size} = {self.num_devices} devices")
+        if self.decode_context_parallel_size > 1:
+            over = " x ".join(a.upper() for a in self.kv_context_axes)
+            line += (f", DCP {self.decode_context_parallel_size} over {over} ({self.dcp_comm_backend}, interleave "
+                     f"{self.dcp_kv_cache_interleave_size})")
+        return line + f", EP {'on' if self.enable_expert_parallel else 'off'}"
+
     @property
     def kv_context_axes(self) -> tuple[str, ...]:
         """Mesh axes the KV cache is token-sharded over (DCP); TP wins when TP == PCP == DCP."""

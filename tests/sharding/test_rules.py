@@ -36,6 +36,19 @@ def test_mesh_axes_and_validation():
         ParallelLayout.create(ParallelConfig(tensor_parallel_size=16))
 
 
+def test_the_start_up_line_names_every_size_and_the_dcp_axes():
+    """`ParallelConfig.describe` (logged at start-up): the mesh sizes, and DCP over the group the
+    KV is really sharded over (TP wins a tie with PCP)."""
+    assert ParallelConfig(prefill_context_parallel_size=2, decode_context_parallel_size=2).describe() == (
+        "DP 1 x PCP 2 x TP 1 = 2 devices, DCP 2 over PCP (ag_rs, interleave 1), EP off")
+    assert ParallelConfig(tensor_parallel_size=4, prefill_context_parallel_size=2, decode_context_parallel_size=8,
+                          enable_expert_parallel=True, dcp_comm_backend="a2a").describe() == (
+        "DP 1 x PCP 2 x TP 4 = 8 devices, DCP 8 over PCP x TP (a2a, interleave 1), EP on")
+    assert "DCP 2 over TP" in ParallelConfig(tensor_parallel_size=2, prefill_context_parallel_size=2,
+                                             decode_context_parallel_size=2).describe()
+    assert ParallelConfig(data_parallel_size=2).describe() == "DP 2 x PCP 1 x TP 1 = 2 devices, EP off"
+
+
 def test_every_glm53_parameter_has_a_rule_and_full_size_splits():
     """The real GLM-5.3 shapes (abstract, nothing allocated) under TP8 and DP8+EP8."""
     cfg = preset("glm-5.3")
