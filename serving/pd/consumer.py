@@ -35,7 +35,7 @@ import numpy as np
 
 from serving.pd import side_channel
 from serving.pd.layout import layout_mismatch
-from serving.pd.params import RemotePrefill, prompt_hash
+from serving.pd.params import KVTransferParamsError, RemotePrefill, prompt_hash
 from serving.pd.relayout import canonical_to_pages, words_per_token
 from serving.pd.shards import LandingPlan
 
@@ -156,17 +156,17 @@ class KVConsumer:
     def add(self, request, remote: RemotePrefill, local_hit_tokens: int = 0) -> None:
         """Check `remote` against the request and this engine, then start the pull in the
         background: of the tokens past `local_hit_tokens`, the prompt prefix this engine's own
-        prefix cache holds (whole pages of each group; `plan_local_prefix`). Raises ValueError (a
-        400) for a prompt or layout that does not match."""
+        prefix cache holds (whole pages of each group; `plan_local_prefix`). Raises
+        `KVTransferParamsError` (a 400 naming the field) for a prompt or layout that does not match."""
         if remote.prompt_hash != prompt_hash(request.prompt_token_ids):
-            raise ValueError("kv_transfer_params.prompt_hash does not match this request's prompt: the KV the prefill "
-                             "engine holds is for another prompt")
+            raise KVTransferParamsError("kv_transfer_params.prompt_hash does not match this request's prompt: the KV "
+                                        "the prefill engine holds is for another prompt", "kv_transfer_params.prompt_hash")
         if remote.remote_num_tokens > request.num_prompt_tokens:
-            raise ValueError(f"kv_transfer_params.remote_num_tokens {remote.remote_num_tokens} exceeds the prompt's "
-                             f"{request.num_prompt_tokens} tokens")
+            raise KVTransferParamsError(f"kv_transfer_params.remote_num_tokens {remote.remote_num_tokens} exceeds the "
+                                        f"prompt's {request.num_prompt_tokens} tokens", "kv_transfer_params.remote_num_tokens")
         why = layout_mismatch(remote.kv_layout, self.descriptor, self.groups)
         if why is not None:
-            raise ValueError(f"kv_transfer_params.kv_layout: {why}")
+            raise KVTransferParamsError(f"kv_transfer_params.kv_layout: {why}", "kv_transfer_params.kv_layout")
         rid = request.request_id
         if rid in self.pending:
             raise ValueError(f"duplicate request id {rid!r}")
@@ -206,6 +206,7 @@ class KVConsumer:
         r = p.remote
         parts: dict[str, list[np.ndarray]] = {name: [] for name in self.groups}
         try:
+            side_channel.check_reachable(r.remote_host, r.remote_port, timeout_s=min(5.0, self.config.kv_load_timeout))
             ranges = self.chunks(p.start, p.num_tokens)
             for i, (a, b) in enumerate(ranges):
                 reply = side_channel.request(r.remote_host, r.remote_port, {

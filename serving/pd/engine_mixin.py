@@ -19,6 +19,7 @@ import numpy as np
 
 from serving.metrics import StepRecord
 from serving.pd import SchedulerConnector, build_pd, parse_kv_transfer_params, pd_config
+from serving.pd.params import KVTransferParamsError
 from serving.request import Request, RequestStatus
 from serving.scheduler import _ABORT_STATUS, Scheduler
 from serving.types import RequestOutput, SamplingParams
@@ -104,13 +105,15 @@ class PDEngineMixin:
         role = self.pd.config.kv_role if self.pd is not None else None
         if do_remote_decode:
             if self.pd is None or self.pd.producer is None:
-                raise ValueError(f"kv_transfer_params.do_remote_decode needs a prefill engine (--kv-transfer-config "
-                                 f"kv_role kv_producer or kv_both); this engine's role is {role}")
+                raise KVTransferParamsError(f"kv_transfer_params.do_remote_decode needs a prefill engine "
+                                            f"(--kv-transfer-config kv_role kv_producer or kv_both); this engine's role "
+                                            f"is {role}", "kv_transfer_params.do_remote_decode")
             req.do_remote_decode = True
             return req
         if self.pd is None or self.pd.consumer is None:
-            raise ValueError(f"kv_transfer_params.do_remote_prefill needs a decode engine (--kv-transfer-config "
-                             f"kv_role kv_consumer or kv_both); this engine's role is {role}")
+            raise KVTransferParamsError(f"kv_transfer_params.do_remote_prefill needs a decode engine "
+                                        f"(--kv-transfer-config kv_role kv_consumer or kv_both); this engine's role is "
+                                        f"{role}", "kv_transfer_params.do_remote_prefill")
         if self.has_request(request_id):
             raise ValueError(f"duplicate request id {request_id!r}")
         scheduler.check_request(req)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 
 import zmq
@@ -63,6 +64,20 @@ class SideChannelServer:
         self._stop.set()
         self._thread.join(timeout=5)
         self._sock.close(0)
+
+
+def check_reachable(host: str, port: int, timeout_s: float) -> None:
+    """Raise SideChannelError at once when nothing listens at host:port (the connection is refused:
+    the prefill engine is gone), so a pull fails without waiting out `kv_load_timeout` (a ZMQ REQ
+    socket retries a refused connection silently until its timeout). A peer that is only slow or
+    unreachable within `timeout_s` is left to the request's own timeout."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except ConnectionRefusedError as e:
+        raise SideChannelError(f"the prefill engine's side channel {host}:{port} refused the connection (is the "
+                               "prefill server still running?)") from e
+    except OSError:
+        pass
 
 
 def request(host: str, port: int, msg: dict, timeout_s: float) -> dict:

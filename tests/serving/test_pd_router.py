@@ -141,10 +141,12 @@ def test_malformed_kv_transfer_params_are_400s_naming_the_field(pd_servers):
                     "kv_transfer_params": {"do_remote_decode": True}}, timeout=60).json()["kv_transfer_params"]
     r = httpx.post(decode.url + "/v1/completions", json={**body, "prompt": PROMPTS[1], "kv_transfer_params": kp})
     assert r.status_code == 400 and "prompt_hash" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "kv_transfer_params.prompt_hash"
     bad = {**kp, "kv_layout": {**kp["kv_layout"], "groups": {"mla": [["mla", 14, 144, "bfloat16", 0]],
                                                               "indexer": kp["kv_layout"]["groups"]["indexer"]}}}
     r = httpx.post(decode.url + "/v1/completions", json={**body, "kv_transfer_params": bad})
     assert r.status_code == 400 and "kv-cache-dtype" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "kv_transfer_params.kv_layout"
     # A streamed do_remote_decode request would hold KV whose parameters no stream carries: refused.
     r = httpx.post(prefill.url + "/v1/completions", json={**body, "stream": True,
                                                           "kv_transfer_params": {"do_remote_decode": True}})
@@ -152,6 +154,7 @@ def test_malformed_kv_transfer_params_are_400s_naming_the_field(pd_servers):
     # A do_remote_decode request to the decode-only server is refused naming the role.
     r = httpx.post(decode.url + "/v1/completions", json={**body, "kv_transfer_params": {"do_remote_decode": True}})
     assert r.status_code == 400 and "kv_producer" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "kv_transfer_params.do_remote_decode"
     # The good params still work afterwards: the prefill server kept the KV.
     r = httpx.post(decode.url + "/v1/completions", json={**body, "kv_transfer_params": kp}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PROMPTS[0]) - 1
