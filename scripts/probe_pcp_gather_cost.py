@@ -1,17 +1,18 @@
-"""How a decode step's time grows with the engine's static limits under DCP over PCP.
+"""How a step's time grows with the engine's static limits under DCP over PCP.
 
-    PYTHONPATH=. .venv/bin/python scripts/probe_pcp_gather_cost.py --out DIR
+    PYTHONPATH=. .venv/bin/python scripts/probe_pcp_gather_cost.py --out DIR [--prefill]
 
-Under DCP over PCP (the reference prefill engine's layout) each layer read a temporary copy of
-the step's pages all-gathered over the PCP ranks (`glm53.attention._gathered_copy`): every entry
-of the step's block table, i.e. (max_num_seqs + 1) x ceil(max_model_len / (tokens_per_page x
-dcp)) pages per layer, whatever the requests hold. The indexer now runs queries to KV and sparse
-MLA takes that copy only where it is smaller than the exchanged selections
-(`glm53.attention.reads_selected_rows`); docs/results/pcp_gather_cost/ has both runs. This probe serves the same two 100-token greedy requests (40 output tokens) on
-the tiny checkpoint under DP2 + EP, PCP2 x DCP2 and TP2 x DCP2 (8 simulated CPU devices), with
-`--max-num-seqs` 4 or 32 and `--max-model-len` 1,024 or 8,192, and reports the median wall time
-of the decode steps (after the first five steps). Layouts whose step reads only what the
-requests select stay flat; the gathered copy grows with both limits. Writes DIR/pcp_gather_cost.json.
+Under DCP over PCP (the reference prefill engine's layout) each rank holds a share of every
+request's rows, and sparse MLA brings other ranks' rows to its queries. It once read a copy of
+every page of the step's block table per layer, (max_num_seqs + 1) x ceil(max_model_len /
+(tokens_per_page x dcp)) pages whatever the requests held; now it exchanges the selected rows or
+copies only the step's requests' pages, whichever moves fewer rows
+(`glm53.attention.reads_selected_rows`); docs/results/pcp_gather_cost/ has the runs. This probe
+serves two 100-token greedy requests (40 output tokens) on the tiny checkpoint under DP2 + EP,
+PCP2 x DCP2 and TP2 x DCP2 (8 simulated CPU devices), with `--max-num-seqs` 4 or 32 and
+`--max-model-len` 1,024 or 8,192, and reports the median wall time of the decode steps (after the
+first five); writes DIR/pcp_gather_cost.json. With --prefill it times 256-token chunks of one
+1,280-token prompt under PCP2 x DCP2 instead (DIR/pcp_prefill_cost.json).
 """
 
 from __future__ import annotations
