@@ -391,6 +391,32 @@ def test_dp2_mtp_speculation_verifies_and_drafts_in_each_replica(reference):
     assert set(engine.runner.compile_seconds) == set(engine.runner.buckets) == {4, 16}
 
 
+def test_dp2_mtp_without_index_share_drafts_as_one_device(reference, tmp_path):
+    """`index_share_for_mtp_iteration: false` under DP2 + EP: MTP draft steps ≥ 1 run the MTP
+    layer's indexer and write their KV rows through each replica's own block-table rows
+    (`glm53.mtp.propose_drafts`: `req_idx` local to the replica, slots from the global table row).
+    Every request's drafts after every step equal the single-device engine's with the same
+    checkpoint, and the streams equal the single-device run without speculation."""
+    import json
+    import shutil
+
+    from glm53.tiny_checkpoint import default_model_dir
+
+    d = tmp_path / "no_index_share"
+    shutil.copytree(default_model_dir(), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["index_share_for_mtp_iteration"] = False
+    (d / "config.json").write_text(json.dumps(cfg))
+    _, one_drafts, _ = _spec_run(build(None, 24, speculative_config=MTP2, model=str(d)), {})
+    engine = build(DP2_EP, 12, speculative_config=MTP2, model=str(d))
+    assert not engine.config.index_share_for_mtp_iteration
+    streams, drafts, _ = _spec_run(engine, {})
+    assert engine.placements.placed == [3, 3]
+    check_streams(streams, reference, list(PROMPTS))
+    assert drafts == one_drafts and engine.spec_stats.num_draft_tokens > 0
+    assert all(r.pool.usage() == 0.0 for r in engine.replicas)
+
+
 def test_cli_accepts_data_parallel():
     from serving.cli_args import make_arg_parser, validate_args
 
