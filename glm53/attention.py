@@ -107,7 +107,8 @@ def _gathered_copy(kv_arena, pages_C, g: GroupLayout, component: str, layer, par
     `g·N` tokens; with one (TP × PCP), this TP rank's round-robin share of each page (`g · pcp`
     rows), i.e. a DCP-over-TP shard with pages of `g · pcp` tokens.
 
-    Returns (arena of 1 + C pages: page 1 + i is `pages_C[i]`, page 0 and null entries zero; its
+    Returns (arena of 1 + C pages: page 1 + i is `pages_C[i]`, page 0 zero; a null entry's page
+    holds the null block's rows, which no block table built for the copy points to; its
     GroupLayout with one layer).
     """
     gather, split = _dcp_axes(par)
@@ -115,9 +116,8 @@ def _gathered_copy(kv_arena, pages_C, g: GroupLayout, component: str, layer, par
     n_split = _split_size(par, split)
     n_gather = n // n_split
     C = pages_C.shape[0]
-    slots = jnp.where(pages_C > 0, pages_C, -1)[:, None] * tpp + jnp.arange(tpp, dtype=jnp.int32)
+    slots = pages_C[:, None] * tpp + jnp.arange(tpp, dtype=jnp.int32)
     rows = gather_rows(kv_arena, slots, g, component, layer)  # [C, g, W]
-    rows = jnp.where((pages_C > 0)[:, None, None], rows, 0)
     allr = jax.lax.all_gather(rows, gather, axis=0)  # [n_gather, C, g, W]
     t = jax.lax.axis_index(split) if split else 0
     j = jnp.arange(tpp * n_gather, dtype=jnp.int32)  # row of the temporary page
@@ -151,11 +151,12 @@ def reads_selected_rows(copied_rows: jax.Array, selected_rows: int) -> jax.Array
     return selected_rows <= copied_rows
 
 
-def _step_pages(bt, req, gather):
-    """The pages of the replica's requests in the step, numbered in block-table order: (used `[B, P]`
-    bool, copy index `[B, P]`, count — the same on every rank of the replica)."""
+def _step_pages(bt, req_all):
+    """The pages of the replica's requests in the step (`req_all`: the table rows of all the
+    replica's tokens), numbered in block-table order: (used `[B, P]` bool, copy index `[B, P]`,
+    count — the same on every rank of the replica)."""
     B, P = bt.shape
-    in_step = jnp.zeros((B,), bool).at[col.all_gather_tiled(req, gather)].set(True)
+    in_step = jnp.zeros((B,), bool).at[req_all].set(True)
     used_BP = in_step[:, None] & (bt > 0)
     order_BP = (jnp.cumsum(used_BP.reshape(-1)) - 1).reshape(B, P)
     return used_BP, order_BP, jnp.sum(used_BP, dtype=jnp.int32)
@@ -198,17 +199,17 @@ def _attend_step_pages(q, arena, topk, bt, req, lyr, g: GroupLayout, attend, par
     return jax.lax.fori_loop(0, (n_used + chunk - 1) // chunk, one_chunk, acc0)
 
 
-def _owned_slots(topk, bt, req, g: GroupLayout, par: ParallelLayout):
+def _owned_slots(topk, bt, req_all, g: GroupLayout, par: ParallelLayout):
     """DCP over PCP, inside the shard_map: this KV shard's arena slots for the selections of every
     token of its replica (`[T_replica, K]`, −1 where the shard does not own the position), from
-    this rank's top-k positions `[T, K]` (all-gathered over the PCP ranks) and the block tables."""
+    this rank's top-k positions `[T, K]` (all-gathered over the PCP ranks), the table rows of all
+    the replica's tokens `req_all` and the block tables."""
     gather, _ = _dcp_axes(par)
     ctx = par.axes(KV_CONTEXT)
     inter, tpp = par.config.dcp_kv_cache_interleave_size, g.tokens_per_page
     topk = col.all_gather_tiled(topk, gather)
-    req = col.all_gather_tiled(req, gather)
     loc = cp.dcp_local_positions(topk, jax.lax.axis_index(ctx), par.dcp, inter, tpp)
-    return positions_to_slots(loc, bt, req, tpp)
+    return positions_to_slots(loc, bt, req_all, tpp)
 
 
 def _query_block(T: int, n_gather: int, K: int, budget_rows: int) -> int:
@@ -365,13 +366,14 @@ def sparse_attention(q_abs_TNC: jax.Array, kv_arena: jax.Array, topk_TK: jax.Arr
         if gather:
             # DCP over PCP: exchange the selected rows each rank owns, or copy the step's pages,
             # whichever moves fewer rows for this step (decided on the device).
-            step_pages = _step_pages(bt, req, gather)
+            req_all = col.all_gather_tiled(req, gather)  # the table rows of the replica's tokens
+            step_pages = _step_pages(bt, req_all)
             selected = q.shape[0] * _split_size(par, gather) * topk.shape[1]
             copied = (step_pages[2] + chunk - 1) // chunk * chunk * tpp_view  # whole chunks are copied
             o, lse = jax.lax.cond(
                 reads_selected_rows(copied, selected),
-                lambda: _selected_rows_partials(arena, q, _owned_slots(topk, bt, req, g, par), lyr, g, attend, par,
-                                                budget),
+                lambda: _selected_rows_partials(arena, q, _owned_slots(topk, bt, req_all, g, par), lyr, g, attend,
+                                                par, budget),
                 lambda: _attend_step_pages(q, arena, topk, bt, req, lyr, g, attend, par, chunk, step_pages,
                                            kv_lora_rank))
         else:  # DCP over TP, queries to KV: every head over this rank's shard

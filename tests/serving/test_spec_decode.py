@@ -620,16 +620,9 @@ def test_hisparse_with_mtp_streams_equal_the_ample_run_and_the_drafts_read_host_
 
 
 def test_checkpoint_without_mtp_layer_is_refused_naming_the_flag(tmp_path):
-    import json
-    import shutil
+    from tests.helpers.tiny_variant import tiny_checkpoint_with
 
-    from glm53.tiny_checkpoint import default_model_dir
-
-    d = tmp_path / "no_mtp"
-    shutil.copytree(default_model_dir(), d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["num_nextn_predict_layers"] = 0
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = tiny_checkpoint_with(tmp_path / "no_mtp", num_nextn_predict_layers=0)
     args = EngineArgs(model=str(d), max_model_len=128, compile_progress=False, disable_log_stats=True,
                       speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     with pytest.raises(ValueError, match="--speculative-config.*MTP layer"):
@@ -672,16 +665,9 @@ def test_offloading_connector_with_mtp_brings_back_every_group():
 def test_without_index_share_each_draft_step_runs_the_mtp_indexer(tmp_path, plain_streams):
     """`index_share_for_mtp_iteration: false`: draft steps ≥ 1 run the MTP layer's indexer and write
     their KV; the streams still equal the plain run's, and drafts are verified."""
-    import json
-    import shutil
+    from tests.helpers.tiny_variant import tiny_checkpoint_with
 
-    from glm53.tiny_checkpoint import default_model_dir
-
-    d = tmp_path / "no_index_share"
-    shutil.copytree(default_model_dir(), d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["index_share_for_mtp_iteration"] = False
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = tiny_checkpoint_with(tmp_path / "no_index_share", index_share_for_mtp_iteration=False)
     e = make_engine(3, model=str(d))
     assert not e.config.index_share_for_mtp_iteration
     got, _ = serve(e)

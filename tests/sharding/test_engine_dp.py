@@ -397,16 +397,9 @@ def test_dp2_mtp_without_index_share_drafts_as_one_device(reference, tmp_path):
     (`glm53.mtp.propose_drafts`: `req_idx` local to the replica, slots from the global table row).
     Every request's drafts after every step equal the single-device engine's with the same
     checkpoint, and the streams equal the single-device run without speculation."""
-    import json
-    import shutil
+    from tests.helpers.tiny_variant import tiny_checkpoint_with
 
-    from glm53.tiny_checkpoint import default_model_dir
-
-    d = tmp_path / "no_index_share"
-    shutil.copytree(default_model_dir(), d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["index_share_for_mtp_iteration"] = False
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = tiny_checkpoint_with(tmp_path / "no_index_share", index_share_for_mtp_iteration=False)
     _, one_drafts, _ = _spec_run(build(None, 24, speculative_config=MTP2, model=str(d)), {})
     engine = build(DP2_EP, 12, speculative_config=MTP2, model=str(d))
     assert not engine.config.index_share_for_mtp_iteration
