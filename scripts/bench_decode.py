@@ -52,7 +52,10 @@ and transformers. Other options: `--model DIR` (default: the embedded tiny check
 `--data-parallel-size N` (DP + EP over N devices, simulated on CPU; `generate_batch` and HF stay on
 one device, so pass `--skip-jit --skip-hf` to compare synchronous and asynchronous DP only),
 `--engine-args JSON` (more `EngineArgs` fields: e.g. Hybrid HiSparse on a pool too small for the
-batch, `docs/results/bench_decode/hisparse/`). Writes
+batch, `docs/results/bench_decode/hisparse/`, or MTP speculation with `--model
+glm53/checkpoints/tiny-recall`, `docs/results/bench_decode/mtp_async/`: a step then has 1 + the
+drafts it verifies rows per request, and every step after the batch's first tokens counts as
+decode). Writes
 `DIR/bench_decode.json` and prints a table.
 
 `--hf-threads` defaults to 0 (torch's default, one OpenMP thread per core): HF's fastest setting
@@ -132,7 +135,9 @@ def run_ours_once(engine, prompts: list[list[int]], new_tokens: int, tag: str, a
         for o in outs:
             if o.request_id in tokens:
                 tokens[o.request_id].extend(o.new_token_ids)
-        if steady and engine.runner.last.num_tokens != B:
+        # (Under MTP speculation a decode step has 1 + the drafts it verifies rows per request, and
+        # requests finish at different steps: every step after the first tokens counts.)
+        if steady and engine.drafts is None and engine.runner.last.num_tokens != B:
             if engine.hisparse is None:
                 raise RuntimeError(f"a decode step of batch {B} scheduled {engine.runner.last.num_tokens} tokens")
             # Under HiSparse pressure admission is staggered (a request waits for released pages):

@@ -56,8 +56,17 @@ a gather program over the current arena (the output of the step in flight, so it
 and the decode side lands pulled pages with a program that donates the arena to the next step.
 A multi-process engine sends each step's inputs to its followers with the feed's source rows
 (`StepInputs.feed_src`); every process feeds from its own copy of the previous step's sampled
-tokens (`ModelRunner._last_sampled`). MTP speculation decides the next step's positions on the
-device: it runs synchronously and says so at start-up (`sync_reason`).
+tokens (`ModelRunner._last_sampled`).
+
+**MTP speculation.** A request that step n verifies is scheduled in step n+1 as if step n accepted
+none of its drafts: its rows are the token step n emits and the drafts it proposes, with pages for
+the most it may accept (`Request.num_draft_placeholders`, `max_accepted_in_flight`). Before step n+1
+runs, the device takes those tokens from step n's outputs and moves the rows, their slots and the
+sampler's step counters by the accepted count (`serving.spec_decode.feed`); `update_from_output` of
+step n adds the accepted drafts to `num_computed_tokens`. A step after one with rows whose
+`min_tokens` is not reached waits for it (the bans depend on the accepted count). With Hybrid
+HiSparse, whose hot-buffer inputs come from positions on the host, MTP engines run synchronously
+and say so at start-up (`sync_reason`).
 
 **Structured outputs.** A constrained request's next mask needs the token the step in flight
 samples for it. So after a step with a constrained row, step n+1 is dispatched as its forward pass
@@ -67,7 +76,8 @@ sampler runs on the logits (`ModelRunner.sample_deferred`), all while the device
 forward pass. Forward then sampler computes what the one-program step computes. A multi-process
 engine (whose followers run whole steps) waits for the step in flight instead. Presence,
 frequency and repetition penalties count a request's output tokens, so a step after one with such
-a row is deferred the same way (`serving.penalties`); a logit bias alone is not.
+a row is deferred the same way (`serving.penalties`); a logit bias alone is not. Under MTP the step cannot be split: the
+engine waits for the step in flight instead.
 
 **Exposed host time.** The device idles when step n finished before step n+1 was dispatched.
 `LLMEngine.host_overhead_s` and the `host` of the stats line add, per step, the host time between
@@ -90,11 +100,20 @@ def _output_penalties(sched) -> bool:
     return any(sr.sample and output_dependent(sr.request.sampling_params) for sr in sched.scheduled)
 
 
+def _min_tokens_pending(sched) -> bool:
+    """MTP speculation: True when a sampled row of `sched` (the step in flight) has `min_tokens`
+    not yet reached by the tokens known to come: the next step's bans (`serving.min_tokens`) depend
+    on how many drafts the step in flight accepts."""
+    return any(sr.sample and sr.request.sampling_params.min_tokens
+               > len(sr.request.output_token_ids) + sr.request.num_output_placeholders for sr in sched.scheduled)
+
+
 def sync_reason(engine) -> str | None:
     """Why `engine` cannot schedule asynchronously (the feature that needs synchronous steps,
     naming its flag), or None when it can."""
-    if engine.drafts is not None:
-        return "MTP speculation (--speculative-config) decides the next positions on the device"
+    if engine.drafts is not None and engine.hisparse is not None:
+        return ("MTP speculation (--speculative-config) with Hybrid HiSparse (--hisparse-config): the hot "
+                "buffer's inputs are built from positions that the step in flight decides")
     return None
 
 
@@ -117,11 +136,13 @@ class AsyncStepMixin:
         prev = self._in_flight
         preempted_before = self._preemptions()
         defer = False
-        if prev is not None and any(self.structured.constrains(s) or _output_penalties(s) for s in prev.scheds):
+        if prev is not None and any(self.structured.constrains(s) or _output_penalties(s)
+                                    or (self.drafts is not None and _min_tokens_pending(s)) for s in prev.scheds):
             # Structured outputs and output-dependent penalties: the next masks (counts) need the
             # tokens of the step in flight. Dispatch the next forward pass now and its sampler
             # once those tokens are applied (one process, no speculation), else wait for the
-            # step in flight first.
+            # step in flight first. (Under MTP `min_tokens` bans too: the step in flight's
+            # accepted count decides which verification rows are still before `min_tokens`.)
             defer = self.runner.can_defer_sampling
             if not defer:
                 pd_outs = pd_outs + self._complete(prev, 0.0, preempted_before)
@@ -195,10 +216,12 @@ class AsyncStepMixin:
             return self._fail_step(failed, e)
         self._last_wait_end = time.perf_counter()
         scheds, recomputed = self._truncate(prev, sampled)
-        per_scheduler = [sch.update_from_output(sched, toks) if not sched.is_empty else []
+        drafts = self.runner.last_drafts if self.drafts is not None else None
+        per_scheduler = [sch.update_from_output(sched, toks, drafts) if not sched.is_empty else []
                          for sch, sched, toks in zip(schedulers, scheds, sampled)]
         outs = [o for part in per_scheduler for o in part]
         self._structured_advance(outs)
+        spec_step = self._observe_drafts(*scheds)
         self._end_step()
         self._attach_logprobs(outs)
         st = self.runner.last
@@ -210,6 +233,7 @@ class AsyncStepMixin:
             if self.hisparse is not None and prev.stats is not None:
                 rec.hisparse_hits, rec.hisparse_misses, _, rec.hisparse_h2d_bytes = self.hisparse.device.last_stats
                 rec.hisparse_recomputed_rows = recomputed
+            rec.spec_decoding = spec_step
             for sched, part in zip(scheds, per_scheduler):
                 self._timing(sched, part, rec)
             self._emit(rec)

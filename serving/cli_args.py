@@ -120,7 +120,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
         help="Schedule and dispatch step n+1 while step n runs, and read back and stream step n's tokens "
         "while step n+1 runs (docs/async_scheduling.md). Streams are unchanged. Default: on where the engine "
-        "can; engines with MTP speculation run "
+        "can (MTP speculation included); engines with MTP speculation and Hybrid HiSparse run "
         "synchronously and say so at start-up "
         "(a warning when --async-scheduling was given). --no-async-scheduling: always synchronous.",
     )

@@ -315,7 +315,7 @@ class DataParallelEngine(LLMEngine):
         """Schedule every replica, run one jitted step for all, apply each replica's tokens.
         Returns the merged outputs (replica 0's first). With asynchronous scheduling the outputs
         are those of the step dispatched by the previous call (`serving/async_scheduling.py`)."""
-        if self.async_scheduling:
+        if self.async_scheduling and self.drafter_override is None:
             return self._step_async()
         t0 = time.perf_counter()
         pd_outs = self._pd_tick()

@@ -310,7 +310,7 @@ class LLMEngine(EngineStatsMixin, HostTiersMixin, PDEngineMixin, AsyncStepMixin,
         (with `new_logprobs` for requests that asked for logprobs). With asynchronous scheduling
         the outputs are those of the step dispatched by the previous call
         (`serving/async_scheduling.py`)."""
-        if self.async_scheduling:
+        if self.async_scheduling and self.drafter_override is None:
             return self._step_async()
         t0 = time.perf_counter()
         pd_outs = self._pd_tick()

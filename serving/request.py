@@ -74,6 +74,11 @@ class Request:
         being sampled by steps in flight, not yet in `output_token_ids`. A step scheduled now
         feeds the first of them from the device; `num_computed_tokens` already counts the
         positions those steps write, so it may exceed `num_tokens` by this many.
+    num_draft_placeholders / max_accepted_in_flight: asynchronous scheduling under MTP speculation:
+        the drafts the step in flight proposes for this request (its next step verifies them, fed
+        on the device; `spec_token_ids` is then empty) and the most of its verified drafts that step
+        may accept (so it emits 1 … 1 + this many tokens, and the next step's rows sit that many
+        positions further at most). `num_computed_tokens` counts none of them until read back.
     penalty_state: the request's penalties and logit bias as a sparse list kept up to date with its
         output (`serving.penalties.PenaltyState`), created by the first step that samples it; None
         otherwise.
@@ -105,6 +110,8 @@ class Request:
     remote_kv: object | None = None
     dp_rank: int | None = None  # the data-parallel replica chosen for it before it was queued
     num_output_placeholders: int = 0
+    num_draft_placeholders: int = 0
+    max_accepted_in_flight: int = 0
     penalty_state: object | None = None
     prompt_logprobs_buf: object | None = None
     prompt_logprobs_sent: bool = False

@@ -45,12 +45,14 @@ from serving.runner_replicas import ReplicaStepsMixin
 from serving.runner_transfers import HostTransfersMixin
 from serving.runner_variants import VariantPrecompileMixin
 from serving.scheduler_output import SchedulerOutput
+from serving.spec_decode.feed import spec_feed_plan
 from serving.spec_decode.inputs import build_spec_batch
 from serving.step_buckets import default_cuda_graph_sizes, token_buckets
 from serving.step_inputs import (
     COPY_DST,
     COPY_SRC,
     NUM_SAMPLING,
+    STEPS,
     WANT_LOGPROBS,
     StepInputs,
 )
@@ -161,6 +163,7 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         self.step_sink = None
         self.steps_in_flight = 0  # the leader's steps sent to the followers and not read back yet
         self._last_sampled = None  # the sampled tokens of the step dispatched last (the token feed)
+        self._last_out = None  # all outputs of that step (MTP's feed reads its accepted counts and drafts)
         if jax.process_count() > 1:
             if parallel is None or parallel.mesh.size != jax.device_count():
                 raise ValueError(f"a multi-process engine needs a parallel layout over all {jax.device_count()} "
@@ -212,6 +215,10 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         if self.parallel is None:
             # The input ids are committed to the device (the rest stays numpy): a fed step's ids
             # (`_feed_tokens`) are a device array of the same sharding, so both hit one program.
+            # (Under MTP every step's ids, positions, slots, step counters and `SpecBatch` go through
+            # a program of their own first: `_spec_inputs`.)
+            if self.spec_k:
+                return batch
             batch.input_ids_T = jax.device_put(batch.input_ids_T, self._ids_sharding)
             return batch
         if self.dp > 1:  # already stacked by `stack_replicas` (which reorders for PCP)
@@ -313,12 +320,14 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         self._maybe_fault()
         if self.offload is not None:
             self.run_offload([sched.page_loads])
-        sp = None
+        sp = spec_feed = None
         if self.spec_k:
             sp = build_spec_batch(sched, batch.input_ids_T.shape[0], self.max_num_seqs + 1, self.spec_k,
                                   sched.num_draft_steps)
+            feed_src, spec_feed = None, feed_src
         pen = None if defer_sampling else self._step_penalties([sched])
-        return self._launch([sched], StepInputs(batch, extra, sp, self._step_bitmask([sched]), feed_src, pen), t0,
+        return self._launch([sched], StepInputs(batch, extra, sp, self._step_bitmask([sched]), feed_src, pen,
+                                                spec_feed=spec_feed), t0,
                             defer_sampling, self._prompt_rows([sched], batch.input_ids_T.shape[0]))
 
     def _prompt_rows(self, scheds: list[SchedulerOutput], num_tokens: int) -> PromptLogprobRows | None:
@@ -419,14 +428,37 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
         outputs of that one)."""
         if prev is None:
             return None
+        if self.spec_k:
+            return self._spec_feed(prev, scheds, num_tokens)
         srcs = [self.feed_sources(s, num_tokens, prev.rows) for s in scheds]
         if all(src is None for src in srcs):
             return None
         if prev.out[0] is not self._last_sampled:
             raise RuntimeError("the token feed must read the step dispatched last")
-        pcp = self.parallel.pcp if self.parallel is not None else 1
-        order = pcp_chunk_order(num_tokens, pcp) if pcp > 1 else slice(None)
+        order = self._placed_order(num_tokens)
         return np.concatenate([np.full(num_tokens, -1, np.int32) if x is None else x[order] for x in srcs])
+
+    def _placed_order(self, num_tokens: int):
+        """The host token rows of one replica's bucket in the order the step places them (PCP's
+        load-balanced order, `glm53.parallel_batch.pcp_reorder`), as an index."""
+        pcp = self.parallel.pcp if self.parallel is not None else 1
+        return pcp_chunk_order(num_tokens, pcp) if pcp > 1 else slice(None)
+
+    def _spec_feed(self, prev: InFlightStep, scheds: list[SchedulerOutput], num_tokens: int):
+        """MTP's feed of a step dispatched while `prev` is in flight (`StepInputs.spec_feed`):
+        None, or `serving.spec_decode.feed.spec_feed_plan`'s six arrays for all replicas (stacked
+        replica-major), the token rows' source and index in the placed order, the MTP inputs' and
+        request rows' in the host's. Raises RuntimeError when `prev` is not the step dispatched last."""
+        B = self.max_num_seqs + 1
+        plans = [spec_feed_plan(s, num_tokens, B, prev.rows) for s in scheds]
+        if all(p is None for p in plans):
+            return None
+        if prev.out[0] is not self._last_sampled:
+            raise RuntimeError("the token feed must read the step dispatched last")
+        order = self._placed_order(num_tokens)
+        none = (np.full(num_tokens, -1, np.int32),) * 4 + (np.full(B, -1, np.int32),) * 2
+        plans = [none if p is None else p for p in plans]
+        return tuple(np.concatenate([p[i][order] if i < 2 else p[i] for p in plans]) for i in range(6))
 
     @staticmethod
     def feed_sources(sched: SchedulerOutput, num_tokens: int, prev_rows: dict) -> np.ndarray | None:
@@ -521,10 +553,14 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
             self.step_sink("step", inputs)
         put = self._put
         placed = self._place(batch)
+        extra_args = [put(x) for x in extra]
+        sp_args = None if sp is None else jax.tree.map(put, sp)
+        if (inputs.feed_src is not None or inputs.spec_feed is not None) and self._last_sampled is None:
+            raise RuntimeError("a fed step needs a previous step's outputs")
         if inputs.feed_src is not None:
-            if self._last_sampled is None:
-                raise RuntimeError("a fed step needs a previous step's outputs")
             placed.input_ids_T = self._feed_tokens(placed.input_ids_T, put(inputs.feed_src), self._last_sampled)
+        if sp is not None:
+            placed, extra_args[STEPS], sp_args = self._spec_inputs(placed, extra_args[STEPS], sp_args, inputs.spec_feed)
         bitmask = None if inputs.bitmask is None else put(inputs.bitmask)
         pen = None if forward_only or inputs.penalties is None else tuple(map(put, inputs.penalties))
         plp = None if inputs.prompt_rows is None else tuple(map(put, inputs.prompt_rows))
@@ -542,8 +578,7 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
             else:
                 # (The mask is passed only when there is one: the programs compiled at start-up, and
                 # every unconstrained step, keep the signature without it.)
-                args = (self._state_leaves, placed, self.kv_arena, *map(put, extra), hs_args,
-                        None if sp is None else jax.tree.map(put, sp))
+                args = (self._state_leaves, placed, self.kv_arena, *extra_args, hs_args, sp_args)
                 # (the optional trailing arguments up to the last one given)
                 tail = (bitmask, pen, plp)
                 tail = tail[:max((i + 1 for i, x in enumerate(tail) if x is not None), default=0)]
@@ -557,7 +592,7 @@ class ModelRunner(StepCompileMixin, VariantPrecompileMixin, HostTransfersMixin, 
                         variant, key[1], time.perf_counter() - t0)
         self._keep_hisparse(hs)
         if not forward_only:
-            self._last_sampled = out[0]
+            self._last_sampled, self._last_out = out[0], out
         return out, hs, prompt_out
 
     def _step_penalties(self, scheds: list[SchedulerOutput]) -> tuple | None:

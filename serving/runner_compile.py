@@ -6,6 +6,7 @@ provides the programs, buckets, arena and HiSparse state it uses).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -17,7 +18,9 @@ from tqdm import tqdm
 from glm53.batch import ForwardBatch
 from glm53.parallel_batch import stack_replicas
 from kernels.mode import use_kernels
+from serving.spec_decode.feed import spec_feed_program
 from serving.spec_decode.inputs import empty_spec_batch
+from serving.step_inputs import STEPS
 
 logger = logging.getLogger("serving.runner")
 
@@ -84,12 +87,21 @@ class StepCompileMixin:
                     batch.hot = None
                 spec = None if self._dummy_spec is None else jax.tree.map(self._put, self._dummy_spec)
                 placed = self._place(batch)
+                extra_args = [self._put(x) for x in extra]
+                if spec is not None:
+                    placed, extra_args[STEPS], spec = self._spec_inputs(placed, extra_args[STEPS], spec, None)
                 with use_kernels(self.kernel_mode):
                     out, self.kv_arena, hs = self._step(self._state_leaves, placed, self.kv_arena,
-                                                        *map(self._put, extra), hs_args, spec)
+                                                        *extra_args, hs_args, spec)
                 self._keep_hisparse(hs)
                 jax.block_until_ready(out)
-            if self._may_feed_tokens():  # asynchronous scheduling's token feed for this bucket
+            if self.spec_k:  # asynchronous scheduling's feed for this bucket (MTP's)
+                tokens, rows = placed.input_ids_T.shape[0], extra_args[STEPS].shape[0]
+                no_feed = (np.full(tokens, -1, np.int32),) * 4 + (np.full(rows, -1, np.int32),) * 2
+                self._last_out = out
+                jax.block_until_ready(self._spec_inputs(self._place(batch), self._put(extra[STEPS]),
+                                                        jax.tree.map(self._put, self._dummy_spec), no_feed))
+            else:  # asynchronous scheduling's token feed for this bucket
                 no_feed = np.full(placed.input_ids_T.shape[0], -1, np.int32)
                 jax.block_until_ready(self._feed_tokens(placed.input_ids_T, self._put(no_feed), out[0]))
             self.compile_seconds[T] = time.perf_counter() - t
@@ -109,7 +121,31 @@ class StepCompileMixin:
             fn = self._feeds[sharding] = jax.jit(_feed_tokens_fn, out_shardings=sharding)
         return fn(ids_T, src_T, prev_B)
 
-    def _may_feed_tokens(self) -> bool:
-        """Whether this runner's engine may schedule asynchronously (`serving.async_scheduling.
-        sync_reason`; the runner's share of it): then `compile` also compiles the token feed."""
-        return not self.spec_k
+    def _spec_inputs(self, placed: ForwardBatch, steps_B, sp, feed: tuple | None):
+        """MTP speculation: the step's input ids, positions, slots, step counters and `SpecBatch`
+        through a program of their own, so that the step takes them in one form (device arrays on
+        fixed shardings) whether or not a step in flight feeds them: with `feed`
+        (`StepInputs.spec_feed`, asynchronous scheduling) `serving.spec_decode.feed.apply_spec_feed`
+        with the outputs of the step dispatched last (`_last_out`), else the same arrays unchanged
+        (an upload, ≈ 50 µs on the CPU where `jax.device_put` of the arrays one by one took ≈ 0.7 ms).
+        → (batch, steps_B, sp). Raises RuntimeError when fed with no step dispatched before."""
+        fed = feed is not None
+        fn = self._feeds.get(("spec", fed))
+        if fn is None:
+            dcp = self.parallel.dcp if self.parallel is not None else 1
+            tpp = {g.name: g.tokens_per_page * dcp for g in self.layout.groups}
+            if self.parallel is None:
+                default = self._ids_sharding
+            else:
+                default = jax.sharding.NamedSharding(self.parallel.mesh, jax.sharding.PartitionSpec())
+            shard = lambda x: x.sharding if isinstance(x, jax.Array) else default  # noqa: E731
+            shardings = jax.tree.map(shard, (placed.input_ids_T, placed.positions_T, placed.slot_mapping, steps_B, sp))
+            fn = self._feeds["spec", fed] = spec_feed_program(tpp, self.dp, shardings, fed)
+        args = (placed.input_ids_T, placed.positions_T, placed.req_idx_T, placed.slot_mapping, placed.block_tables,
+                steps_B, sp)
+        if fed:
+            if self._last_out is None:
+                raise RuntimeError("a fed step needs a previous step's outputs")
+            args += (tuple(map(self._put, feed)), self._last_out[:3])
+        ids, pos, slots, steps_B, sp = fn(*args)
+        return dataclasses.replace(placed, input_ids_T=ids, positions_T=pos, slot_mapping=slots), steps_B, sp

@@ -67,13 +67,15 @@ class ReplicaStepsMixin:
                                 for _, e in parts], axis=1)
         copies[:, : valid.shape[1]] = valid  # valid entries first (copy_pages stops at the first −1)
         extra = (*(cat(i) for i in range(NUM_SAMPLING - 1)), want_lp, *copies)
-        sp = None
+        sp = spec_feed = None
         if self.spec_k:  # each replica's verification rows and drafts, its rows offset by r · T
             B = self.max_num_seqs + 1
             sp = stack_spec_batches([build_spec_batch(s, T, B, self.spec_k, s.num_draft_steps) for s in scheds], T)
+            feed_src, spec_feed = None, feed_src
         self._maybe_fault()
         return self._launch(scheds, StepInputs(batch, extra, sp, self._step_bitmask(scheds), feed_src,
-                                               None if defer_sampling else self._step_penalties(scheds)), t0,
+                                               None if defer_sampling else self._step_penalties(scheds),
+                                               spec_feed=spec_feed), t0,
                             defer_sampling, self._prompt_rows(scheds, T))
 
     def finish_replicas(self, step: InFlightStep, overlapped: bool = False) -> list[dict[str, list[int]]]:

@@ -37,6 +37,11 @@ placeholder (`Request.num_output_placeholders`) that counts as a known token, so
 for its next decode row before its token is known (the runner feeds it on the device);
 `mark_in_flight` counts a dispatched step's chunks as computed, and `update_from_output` then only
 appends tokens. A request whose placeholders finish it anyway is not scheduled again.
+Under MTP speculation a request with a step in flight is scheduled as if that step accepted none
+of its drafts: its next rows are the token that step emits and the drafts it proposes
+(`Request.num_draft_placeholders`, all fed on the device, which also moves the rows by the
+accepted count), with pages for the most that step can accept (`Request.max_accepted_in_flight`);
+`update_from_output` of the step in flight then adds the accepted drafts to `num_computed_tokens`.
 
 A preempted request resumes by prefilling all of its tokens so far (prompt and generated ones),
 so with a deterministic model it produces exactly the tokens it would have produced otherwise.
@@ -271,11 +276,19 @@ class Scheduler:
             if num_new == num_known == 1:
                 num_new = min(budget, 1 + self._num_spec(req, max_spec))
             num_new = self.policy.cap_new_tokens(req, num_new)
+            # Asynchronous scheduling under MTP: the step in flight may accept up to this many of
+            # its drafts, which moves this step's rows as many positions further (on the device).
+            # (Positions past the length limit are never needed: the request ends there.)
+            ahead = req.max_accepted_in_flight if req.num_output_placeholders else 0
+            ahead = max(0, min(ahead, self._len_limit - req.num_computed_tokens - num_new))
             while True:
-                granted = self.policy.allocate(req, num_new, [sr.request for sr in scheduled])
-                if granted:
-                    num_new = granted
+                granted = self.policy.allocate(req, num_new + ahead, [sr.request for sr in scheduled])
+                if granted > ahead:
+                    num_new = granted - ahead
                     break
+                if granted:
+                    raise RuntimeError(f"the KV policy granted {granted} tokens of {num_new + ahead} to "
+                                       f"{req.request_id!r}, not past the {ahead} positions its step in flight may accept")
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -283,8 +296,9 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break  # it preempted itself; everything after it is preempted too
-            scheduled.append(self._scheduled(req, num_new, first_chunk=False,
-                                             num_spec=max(0, num_new - num_known)))
+            fed = bool(req.num_output_placeholders and req.num_draft_placeholders)  # asynchronous MTP
+            scheduled.append(self._scheduled(req, num_new, first_chunk=False, num_spec=max(0, num_new - num_known),
+                                             spec_limit=self._spec_limit(req) if fed else None))
             budget -= num_new
             i += 1
 
@@ -358,13 +372,26 @@ class Scheduler:
         their chunk as synchronous scheduling does; the engine reads this step back before it
         schedules again."""
         sched_out.not_marked_in_flight = frozenset(exclude)
+        num_drafts = self._drafts_proposed(sched_out)
         for sr in sched_out.scheduled:
             req = sr.request
             if req.status is not RequestStatus.RUNNING or req.request_id in sched_out.not_marked_in_flight:
                 continue
-            req.num_computed_tokens = sr.start_pos + sr.num_new_tokens
+            # (MTP: the verified drafts count once the step says how many it accepted)
+            req.num_computed_tokens = sr.start_pos + sr.num_new_tokens - sr.num_spec_tokens
             if sr.sample:
                 req.num_output_placeholders += 1
+                if num_drafts:  # its drafts stay on the device for the next step
+                    req.num_draft_placeholders = num_drafts
+                    req.max_accepted_in_flight = sr.num_spec_tokens
+                    req.spec_token_ids = []
+
+    def _drafts_proposed(self, sched_out: SchedulerOutput) -> int:
+        """Drafts per sampling request that the step `sched_out` proposes (MTP speculation: 1 … k,
+        as the runner reads them back), 0 without speculation."""
+        if self.drafts is None:
+            return 0
+        return max(1, min(self.drafts.k, sched_out.num_draft_steps))
 
     def _ends_in_flight(self, req: Request) -> bool:
         """Asynchronous scheduling: True when the tokens still being sampled for `req` finish it
@@ -419,7 +446,11 @@ class Scheduler:
                 req.num_computed_tokens = sr.start_pos + sr.num_new_tokens - sr.num_spec_tokens
             if sr.num_spec_tokens:
                 req.num_computed_tokens += min(sr.num_spec_tokens, max(0, len(tokens) - 1))
-            req.spec_token_ids = list(drafts.get(req.request_id, ())) if drafts is not None and sr.sample else []
+            if req.num_output_placeholders:
+                pass  # asynchronous MTP: a step in flight verifies the drafts it was fed on the device
+            else:
+                req.spec_token_ids = list(drafts.get(req.request_id, ())) if drafts is not None and sr.sample else []
+                req.num_draft_placeholders = req.max_accepted_in_flight = 0
             new_tokens: list[int] = []
             status = None
             for token in tokens:
@@ -523,11 +554,19 @@ class Scheduler:
     def _num_spec(self, req: Request, max_spec: int) -> int:
         """Drafts a decoding request may verify this step: its `spec_token_ids`, at most `max_spec`,
         leaving room for the extra token under `max_tokens` and the KV under the length limit."""
-        n = min(len(req.spec_token_ids), max_spec, self._len_limit - 1 - req.num_tokens)
+        # (asynchronous: the drafts of the step in flight, fed on the device)
+        available = req.num_draft_placeholders if req.num_output_placeholders else len(req.spec_token_ids)
+        return max(0, min(available, max_spec, self._spec_limit(req)))
+
+    def _spec_limit(self, req: Request) -> int:
+        """Drafts the length limit and `max_tokens` leave room for after `req`'s tokens (with a
+        step in flight: as if it accepted none of its drafts; the device takes the accepted ones
+        off, `ScheduledRequest.spec_limit`)."""
+        n = self._len_limit - 1 - req.num_tokens - req.num_output_placeholders
         mt = req.sampling_params.max_tokens
         if mt is not None:
-            n = min(n, mt - req.num_output_tokens - 1)
-        return max(0, n)
+            n = min(n, mt - req.num_output_tokens - req.num_output_placeholders - 1)
+        return n
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         return self._cap(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
@@ -538,7 +577,8 @@ class Scheduler:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         return min(num_new, budget)
 
-    def _scheduled(self, req: Request, num_new: int, first_chunk: bool, num_spec: int = 0) -> ScheduledRequest:
+    def _scheduled(self, req: Request, num_new: int, first_chunk: bool, num_spec: int = 0,
+                   spec_limit: int | None = None) -> ScheduledRequest:
         start = req.num_computed_tokens
         return ScheduledRequest(
             request=req,
@@ -547,6 +587,7 @@ class Scheduler:
             sample=start + num_new - num_spec >= req.num_tokens + req.num_output_placeholders,
             first_chunk=first_chunk,
             num_spec_tokens=num_spec,
+            spec_limit=spec_limit,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -555,6 +596,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0  # a step in flight samples for it: that token is dropped
+        req.num_draft_placeholders = req.max_accepted_in_flight = 0
         req.num_published_units = 0
         req.spec_token_ids = []
         req.num_preemptions += 1

@@ -31,6 +31,10 @@ class ScheduledRequest:
     num_spec_tokens: draft tokens verified this step (MTP speculative decoding): the last
         `num_spec_tokens` of the `num_new_tokens` rows are the request's `spec_token_ids`, which
         are not yet part of its tokens. 0 otherwise.
+    spec_limit: asynchronous scheduling under MTP, for a request whose rows are all fed from the
+        step in flight (`serving.spec_decode.feed`): the drafts the length limit and `max_tokens`
+        leave room for if that step accepts none; the device verifies min(num_spec_tokens,
+        spec_limit − accepted) of them, what a synchronous step would. None otherwise.
     """
 
     request: Request
@@ -39,6 +43,7 @@ class ScheduledRequest:
     sample: bool = False
     first_chunk: bool = False
     num_spec_tokens: int = 0
+    spec_limit: int | None = None
 
     @property
     def request_id(self) -> str:

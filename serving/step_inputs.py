@@ -9,7 +9,7 @@ from glm53.batch import ForwardBatch
 # Positions in `StepInputs.extra`: the sampler's arrays (temperature … steps, then want_logprobs),
 # then the page copies.
 NUM_SAMPLING = 7
-WANT_LOGPROBS, COPY_SRC, COPY_DST = 6, 7, 8
+STEPS, WANT_LOGPROBS, COPY_SRC, COPY_DST = 5, 6, 7, 8
 
 
 @dataclass
@@ -31,7 +31,11 @@ class StepInputs:
     sampled rows' penalties and logit biases (`serving.penalties.step_penalties`: seven arrays),
     or None when no row uses any (or the step's sampler is deferred). prompt_rows: the step's
     prompt-logprob rows (rows_P int32 [P], targets_P int32 [P], count int32: `serving.prompt_logprobs.
-    PromptLogprobRows.arrays`) or None.
+    PromptLogprobRows.arrays`) or None. spec_feed: asynchronous scheduling under MTP speculation,
+    the rows taken from the previous step's outputs (`serving.spec_decode.feed.spec_feed_plan`'s
+    six int32 arrays, replicas stacked: token rows' source and draft index in the placed order, MTP
+    inputs' and request rows' sources and limits in the host's), applied on the device by every process
+    (`ModelRunner._spec_inputs`); None when no row is fed (`feed_src` is then always None).
     """
 
     batch: ForwardBatch
@@ -41,3 +45,4 @@ class StepInputs:
     feed_src: object = None
     penalties: object = None
     prompt_rows: object = None
+    spec_feed: object = None

@@ -54,12 +54,13 @@ def build_spec_batch(sched, T: int, B: int, k: int, num_draft_steps: int) -> Spe
     for i, sr in enumerate(sched.scheduled):
         n, ns = sr.num_new_tokens, sr.num_spec_tokens
         toks = sr.token_ids
-        sb.mtp_ids_T[off:off + n - 1] = toks[1:]
+        if len(toks) == n:  # (else every row is fed from the step in flight: `serving.spec_decode.feed`)
+            sb.mtp_ids_T[off:off + n - 1] = toks[1:]
+            sb.draft_BK[i, :ns] = toks[n - ns:]
         if not sr.sample:  # a chunk that stops inside the known tokens: the next one is known
             sb.mtp_ids_T[off + n - 1] = sr.request.all_token_ids[sr.start_pos + n]
         sb.sample_row_B[i] = off + n - 1 - ns
         sb.num_draft_B[i] = ns
-        sb.draft_BK[i, :ns] = toks[n - ns:]
         sb.valid_B[i] = sr.sample
         off += n
     return sb

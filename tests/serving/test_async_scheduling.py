@@ -273,7 +273,12 @@ def test_features_that_need_synchronous_steps_are_named():
         hisparse = offload = pd = None
         drafts = object()
 
-    assert "--speculative-config" in sync_reason(Fake())
+    # MTP speculation schedules asynchronously (tests/serving/test_spec_decode_async.py), except with
+    # Hybrid HiSparse, whose hot-buffer inputs come from the positions the step in flight decides.
+    assert sync_reason(Fake()) is None
+    Fake.hisparse = object()
+    reason = sync_reason(Fake())
+    assert "--speculative-config" in reason and "--hisparse-config" in reason
     # Hybrid HiSparse, the offloading connector and P/D schedule asynchronously.
     Fake.drafts, Fake.pd, Fake.offload, Fake.hisparse = None, object(), object(), object()
     assert sync_reason(Fake()) is None

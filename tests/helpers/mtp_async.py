@@ -1,0 +1,81 @@
+"""Asynchronous scheduling under MTP speculation against the synchronous engine: the trained
+`tiny-recall` checkpoint's copy prompts (its MTP drafts are accepted 0 … k times from step to step)
+and a driver that runs a workload both ways (tests/serving/test_spec_decode_async.py,
+tests/sharding/test_spec_decode_async_parallel.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from glm53 import recall_tasks
+from glm53.hub import resolve_model
+from glm53.tokenizer import GlmTokenizer
+
+
+def copy_prompts(n: int, max_len: int) -> list[list[int]]:
+    """n chat-templated "Repeat: …" prompts of 8 items (glm53/recall_tasks.py), each at most
+    `max_len` tokens (AssertionError otherwise)."""
+    tok = GlmTokenizer.from_pretrained(resolve_model("tiny-recall"))
+    rng = np.random.default_rng(recall_tasks.EVAL_SEED_BASE + 777)
+    out = [tok.encode(tok.apply_chat_template(recall_tasks.copy_sample(rng, tok, 8).messages, enable_thinking=False))
+           for _ in range(n)]
+    assert all(len(p) <= max_len for p in out)
+    return out
+
+
+def drive(e, requests: dict, async_scheduling: bool, aborts: dict | None = None):
+    """Run `requests` ({id: (prompt, SamplingParams)}) to the end; `aborts` maps a `step()` call
+    index to ids aborted before it. Audits after every call. → ({id: tokens}, {id: finish reason},
+    {id: [TokenLogprobs]}, fed steps: the steps whose rows came from the step in flight, with the
+    drafts they verified). An asynchronous run must not compile a step program: its fed steps run
+    the programs the synchronous run of the same workload used (a fed input's sharding is the
+    host input's)."""
+    e.set_async_scheduling(async_scheduling)
+    for rid, (prompt, sp) in requests.items():
+        e.add_request(rid, prompt, sp)
+    toks = {rid: [] for rid in requests}
+    lps = {rid: [] for rid in requests}
+    reasons = {}
+    fed = []
+    orig = e.runner._spec_inputs
+
+    def spy(placed, steps_B, sp, feed):
+        out = orig(placed, steps_B, sp, feed)
+        if feed is not None:
+            fed.append(int(np.asarray(out[2].num_draft_B).sum()))
+        return out
+
+    e.runner._spec_inputs = spy
+    programs = e.runner._step._cache_size()
+    call = 0
+    try:
+        while e.has_unfinished_requests():
+            for rid in (aborts or {}).get(call, []):
+                out = e.abort(rid)
+                if out is not None:
+                    reasons[rid] = out.finish_reason
+            for o in e.step():
+                assert o.request_id not in reasons, f"{o.request_id} streamed after it finished"
+                toks[o.request_id] += o.new_token_ids
+                lps[o.request_id] += o.new_logprobs or []
+                if o.finished:
+                    reasons[o.request_id] = o.finish_reason
+            assert e.audit() == []
+            call += 1
+    finally:
+        e.runner._spec_inputs = orig
+        e.set_async_scheduling(False)
+    if async_scheduling:
+        assert e.runner._step._cache_size() == programs
+    return toks, reasons, lps, fed
+
+
+def assert_same(sync, asyn):
+    """Tokens and finish reasons equal; logprobs within 1e-4 relative: the asynchronous run's batches
+    are not the synchronous run's (a request that stopped is computed once more), and a row's last
+    bits depend on its batch (docs/async_scheduling.md)."""
+    assert asyn[0] == sync[0]
+    assert asyn[1] == sync[1]
+    for rid, lp in sync[2].items():
+        assert [x.token_id for x in asyn[2][rid]] == [x.token_id for x in lp]
+        np.testing.assert_allclose([x.logprob for x in asyn[2][rid]], [x.logprob for x in lp], rtol=1e-4, atol=1e-6)

@@ -1,0 +1,142 @@
+"""Asynchronous scheduling under MTP speculation (`serving.spec_decode.feed`, docs/async_scheduling.md)
+against the synchronous engine.
+
+The trained `tiny-recall` checkpoint on copy prompts accepts 0 … k drafts from step to step (per-
+position acceptance ≈ 0.98 / 0.67 / 0.41 at k = 3, docs/tiny_recall.md), so the rows the host
+schedules for a request with a step in flight really are moved on the device by different
+accepted counts. One engine (k = 3, compiled at start-up) runs each workload synchronously, then
+asynchronously: tokens, finish reasons and logprobs must be equal — greedy and seeded temperature-1
+requests, stops by `max_tokens` (1, 2, …), by the length limit in the middle of the verification
+rows and by stop tokens — with audits after every step and no page left at the end. The
+synchronous engine is the independent result: its inputs are all known on the host.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from glm53.hub import resolve_model
+from serving.engine import EngineArgs
+from serving.engine_factory import build_engine
+from serving.types import SamplingParams
+from tests.helpers.mtp_async import assert_same, copy_prompts, drive
+
+K = 3
+MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return copy_prompts(6, MAX_MODEL_LEN - 60)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = build_engine(EngineArgs(model=resolve_model("tiny-recall"), max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
+                                max_num_batched_tokens=64, cuda_graph_sizes=[], precompile_token_paddings=[],
+                                kv_cache_dtype="bfloat16", enable_prefix_caching=True, compile_progress=False,
+                                disable_log_stats=True, skip_precompile=False,
+                                speculative_config={"method": "mtp", "num_speculative_tokens": K}))
+    yield e
+    assert not e.has_unfinished_requests() and e.audit() == []
+    assert e.pool.num_free == e.pool.num_usable_blocks, "KV pages leaked"
+
+
+def test_streams_equal_the_synchronous_engine(engine, prompts):
+    """Greedy and seeded temperature-2 requests (spread enough that a draw depends on its key) with logprobs; `max_tokens` 1, 2, 5 (stops while
+    the next step verifies drafts), a prompt that reaches the length limit inside its verification
+    rows, prefix-cache hits (every prompt shares the chat template's head): the synchronous run's
+    tokens, finish reasons and logprobs, with drafts accepted in the fed steps."""
+    long_prompt = (prompts[0] * 3)[: MAX_MODEL_LEN - 19]  # 19 positions left: ends with "length"
+    max_tokens = [60, 1, 2, 5, 60, 30, None]  # (None: up to the length limit)
+    reqs = {}
+    for i, (p, mt) in enumerate(zip([*prompts, long_prompt], max_tokens)):
+        sp = {"temperature": 0} if i % 2 == 0 else {"temperature": 2.0, "seed": 100 + i}
+        reqs[f"r{i}"] = (p, SamplingParams(max_tokens=mt, ignore_eos=True, logprobs=2, **sp))
+    accepted = engine.spec_stats.num_accepted_tokens
+    sync = drive(engine, reqs, False)
+    assert engine.spec_stats.num_accepted_tokens > accepted
+    asyn = drive(engine, {f"{rid}": r for rid, r in reqs.items()}, True)
+    assert_same(sync, asyn)
+    assert sync[1]["r6"] == "length" and len(sync[0]["r6"]) == 19
+    assert [len(sync[0][f"r{i}"]) for i in (1, 2, 3)] == [1, 2, 5]
+    # Most steps of the asynchronous run took their rows from the step in flight, verifying drafts.
+    assert len(asyn[3]) > 10 and sum(asyn[3]) > 3 * len(asyn[3])
+    print(f"\nfed steps {len(asyn[3])}, drafts verified in them {sum(asyn[3])}")
+
+
+def test_stop_tokens_and_aborts_while_a_step_is_in_flight(engine, prompts):
+    """A request stopping on a stop token among its accepted drafts was already scheduled again:
+    nothing more is streamed for it and its pages come back; aborts between steps free everything;
+    the others keep the synchronous run's streams."""
+    base = {f"s{i}": (p, SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))
+            for i, p in enumerate(prompts[:4])}
+    free = drive(engine, base, False)[0]
+    # Stop each request on a token it emits mid-way (the 9th, 13th, …): a stop among accepted drafts.
+    reqs = {rid: (p, SamplingParams(max_tokens=40, ignore_eos=True, temperature=0,
+                                    stop_token_ids=[free[rid][8 + 4 * i]]))
+            for i, (rid, (p, _)) in enumerate(base.items())}
+    # And one that may not stop before 14 tokens on ids it emits from its 15th on (`min_tokens` bans them in
+    # the verification rows still before it: which ones depends on the step in flight's accepted
+    # count, so the engine reads that step back first).
+    m = drive(engine, {"m": (prompts[4], SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))}, False)[0]["m"]
+    reqs["m"] = (prompts[4], SamplingParams(max_tokens=40, ignore_eos=True, temperature=0, min_tokens=14,
+                                            stop_token_ids=[m[14], m[15], m[16]]))
+    sync = drive(engine, reqs, False)
+    asyn = drive(engine, reqs, True)
+    assert_same(sync, asyn)
+    assert all(r == "stop" for r in sync[1].values()) and len(sync[0]["m"]) == 15  # stopped on its 15th token
+    aborted = drive(engine, base, True, aborts={3: ["s1"], 6: ["s2"]})
+    assert aborted[1]["s1"] == aborted[1]["s2"] == "abort"
+    for rid in ("s0", "s3"):
+        assert aborted[0][rid] == free[rid]
+    for rid in ("s1", "s2"):
+        assert aborted[0][rid] == free[rid][: len(aborted[0][rid])]
+
+
+def test_the_feed_moves_rows_by_the_accepted_count_and_cuts_the_drafts_at_the_limits():
+    """`apply_spec_feed` on hand-built inputs, against the inputs a synchronous step would get
+    (slots from `glm53.batch.page_slots`, the host's formula): request 0 (rows 0–3, step in flight
+    row 1 accepted 2 of its drafts) moves by 2 and may verify only 1 draft more (limit 3 − 2);
+    request 1 (rows 4–5, from row 0, nothing accepted) stays; row 6 is not fed. A position past
+    the block table writes nothing."""
+    import jax.numpy as jnp
+
+    from glm53.batch import page_slots
+    from serving.spec_decode.feed import apply_spec_feed
+    from serving.spec_decode.inputs import SpecBatch
+
+    tpp, k = 4, 3
+    table = np.array([[7, 3, 5, 1], [2, 6, 0, 0], [0, 0, 0, 0]], np.int32)  # 3 request rows, 4 pages each
+    ids = np.array([0, 0, 0, 0, 0, 0, 42], np.int32)
+    pos = np.array([9, 10, 11, 12, 5, 6, 3], np.int32)  # as if nothing was accepted
+    req = np.array([0, 0, 0, 0, 1, 1, 2], np.int32)
+    slots = {"g": np.full(7, -9, np.int32)}
+    steps = np.array([10, 4, 0], np.int32)
+    feed = (np.array([1, 1, 1, 1, 0, 0, -1], np.int32), np.array([0, 1, 2, 3, 0, 1, -1], np.int32),
+            np.array([1, 1, 1, -1, 0, -1, -1], np.int32), np.array([0, 1, 2, -1, 0, -1, -1], np.int32),
+            np.array([1, 0, -1], np.int32), np.array([3, 5, -1], np.int32))
+    toks = np.array([[50, 51, 52, 53], [60, 61, 62, 63]], np.int32)  # step in flight: rows 0 and 1
+    acc = np.array([0, 2], np.int32)
+    drafts = np.array([[70, 71, 72], [80, 81, 82]], np.int32)
+    sp = SpecBatch(np.array([0, 4, 0], np.int32), np.zeros((3, k), np.int32), np.array([3, 1, 0], np.int32),
+                   np.array([True, True, False]), np.array([0, 0, 0, 0, 0, 0, 9], np.int32), np.int32(k))
+    out_ids, out_pos, out_slots, out_steps, out_sp = apply_spec_feed(
+        ids, pos, req, slots, {"g": table}, steps, sp, tuple(map(jnp.asarray, feed)),
+        (jnp.asarray(toks), jnp.asarray(acc), jnp.asarray(drafts)), tokens_per_page={"g": tpp}, dp=1)
+    # request 0: emitted token = toks[1, acc 2] = 62, then drafts 80, 81, 82 at positions 11 … 14
+    assert np.asarray(out_ids).tolist() == [62, 80, 81, 82, 50, 70, 42]
+    assert np.asarray(out_pos).tolist() == [11, 12, 13, 14, 5, 6, 3]
+    want = [*page_slots(table[0], [11, 12, 13, 14], tpp), *page_slots(table[1], [5, 6], tpp)]
+    assert np.asarray(out_slots["g"]).tolist()[:6] == want and out_slots["g"][6] == -9
+    assert np.asarray(out_sp.num_draft_B).tolist() == [1, 1, 0]  # min(3, 3 − 2), min(1, 5 − 0)
+    assert np.asarray(out_sp.draft_BK).tolist() == [[80, 0, 0], [70, 0, 0], [0, 0, 0]]
+    assert np.asarray(out_sp.mtp_ids_T).tolist() == [80, 81, 82, 0, 70, 0, 9]
+    assert np.asarray(out_steps).tolist() == [12, 4, 0]
+    # Moved past the table (4 pages of 4 tokens) or onto a null page: slot −1 (nothing written).
+    far = apply_spec_feed(ids, pos + np.array([4, 4, 4, 4, 4, 4, 0], np.int32), req, slots, {"g": table}, steps, sp,
+                          tuple(map(jnp.asarray, feed)), (jnp.asarray(toks), jnp.asarray(acc), jnp.asarray(drafts)),
+                          tokens_per_page={"g": tpp}, dp=1)[2]["g"]
+    # request 0 at 15 … 18 (15 on its last page, the rest past the table); request 1 at 9, 10 (null page)
+    assert np.asarray(far).tolist()[:6] == [1 * tpp + 3, -1, -1, -1, -1, -1]
