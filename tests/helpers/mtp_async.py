@@ -11,8 +11,23 @@ from glm53 import recall_tasks
 from glm53.hub import resolve_model
 from glm53.tokenizer import GlmTokenizer
 
+K = 3  # drafts per step
+MAX_MODEL_LEN = 128
 
-def copy_prompts(n: int, max_len: int) -> list[list[int]]:
+
+def mtp_engine(**kw):
+    """An MTP engine (k = `K`) on `tiny-recall`: `MAX_MODEL_LEN`, 4 sequences, one 64-token bucket,
+    bf16 cache; `kw`: more `EngineArgs` fields."""
+    from serving.engine import EngineArgs
+    from serving.engine_factory import build_engine
+
+    return build_engine(EngineArgs(model=resolve_model("tiny-recall"), max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
+                                   max_num_batched_tokens=64, cuda_graph_sizes=[], precompile_token_paddings=[],
+                                   kv_cache_dtype="bfloat16", compile_progress=False, disable_log_stats=True,
+                                   speculative_config={"method": "mtp", "num_speculative_tokens": K}, **kw))
+
+
+def copy_prompts(n: int, max_len: int = MAX_MODEL_LEN - 60) -> list[list[int]]:
     """n chat-templated "Repeat: …" prompts of 8 items (glm53/recall_tasks.py), each at most
     `max_len` tokens (AssertionError otherwise)."""
     tok = GlmTokenizer.from_pretrained(resolve_model("tiny-recall"))

@@ -16,28 +16,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from glm53.hub import resolve_model
-from serving.engine import EngineArgs
-from serving.engine_factory import build_engine
 from serving.types import SamplingParams
-from tests.helpers.mtp_async import assert_same, copy_prompts, drive
-
-K = 3
-MAX_MODEL_LEN = 128
+from tests.helpers.mtp_async import (
+    MAX_MODEL_LEN,
+    assert_same,
+    copy_prompts,
+    drive,
+    mtp_engine,
+)
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    return copy_prompts(6, MAX_MODEL_LEN - 60)
+    return copy_prompts(6)
 
 
 @pytest.fixture(scope="module")
 def engine():
-    e = build_engine(EngineArgs(model=resolve_model("tiny-recall"), max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
-                                max_num_batched_tokens=64, cuda_graph_sizes=[], precompile_token_paddings=[],
-                                kv_cache_dtype="bfloat16", enable_prefix_caching=True, compile_progress=False,
-                                disable_log_stats=True, skip_precompile=False,
-                                speculative_config={"method": "mtp", "num_speculative_tokens": K}))
+    e = mtp_engine(enable_prefix_caching=True, skip_precompile=False)
     yield e
     assert not e.has_unfinished_requests() and e.audit() == []
     assert e.pool.num_free == e.pool.num_usable_blocks, "KV pages leaked"
