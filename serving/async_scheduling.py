@@ -215,13 +215,14 @@ class AsyncStepMixin:
                 self._in_flight = None
             return self._fail_step(failed, e)
         self._last_wait_end = time.perf_counter()
+        self._count_verified(self._in_flight)
         scheds, recomputed = self._truncate(prev, sampled)
         drafts = self.runner.last_drafts if self.drafts is not None else None
         per_scheduler = [sch.update_from_output(sched, toks, drafts) if not sched.is_empty else []
                          for sch, sched, toks in zip(schedulers, scheds, sampled)]
         outs = [o for part in per_scheduler for o in part]
         self._structured_advance(outs)
-        spec_step = self._observe_drafts(*scheds)
+        spec_step = self._observe_drafts(*scheds, verified=prev.num_verified)
         self._end_step()
         self._attach_logprobs(outs)
         st = self.runner.last
@@ -238,6 +239,16 @@ class AsyncStepMixin:
                 self._timing(sched, part, rec)
             self._emit(rec)
         return outs
+
+    def _count_verified(self, step) -> None:
+        """MTP: the drafts each fed request of `step` (dispatched after the step just read back)
+        really verifies, now that the accepted counts it was moved by are known
+        (`InFlightStep.num_verified`: the verification statistics count these)."""
+        if step is None or self.drafts is None:
+            return
+        accepted = self.runner.last_accepted
+        step.num_verified = {sr.request_id: max(0, min(sr.num_spec_tokens, sr.spec_limit - accepted.get(sr.request_id, 0)))
+                             for s in step.scheds for sr in s.scheduled if sr.spec_limit is not None}
 
     def _uncertain_chunks(self, step) -> list[frozenset]:
         """Per scheduler, the requests of the dispatched `step` whose chunk may come back shorter:

@@ -52,21 +52,24 @@ class EngineStatsMixin:
                 if out.new_token_ids:
                     out.prompt_logprobs = take_prompt_logprobs(req)
 
-    def _observe_drafts(self, *scheds) -> SpecDecodingStats | None:
+    def _observe_drafts(self, *scheds, verified: dict | None = None) -> SpecDecodingStats | None:
         """MTP speculation: count the step's verifications (drafts verified, accepted) into the
         totals and the draft controller; → the step's counters (None without speculation).
-        scheds: the step's `SchedulerOutput`s (one per data-parallel replica)."""
+        scheds: the step's `SchedulerOutput`s (one per data-parallel replica). verified: request
+        id → drafts really verified where fewer than scheduled (asynchronous scheduling's fed
+        requests, `InFlightStep.num_verified`)."""
         if self.drafts is None:
             return None
         acc = self.runner.last_accepted
         step = SpecDecodingStats(self.drafts.k)
-        verified = []
+        observed = []
         for sr in (sr for sched in scheds for sr in sched.scheduled):
-            if sr.num_spec_tokens and sr.request_id in acc:
-                step.observe(sr.num_spec_tokens, acc[sr.request_id])
-                verified.append((sr.num_spec_tokens, acc[sr.request_id]))
+            n = sr.num_spec_tokens if verified is None else verified.get(sr.request_id, sr.num_spec_tokens)
+            if n and sr.request_id in acc:
+                step.observe(n, acc[sr.request_id])
+                observed.append((n, acc[sr.request_id]))
         self.spec_stats.add(step)
-        self.drafts.observe(verified)
+        self.drafts.observe(observed)
         return step
 
     def _timing(self, sched, outs: list[RequestOutput], rec: StepRecord) -> None:

@@ -35,6 +35,9 @@ class InFlightStep:
     deferred: a step dispatched without its sampler (`ModelRunner.sample_deferred`): (its logits
     on the device, its `StepInputs.extra`); `out` is None until then. prompt_logprobs: the step's
     (`serving.prompt_logprobs.PromptLogprobRows`, their outputs on the device) or None.
+    num_verified: asynchronous MTP, request id → the drafts its fed rows really verify (the device
+    cuts them at the limits after the accepted count of the step before,
+    `ScheduledRequest.spec_limit`), filled when that step is read back; None before.
     """
     scheds: list
     out: tuple | None
@@ -48,6 +51,7 @@ class InFlightStep:
     policy_rows: list | None = None
     deferred: tuple | None = None
     prompt_logprobs: tuple | None = None
+    num_verified: dict | None = None
 
     @property
     def sched(self) -> SchedulerOutput:

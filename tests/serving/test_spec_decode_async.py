@@ -50,11 +50,17 @@ def test_streams_equal_the_synchronous_engine(engine, prompts):
     for i, (p, mt) in enumerate(zip([*prompts, long_prompt], max_tokens)):
         sp = {"temperature": 0} if i % 2 == 0 else {"temperature": 2.0, "seed": 100 + i}
         reqs[f"r{i}"] = (p, SamplingParams(max_tokens=mt, ignore_eos=True, logprobs=2, **sp))
-    accepted = engine.spec_stats.num_accepted_tokens
+    def counters():
+        s = engine.spec_stats
+        return np.array([s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, *s.accepted_per_pos])
+
+    c0 = counters()
     sync = drive(engine, reqs, False)
-    assert engine.spec_stats.num_accepted_tokens > accepted
-    asyn = drive(engine, {f"{rid}": r for rid, r in reqs.items()}, True)
+    c1 = counters()
+    asyn = drive(engine, reqs, True)
     assert_same(sync, asyn)
+    # The verification statistics too: the drafts the fed steps really verified, not those scheduled.
+    assert (counters() - c1).tolist() == (c1 - c0).tolist() and c1[2] > c0[2]
     assert sync[1]["r6"] == "length" and len(sync[0]["r6"]) == 19
     assert [len(sync[0][f"r{i}"]) for i in (1, 2, 3)] == [1, 2, 5]
     # Most steps of the asynchronous run took their rows from the step in flight, verifying drafts.
