@@ -92,6 +92,7 @@ import time
 from serving.hisparse.truncation import truncate_step
 from serving.metrics import StepRecord
 from serving.penalties import output_dependent
+from serving.request import RequestStatus
 
 
 def _output_penalties(sched) -> bool:
@@ -218,11 +219,14 @@ class AsyncStepMixin:
         self._count_verified(self._in_flight)
         scheds, recomputed = self._truncate(prev, sampled)
         drafts = self.runner.last_drafts if self.drafts is not None else None
+        # (a request that stopped, or was aborted or preempted, while this step was in flight: its
+        # rows were computed and are dropped (`update_from_output` skips it), its verifications too)
+        live = {sr.request_id for s in scheds for sr in s.scheduled if sr.request.status is RequestStatus.RUNNING}
         per_scheduler = [sch.update_from_output(sched, toks, drafts) if not sched.is_empty else []
                          for sch, sched, toks in zip(schedulers, scheds, sampled)]
         outs = [o for part in per_scheduler for o in part]
         self._structured_advance(outs)
-        spec_step = self._observe_drafts(*scheds, verified=prev.num_verified)
+        spec_step = self._observe_drafts(*scheds, verified=prev.num_verified, live=live)
         self._end_step()
         self._attach_logprobs(outs)
         st = self.runner.last

@@ -52,18 +52,21 @@ class EngineStatsMixin:
                 if out.new_token_ids:
                     out.prompt_logprobs = take_prompt_logprobs(req)
 
-    def _observe_drafts(self, *scheds, verified: dict | None = None) -> SpecDecodingStats | None:
+    def _observe_drafts(self, *scheds, verified: dict | None = None, live: set | None = None) -> SpecDecodingStats | None:
         """MTP speculation: count the step's verifications (drafts verified, accepted) into the
         totals and the draft controller; → the step's counters (None without speculation).
         scheds: the step's `SchedulerOutput`s (one per data-parallel replica). verified: request
         id → drafts really verified where fewer than scheduled (asynchronous scheduling's fed
-        requests, `InFlightStep.num_verified`)."""
+        requests, `InFlightStep.num_verified`). live: the ids whose step was applied (None: all);
+        the others' rows were computed after they stopped (asynchronous scheduling) and dropped."""
         if self.drafts is None:
             return None
         acc = self.runner.last_accepted
         step = SpecDecodingStats(self.drafts.k)
         observed = []
         for sr in (sr for sched in scheds for sr in sched.scheduled):
+            if live is not None and sr.request_id not in live:
+                continue
             n = sr.num_spec_tokens if verified is None else verified.get(sr.request_id, sr.num_spec_tokens)
             if n and sr.request_id in acc:
                 step.observe(n, acc[sr.request_id])

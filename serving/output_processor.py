@@ -126,21 +126,36 @@ class RequestTextState:
         """Apply one engine increment (ignored once finished)."""
         if self.finished:
             return TextDelta("", [], None, True, self.finish_reason, self.stop_reason)
-        self.token_ids.extend(out.new_token_ids)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
-        if out.new_logprobs:
-            self.logprobs.extend(out.new_logprobs)
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens
-        ids = out.new_token_ids
+        new = list(out.new_token_ids)
+        ids = new
         if out.finished and out.finish_reason == "stop" and ids:
             ids = ids[:-1]  # the stop token: in the token ids, not in the text
-        raw = self._detok.step(ids, final=out.finished)
-        if len(self.token_ids) <= self.params.min_tokens:
-            emit, stopped = self._stops.skip(raw), False  # no stop string before min_tokens (vLLM's rule)
-        else:
-            emit, stopped = self._stops.feed(raw, final=out.finished)
+        # An increment of several tokens (MTP speculation) is matched a token at a time when stop
+        # strings are set, so the output ends at the token that completed one: the tokens after
+        # it are not part of the output (ids, logprobs, usage), as without speculation.
+        chunks = [[t] for t in ids] if self.params.stop and len(ids) > 1 else [ids]
+        base, used, emit, stopped = len(self.token_ids), 0, "", False
+        for i, chunk in enumerate(chunks):
+            last = i == len(chunks) - 1
+            raw = self._detok.step(chunk, final=out.finished and last)
+            used += len(chunk)
+            if (base + (len(new) if last else used)) <= self.params.min_tokens:
+                emit += self._stops.skip(raw)  # no stop string before min_tokens (vLLM's rule)
+            else:
+                part, stopped = self._stops.feed(raw, final=out.finished and last)
+                emit += part
+            if stopped:
+                break
+        kept = used if stopped and not (used == len(ids) and len(ids) < len(new)) else len(new)
+        new = new[:kept]
+        self.token_ids.extend(new)
+        new_lps = list(out.new_logprobs[:kept]) if out.new_logprobs else None
+        if new_lps:
+            self.logprobs.extend(new_lps)
         self.text += emit
         if stopped:
             self.finished, self.finish_reason, self.stop_reason = True, "stop", self._stops.matched
@@ -149,9 +164,8 @@ class RequestTextState:
             last = out.new_token_ids[-1] if out.new_token_ids else None
             if out.finish_reason == "stop" and last in (self.params.stop_token_ids or ()):
                 self.stop_reason = last
-        lps = list(out.new_logprobs) if out.new_logprobs else ([] if self.params.logprobs is not None else None)
-        return TextDelta(emit, list(out.new_token_ids), lps, self.finished, self.finish_reason, self.stop_reason,
-                         out.prompt_logprobs)
+        lps = new_lps if new_lps else ([] if self.params.logprobs is not None else None)
+        return TextDelta(emit, new, lps, self.finished, self.finish_reason, self.stop_reason, out.prompt_logprobs)
 
     def finish(self, reason: str = "abort") -> TextDelta:
         """End the output without a final engine increment (the stream ended early)."""

@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from serving.penalties import MIN_WIDTH, empty_penalties
-from serving.step_inputs import COPY_DST, COPY_SRC, NUM_SAMPLING
+from serving.step_inputs import COPY_DST, COPY_SRC, NUM_SAMPLING, STEPS
 
 logger = logging.getLogger("serving.runner")
 
@@ -104,12 +104,15 @@ class VariantPrecompileMixin:
             batch, extra = self._dummy(T)
             batch.hot = None  # the plain program (run_inputs' key: plain = True)
             n = batch.input_ids_T.shape[0]  # the step's key: all replicas' tokens under DP
-            placed = tree(self._place(batch))
-            put_extra = tree(tuple(self._put(x) for x in extra))
+            placed = self._place(batch)
+            put_extra = [self._put(x) for x in extra]
+            spec = None if self._dummy_spec is None else jax.tree.map(self._put, self._dummy_spec)
+            if spec is not None:  # MTP: the step takes these from `_spec_inputs` (its placements)
+                placed, put_extra[STEPS], spec = self._spec_inputs(placed, put_extra[STEPS], spec, None)
+            placed, put_extra, spec = tree(placed), tree(tuple(put_extra)), tree(spec)
             if forward_only:
                 jobs.append(_Job(("forward-only", n, True), self._forward,
                                  (state, placed, arena, put_extra[COPY_SRC], put_extra[COPY_DST], None)))
-            spec = None if self._dummy_spec is None else tree(jax.tree.map(self._put, self._dummy_spec))
             jobs.append(_Job(("masked", n, True), self._step, (state, placed, arena, *put_extra, None, spec, bitmask)))
             # The whole step with prompt-logprob rows (serving/prompt_logprobs.py: scoring requests), n of
             # them and their count; after every other job (`run_inputs` passes None for mask and penalties).

@@ -39,6 +39,12 @@ def engine():
     assert e.pool.num_free == e.pool.num_usable_blocks, "KV pages leaked"
 
 
+def spec_counters(engine) -> np.ndarray:
+    """The engine's spec-decode totals: drafts, draft tokens, accepted tokens, accepted per position."""
+    s = engine.spec_stats
+    return np.array([s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, *s.accepted_per_pos])
+
+
 def test_streams_equal_the_synchronous_engine(engine, prompts):
     """Greedy and seeded temperature-2 requests (spread enough that a draw depends on its key) with logprobs; `max_tokens` 1, 2, 5 (stops while
     the next step verifies drafts), a prompt that reaches the length limit inside its verification
@@ -50,17 +56,13 @@ def test_streams_equal_the_synchronous_engine(engine, prompts):
     for i, (p, mt) in enumerate(zip([*prompts, long_prompt], max_tokens)):
         sp = {"temperature": 0} if i % 2 == 0 else {"temperature": 2.0, "seed": 100 + i}
         reqs[f"r{i}"] = (p, SamplingParams(max_tokens=mt, ignore_eos=True, logprobs=2, **sp))
-    def counters():
-        s = engine.spec_stats
-        return np.array([s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, *s.accepted_per_pos])
-
-    c0 = counters()
+    c0 = spec_counters(engine)
     sync = drive(engine, reqs, False)
-    c1 = counters()
+    c1 = spec_counters(engine)
     asyn = drive(engine, reqs, True)
     assert_same(sync, asyn)
     # The verification statistics too: the drafts the fed steps really verified, not those scheduled.
-    assert (counters() - c1).tolist() == (c1 - c0).tolist() and c1[2] > c0[2]
+    assert (spec_counters(engine) - c1).tolist() == (c1 - c0).tolist() and c1[2] > c0[2]
     assert sync[1]["r6"] == "length" and len(sync[0]["r6"]) == 19
     assert [len(sync[0][f"r{i}"]) for i in (1, 2, 3)] == [1, 2, 5]
     # Most steps of the asynchronous run took their rows from the step in flight, verifying drafts.
@@ -85,10 +87,14 @@ def test_stop_tokens_and_aborts_while_a_step_is_in_flight(engine, prompts):
     m = drive(engine, {"m": (prompts[4], SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))}, False)[0]["m"]
     reqs["m"] = (prompts[4], SamplingParams(max_tokens=40, ignore_eos=True, temperature=0, min_tokens=14,
                                             stop_token_ids=[m[14], m[15], m[16]]))
+    c0 = spec_counters(engine)
     sync = drive(engine, reqs, False)
+    c1 = spec_counters(engine)
     asyn = drive(engine, reqs, True)
     assert_same(sync, asyn)
     assert all(r == "stop" for r in sync[1].values()) and len(sync[0]["m"]) == 15  # stopped on its 15th token
+    # The step computed after a request stopped is dropped, its verifications too: the same counters.
+    assert (spec_counters(engine) - c1).tolist() == (c1 - c0).tolist()
     aborted = drive(engine, base, True, aborts={3: ["s1"], 6: ["s2"]})
     assert aborted[1]["s1"] == aborted[1]["s2"] == "abort"
     for rid in ("s0", "s3"):
@@ -142,3 +148,33 @@ def test_the_feed_moves_rows_by_the_accepted_count_and_cuts_the_drafts_at_the_li
                           tokens_per_page={"g": tpp}, dp=1)[2]["g"]
     # request 0 at 15 … 18 (15 on its last page, the rest past the table); request 1 at 9, 10 (null page)
     assert np.asarray(far).tolist()[:6] == [1 * tpp + 3, -1, -1, -1, -1, -1]
+
+
+def test_background_variants_are_compiled_for_the_speculative_steps_placements(engine, prompts):
+    """The masked and prompt-logprob variants a server compiles in the background
+    (`serving.runner_variants`) must take their arguments as a speculative step passes them (ids,
+    positions, slots, step counters and `SpecBatch` from `_spec_inputs`), else the first
+    constrained or scoring request compiles on the engine thread. Checked against the arguments of
+    a real step (no compile here: the jobs' abstract arguments only)."""
+    from serving.runner_variants import _placed_as
+
+    runner = engine.runner
+    seen = []
+    orig = runner._step
+
+    def spy(*args):
+        seen.append(args)
+        return orig(*args)
+
+    spy._cache_size = orig._cache_size
+    runner._step = spy
+    try:
+        drive(engine, {"v": (prompts[0], SamplingParams(max_tokens=4, temperature=0))}, False)
+    finally:
+        runner._step = orig
+    jobs = {j.key: j for j in runner.variant_jobs(bitmask_words=16, forward_only=False)}
+    step_args = seen[-1]
+    masked = jobs["masked", step_args[1].input_ids_T.shape[0], True].args
+    scoring = jobs["prompt-logprobs", step_args[1].input_ids_T.shape[0], True].args
+    assert _placed_as(masked[:len(step_args)], step_args)
+    assert _placed_as(scoring[:len(step_args)], step_args)
