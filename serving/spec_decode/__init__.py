@@ -9,6 +9,8 @@ drafts' KV is rolled back by not counting it (their slots are written again).
 * `rejection.py` — on-device verification: greedy prefix match, and the rejection rule that
                    keeps the target distribution for temperature > 0.
 * `inputs.py`    — the per-step `SpecBatch` the runner passes to its step.
+* `feed.py`      — asynchronous scheduling: the next step's rows taken from the step in flight
+                   and moved by its accepted count on the device (docs/async_scheduling.md).
 * `stats.py`     — acceptance counters (vLLM's `vllm:spec_decode_*` metrics).
 
 The drafting maths is the model's (`glm53/mtp.py`); the scheduler schedules the drafts
