@@ -150,7 +150,7 @@ class RequestTextState:
                 emit += part
             if stopped:
                 break
-        kept = used if stopped and not (used == len(ids) and len(ids) < len(new)) else len(new)
+        kept = used if stopped and used < len(ids) else len(new)  # (a stop token after the text stays)
         new = new[:kept]
         self.token_ids.extend(new)
         new_lps = list(out.new_logprobs[:kept]) if out.new_logprobs else None

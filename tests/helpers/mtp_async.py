@@ -10,6 +10,7 @@ import numpy as np
 from glm53 import recall_tasks
 from glm53.hub import resolve_model
 from glm53.tokenizer import GlmTokenizer
+from tests.helpers.engine_drive import drive as drive_events
 
 K = 3  # drafts per step
 MAX_MODEL_LEN = 128
@@ -39,18 +40,15 @@ def copy_prompts(n: int, max_len: int = MAX_MODEL_LEN - 60) -> list[list[int]]:
 
 
 def drive(e, requests: dict, async_scheduling: bool, aborts: dict | None = None):
-    """Run `requests` ({id: (prompt, SamplingParams)}) to the end; `aborts` maps a `step()` call
-    index to ids aborted before it. Audits after every call. → ({id: tokens}, {id: finish reason},
-    {id: [TokenLogprobs]}, fed steps: the steps whose rows came from the step in flight, with the
-    drafts they verified). An asynchronous run must not compile a step program: its fed steps run
-    the programs the synchronous run of the same workload used (a fed input's sharding is the
-    host input's)."""
-    e.set_async_scheduling(async_scheduling)
-    for rid, (prompt, sp) in requests.items():
-        e.add_request(rid, prompt, sp)
-    toks = {rid: [] for rid in requests}
-    lps = {rid: [] for rid in requests}
-    reasons = {}
+    """`tests.helpers.engine_drive.drive` of `requests` ({id: (prompt, SamplingParams)}), all added
+    before the first `step()`; `aborts` maps a `step()` call index to ids aborted before it. →
+    ({id: tokens}, {id: finish reason}, {id: [TokenLogprobs]}, fed steps: the drafts verified in each
+    step whose rows came from the step in flight). An asynchronous run must not compile a step
+    program: its fed steps run the programs the synchronous run of the same workload used (a fed
+    input's sharding is the host input's)."""
+    events = {0: [("add", rid) for rid in requests]}
+    for call, rids in (aborts or {}).items():
+        events.setdefault(call, []).extend(("abort", rid) for rid in rids)
     fed = []
     orig = e.runner._spec_inputs
 
@@ -62,21 +60,8 @@ def drive(e, requests: dict, async_scheduling: bool, aborts: dict | None = None)
 
     e.runner._spec_inputs = spy
     programs = e.runner._step._cache_size()
-    call = 0
     try:
-        while e.has_unfinished_requests():
-            for rid in (aborts or {}).get(call, []):
-                out = e.abort(rid)
-                if out is not None:
-                    reasons[rid] = out.finish_reason
-            for o in e.step():
-                assert o.request_id not in reasons, f"{o.request_id} streamed after it finished"
-                toks[o.request_id] += o.new_token_ids
-                lps[o.request_id] += o.new_logprobs or []
-                if o.finished:
-                    reasons[o.request_id] = o.finish_reason
-            assert e.audit() == []
-            call += 1
+        toks, reasons, lps, _ = drive_events(e, requests, async_scheduling, events)
     finally:
         e.runner._spec_inputs = orig
         e.set_async_scheduling(False)
