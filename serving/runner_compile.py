@@ -139,7 +139,7 @@ class StepCompileMixin:
                 default = self._ids_sharding
             else:
                 default = jax.sharding.NamedSharding(self.parallel.mesh, jax.sharding.PartitionSpec())
-            shard = lambda x: x.sharding if isinstance(x, jax.Array) else default  # noqa: E731
+            shard = lambda x: x.sharding if isinstance(x, jax.Array) else default
             shardings = jax.tree.map(shard, (placed.input_ids_T, placed.positions_T, placed.slot_mapping, steps_B, sp))
             fn = self._feeds["spec", fed] = spec_feed_program(tpp, self.dp, shardings, fed)
         args = (placed.input_ids_T, placed.positions_T, placed.req_idx_T, placed.slot_mapping, placed.block_tables,
