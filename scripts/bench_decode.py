@@ -8,7 +8,9 @@ For each batch size (default 1, 8, 32) the same workload runs through both:
   `max_new_tokens` = the same count, prompts padded on the left with the checkpoint's pad token
   and an attention mask), in fp32 on CPU.
 
-Both sides get the same prompts (random token ids of the regular vocabulary, fixed seed) and
+Both sides get the same prompts (random token ids of the regular vocabulary, fixed seed; or, with
+`--prompt-kind copy`, the tails of "Repeat: …" conversations, on which the trained `tiny-recall`
+checkpoint's MTP drafts are accepted) and
 generate the same number of new tokens. The checkpoint's padded vocabulary rows (ids past the
 tokenizer's) are never chosen by ours (`glm53.sampling.mask_unreachable`); HF gets them as
 `suppress_tokens`, so both choose among the same ids. Only the steady decode phase is compared: for ours the
@@ -88,6 +90,31 @@ def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[lis
 
     rng = random.Random(seed * 1_000_003 + batch)
     return [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
+
+
+def make_copy_prompts(batch: int, prompt_len: int, model_dir: str, seed: int) -> list[list[int]]:
+    """`batch` prompts of exactly `prompt_len` tokens: the last `prompt_len` tokens of chat-templated
+    conversations of "Repeat: …" turns, each answered by its span but the last (the `copy` task of
+    glm53/recall_tasks.py, which the `tiny-recall` checkpoint was trained on: its MTP drafts are
+    then accepted as on text the model knows; deterministic). Needs the checkpoint's tokenizer."""
+    import numpy as np
+
+    from glm53 import recall_tasks
+    from glm53.tokenizer import GlmTokenizer
+
+    tok = GlmTokenizer.from_pretrained(model_dir)
+    rng = np.random.default_rng(recall_tasks.EVAL_SEED_BASE + seed * 1_000_003 + batch)
+    out = []
+    for _ in range(batch):
+        msgs, ids = [], []
+        while len(ids) < prompt_len:
+            span = recall_tasks.copy_span(rng, int(rng.integers(6, 17)))
+            if msgs:
+                msgs.append({"role": "assistant", "content": msgs[-1]["content"].removeprefix("Repeat: ")})
+            msgs.append({"role": "user", "content": f"Repeat: {span}"})
+            ids = tok.encode(tok.apply_chat_template(msgs, enable_thinking=False))
+        out.append(ids[-prompt_len:])
+    return out
 
 
 def regular_vocab_size(model_dir: str) -> int:
@@ -457,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny checkpoint)")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--prompt-kind", choices=("random", "copy"), default="random",
+                   help="random: uniform token ids; copy: the tail of a \"Repeat: …\" conversation (the task "
+                   "the tiny-recall checkpoint was trained on: real MTP acceptance; needs a tokenizer)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=512)
@@ -513,7 +543,10 @@ def main(argv: list[str] | None = None) -> int:
         pad = eos[0] if isinstance(eos, list) else (eos or 0)
     vocab = regular_vocab_size(model_dir) if os.path.exists(os.path.join(model_dir, "tokenizer.json")) \
         else hf_cfg["vocab_size"]
-    prompts = {B: make_prompts(B, args.prompt_len, vocab, args.seed) for B in batches}
+    if args.prompt_kind == "copy":
+        prompts = {B: make_copy_prompts(B, args.prompt_len, model_dir, args.seed) for B in batches}
+    else:
+        prompts = {B: make_prompts(B, args.prompt_len, vocab, args.seed) for B in batches}
 
     hf_python = None if args.skip_hf else (args.hf_python or default_hf_python())
     if not args.skip_hf and hf_python is None:
@@ -580,6 +613,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {
         "workload": {"model": model_dir, "batches": batches, "prompt_len": args.prompt_len,
+                     "prompt_kind": args.prompt_kind,
                      "new_tokens": args.new_tokens, "repeats": args.repeats, "seed": args.seed,
                      "greedy": True, "ignore_eos": True},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},

@@ -64,9 +64,15 @@ the most it may accept (`Request.num_draft_placeholders`, `max_accepted_in_fligh
 runs, the device takes those tokens from step n's outputs and moves the rows, their slots and the
 sampler's step counters by the accepted count (`serving.spec_decode.feed`); `update_from_output` of
 step n adds the accepted drafts to `num_computed_tokens`. A step after one with rows whose
-`min_tokens` is not reached waits for it (the bans depend on the accepted count). With Hybrid
-HiSparse, whose hot-buffer inputs come from positions on the host, MTP engines run synchronously
-and say so at start-up (`sync_reason`).
+`min_tokens` is not reached waits for it (the bans depend on the accepted count). Once step n is
+read back, the engine works out how many drafts each fed request of step n+1 really verifies
+(`InFlightStep.num_verified`). Under Hybrid HiSparse a fed request's hot inputs (host table,
+lease, state row) do not depend on its positions, its lease is sized by its rows
+(`allocate(lookahead=)` gives the positions the accepted drafts move it by token pages only), and
+its verification rows always fit the lease, so their selections are never dropped: they are
+counted at dispatch like a decode row (`HiSparsePolicy.may_truncate`; a fed chunk is never one
+that may come back shorter, whose restart position would be off by the accepted count —
+`Scheduler.mark_in_flight` refuses one).
 
 **Structured outputs.** A constrained request's next mask needs the token the step in flight
 samples for it. So after a step with a constrained row, step n+1 is dispatched as its forward pass
@@ -107,15 +113,6 @@ def _min_tokens_pending(sched) -> bool:
     on how many drafts the step in flight accepts."""
     return any(sr.sample and sr.request.sampling_params.min_tokens
                > len(sr.request.output_token_ids) + sr.request.num_output_placeholders for sr in sched.scheduled)
-
-
-def sync_reason(engine) -> str | None:
-    """Why `engine` cannot schedule asynchronously (the feature that needs synchronous steps,
-    naming its flag), or None when it can."""
-    if engine.drafts is not None and engine.hisparse is not None:
-        return ("MTP speculation (--speculative-config) with Hybrid HiSparse (--hisparse-config): the hot "
-                "buffer's inputs are built from positions that the step in flight decides")
-    return None
 
 
 class AsyncStepMixin:

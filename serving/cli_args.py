@@ -119,10 +119,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
     sch.add_argument(
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
         help="Schedule and dispatch step n+1 while step n runs, and read back and stream step n's tokens "
-        "while step n+1 runs (docs/async_scheduling.md). Streams are unchanged. Default: on where the engine "
-        "can (MTP speculation included); engines with MTP speculation and Hybrid HiSparse run "
-        "synchronously and say so at start-up "
-        "(a warning when --async-scheduling was given). --no-async-scheduling: always synchronous.",
+        "while step n+1 runs (docs/async_scheduling.md). Streams are unchanged. Default: on (every "
+        "feature, MTP speculation and Hybrid HiSparse included). --no-async-scheduling: synchronous steps.",
     )
     sch.add_argument(
         "--gpu-memory-utilization",

@@ -18,7 +18,7 @@ import time
 import jax
 
 from glm53.tokenizer import tokenizer_vocab_size
-from serving.async_scheduling import AsyncStepMixin, sync_reason
+from serving.async_scheduling import AsyncStepMixin
 from serving.block_pool import BlockPool
 from serving.engine_args import (  # noqa: F401 (CPU_KV_CACHE_BYTES, EngineArgs, num_kv_blocks: re-exported)
     CPU_KV_CACHE_BYTES,
@@ -123,18 +123,13 @@ class LLMEngine(EngineStatsMixin, HostTiersMixin, PDEngineMixin, AsyncStepMixin,
         self._offload_counts = (0, 0, 0, 0, 0)  # external queries and hits, pages stored, loaded, skipped
 
     def _async_scheduling(self, args: EngineArgs) -> bool:
-        """`--async-scheduling` (True, or None: where the engine can), unless a feature of this
-        engine needs synchronous steps (logged naming it, as a warning when it was asked for:
-        `serving.async_scheduling.sync_reason`)."""
+        """`--async-scheduling` (True, or None: the default) turns asynchronous scheduling on for
+        every engine (every feature schedules asynchronously: docs/async_scheduling.md);
+        `--no-async-scheduling` (False) leaves it off. Logs which."""
         self.async_scheduling = False
         if args.async_scheduling is False:
             logger.info("asynchronous scheduling is off: each step's tokens are read before the next step is "
                         "scheduled (--async-scheduling, or EngineArgs(async_scheduling=True), turns it on)")
-            return False
-        reason = sync_reason(self)
-        if reason is not None:
-            log = logger.warning if args.async_scheduling else logger.info
-            log("asynchronous scheduling is off: this engine schedules synchronously: %s", reason)
             return False
         self.set_async_scheduling(True)
         logger.info("asynchronous scheduling: step n+1 is scheduled and dispatched before step n's tokens are read")
@@ -142,13 +137,9 @@ class LLMEngine(EngineStatsMixin, HostTiersMixin, PDEngineMixin, AsyncStepMixin,
 
     def set_async_scheduling(self, enabled: bool) -> None:
         """Switch asynchronous scheduling on or off between workloads (the same compiled steps
-        serve both). Raises RuntimeError while requests are unfinished, ValueError when `enabled`
-        and a feature of this engine needs synchronous steps (`sync_reason`)."""
+        serve both). Raises RuntimeError while requests are unfinished."""
         if self.has_unfinished_requests():
             raise RuntimeError("set_async_scheduling: requests are unfinished")
-        reason = sync_reason(self) if enabled else None
-        if reason is not None:
-            raise ValueError(f"asynchronous scheduling is not available: {reason}")
         self.async_scheduling = bool(enabled)
         for scheduler in self._schedulers():
             scheduler.async_scheduling = self.async_scheduling

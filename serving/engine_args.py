@@ -55,8 +55,8 @@ class EngineArgs:
     speculative_config: dict | None = None  # --speculative-config (MTP speculative decoding)
     kv_events_config: dict | None = None  # --kv-events-config (KV cache events for prefix-aware routers)
     structured_outputs_config: dict | None = None  # --structured-outputs-config (serving/structured_outputs)
-    # --async-scheduling (serving/async_scheduling.py): True asks for it (a warning when this
-    # engine cannot), None turns it on where the engine can (the server's default), False: off.
+    # --async-scheduling (serving/async_scheduling.py): True or None (the server's default) turn it
+    # on, False (the library's default): off.
     async_scheduling: bool | None = False
     skip_precompile: bool | None = None
 

@@ -60,11 +60,15 @@ class DeviceResidentPolicy:
         """The most of `num_new` tokens `req` may compute this step (≥ 1 when num_new ≥ 1)."""
         return num_new
 
-    def allocate(self, req: "Request", num_new: int, scheduled: Iterable["Request"]) -> int:
-        """Pages for a running request's next `num_new` tokens. Returns the tokens granted (≤
-        num_new; 0 when the pool cannot hold any, nothing changed). `scheduled`: the requests
-        already in this step."""
-        return num_new if self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new) else 0
+    def allocate(self, req: "Request", num_new: int, scheduled: Iterable["Request"], lookahead: int = 0) -> int:
+        """Pages for a running request's next `num_new` tokens (query rows) and `lookahead`
+        positions past them. Returns the rows granted (≤ num_new, pages allocated for them plus
+        `lookahead`; 0 when the pool cannot hold them, nothing changed). `scheduled`: the
+        requests already in this step. `lookahead`: asynchronous scheduling under MTP — the
+        step in flight may accept up to that many drafts, which moves this step's rows as many
+        positions further on the device (`serving.spec_decode.feed`); the rows, not the
+        lookahead, are what a policy sizes per-row resources (HiSparse's hot lease) by."""
+        return num_new if self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new + lookahead) else 0
 
     def admit(self, req: "Request", hit: "PrefixHit | None", num_new: int, scheduled: Iterable["Request"]) -> int:
         """Pages for a waiting request about to compute `num_new` tokens from `hit.num_tokens`

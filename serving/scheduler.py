@@ -40,7 +40,8 @@ appends tokens. A request whose placeholders finish it anyway is not scheduled a
 Under MTP speculation a request with a step in flight is scheduled as if that step accepted none
 of its drafts: its next rows are the token that step emits and the drafts it proposes
 (`Request.num_draft_placeholders`, all fed on the device, which also moves the rows by the
-accepted count), with pages for the most that step can accept (`Request.max_accepted_in_flight`);
+accepted count), with pages for the most that step can accept (`Request.max_accepted_in_flight`,
+the policy's `allocate(lookahead=)`: positions, not query rows);
 `update_from_output` of the step in flight then adds the accepted drafts to `num_computed_tokens`.
 
 A preempted request resumes by prefilling all of its tokens so far (prompt and generated ones),
@@ -282,13 +283,10 @@ class Scheduler:
             ahead = req.max_accepted_in_flight if req.num_output_placeholders else 0
             ahead = max(0, min(ahead, self._len_limit - req.num_computed_tokens - num_new))
             while True:
-                granted = self.policy.allocate(req, num_new + ahead, [sr.request for sr in scheduled])
-                if granted > ahead:
-                    num_new = granted - ahead
-                    break
+                granted = self.policy.allocate(req, num_new, [sr.request for sr in scheduled], lookahead=ahead)
                 if granted:
-                    raise RuntimeError(f"the KV policy granted {granted} tokens of {num_new + ahead} to "
-                                       f"{req.request_id!r}, not past the {ahead} positions its step in flight may accept")
+                    num_new = granted
+                    break
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -370,7 +368,11 @@ class Scheduler:
         exclude: requests whose chunk may come back shorter (a HiSparse chunk cut at its first
         dropped selection): they are not advanced, and `update_from_output` of this step applies
         their chunk as synchronous scheduling does; the engine reads this step back before it
-        schedules again."""
+        schedules again. Rows fed from the step in flight (asynchronous MTP) cannot be excluded
+        (RuntimeError): HiSparse never needs it (`HiSparsePolicy.may_truncate`)."""
+        fed = [sr.request_id for sr in sched_out.scheduled if sr.spec_limit is not None and sr.request_id in exclude]
+        if fed:  # (its restart position would be off by the accepted count the host does not know yet)
+            raise RuntimeError(f"the fed MTP rows of {fed} cannot be a chunk that comes back shorter")
         sched_out.not_marked_in_flight = frozenset(exclude)
         num_drafts = self._drafts_proposed(sched_out)
         for sr in sched_out.scheduled:

@@ -329,16 +329,19 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
         return {r.request_id for r in scheduled
                 if r.request_id != exclude and self._rows.get(r.request_id, 0) * self.K > rows}
 
-    def _pages_needed(self, req: "Request", num_new: int, floor: int | None = None) -> int:
+    def _pages_needed(self, req: "Request", num_new: int, floor: int | None = None, lookahead: int = 0) -> int:
         rid = req.request_id
         rec = self.records.get(rid)
         have = len(rec.lease) if rec else 0
-        return self._token_pages(req, num_new) + max(0, self._lease_pages(rid, num_new, floor=floor) - have)
+        return self._token_pages(req, num_new + lookahead) + max(0, self._lease_pages(rid, num_new, floor=floor) - have)
 
-    def _try_allocate(self, req: "Request", num_new: int, floor: int | None = None) -> bool:
+    def _try_allocate(self, req: "Request", num_new: int, floor: int | None = None, lookahead: int = 0) -> bool:
+        """Token pages for `num_new` query rows and `lookahead` positions past them, and the lease
+        the rows need (sized by the rows alone) → False when the pool cannot hold them (nothing
+        changed)."""
         rid = req.request_id
         rec = self._rec(req)
-        tok = self._token_pages(req, num_new)
+        tok = self._token_pages(req, num_new + lookahead)
         want = self._lease_pages(rid, num_new, cap=self._lease_cap(req, num_new, tok), floor=floor)
         if want > self.max_pages and tok + want - len(rec.lease) + self.watermark > self.kv.pool.num_free:
             # A grown lease takes the request's own clean pages too (`_lease_cap` counted them).
@@ -348,7 +351,7 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
         if want < len(rec.lease):
             self.kv.pool.free(reversed(rec.lease[want:]))
             del rec.lease[want:]
-        ok = self.kv.allocate_slots(rid, req.num_computed_tokens + num_new)
+        ok = self.kv.allocate_slots(rid, req.num_computed_tokens + num_new + lookahead)
         assert ok, "allocation checked above"
         if want > len(rec.lease):
             rec.lease += self.kv.pool.allocate(want - len(rec.lease))
@@ -359,25 +362,29 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
         self._rows[rid] = num_new
         return True
 
-    def allocate(self, req: "Request", num_new: int, scheduled: Iterable["Request"]) -> int:
+    def allocate(self, req: "Request", num_new: int, scheduled: Iterable["Request"], lookahead: int = 0) -> int:
+        """`DeviceResidentPolicy.allocate` under pressure: releases clean pages of running requests,
+        then shrinks the chunk to what the decode lease covers, then squeezes leases (`_squeeze`),
+        before it returns 0 (a preemption). The chunk bounds and the lease count query rows
+        (`num_new`); `lookahead` positions only take token pages."""
         scheduled = list(scheduled)
         for _ in range(3):  # releasing this request's own pages can change its chunk bound
             n = self.cap_new_tokens(req, num_new)
-            if self._try_allocate(req, n):
+            if self._try_allocate(req, n, lookahead=lookahead):
                 return n
-            if not self._make_room(self._pages_needed(req, n), self._protected(scheduled, req.request_id),
-                                   shared=True):
+            if not self._make_room(self._pages_needed(req, n, lookahead=lookahead),
+                                   self._protected(scheduled, req.request_id), shared=True):
                 break
         n = self.cap_new_tokens(req, num_new)
-        if self._try_allocate(req, n):
+        if self._try_allocate(req, n, lookahead=lookahead):
             return n
         # A mixed request's chunk can shrink to what the decode lease covers.
         small = max(1, min(n, self.dec_pages * self.hot_tpp // self.K))
-        if small < n and self._try_allocate(req, small):
+        if small < n and self._try_allocate(req, small, lookahead=lookahead):
             return small
-        return self._squeeze(req, small, scheduled)
+        return self._squeeze(req, small, scheduled, lookahead)
 
-    def _squeeze(self, req: "Request", num_new: int, scheduled: list["Request"]) -> int:
+    def _squeeze(self, req: "Request", num_new: int, scheduled: list["Request"], lookahead: int = 0) -> int:
         """The last resort before a preemption: `num_new` (cut to what a lease of `least_pages`
         covers) with every lease this step gives or keeps at `least_pages` instead of
         `dec_pages` — the request's own, and those of the requests releasing pages for it (own
@@ -387,10 +394,10 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
         if fl >= self.dec_pages:
             return 0
         n = max(1, min(num_new, fl * self.hot_tpp // self.K))
-        if self._try_allocate(req, n, floor=fl):
+        if self._try_allocate(req, n, floor=fl, lookahead=lookahead):
             return n
         protect = self._protected(scheduled, req.request_id, lease_pages=fl)
-        needed = self._pages_needed(req, n, floor=fl)
+        needed = self._pages_needed(req, n, floor=fl, lookahead=lookahead)
         cuts = sorted(((len(self.records[r.request_id].lease) - fl, r) for r in self.running
                        if r is not req and r.request_id not in protect and r.request_id in self.records
                        and len(self.records[r.request_id].lease) > fl), key=lambda c: -c[0])
@@ -402,7 +409,8 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
             rec = self.records[r.request_id]
             self.kv.pool.free(reversed(rec.lease[fl:]))
             del rec.lease[fl:]
-        if self._make_room(needed, protect, shared=True, lease_pages=fl) and self._try_allocate(req, n, floor=fl):
+        if (self._make_room(needed, protect, shared=True, lease_pages=fl)
+                and self._try_allocate(req, n, floor=fl, lookahead=lookahead)):
             return n
         return 0
 
@@ -505,11 +513,17 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
         return dict(self._rows)
 
     def may_truncate(self, rid: str, num_rows: int) -> bool:
-        """Whether a chunk of `num_rows` query rows of request `rid`, in a step on the hot
+        """Whether a chunk of `num_rows` query rows of request `rid`, just dispatched on the hot
         program, can be cut at its first dropped selection (`serving.hisparse.truncation`): it
-        resolves several rows through a hot lease."""
+        resolves several rows through a hot lease that its rows' selections may overflow — more
+        than the lease's rows in all (`num_rows` × index_topk, or every off-device row when
+        fewer: each distinct missed row takes one slot). A decode step's rows (MTP verification
+        rows included) and worst-case-sized prefill chunks always fit; adaptive prefill chunks
+        may not (module docstring)."""
         rec = self.records.get(rid)
-        return num_rows > 1 and rec is not None and bool(rec.lease)
+        if num_rows <= 1 or rec is None or not rec.lease:
+            return False
+        return min(num_rows * self.K, self.off_pages(rid) * self.hot_tpp) > len(rec.lease) * self.hot_tpp
 
     def after_update(self, out: "SchedulerOutput") -> None:
         self.complete_copies()

@@ -16,13 +16,13 @@ K = 3  # drafts per step
 MAX_MODEL_LEN = 128
 
 
-def mtp_engine(**kw):
-    """An MTP engine (k = `K`) on `tiny-recall`: `MAX_MODEL_LEN`, 4 sequences, one 64-token bucket,
+def mtp_engine(max_model_len: int = MAX_MODEL_LEN, **kw):
+    """An MTP engine (k = `K`) on `tiny-recall`: `max_model_len`, 4 sequences, one 64-token bucket,
     bf16 cache; `kw`: more `EngineArgs` fields."""
     from serving.engine import EngineArgs
     from serving.engine_factory import build_engine
 
-    return build_engine(EngineArgs(model=resolve_model("tiny-recall"), max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
+    return build_engine(EngineArgs(model=resolve_model("tiny-recall"), max_model_len=max_model_len, max_num_seqs=4,
                                    max_num_batched_tokens=64, cuda_graph_sizes=[], precompile_token_paddings=[],
                                    kv_cache_dtype="bfloat16", compile_progress=False, disable_log_stats=True,
                                    speculative_config={"method": "mtp", "num_speculative_tokens": K}, **kw))
@@ -39,13 +39,33 @@ def copy_prompts(n: int, max_len: int = MAX_MODEL_LEN - 60) -> list[list[int]]:
     return out
 
 
-def drive(e, requests: dict, async_scheduling: bool, aborts: dict | None = None):
+def copy_conversations(turns: list[int], n_items: int = 12) -> list[list[int]]:
+    """One chat-templated conversation per entry of `turns`: that many "Repeat: …" turns of
+    `n_items` items, each answered by its span, the last one unanswered (the `copy` training
+    sequences' shape, glm53/recall_tasks.py; ≈ 80 tokens a turn)."""
+    tok = GlmTokenizer.from_pretrained(resolve_model("tiny-recall"))
+    rng = np.random.default_rng(recall_tasks.EVAL_SEED_BASE + 778)
+    out = []
+    for n in turns:
+        msgs = []
+        for t in range(n):
+            span = recall_tasks.copy_span(rng, n_items)
+            msgs.append({"role": "user", "content": f"Repeat: {span}"})
+            if t < n - 1:
+                msgs.append({"role": "assistant", "content": span})
+        out.append(tok.encode(tok.apply_chat_template(msgs, enable_thinking=False)))
+    return out
+
+
+def drive(e, requests: dict, async_scheduling: bool, aborts: dict | None = None, hot_fed: list | None = None):
     """`tests.helpers.engine_drive.drive` of `requests` ({id: (prompt, SamplingParams)}), all added
     before the first `step()`; `aborts` maps a `step()` call index to ids aborted before it. →
     ({id: tokens}, {id: finish reason}, {id: [TokenLogprobs]}, fed steps: the drafts verified in each
     step whose rows came from the step in flight). An asynchronous run must not compile a step
     program: its fed steps run the programs the synchronous run of the same workload used (a fed
-    input's sharding is the host input's)."""
+    input's sharding is the host input's). `hot_fed`: when given, one bool per fed step is appended
+    to it: whether the step ran the HiSparse hot program (some request resolved through a hot
+    lease)."""
     events = {0: [("add", rid) for rid in requests]}
     for call, rids in (aborts or {}).items():
         events.setdefault(call, []).extend(("abort", rid) for rid in rids)
@@ -56,6 +76,8 @@ def drive(e, requests: dict, async_scheduling: bool, aborts: dict | None = None)
         out = orig(placed, steps_B, sp, feed)
         if feed is not None:
             fed.append(int(np.asarray(out[2].num_draft_B).sum()))
+            if hot_fed is not None:
+                hot_fed.append(placed.hot is not None)
         return out
 
     e.runner._spec_inputs = spy

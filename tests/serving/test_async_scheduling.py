@@ -234,24 +234,3 @@ def test_random_arrivals_stops_and_aborts(engine, data):
             assert a == s[: len(a)] or s == a[: len(s)]
         else:
             assert a == s and asyn[1][rid] == sync[1][rid]
-
-
-def test_features_that_need_synchronous_steps_are_named():
-    """`--async-scheduling` with a feature that needs synchronous steps runs synchronously and says
-    which (here: the engine arguments alone, before any compile)."""
-    from serving.async_scheduling import sync_reason
-
-    class Fake:
-        parallel = None
-        hisparse = offload = pd = None
-        drafts = object()
-
-    # MTP speculation schedules asynchronously (tests/serving/test_spec_decode_async.py), except with
-    # Hybrid HiSparse, whose hot-buffer inputs come from the positions the step in flight decides.
-    assert sync_reason(Fake()) is None
-    Fake.hisparse = object()
-    reason = sync_reason(Fake())
-    assert "--speculative-config" in reason and "--hisparse-config" in reason
-    # Hybrid HiSparse, the offloading connector and P/D schedule asynchronously.
-    Fake.drafts, Fake.pd, Fake.offload, Fake.hisparse = None, object(), object(), object()
-    assert sync_reason(Fake()) is None

@@ -71,6 +71,30 @@ def test_released_pages_are_reused_tail_first():
     e.check_against_reference()
 
 
+def test_a_lookahead_takes_token_pages_and_the_lease_counts_query_rows():
+    """Asynchronous MTP allocates pages for the positions the step in flight's accepted drafts may
+    move a request's rows by (`allocate(lookahead=)`): token pages only — the hot lease is sized
+    by the query rows (a decode row here), not by rows + lookahead. And a chunk may come back
+    shorter (`may_truncate`) only when its rows' selections can overflow the lease: rows × K
+    above the lease's rows (verification rows never are)."""
+    e = HiSparseEngine(num_blocks=80, max_num_seqs=4)  # K = 4, decode lease 8 rows (2 pages)
+    for i in range(4):
+        e.add(f"r{i}", prompt(i, 90), max_tokens=30, ignore_eos=True)
+    pol, req = e.policy, None
+    while req is None and e.sched.has_unfinished_requests():
+        e.step()
+        req = next((r for r in e.sched.running if r.num_output_tokens and pol.off_pages(r.request_id) >= 4), None)
+    assert req is not None, "no decoding request with pages off the device"
+    rid, n0 = req.request_id, req.num_computed_tokens
+    assert pol.allocate(req, 1, [], lookahead=MLA_TPP) == 1  # (a page further than the row alone)
+    assert len(e.kv.table(rid, "mla").blocks) == -(-(n0 + 1 + MLA_TPP) // MLA_TPP)  # pages up to the moved row
+    assert len(pol.records[rid].lease) == pol.dec_pages == 2 < pol._lease_pages(rid, 1 + MLA_TPP)
+    lease_rows = len(pol.records[rid].lease) * MLA_TPP
+    assert not pol.may_truncate(rid, lease_rows // pol.K) and pol.may_truncate(rid, lease_rows // pol.K + 1)
+    e.run()
+    e.check_against_reference()
+
+
 @pytest.mark.parametrize("prefill_sizing", ["adaptive", "worst_case"])
 def test_a_context_longer_than_the_device_pool_prefills_through_the_hot_buffer(prefill_sizing):
     # 47 usable pages hold 188 MLA tokens; the prompt has 400. Admitted with an in-flight window,
@@ -236,7 +260,7 @@ def _shared_prefix_run(share_release: bool, monkeypatch, num_blocks: int = 50, s
         if not share_release:
             m.setattr(HiSparsePolicy, "_shared_candidates", lambda self, protect, leased, cost=None: [])
         if not squeeze:
-            m.setattr(HiSparsePolicy, "_squeeze", lambda self, req, num_new, scheduled: 0)
+            m.setattr(HiSparsePolicy, "_squeeze", lambda self, req, num_new, scheduled, lookahead=0: 0)
         e = HiSparseEngine(num_blocks=num_blocks, max_num_seqs=4, prefix_caching=True, max_model_len=200)
         base = prompt(7, 100)
         arrivals = [(3 * i, f"r{i}", base + prompt(100 + i, 4)) for i in range(4)]

@@ -178,3 +178,52 @@ def test_background_variants_are_compiled_for_the_speculative_steps_placements(e
     scoring = jobs["prompt-logprobs", step_args[1].input_ids_T.shape[0], True].args
     assert _placed_as(masked[:len(step_args)], step_args)
     assert _placed_as(scoring[:len(step_args)], step_args)
+
+
+def test_hybrid_hisparse_under_pressure_streams_equal_the_synchronous_engine():
+    """Hybrid HiSparse + MTP (k = 3), the reference deployment's pairing, schedules asynchronously
+    (the engine's default): four copy conversations of 300–480 tokens decoding 80 tokens each on a
+    16-page pool (one request fully resident takes 12), so running requests release clean pages to
+    the host pool and verify their drafts through hot leases while the next step's rows are fed
+    from the step in flight. Fed rows are counted at dispatch (their selections always fit the
+    lease: `HiSparsePolicy.may_truncate`), and the lease is sized by the rows, not by the positions
+    the accepted drafts may move them (`allocate(lookahead=)`). Tokens, finish reasons, logprobs
+    and the spec-decode counters equal the synchronous run's (greedy and a seeded temperature-2
+    request); nothing is preempted, no dropped selection outside a truncation, no page or host block
+    left. No prefix caching: both runs start from an empty pool."""
+    from tests.helpers.mtp_async import copy_conversations, mtp_engine
+
+    e = mtp_engine(max_model_len=640, num_gpu_blocks_override=16, enable_prefix_caching=False,
+                   attention_config={"hisparse_config": {"host_pool_gib": 0.02}}, async_scheduling=None)
+    assert e.async_scheduling  # (the server's default turns it on: no feature needs synchronous steps)
+    prompts = copy_conversations([5, 6, 4, 6])
+    assert [len(p) for p in prompts] == [413, 472, 300, 478]
+    reqs = {f"h{i}": (p, SamplingParams(max_tokens=80, ignore_eos=True, logprobs=2,
+                                        **({"temperature": 2.0, "seed": 7} if i == 2 else {"temperature": 0})))
+            for i, p in enumerate(prompts)}
+    fed_excluded = []
+    orig_mark = e.scheduler.mark_in_flight
+
+    def mark(sched, exclude=frozenset()):  # fed rows that were not counted at dispatch
+        fed_excluded.extend(sr.request_id for sr in sched.scheduled if sr.spec_limit is not None and sr.request_id in exclude)
+        return orig_mark(sched, exclude)
+
+    pol, dev = e.hisparse.policy, e.hisparse.device
+    c0, r0, m0 = spec_counters(e), pol.num_released, dev.misses
+    sync = drive(e, reqs, False)
+    c1, r1, m1 = spec_counters(e), pol.num_released, dev.misses
+    hot_fed = []
+    e.scheduler.mark_in_flight = mark
+    try:
+        asyn = drive(e, reqs, True, hot_fed=hot_fed)
+    finally:
+        del e.scheduler.mark_in_flight
+    assert_same(sync, asyn)
+    assert (spec_counters(e) - c1).tolist() == (c1 - c0).tolist() and c1[2] > c0[2]
+    print(f"\nreleased {r1 - r0} / {pol.num_released - r1}, misses {m1 - m0} / {dev.misses - m1} (sync / async); "
+          f"fed steps {len(asyn[3])}, on the hot program {sum(hot_fed)}")
+    assert r1 - r0 > 0 and pol.num_released - r1 > 0 and dev.misses - m1 > 0  # pages left the device in both runs
+    assert sum(hot_fed) > 10 and fed_excluded == []  # fed verification rows resolved through leases, counted at dispatch
+    assert e.scheduler.num_preemptions_total == 0 and dev.drops_outside_truncation == 0
+    assert e.pool.num_free == e.pool.num_usable_blocks
+    assert e.hisparse.host.blocks.num_free == e.hisparse.host.num_usable
