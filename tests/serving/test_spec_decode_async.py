@@ -227,3 +227,35 @@ def test_hybrid_hisparse_under_pressure_streams_equal_the_synchronous_engine():
     assert e.scheduler.num_preemptions_total == 0 and dev.drops_outside_truncation == 0
     assert e.pool.num_free == e.pool.num_usable_blocks
     assert e.hisparse.host.blocks.num_free == e.hisparse.host.num_usable
+
+
+def test_hybrid_hisparse_squeezes_leases_and_preempts_while_steps_are_in_flight():
+    """Four requests on one 384-token prefix (a copy conversation's head, 40 tokens of their own,
+    160 output tokens), one arriving per step, on an 18-page pool with prefix caching: as they grow
+    nothing is left to release, so leases are squeezed to the fewest rows a verification step needs
+    ((k + 1) × index_topk: 4 pages instead of 5, `HiSparsePolicy._squeeze`, which allocates the
+    lookahead's pages too) and requests are preempted while the step after theirs is in flight.
+    The asynchronous run goes first (on an empty prefix cache, under the most pressure); its
+    tokens, finish reasons and logprobs equal the synchronous run's, and nothing is left."""
+    from tests.helpers.engine_drive import drive as drive_events
+    from tests.helpers.mtp_async import copy_conversations, mtp_engine
+
+    e = mtp_engine(max_model_len=640, num_gpu_blocks_override=18, enable_prefix_caching=True,
+                   attention_config={"hisparse_config": {"host_pool_gib": 0.05}})
+    pol = e.hisparse.policy
+    assert (pol.dec_pages, pol.least_pages) == (5, 4)
+    convs = copy_conversations([6, 5, 5, 6, 5])
+    reqs = {f"sq{i}": (convs[0][:384] + convs[i + 1][-40:],
+                       SamplingParams(temperature=0, max_tokens=160, ignore_eos=True, logprobs=2)) for i in range(4)}
+    arrivals = {i: [("add", rid)] for i, rid in enumerate(reqs)}
+    asyn = drive_events(e, reqs, True, arrivals)
+    squeezed, preempted = pol.num_squeezed_steps, e.scheduler.num_preemptions_total
+    print(f"\nasynchronous run: {squeezed} squeezed lease steps, {preempted} preemptions, "
+          f"{pol.num_released} pages released")
+    assert squeezed > 0 and preempted > 0 and pol.num_released > 0
+    sync = drive_events(e, reqs, False, arrivals)
+    assert_same(sync, asyn)
+    assert e.hisparse.device.drops_outside_truncation == 0
+    assert not e.has_unfinished_requests() and e.audit() == []
+    assert e.pool.num_free == e.pool.num_usable_blocks
+    assert e.hisparse.host.blocks.num_free == e.hisparse.host.num_usable
