@@ -45,7 +45,8 @@ LONG = {"x": [(7 * i) % 300 + 4 for i in range(600)], "y": [(11 * i) % 350 + 4 f
         "z": [(13 * i) % 400 + 4 for i in range(450)], "w": [(17 * i) % 420 + 4 for i in range(380)]}
 
 
-def test_pcp2_dcp2_prefill_to_dp2_hisparse_decode_lands_in_the_host_pool(monkeypatch):
+@pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp2"])
+def test_pcp2_dcp2_prefill_to_dp2_hisparse_decode_lands_in_the_host_pool(monkeypatch, mtp):
     """The reference decode layout, scaled: DP2 replicas with Hybrid HiSparse on a device pool far
     too small for the prompts (9 usable pages per replica; the longest prompt needs 11). What does not fit lands straight in the
     replica's host pool; nobody is preempted; the hot buffer really reads host rows; streams equal
@@ -54,17 +55,23 @@ def test_pcp2_dcp2_prefill_to_dp2_hisparse_decode_lands_in_the_host_pool(monkeyp
     landing is tested in tests/serving/test_pd_engine.py. Both engines take the per-process path
     of a multi-process engine (serving/pd/shards.py: each replica's pages read from its own
     shards, landing plans, the sharded page scatter; the other tests here take the one-process
-    path), which tests/sharding/test_multihost.py runs across processes without HiSparse."""
+    path), which tests/sharding/test_multihost.py runs across processes without HiSparse.
+    `mtp2`: both engines with MTP k = 2, as the reference runs them (its decode engine: HiSparse +
+    MTP, now asynchronous too): the MTP layer's rows land with the rest, in the host pool or on the
+    device, and the decode steps verify drafts through hot leases of (k + 2) × index_topk rows (one
+    page more in the pool for the larger lease; the prefill lease at least the decode lease)."""
     from serving.pd.shards import PER_PROCESS_ENV
     from tests.serving.test_pd_engine import _colocated
 
     monkeypatch.setenv(PER_PROCESS_ENV, "1")
     _, ref, ref_lp = _colocated(LONG, max_model_len=1024, num_gpu_blocks_override=96)
+    spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}} if mtp else {}
     prefill = build(connector("kv_producer"), parallel=PCP2_DCP2, max_model_len=1024, num_gpu_blocks_override=96,
-                    async_scheduling=True)
+                    async_scheduling=True, **spec)
     decode = build(connector("kv_consumer"), parallel=ParallelConfig(data_parallel_size=2, enable_expert_parallel=True),
-                   max_model_len=1024, num_gpu_blocks_override=10, async_scheduling=True,
-                   attention_config={"hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 128}})
+                   max_model_len=1024, num_gpu_blocks_override=11 if mtp else 10, async_scheduling=True,
+                   attention_config={"hisparse_config": {"host_pool_gib": 0.05, "prefill_buffer_size": 256 if mtp else 128}},
+                   **spec)
     assert prefill.async_scheduling and decode.async_scheduling
     params = prefill_all(prefill, LONG)
     streams, outs = decode_all(prefill, decode, LONG, params)
@@ -77,6 +84,9 @@ def test_pcp2_dcp2_prefill_to_dp2_hisparse_decode_lands_in_the_host_pool(monkeyp
     assert decode.pd_process.pulled == {}  # every pulled request's rows landed and were forgotten
     assert sum(r.scheduler.num_preemptions_total for r in decode.replicas) == 0
     assert decode.hisparse.device.misses > 0
+    if mtp:
+        print(f"drafts {decode.spec_stats.num_draft_tokens}, accepted {decode.spec_stats.num_accepted_tokens}")
+        assert decode.spec_stats.num_draft_tokens > 0
     assert not decode.audit() and all(r.pool.num_free == r.pool.num_usable_blocks for r in decode.replicas)
     assert all(h.blocks.num_free == h.num_usable for h in decode.hisparse.hosts)  # no leaked host block
 
