@@ -370,7 +370,7 @@ class Scheduler:
         their chunk as synchronous scheduling does; the engine reads this step back before it
         schedules again. Rows fed from the step in flight (asynchronous MTP) cannot be excluded
         (RuntimeError): HiSparse never needs it (`HiSparsePolicy.may_truncate`)."""
-        fed = [sr.request_id for sr in sched_out.scheduled if sr.spec_limit is not None and sr.request_id in exclude]
+        fed = exclude and [sr.request_id for sr in sched_out.scheduled if sr.spec_limit is not None and sr.request_id in exclude]
         if fed:  # (its restart position would be off by the accepted count the host does not know yet)
             raise RuntimeError(f"the fed MTP rows of {fed} cannot be a chunk that comes back shorter")
         sched_out.not_marked_in_flight = frozenset(exclude)

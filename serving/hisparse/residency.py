@@ -237,6 +237,12 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
         return [i for i, b in self.clean_pages(req) if pool.refcount(b) == 1]
 
     # ------------------------------------------------------------------ lease sizing
+    def _hot_rows_needed(self, rows: int, off: int) -> int:
+        """Hot slots a step of `rows` query rows of a request with `off` off-device pages can need
+        at once: every row may miss its whole top-k, but each distinct missed row takes one slot,
+        so never more than the off-device rows (module docstring, "Hot lease sizing")."""
+        return min(rows * self.K, off * self.hot_tpp)
+
     def _lease_pages(self, rid: str, rows: int, off: int | None = None, cap: int | None = None,
                      floor: int | None = None) -> int:
         """Hot pages a step of `rows` query rows needs (0 for a full request), at most `cap`
@@ -245,7 +251,7 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
         off = self.off_pages(rid) if off is None else off
         if off == 0:
             return 0
-        need_rows = min(rows * self.K, off * self.hot_tpp)
+        need_rows = self._hot_rows_needed(rows, off)
         return max(self.dec_pages if floor is None else floor,
                    min(self.max_pages if cap is None else cap, math.ceil(need_rows / self.hot_tpp)))
 
@@ -523,7 +529,7 @@ class HiSparsePolicy(PageReleaseMixin, AdmissionBoundMixin, DeviceResidentPolicy
         rec = self.records.get(rid)
         if num_rows <= 1 or rec is None or not rec.lease:
             return False
-        return min(num_rows * self.K, self.off_pages(rid) * self.hot_tpp) > len(rec.lease) * self.hot_tpp
+        return self._hot_rows_needed(num_rows, self.off_pages(rid)) > len(rec.lease) * self.hot_tpp
 
     def after_update(self, out: "SchedulerOutput") -> None:
         self.complete_copies()
