@@ -1,6 +1,8 @@
 """Prefix-aware routing benchmark: two servers behind vllm-router under `round_robin`,
-`cache_aware` and `kv_aware` (fed by our KV events, docs/kv_events.md), and one data-parallel
-server (`--data-parallel-size 2`) placing requests by its own prefix-aware replica choice.
+`cache_aware` and `kv_aware` (fed by our KV events, docs/kv_events.md; the router discovers the
+servers' event sockets, or with mode `kv_aware_static` is given them as flags), and one
+data-parallel server (`--data-parallel-size 2`) placing requests by its own prefix-aware replica
+choice.
 
 The agentic workload of `scripts/bench_agentic.py` (multi-turn conversations in the reference's
 74,160 : 753 : 220 proportions, scaled down by `--scale`; each turn's prompt is the previous
@@ -53,12 +55,15 @@ from scripts.bench_agentic import (
 
 COLUMNS = ["mode", "concurrency", "requests", "errors", "prefix_hit_rate", "later_turn_hit_rate", "ttft_p50_s",
            "ttft_p90_s", "logical_throughput_tok_s", "cached_tokens", "wall_s"]
-ROUTER_MODES = ("round_robin", "cache_aware", "kv_aware")
+# kv_aware: the router discovers each server's event sockets and block size (GET /kv_event_sources,
+# /get_server_info); kv_aware_static: the same policy given them as flags.
+ROUTER_MODES = ("round_robin", "cache_aware", "kv_aware", "kv_aware_static")
 
 
 class Router:
     """vllm-router with `policy` in front of `servers`; `metrics()` sums the servers' metrics.
-    `event_ports` (url → port) become `--kv-event-source` flags (kv_aware)."""
+    `event_ports` (url → port) become `--kv-event-source` flags (kv_aware_static; without them a
+    kv_aware router discovers the sockets itself)."""
 
     def __init__(self, policy: str, servers: list[Server], log_path: Path, event_ports: dict[str, int] | None = None,
                  block_size: int = 64):
@@ -130,15 +135,16 @@ def main(argv=None) -> list[dict]:
                 stop = [target]
             elif mode in ROUTER_MODES:
                 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-                ports = [_free_port(), _free_port()] if mode == "kv_aware" else [None, None]
+                kv = mode.startswith("kv_aware")
+                ports = [_free_port(), _free_port()] if kv else [None, None]
                 servers = []
                 try:
                     for i, p in enumerate(ports):
                         ev = (["--kv-events-config", json.dumps({"enable_kv_cache_events": True,
                                                                  "endpoint": f"tcp://*:{p}"})] if p else [])
                         servers.append(Server(common + ev, args.out / f"server_{mode}_{i}.log"))
-                    target = Router(mode, servers, args.out / f"router_{mode}.log",
-                                    {s.base: p for s, p in zip(servers, ports)} if mode == "kv_aware" else None)
+                    target = Router("kv_aware" if kv else mode, servers, args.out / f"router_{mode}.log",
+                                    {s.base: p for s, p in zip(servers, ports)} if mode == "kv_aware_static" else None)
                 except Exception:
                     for s in servers:
                         s.stop()

@@ -63,6 +63,18 @@ class AsyncEngine:
             queued = sum(1 for item in self._inbox if item[0] == "add")
         return queued + len(self._queues)
 
+    def kv_event_sources(self) -> dict[str, dict]:
+        """Where each data-parallel replica publishes its KV events, keyed by rank (a string), for
+        `GET /kv_event_sources`; empty when `--kv-events-config` is off or its publisher is "null"."""
+        events = getattr(self.engine, "kv_events", None)
+        return {} if events is None else events.discovery_sources()
+
+    @property
+    def kv_block_size(self) -> int | None:
+        """Tokens per KV event block (the prefix cache's hash unit), None when events are off."""
+        events = getattr(self.engine, "kv_events", None)
+        return None if events is None else events.block_size
+
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; raises ValueError for a request the engine refuses."""

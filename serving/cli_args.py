@@ -156,7 +156,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
         default=None,
         help='JSON, e.g. {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
         '"replay_endpoint": "tcp://*:5558"}: KV cache events for prefix-aware routers (vLLM\'s format; '
-        'docs/kv_events.md). Needs --enable-prefix-caching.',
+        'docs/kv_events.md; vllm-router --policy kv_aware finds the sockets at GET /kv_event_sources). Needs '
+        '--enable-prefix-caching.',
     )
     sch.add_argument(
         "--structured-outputs-config",

@@ -5,7 +5,8 @@ the error bodies in `serving/api/errors.py`, and the plumbing between an HTTP re
 engine requests (abort on disconnect, `n` choices, SSE) in `serving/api/streaming.py`.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
-`GET /v1/models/{model}`, `GET /health`, `POST /tokenize`, `POST /detokenize`, `GET /get_load`. `/metrics` and other routes are added by the caller
+`GET /v1/models/{model}`, `GET /health`, `POST /tokenize`, `POST /detokenize`, `GET /get_load`, and for
+routers `GET /get_server_info` and `GET /kv_event_sources` (`serving/api/discovery.py`). `/metrics` and other routes are added by the caller
 through `build_app(..., extra_routes=callback)`, which receives the app before it is returned
 (for example `lambda app: app.mount("/metrics", prometheus_client.make_asgi_app())`).
 
@@ -68,6 +69,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from serving.api.chat_output import ChatParsing, ChatRequestError
+from serving.api.discovery import add_discovery_routes
 from serving.api.errors import (
     APIError,
     bad_request,
@@ -769,6 +771,7 @@ def build_app(
         )
 
     app.include_router(v1)
+    add_discovery_routes(app, model_root)
     if extra_routes is not None:
         extra_routes(app)
     return app

@@ -4,8 +4,9 @@ Each data-parallel replica's prefix cache reports which prefix units are availab
 ("GPU") and in host memory ("CPU": the Hybrid HiSparse host pool, the offloading connector's
 store); after every engine step the changes go out as one `EventBatch` per replica on a ZMQ PUB
 socket, with a replay socket for missed batches. vllm-router's `kv_aware` policy consumes them
-(`--kv-event-source URL=tcp://HOST:PORT[,PORT+1…]`, `--kv-event-block-size` = the block size
-logged at start-up).
+(it finds the sockets and the block size itself through `GET /kv_event_sources` and
+`GET /get_server_info`, `serving/api/discovery.py`; or give it `--kv-event-source
+URL=tcp://HOST:PORT[,PORT+1…]`, `--kv-event-block-size` = the block size logged at start-up).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from serving.kv_events.config import (
     KVEventsConfig,
     KVEventsConfigError,
     check_replica_ports,
+    discovery_sources,
     offset_endpoint_port,
 )
 from serving.kv_events.publisher import END_SEQ, ZmqEventPublisher
@@ -70,8 +72,13 @@ class KVEvents:
         # clear repeats until the replica announces something: a reconnecting router hears it).
         for pub in self.publishers:
             pub.announce_cleared()
-        logger.info("KV events: block size %d tokens (vllm-router --kv-event-block-size %d)", self.block_size,
-                    self.block_size)
+        logger.info("KV events: block size %d tokens (vllm-router --policy kv_aware reads it and the event sockets "
+                    "from GET /get_server_info and /kv_event_sources; set by hand: --kv-event-block-size %d)",
+                    self.block_size, self.block_size)
+
+    def discovery_sources(self) -> dict[str, dict]:
+        """`GET /kv_event_sources`' body: each replica's endpoints, keyed by rank (`discovery_sources`)."""
+        return discovery_sources(self.config, len(self.trackers))
 
     def publish_step(self) -> None:
         for rank, tracker in enumerate(self.trackers):

@@ -99,3 +99,37 @@ def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str |
         base, _, port = endpoint.rpartition(":")
         return f"{base}:{int(port) + data_parallel_rank}"
     raise KVEventsConfigError(f"--kv-events-config: {endpoint!r} cannot be offset per data-parallel rank")
+
+
+# What vllm-router (0.1.17) needs of a discovery entry before it subscribes: without `encoding`
+# "msgpack" and `schema_version` 1 beside `publisher` "zmq" and `enable_kv_cache_events` true it
+# skips the rank without a word (probed against the binary; docs/kv_events.md "Discovery").
+WIRE_ENCODING = "msgpack"
+WIRE_SCHEMA_VERSION = 1
+_BIND_ALL_HOSTS = ("*", "0.0.0.0", "::", "[::]")
+
+
+def discovery_sources(config: KVEventsConfig, num_replicas: int) -> dict[str, dict]:
+    """The body of `GET /kv_event_sources`: one entry per data-parallel rank, keyed by the rank as a
+    string (vllm-router's shape), each with the endpoints replica r publishes and replays on (the
+    configured ports + r, `offset_endpoint_port`) and the publisher settings. A tcp endpoint bound
+    on every interface is given as `tcp://*:PORT`, which a router reads as "the host of the worker
+    URL I reached you at". Empty when the publisher is "null" (nothing is sent to subscribe to).
+
+    Raises KVEventsConfigError for an ipc endpoint under data parallelism (as the publishers do)."""
+    if config.publisher != "zmq":
+        return {}
+    return {str(rank): {"endpoint": _router_address(offset_endpoint_port(config.endpoint, rank)),
+                        "replay_endpoint": _router_address(offset_endpoint_port(config.replay_endpoint, rank)),
+                        "topic": config.topic, "hwm": config.hwm, "buffer_steps": config.buffer_steps,
+                        "publisher": config.publisher, "enable_kv_cache_events": True,
+                        "encoding": WIRE_ENCODING, "schema_version": WIRE_SCHEMA_VERSION}
+            for rank in range(num_replicas)}
+
+
+def _router_address(endpoint: str | None) -> str | None:
+    """`tcp://0.0.0.0:5557` and `tcp://[::]:5557` as `tcp://*:5557`; anything else unchanged."""
+    if not endpoint or not endpoint.startswith("tcp://"):
+        return endpoint
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    return f"tcp://*:{port}" if host in _BIND_ALL_HOSTS else endpoint

@@ -906,6 +906,26 @@ def test_extra_routes_hook_and_no_api_key(tiny_tokenizer):
         _assert_error(tc.get("/no/such/route"), 404)
 
 
+def test_router_discovery_routes_need_no_api_key(tiny_tokenizer):
+    # A router reads these for every worker it is given (serving/api/discovery.py); an engine
+    # without KV events reports no sources and no block size.
+    from fastapi.testclient import TestClient
+
+    engine = FakeEngine(tiny_tokenizer)
+    apps = [build_app(engine, tiny_tokenizer, MODEL, api_key=API_KEY, model_root="/ckpt/x") for _ in range(2)]
+    infos = []
+    for app in apps:
+        with TestClient(app) as tc:
+            infos.append(tc.get("/get_server_info").json())
+            r = tc.get("/kv_event_sources")
+            assert (r.status_code, r.json()) == (200, {})
+    for info in infos:
+        assert {k: info[k] for k in ("model_id", "model_path", "kv_block_size", "max_model_len")} == {
+            "model_id": MODEL, "model_path": "/ckpt/x", "kv_block_size": None, "max_model_len": engine.max_model_len}
+    # a router refuses a second event source under one instance id: every server has its own
+    assert infos[0]["instance_id"] != infos[1]["instance_id"]
+
+
 class _BlockingTokenizer:
     """The tiny tokenizer, except that encoding text containing "BLOCK" waits for `release`
     (standing in for a prompt of many megabytes, which takes seconds to tokenise)."""

@@ -29,7 +29,7 @@ from serving.kv_events import (
     encode_batch,
     offset_endpoint_port,
 )
-from serving.kv_events.config import check_replica_ports
+from serving.kv_events.config import check_replica_ports, discovery_sources
 from serving.request import Request
 from serving.types import SamplingParams
 from sharding.distributed import free_port_pair
@@ -240,6 +240,25 @@ def test_config_keys_and_errors():
     assert offset_endpoint_port("tcp://*:5557", 2) == "tcp://*:5559"
     assert offset_endpoint_port("inproc://x", 1) == "inproc://x_dp1"
     assert offset_endpoint_port(None, 3) is None
+
+
+def test_discovery_lists_each_replicas_sockets_in_the_routers_shape():
+    # vllm-router 0.1.17 subscribes to a discovered rank only when its entry says publisher "zmq",
+    # enable_kv_cache_events true, encoding "msgpack" and schema_version 1 (probed against the
+    # binary, docs/kv_events.md "Discovery"); replica r's ports are the configured ones + r.
+    cfg = KVEventsConfig.from_dict({"enable_kv_cache_events": True, "endpoint": "tcp://0.0.0.0:6001",
+                                    "replay_endpoint": "tcp://[::]:6011", "topic": "kv", "hwm": 7})
+    got = discovery_sources(cfg, 2)
+    assert list(got) == ["0", "1"]
+    for rank, (pub, replay) in enumerate([("tcp://*:6001", "tcp://*:6011"), ("tcp://*:6002", "tcp://*:6012")]):
+        assert got[str(rank)] == {"endpoint": pub, "replay_endpoint": replay, "topic": "kv", "hwm": 7,
+                                  "buffer_steps": 10_000, "publisher": "zmq", "enable_kv_cache_events": True,
+                                  "encoding": "msgpack", "schema_version": 1}
+    # a connecting (not bound) endpoint is the address as given; no replay socket: null
+    one = discovery_sources(KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://10.1.2.3:5557"), 1)
+    assert (one["0"]["endpoint"], one["0"]["replay_endpoint"]) == ("tcp://10.1.2.3:5557", None)
+    # nothing is sent with the "null" publisher: nothing to subscribe to
+    assert discovery_sources(KVEventsConfig(enable_kv_cache_events=True, publisher="null"), 2) == {}
 
 
 def test_cli_checks_the_flag_at_start_up():

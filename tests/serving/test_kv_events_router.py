@@ -1,6 +1,8 @@
 """KV events in front of a real vllm-router: two servers (each its own process, one simulated
-device) publish `--kv-events-config` events; `vllm-router --policy kv_aware` subscribes to both
-(`--kv-event-source`) and routes. Four conversations start on alternate servers (sent there
+device) publish `--kv-events-config` events; `vllm-router --policy kv_aware`, given nothing but
+the two worker URLs, finds each server's event socket and block size itself (`GET
+/kv_event_sources`, `GET /get_server_info`: serving/api/discovery.py), subscribes to both and
+routes. Four conversations start on alternate servers (sent there
 directly); their later turns go through the router and must land on the server holding the
 conversation, which shows in the answer's `cached_tokens` (at least the previous prompt, to the
 64-token unit; the other server would hit nothing). With the events switched off the router
@@ -36,13 +38,9 @@ def _events_flag(port: int) -> list[str]:
                                               "endpoint": f"tcp://*:{port}"})]
 
 
-def kv_router(workers: dict[str, int]):
-    """vllm-router kv_aware over `workers` (url -> event port), block size 64 (our unit)."""
-    args = ["--policy", "kv_aware", "--worker-urls", *workers, "--kv-event-block-size", "64", "--kv-event-model",
-            MODEL, "--log-level", "debug"]
-    for url, p in workers.items():
-        args += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{p}"]
-    return vllm_router(args)
+def kv_router(urls: list[str]):
+    """vllm-router kv_aware over the servers at `urls`, with no event flags: it discovers them."""
+    return vllm_router(["--policy", "kv_aware", "--worker-urls", *urls, "--log-level", "debug"])
 
 
 def _metric(url: str, name: str) -> float:
@@ -56,7 +54,7 @@ def test_later_turns_go_to_the_server_holding_the_conversation():
     ports = [_free_port(), _free_port()]
     with contextlib.ExitStack() as stack:
         servers = [stack.enter_context(server_process(COMMON + _events_flag(p), env=ENV)) for p in ports]
-        router, router_log = stack.enter_context(kv_router({s.url: p for s, p in zip(servers, ports)}))
+        router, router_log = stack.enter_context(kv_router([s.url for s in servers]))
         time.sleep(1.0)  # the router's subscribers connect
         client = httpx.Client(timeout=120)
         convs = [[{"role": "user", "content": f"Conversation {c}: " + "tell me about the sea and the hills " * 12}]
@@ -92,5 +90,9 @@ def test_later_turns_go_to_the_server_holding_the_conversation():
         assert sum(published) > 0 and sum(stored) > 0, (published, stored)
         assert all(_metric(s.url, "vllm:kv_events_dropped_total") == 0 for s in servers)
     with open(router_log, errors="replace") as f:
-        decisions = [line for line in f if "KV prefix decision" in line]
+        log = f.read()
+    # the router subscribed to each server's discovered socket (`*` read as the URL's host)
+    for p in ports:
+        assert f"on tcp://127.0.0.1:{p}" in log, f"no subscriber for port {p}"
+    decisions = [line for line in log.splitlines() if "KV prefix decision" in line]
     assert any("credited_prefix_tokens=0" not in line for line in decisions), decisions[-3:]

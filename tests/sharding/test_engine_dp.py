@@ -302,6 +302,11 @@ def test_dp2_tp2_dcp2_prefix_hit_copies_in_its_replica_shards(single_device, ref
         assert sub.view.block_size == 128 and sub.seqs == list(range(sub.seqs[0], sub.seqs[0] + len(sub.seqs)))
         assert sub.view.hit_tokens(p + [1]) == len(p) // 128 * 128 > 0
         assert sub.view.hit_tokens((filler, stem)[r] + [1]) == 0
+    # What a router discovers (GET /kv_event_sources, /get_server_info): the sockets the
+    # subscribers above heard, by rank, and the 128-token block size.
+    sources = engine.kv_events.discovery_sources()
+    assert {r: e["endpoint"] for r, e in sources.items()} == {"0": f"tcp://*:{port}", "1": f"tcp://*:{port + 1}"}
+    assert engine.kv_events.block_size == 128
     for rid in ("stem", "filler"):
         engine.abort(rid)
     assert engine.audit() == []
