@@ -1,7 +1,7 @@
 """The server process's lifecycle: graceful shutdown on SIGTERM / Ctrl-C, and exit when the engine dies.
 
 * First SIGTERM or SIGINT: the server **drains** — every new HTTP request (and `/health`) gets a
-  503 with an OpenAI error body, running requests go on for at most `--shutdown-timeout` seconds,
+  503 with an OpenAI error body (Anthropic's on `/v1/messages`), running requests go on for at most `--shutdown-timeout` seconds,
   then the process exits 0. Requests still running at the deadline are aborted: each response
   ends properly (finish_reason "abort"; a stream's last chunk and `[DONE]`), and the process
   exits once they are written (at most 2 s more).
@@ -43,8 +43,11 @@ class DrainMiddleware:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         if self.draining and path != "/metrics":
-            body = json.dumps({"error": {"message": "the server is shutting down", "type": "ServiceUnavailableError",
-                                         "param": None, "code": 503}}, separators=(",", ":")).encode()
+            message = "the server is shutting down"
+            error = ({"type": "error", "error": {"type": "overloaded_error", "message": message}}
+                     if path.startswith("/v1/messages") else  # Anthropic's body (serving/api/anthropic.py)
+                     {"error": {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}})
+            body = json.dumps(error, separators=(",", ":")).encode()
             await send({"type": "http.response.start", "status": 503,
                         "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
                                     (b"content-length", str(len(body)).encode())]})

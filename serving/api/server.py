@@ -6,7 +6,9 @@ engine requests (abort on disconnect, `n` choices, SSE) in `serving/api/streamin
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
 `GET /v1/models/{model}`, `GET /health`, `POST /tokenize`, `POST /detokenize`, `GET /get_load`, and for
-routers `GET /get_server_info` and `GET /kv_event_sources` (`serving/api/discovery.py`). `/metrics` and other routes are added by the caller
+routers `GET /get_server_info` and `GET /kv_event_sources` (`serving/api/discovery.py`); Anthropic's
+`POST /v1/messages` and `POST /v1/messages/count_tokens` translate to and from the chat route
+(`serving/api/anthropic.py`). `/metrics` and other routes are added by the caller
 through `build_app(..., extra_routes=callback)`, which receives the app before it is returned
 (for example `lambda app: app.mount("/metrics", prometheus_client.make_asgi_app())`).
 
@@ -68,6 +70,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from serving.api.anthropic import add_anthropic_routes
 from serving.api.chat_output import ChatParsing, ChatRequestError
 from serving.api.discovery import add_discovery_routes
 from serving.api.errors import (
@@ -481,8 +484,13 @@ def build_app(
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         """OpenAI chat completions, streaming (SSE) or not, with `n` choices."""
-        engine, tokenizer = _served(request)
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, max_body_bytes)
+        return await _chat_response(request, body)
+
+    async def _render_chat(request: Request, body: ChatCompletionRequest):
+        """A chat request's prompt: (prepared parsing, template messages, prompt text, prompt ids).
+        Raises APIError (400) for what the model, the output parsing or the template refuse."""
+        _, tokenizer = _served(request)
         _check_model(body.model)
         reject_unsupported(body)
         for name in ("max_completion_tokens", "max_tokens"):
@@ -522,7 +530,13 @@ def build_app(
         if body.continue_final_message:
             prompt = continue_final_message(prompt, messages[-1]["content"])
         prompt_ids = await encode_text(tokenizer, prompt, "messages")
+        return prepared, messages, prompt, prompt_ids
 
+    async def _chat_response(request: Request, body: ChatCompletionRequest) -> Response:
+        """The chat completion of a parsed request body (the `/v1/chat/completions` route's work;
+        the Anthropic Messages route translates its requests into one)."""
+        engine, tokenizer = _served(request)
+        prepared, messages, prompt, prompt_ids = await _render_chat(request, body)
         defaults = request.app.state.default_sampling
         max_tokens = resolve_max_tokens(
             *requested_max_tokens(body), len(prompt_ids), engine.max_model_len, "messages",
@@ -771,6 +785,7 @@ def build_app(
         )
 
     app.include_router(v1)
+    add_anthropic_routes(app, _chat_response, _render_chat, api_key, max_body_bytes)
     add_discovery_routes(app, model_root)
     if extra_routes is not None:
         extra_routes(app)

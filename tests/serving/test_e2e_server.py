@@ -284,6 +284,54 @@ def test_tool_requests_refused_or_forced_on_the_real_server(server, parsing_serv
     assert c.message.tool_calls[0].function.arguments == "{}"
 
 
+def test_anthropic_messages_on_the_real_engine(server, parsing_server):
+    """`/v1/messages` (serving/api/anthropic.py) over the real engine: a greedy answer's tokens are
+    the chat route's for the same conversation (thinking off, so all of it is text); a named tool
+    (structured outputs) comes back as a `tool_use` block, streamed and not; a client that drops
+    the stream gets its request aborted."""
+    import anthropic
+
+    engine = server[1]
+    claude = anthropic.Anthropic(base_url=parsing_server[0], api_key="unused", max_retries=0, timeout=120)
+    pclient = openai.OpenAI(base_url=parsing_server[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    greedy = {"temperature": 0}  # a request field the current SDK no longer names: sent as extra body
+    msg = claude.messages.create(model="glm-5.3-tiny", max_tokens=12, messages=msgs, extra_body=greedy,
+                                 thinking={"type": "disabled"})
+    chat = pclient.chat.completions.create(model="glm-5.3-tiny", max_tokens=12, temperature=0, messages=msgs,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == chat.choices[0].message.content
+    assert msg.usage.output_tokens == chat.usage.completion_tokens
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    now = {"name": "now", "input_schema": {"type": "object", "properties": {}}}
+    kw = dict(model="glm-5.3-tiny", max_tokens=16, messages=msgs, tools=[now], extra_body=greedy,
+              tool_choice={"type": "tool", "name": "now"}, thinking={"type": "disabled"})
+    called = claude.messages.create(**kw)
+    with claude.messages.stream(**kw) as stream:
+        streamed = stream.get_final_message()
+    for m in (called, streamed):
+        assert m.stop_reason == "tool_use" and [(b.type, b.name, b.input) for b in m.content] == [("tool_use", "now", {})]
+    # output_config.format: the random model's answer is constrained to the schema
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    shaped = claude.messages.create(model="glm-5.3-tiny", max_tokens=16, messages=msgs, extra_body=greedy,
+                                    thinking={"type": "disabled"},
+                                    output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert isinstance(json.loads(shaped.content[0].text)["ok"], bool) and shaped.stop_reason == "end_turn"
+    with httpx.stream("POST", parsing_server[0] + "/v1/messages", timeout=60, json={
+            "model": "glm-5.3-tiny", "max_tokens": 300, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": "Tell me a long story"}]}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:])["type"] == "content_block_delta":
+                running = engine.engine.has_unfinished_requests()
+                break  # a first token; drop the connection
+    assert running, "precondition: the answer was still being generated"
+    deadline = time.time() + 60
+    while time.time() < deadline and engine.engine.has_unfinished_requests():
+        time.sleep(0.1)
+    assert not engine.engine.has_unfinished_requests()
+
+
 def _metrics(base):
     from prometheus_client.parser import text_string_to_metric_families
 

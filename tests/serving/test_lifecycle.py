@@ -69,6 +69,9 @@ def test_sigterm_drains_running_requests_then_exits_zero():
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
         assert r.status_code == 503, r.text
         assert r.json()["error"]["type"] == "ServiceUnavailableError" and r.json()["error"]["code"] == 503
+        r = httpx.post(srv.url + "/v1/messages", json={"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+                       timeout=30)  # Anthropic's route answers in Anthropic's error body
+        assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error", r.text
         assert httpx.get(srv.url + "/health", timeout=30).status_code == 503
         t.join(120)
         assert result["error"] is None and result["finish"] == "length" and result["tokens"] == 120, result
