@@ -17,7 +17,9 @@ Request fields (docs/anthropic.md has the table): `model`, `max_tokens` (require
 `between_tools` keep the template's default, thinking on; `budget_tokens` is not enforced;
 `display: "omitted"` returns thinking blocks without their text), `output_config` (`effort` →
 the chat template's reasoning effort; `format` `{"type": "json_schema", "schema"}` → the answer
-constrained to the schema, structured outputs), `metadata` (ignored). Other
+constrained to the schema, structured outputs), `metadata` (ignored). A last turn from the
+assistant is a prefilled answer: the model continues it (the chat route's
+`continue_final_message`), and the answer holds only the new text. Other
 top-level keys are ignored (clients send beta fields); blocks this server cannot read (images,
 documents, server tools) are a 400 naming them. `cache_control` marks are ignored: prefix caching
 is automatic.
@@ -219,6 +221,8 @@ def to_chat_request(body: MessagesRequest, count_only: bool = False) -> ChatComp
         "parallel_tool_calls": parallel, "chat_template_kwargs": kwargs or None, "stream": body.stream,
         "reasoning_effort": out_cfg.get("effort"), "response_format": response_format,
     }
+    if body.messages[-1].role == "assistant":  # a prefilled answer: the model continues it
+        chat["continue_final_message"], chat["add_generation_prompt"] = True, False
     if body.stream:  # usage on every chunk: message_start needs the prompt's, message_delta the output's
         chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     try:

@@ -153,6 +153,13 @@ def test_stop_reasons_thinking_off_and_count_tokens(claude, oai, engine):
     assert _prompt(engine, effort.id) == engine.prompts[chat.id] and "Reasoning Effort: Low" in engine.prompts[chat.id]
     assert (effort.content[0].type, effort.content[0].thinking) == ("thinking", "")  # display: omitted
     assert effort.content[1].text == chat.choices[0].message.content
+    # a last assistant turn is a prefilled answer the model continues
+    pre = claude.messages.create(model=MODEL, max_tokens=50, messages=[
+        {"role": "user", "content": "SCRIPT:plain"}, {"role": "assistant", "content": "Sure:"}])
+    chat = oai.chat.completions.create(model=MODEL, messages=[
+        {"role": "user", "content": "SCRIPT:plain"}, {"role": "assistant", "content": "Sure:"}],
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert _prompt(engine, pre.id) == engine.prompts[chat.id] and engine.prompts[chat.id].endswith("Sure:")
     n = claude.messages.count_tokens(model=MODEL, tools=[WEATHER_TOOL], system="Be brief.",
                                      messages=[{"role": "user", "content": "SCRIPT:answer"}])
     with_tools = oai.chat.completions.create(model=MODEL, tools=[WEATHER], max_tokens=1, messages=[
