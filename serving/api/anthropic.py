@@ -39,7 +39,7 @@ import json
 import logging
 import secrets
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from serving.api.errors import APIError
 from serving.api.protocol import ChatCompletionRequest
-from serving.api.streaming import AbortOnCloseStreamingResponse
+from serving.api.streaming import translated_stream
 from serving.api.validation import parse_body
 
 logger = logging.getLogger(__name__)
@@ -426,27 +426,7 @@ def add_anthropic_routes(
             if inner.status_code != 200:  # 499: the client left
                 return inner
             return JSONResponse(to_message(json.loads(inner.body), body))
-        translator = StreamTranslator(body)
-        chunks = inner.body_iterator
-
-        async def events() -> AsyncIterator[str]:
-            try:
-                async for raw in chunks:
-                    for line in (raw if isinstance(raw, str) else raw.decode()).splitlines():
-                        if not line.startswith("data: "):
-                            continue
-                        data = line[len("data: "):]
-                        if data == "[DONE]":
-                            for e in translator.end():
-                                yield e
-                            return
-                        for e in translator.feed(json.loads(data)):
-                            yield e
-            finally:
-                await chunks.aclose()  # the chat stream's cleanup aborts the engine request
-
-        return AbortOnCloseStreamingResponse(events(), media_type="text/event-stream",
-                                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return translated_stream(inner, StreamTranslator(body))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:

@@ -6,9 +6,9 @@ engine requests (abort on disconnect, `n` choices, SSE) in `serving/api/streamin
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
 `GET /v1/models/{model}`, `GET /health`, `POST /tokenize`, `POST /detokenize`, `GET /get_load`, and for
-routers `GET /get_server_info` and `GET /kv_event_sources` (`serving/api/discovery.py`); Anthropic's
-`POST /v1/messages` and `POST /v1/messages/count_tokens` translate to and from the chat route
-(`serving/api/anthropic.py`). `/metrics` and other routes are added by the caller
+routers `GET /get_server_info` and `GET /kv_event_sources` (`serving/api/discovery.py`); OpenAI's
+`POST /v1/responses` (`serving/api/responses.py`) and Anthropic's `POST /v1/messages` and
+`POST /v1/messages/count_tokens` (`serving/api/anthropic.py`) translate to and from the chat route. `/metrics` and other routes are added by the caller
 through `build_app(..., extra_routes=callback)`, which receives the app before it is returned
 (for example `lambda app: app.mount("/metrics", prometheus_client.make_asgi_app())`).
 
@@ -71,6 +71,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from serving.api.anthropic import add_anthropic_routes
+from serving.api.responses import add_responses_routes
 from serving.api.chat_output import ChatParsing, ChatRequestError
 from serving.api.discovery import add_discovery_routes
 from serving.api.errors import (
@@ -784,6 +785,7 @@ def build_app(
             continuous_usage=continuous_usage,
         )
 
+    add_responses_routes(v1, _chat_response, max_body_bytes)
     app.include_router(v1)
     add_anthropic_routes(app, _chat_response, _render_chat, api_key, max_body_bytes)
     add_discovery_routes(app, model_root)

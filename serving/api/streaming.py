@@ -212,3 +212,30 @@ def chunk_dict(chunk: BaseModel) -> dict[str, Any]:
     if d.get("usage") is None:
         d.pop("usage", None)
     return without_null_kv_params(d)
+
+
+def translated_stream(inner: StreamingResponse, translator: Any) -> AbortOnCloseStreamingResponse:
+    """Another API's SSE stream over a chat completion stream: each `data: {...}` chunk of `inner`
+    goes through `translator.feed(chunk) -> [event strings]`, `data: [DONE]` through
+    `translator.end()` (serving/api/anthropic.py, serving/api/responses.py). Closing the result
+    (the client left) closes `inner`, whose cleanup aborts the engine requests."""
+    chunks = inner.body_iterator
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for raw in chunks:
+                for line in (raw if isinstance(raw, str) else raw.decode()).splitlines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[len("data: "):]
+                    if data == "[DONE]":
+                        for e in translator.end():
+                            yield e
+                        return
+                    for e in translator.feed(json.loads(data)):
+                        yield e
+        finally:
+            await chunks.aclose()
+
+    return AbortOnCloseStreamingResponse(events(), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -121,9 +121,17 @@ def test_streamed_message_equals_the_non_streamed_one(claude):
             kwargs["thinking"] = thinking
         whole = claude.messages.create(**kwargs)
         with claude.messages.stream(**kwargs) as stream:
-            events = [e.type for e in stream]
+            raw = [e for e in stream if not e.type.startswith(("text", "thinking", "input_json"))]  # SDK's own
             streamed = stream.get_final_message()
-        assert events[0] == "message_start" and events[-1] == "message_stop"
+        events = [e.type for e in raw]
+        assert events[0] == "message_start" and events[-2:] == ["message_delta", "message_stop"]
+        # one block at a time: start, its deltas, stop; as many blocks as the message has
+        block_events = [(e.type, e.index) for e in raw if e.type.startswith("content_block")]
+        expect = []
+        for i in range(len(streamed.content)):
+            n = sum(1 for t, j in block_events if t == "content_block_delta" and j == i)
+            expect += [("content_block_start", i)] + [("content_block_delta", i)] * n + [("content_block_stop", i)]
+        assert block_events == expect
         def blocks(m):  # tool call ids are drawn per request
             return [{k: v for k, v in b.model_dump().items() if k != "id"} for b in m.content]
 

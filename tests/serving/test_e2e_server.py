@@ -314,7 +314,7 @@ def test_anthropic_messages_on_the_real_engine(server, parsing_server):
     # output_config.format: the random model's answer is constrained to the schema
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
-    shaped = claude.messages.create(model="glm-5.3-tiny", max_tokens=16, messages=msgs, extra_body=greedy,
+    shaped = claude.messages.create(model="glm-5.3-tiny", max_tokens=64, messages=msgs, extra_body=greedy,
                                     thinking={"type": "disabled"},
                                     output_config={"format": {"type": "json_schema", "schema": schema}})
     assert isinstance(json.loads(shaped.content[0].text)["ok"], bool) and shaped.stop_reason == "end_turn"
@@ -330,6 +330,32 @@ def test_anthropic_messages_on_the_real_engine(server, parsing_server):
     while time.time() < deadline and engine.engine.has_unfinished_requests():
         time.sleep(0.1)
     assert not engine.engine.has_unfinished_requests()
+
+
+def test_responses_api_on_the_real_engine(parsing_server):
+    """`/v1/responses` (serving/api/responses.py) over the real engine: a greedy answer's tokens are
+    the chat route's (reasoning off); a named function comes back as a `function_call` item,
+    streamed and not; a `json_schema` text format constrains the answer."""
+    pclient = openai.OpenAI(base_url=parsing_server[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    base = {"model": "glm-5.3-tiny", "temperature": 0, "reasoning": {"effort": "none"}}
+    r = pclient.responses.create(input="Name three colours.", max_output_tokens=12, **base)
+    chat = pclient.chat.completions.create(model="glm-5.3-tiny", max_tokens=12, temperature=0,
+                                           messages=[{"role": "user", "content": "Name three colours."}],
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.output_text == chat.choices[0].message.content and r.usage.output_tokens == chat.usage.completion_tokens
+    now = {"type": "function", "name": "now", "parameters": {"type": "object", "properties": {}}}
+    kw = dict(input="What time is it?", max_output_tokens=16, tools=[now], tool_choice={"type": "function", "name": "now"},
+              **base)
+    called = pclient.responses.create(**kw)
+    with pclient.responses.stream(**kw) as stream:
+        streamed = stream.get_final_response()
+    for resp in (called, streamed):
+        assert [(i.type, i.name, i.arguments) for i in resp.output if i.type != "message"] == [("function_call", "now", "{}")]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    shaped = pclient.responses.create(input="Is it ok?", max_output_tokens=64, **base,
+                                      text={"format": {"type": "json_schema", "name": "ok", "schema": schema}})
+    assert isinstance(json.loads(shaped.output_text)["ok"], bool) and shaped.status == "completed"
 
 
 def _metrics(base):
