@@ -105,6 +105,11 @@ REQUIRED = {
 }
 
 
+def encode_body(x) -> bytes:
+    """A drawn body as the bytes sent (bytes as they are, a str as text, anything else as JSON)."""
+    return x if isinstance(x, bytes) else (x if isinstance(x, str) else json.dumps(x)).encode("utf-8", "surrogatepass")
+
+
 def bodies(kind: str) -> st.SearchStrategy:
     """Request bodies, a third each: valid ones (every optional field absent or valid), valid
     ones with one or two fields replaced by an edge value or junk, and wild ones (each field
@@ -124,9 +129,104 @@ def bodies(kind: str) -> st.SearchStrategy:
     wild = st.fixed_dictionaries({"max_tokens": small_limit}, optional={**wide, "unknown_field": junk})
     not_object = junk.map(json.dumps) | st.binary(max_size=30) | st.just('{"messages": [') | st.just(
         '{"a": ' * 600 + "1" + "}" * 600)
-    enc = lambda x: x if isinstance(x, bytes) else (x if isinstance(x, str) else json.dumps(x)).encode(  # noqa: E731
-        "utf-8", "surrogatepass")
-    return st.one_of(valid, mutated(), st.one_of(wild, not_object)).map(enc)
+    return st.one_of(valid, mutated(), st.one_of(wild, not_object)).map(encode_body)
+
+
+# Anthropic's Messages API and OpenAI's Responses API (translated to the chat route): their own
+# fields, each plausible or junk; max_tokens / max_output_tokens always small.
+block = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": text}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": text, "name": st.sampled_from(["get_weather", ""]) | junk,
+                           "input": st.just({"city": "x"}) | junk}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": text | junk},
+                          optional={"content": text | st.lists(st.fixed_dictionaries({"type": st.just("text"),
+                                                                                      "text": text})) | junk}),
+    st.fixed_dictionaries({"type": st.sampled_from(["thinking", "redacted_thinking", "image", "junk"])},
+                          optional={"thinking": text | junk}), junk)
+ANTHROPIC = {
+    "model": st.just("glm-5.3-tiny") | text | junk, "max_tokens": small_limit | junk,
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]) | junk,
+                                                "content": text | st.lists(block, max_size=3) | junk}),
+                         max_size=4) | junk,
+    "system": text | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=2) | junk,
+    "stop_sequences": st.lists(text, max_size=3) | junk, "stream": st.booleans() | junk,
+    "temperature": prob | junk, "top_p": prob | junk, "top_k": st.integers(-2, 600) | junk,
+    "tools": st.lists(st.fixed_dictionaries({"name": st.sampled_from(["get_weather", "", "x" * 70]) | junk},
+                                            optional={"input_schema": st.just({"type": "object"}) | junk,
+                                                      "type": st.sampled_from(["custom", "bash_20250124"])}),
+                      max_size=2) | junk,
+    "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none", "x"]) | junk},
+                                         optional={"name": st.sampled_from(["get_weather", "nope"]) | junk}) | junk,
+    "thinking": st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled", "adaptive", "x"]) | junk},
+                                      optional={"budget_tokens": small_limit, "display": text}) | junk,
+    "output_config": st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["low", "max", "x"]) | junk,
+                                                         "format": st.just({"type": "json_schema", "schema": {
+                                                             "type": "object"}}) | junk}) | junk,
+    "metadata": junk,
+}
+item = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "developer", "tool"]) | junk},
+                          optional={"type": st.just("message"), "content": text | st.lists(
+                              st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text",
+                                                                              "input_image"]), "text": text}),
+                              max_size=2) | junk}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": text | junk,
+                           "name": st.sampled_from(["get_weather", ""]) | junk}, optional={"arguments": text | junk}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": text | junk},
+                          optional={"output": text | junk}),
+    st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "item_reference"])},
+                          optional={"content": st.lists(st.fixed_dictionaries({"type": st.just("reasoning_text"),
+                                                                               "text": text}), max_size=2) | junk}),
+    junk)
+RESPONSES = {
+    "model": st.just("glm-5.3-tiny") | text | junk, "max_output_tokens": small_limit | junk,
+    "input": text | st.lists(item, max_size=4) | junk, "instructions": text | junk,
+    "temperature": prob | junk, "top_p": prob | junk, "stream": st.booleans() | junk,
+    "tools": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]) | junk,
+                                             "name": st.sampled_from(["get_weather", ""]) | junk},
+                                            optional={"parameters": st.just({"type": "object"}) | junk}),
+                      max_size=2) | junk,
+    "tool_choice": st.sampled_from(["auto", "none", "required", "x", {"type": "function", "name": "get_weather"}])
+    | junk, "parallel_tool_calls": st.booleans() | junk,
+    "reasoning": st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["none", "low", "high", "x"]) | junk})
+    | junk,
+    "text": st.fixed_dictionaries({}, optional={"format": st.sampled_from([
+        {"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "name": "x", "schema": {"type": "object"}},
+        {"type": "yaml"}]) | junk}) | junk,
+    "store": st.booleans() | junk, "previous_response_id": st.none() | text, "background": st.booleans() | junk,
+    "top_logprobs": st.integers(0, 3) | junk, "truncation": st.sampled_from(["disabled", "auto"]) | junk,
+    "metadata": junk, "user": text | junk,
+}
+
+
+VALID_ANTHROPIC = {"system": ok_text, "stop_sequences": st.lists(ok_text, max_size=2), "stream": st.booleans(),
+                   "temperature": st.floats(0, 1), "top_k": st.sampled_from([1, 5, 50]),
+                   "thinking": st.sampled_from([{"type": "disabled"}, {"type": "enabled", "budget_tokens": 1024}]),
+                   "output_config": st.sampled_from([{"effort": "low"}, {"effort": "max"}])}
+VALID_RESPONSES = {"instructions": ok_text, "stream": st.booleans(), "temperature": st.floats(0, 1),
+                   "reasoning": st.sampled_from([{"effort": "none"}, {"effort": "low"}]),
+                   "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}])}
+
+
+def translated_bodies(fields: dict, required: dict, valid_fields: dict, limit: str) -> st.SearchStrategy:
+    """Bodies for a translated route, as `bodies`: valid ones, valid ones with one or two fields
+    replaced by a value of `fields` (plausible or junk), wild ones (any field, any value), and
+    bodies that are not a JSON object; the token limit `limit` is small whenever it is an integer."""
+    valid = st.fixed_dictionaries(required, optional=valid_fields)
+
+    @st.composite
+    def mutated(draw):
+        body = draw(valid)
+        for name in draw(st.lists(st.sampled_from(sorted(fields) + ["unknown_field"]), min_size=1, max_size=2)):
+            body[name] = draw(fields.get(name, junk))
+        if not isinstance(body.get(limit), int) or isinstance(body.get(limit), bool) or body[limit] > 12:
+            body[limit] = 8
+        return body
+
+    wild = st.fixed_dictionaries({limit: small_limit}, optional={**{k: v for k, v in fields.items() if k != limit},
+                                                                 "unknown_field": junk})
+    not_object = junk.map(json.dumps) | st.binary(max_size=30) | st.just('{"messages": [')
+    return st.one_of(valid, mutated(), st.one_of(wild, not_object)).map(encode_body)
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +273,47 @@ def test_fuzz_chat_completions(server, body):
 @given(body=bodies("completion"))
 def test_fuzz_completions(server, body):
     post(server[0], "/v1/completions", body)
+
+
+FEWER = settings(FUZZ, max_examples=max(1, EXAMPLES // 3))  # the chat route behind them is fuzzed above
+
+
+def check_translated(r: httpx.Response, raw: str, anthropic: bool) -> None:
+    """2xx: a whole answer, or a stream ending as the API ends one with no error event; 4xx: the
+    API's error body. Never a 5xx."""
+    assert r.status_code < 500, (r.status_code, raw[:500])
+    if r.status_code >= 400:
+        body = json.loads(raw)
+        if anthropic:
+            assert body["type"] == "error" and body["error"]["type"] and body["error"]["message"], body
+        else:
+            assert body["error"]["code"] == r.status_code and body["error"]["message"], body
+        return
+    if not r.headers.get("content-type", "").startswith("text/event-stream"):
+        assert "content" in json.loads(raw) if anthropic else "output" in json.loads(raw)
+        return
+    kinds = [line[7:] for line in raw.splitlines() if line.startswith("event: ")]
+    assert kinds and "error" not in kinds, raw[-300:]
+    assert kinds[-1] == "message_stop" if anthropic else kinds[-1] in ("response.completed", "response.incomplete")
+
+
+@FEWER
+@given(body=translated_bodies(ANTHROPIC, {"model": st.just("glm-5.3-tiny"), "max_tokens": st.integers(1, 8),
+                                          "messages": st.lists(st.fixed_dictionaries({"role": st.just("user"),
+                                                                                      "content": ok_text}),
+                                                               min_size=1, max_size=2)},
+                              VALID_ANTHROPIC, "max_tokens"))
+def test_fuzz_anthropic_messages(server, body):
+    with server[0].stream("POST", "/v1/messages", content=body, headers={"content-type": "application/json"}) as r:
+        check_translated(r, r.read().decode("utf-8", errors="replace"), anthropic=True)
+
+
+@FEWER
+@given(body=translated_bodies(RESPONSES, {"model": st.just("glm-5.3-tiny"), "max_output_tokens": st.integers(1, 8),
+                                          "input": ok_text}, VALID_RESPONSES, "max_output_tokens"))
+def test_fuzz_responses(server, body):
+    with server[0].stream("POST", "/v1/responses", content=body, headers={"content-type": "application/json"}) as r:
+        check_translated(r, r.read().decode("utf-8", errors="replace"), anthropic=False)
 
 
 def test_server_is_sound_after_fuzzing(server):
