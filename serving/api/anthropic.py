@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from serving.api.errors import APIError
 from serving.api.protocol import ChatCompletionRequest
-from serving.api.streaming import translated_stream
+from serving.api.streaming import translated_answer
 from serving.api.validation import parse_body
 
 logger = logging.getLogger(__name__)
@@ -422,11 +422,7 @@ def add_anthropic_routes(
             inner = await chat_response(request, to_chat_request(body))
         except APIError as e:
             return error_response(e)
-        if not body.stream:
-            if inner.status_code != 200:  # 499: the client left
-                return inner
-            return JSONResponse(to_message(json.loads(inner.body), body))
-        return translated_stream(inner, StreamTranslator(body))
+        return translated_answer(inner, body.stream, lambda chat: to_message(chat, body), StreamTranslator(body))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:

@@ -33,12 +33,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from serving.api.errors import APIError
 from serving.api.protocol import ChatCompletionRequest
-from serving.api.streaming import translated_stream
+from serving.api.streaming import translated_answer
 from serving.api.validation import parse_body
 
 
@@ -420,11 +420,8 @@ def add_responses_routes(
         """OpenAI's Responses API (see the module docstring)."""
         body = await parse_body(request, ResponsesRequest, max_body_bytes)
         inner = await chat_response(request, to_chat_request(body))
-        if not body.stream:
-            if inner.status_code != 200:  # 499: the client left
-                return inner
-            return JSONResponse(to_response(json.loads(inner.body), body))
-        return translated_stream(inner, ResponseStreamTranslator(body))
+        return translated_answer(inner, body.stream, lambda chat: to_response(chat, body),
+                                 ResponseStreamTranslator(body))
 
     @v1.get("/responses/{response_id}")
     async def get_response(response_id: str) -> Response:

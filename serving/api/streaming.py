@@ -13,7 +13,7 @@ from typing import Any
 
 import anyio
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from serving.api.errors import engine_error
@@ -212,6 +212,15 @@ def chunk_dict(chunk: BaseModel) -> dict[str, Any]:
     if d.get("usage") is None:
         d.pop("usage", None)
     return without_null_kv_params(d)
+
+
+def translated_answer(inner: Any, stream: bool, whole: Any, translator: Any) -> Any:
+    """A chat completion answer (`inner`, the chat route's response) in another API's shape: not
+    streamed, `whole(chat body dict)` as JSON (a non-200 `inner`, e.g. 499 when the client left,
+    as it is); streamed, `translated_stream(inner, translator)`."""
+    if stream:
+        return translated_stream(inner, translator)
+    return inner if inner.status_code != 200 else JSONResponse(whole(json.loads(inner.body)))
 
 
 def translated_stream(inner: StreamingResponse, translator: Any) -> AbortOnCloseStreamingResponse:

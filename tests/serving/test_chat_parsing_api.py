@@ -101,6 +101,12 @@ class ScriptedEngine:
             )
 
 
+def parsing_app(engine: ScriptedEngine, tokenizer: GlmTokenizer, api_key: str | None = None):
+    """The API over `engine` with the glm45 reasoning and glm47 tool-call parsers on (auto tool choice)."""
+    parsing = ChatParsing(reasoning_parser="glm45", tool_call_parser="glm47", enable_auto_tool_choice=True)
+    return build_app(engine, tokenizer, MODEL, chat_parsing=parsing, api_key=api_key)
+
+
 @pytest.fixture(scope="module")
 def tokenizer() -> GlmTokenizer:
     return GlmTokenizer(
@@ -117,8 +123,7 @@ def engine(tokenizer) -> ScriptedEngine:
 
 @pytest.fixture(scope="module")
 def base_url(engine, tokenizer):
-    parsing = ChatParsing(reasoning_parser="glm45", tool_call_parser="glm47", enable_auto_tool_choice=True)
-    with live_server(build_app(engine, tokenizer, MODEL, chat_parsing=parsing)) as url:
+    with live_server(parsing_app(engine, tokenizer)) as url:
         yield url
 
 
