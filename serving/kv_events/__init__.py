@@ -19,6 +19,7 @@ import zmq
 from serving.kv_events.config import (
     KVEventsConfig,
     KVEventsConfigError,
+    binds,
     check_replica_ports,
     discovery_sources,
     offset_endpoint_port,
@@ -72,6 +73,10 @@ class KVEvents:
         # clear repeats until the replica announces something: a reconnecting router hears it).
         for pub in self.publishers:
             pub.announce_cleared()
+        if config.publisher == "zmq" and not binds(config.endpoint):
+            logger.warning("KV events: %s is connected to, not bound (vLLM's rule: only an address with '*' or '::' "
+                           "is bound; use tcp://*:PORT to listen on every interface), so something must listen "
+                           "there, and a router cannot discover it at GET /kv_event_sources", config.endpoint)
         logger.info("KV events: block size %d tokens (vllm-router --policy kv_aware reads it and the event sockets "
                     "from GET /get_server_info and /kv_event_sources; set by hand: --kv-event-block-size %d)",
                     self.block_size, self.block_size)

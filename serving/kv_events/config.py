@@ -101,34 +101,56 @@ def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str |
     raise KVEventsConfigError(f"--kv-events-config: {endpoint!r} cannot be offset per data-parallel rank")
 
 
+def binds(endpoint: str) -> bool:
+    """vLLM's rule: a publisher binds an address with `*` or `::` in it, or an ipc / inproc one, and
+    connects to any other (e.g. `tcp://0.0.0.0:5557` or `tcp://10.0.0.1:5557`: an external broker
+    must be listening there)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def is_ipv6(endpoint: str) -> bool:
+    """A tcp address with an IPv6 literal (`tcp://[::]:5557`), which zmq binds only with its IPV6
+    option set."""
+    return endpoint.startswith("tcp://") and "[" in endpoint
+
+
 # What vllm-router (0.1.17) needs of a discovery entry before it subscribes: without `encoding`
 # "msgpack" and `schema_version` 1 beside `publisher` "zmq" and `enable_kv_cache_events` true it
 # skips the rank without a word (probed against the binary; docs/kv_events.md "Discovery").
 WIRE_ENCODING = "msgpack"
 WIRE_SCHEMA_VERSION = 1
-_BIND_ALL_HOSTS = ("*", "0.0.0.0", "::", "[::]")
+_BIND_ALL_HOSTS = ("*", "[::]")
 
 
 def discovery_sources(config: KVEventsConfig, num_replicas: int) -> dict[str, dict]:
     """The body of `GET /kv_event_sources`: one entry per data-parallel rank, keyed by the rank as a
     string (vllm-router's shape), each with the endpoints replica r publishes and replays on (the
-    configured ports + r, `offset_endpoint_port`) and the publisher settings. A tcp endpoint bound
-    on every interface is given as `tcp://*:PORT`, which a router reads as "the host of the worker
-    URL I reached you at". Empty when the publisher is "null" (nothing is sent to subscribe to).
+    configured ports + r, `offset_endpoint_port`) and the publisher settings. Only sockets this
+    server binds are listed, since a subscriber can reach only those: a tcp endpoint bound on every
+    interface (`*`, `[::]`) is given as `tcp://*:PORT`, which a router reads as "the host of the
+    worker URL I reached you at"; an ipc one as it is. Empty when the publisher is "null" or
+    connects to its address (`binds`), or for an inproc endpoint (no other process can reach it);
+    a replay endpoint of that kind is given as null.
 
     Raises KVEventsConfigError for an ipc endpoint under data parallelism (as the publishers do)."""
-    if config.publisher != "zmq":
+    if config.publisher != "zmq" or not _reachable(config.endpoint):
         return {}
     return {str(rank): {"endpoint": _router_address(offset_endpoint_port(config.endpoint, rank)),
-                        "replay_endpoint": _router_address(offset_endpoint_port(config.replay_endpoint, rank)),
+                        "replay_endpoint": (_router_address(offset_endpoint_port(config.replay_endpoint, rank))
+                                            if _reachable(config.replay_endpoint) else None),
                         "topic": config.topic, "hwm": config.hwm, "buffer_steps": config.buffer_steps,
                         "publisher": config.publisher, "enable_kv_cache_events": True,
                         "encoding": WIRE_ENCODING, "schema_version": WIRE_SCHEMA_VERSION}
             for rank in range(num_replicas)}
 
 
+def _reachable(endpoint: str | None) -> bool:
+    """Bound by this server and reachable from another process."""
+    return bool(endpoint) and binds(endpoint) and not endpoint.startswith("inproc://")
+
+
 def _router_address(endpoint: str | None) -> str | None:
-    """`tcp://0.0.0.0:5557` and `tcp://[::]:5557` as `tcp://*:5557`; anything else unchanged."""
+    """`tcp://[::]:5557` (bound on every interface) as `tcp://*:5557`; anything else unchanged."""
     if not endpoint or not endpoint.startswith("tcp://"):
         return endpoint
     host, _, port = endpoint[len("tcp://"):].rpartition(":")

@@ -17,16 +17,17 @@ from collections import deque
 
 import zmq
 
-from serving.kv_events.config import KVEventsConfig, offset_endpoint_port
+from serving.kv_events.config import (
+    KVEventsConfig,
+    binds,
+    is_ipv6,
+    offset_endpoint_port,
+)
 from serving.kv_events.wire import AllBlocksCleared, EventBatch, encode_batch
 
 logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-def _binds(endpoint: str) -> bool:
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 class ZmqEventPublisher:
@@ -61,10 +62,14 @@ class ZmqEventPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay = None
         try:
-            (self._pub.bind if _binds(self.endpoint) else self._pub.connect)(self.endpoint)
+            if is_ipv6(self.endpoint):
+                self._pub.setsockopt(zmq.IPV6, 1)  # `tcp://[::]:P`: IPv6 and IPv4 subscribers
+            (self._pub.bind if binds(self.endpoint) else self._pub.connect)(self.endpoint)
             if self.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                if is_ipv6(self.replay_endpoint):
+                    self._replay.setsockopt(zmq.IPV6, 1)
                 self._replay.bind(self.replay_endpoint)
         except zmq.ZMQError:
             self._close_sockets()

@@ -246,7 +246,7 @@ def test_discovery_lists_each_replicas_sockets_in_the_routers_shape():
     # vllm-router 0.1.17 subscribes to a discovered rank only when its entry says publisher "zmq",
     # enable_kv_cache_events true, encoding "msgpack" and schema_version 1 (probed against the
     # binary, docs/kv_events.md "Discovery"); replica r's ports are the configured ones + r.
-    cfg = KVEventsConfig.from_dict({"enable_kv_cache_events": True, "endpoint": "tcp://0.0.0.0:6001",
+    cfg = KVEventsConfig.from_dict({"enable_kv_cache_events": True, "endpoint": "tcp://*:6001",
                                     "replay_endpoint": "tcp://[::]:6011", "topic": "kv", "hwm": 7})
     got = discovery_sources(cfg, 2)
     assert list(got) == ["0", "1"]
@@ -254,11 +254,34 @@ def test_discovery_lists_each_replicas_sockets_in_the_routers_shape():
         assert got[str(rank)] == {"endpoint": pub, "replay_endpoint": replay, "topic": "kv", "hwm": 7,
                                   "buffer_steps": 10_000, "publisher": "zmq", "enable_kv_cache_events": True,
                                   "encoding": "msgpack", "schema_version": 1}
-    # a connecting (not bound) endpoint is the address as given; no replay socket: null
-    one = discovery_sources(KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://10.1.2.3:5557"), 1)
-    assert (one["0"]["endpoint"], one["0"]["replay_endpoint"]) == ("tcp://10.1.2.3:5557", None)
-    # nothing is sent with the "null" publisher: nothing to subscribe to
-    assert discovery_sources(KVEventsConfig(enable_kv_cache_events=True, publisher="null"), 2) == {}
+    one = discovery_sources(KVEventsConfig(enable_kv_cache_events=True, endpoint="ipc:///tmp/kv.ipc",
+                                           replay_endpoint="inproc://replay"), 1)
+    assert (one["0"]["endpoint"], one["0"]["replay_endpoint"]) == ("ipc:///tmp/kv.ipc", None)
+    # Only what the server binds: an address it connects to (vLLM's rule: no '*' or '::' in it,
+    # so 0.0.0.0 too) or an inproc one is nothing a router can subscribe to; nor a "null" publisher.
+    for endpoint, publisher in [("tcp://0.0.0.0:5557", "zmq"), ("tcp://10.1.2.3:5557", "zmq"),
+                                ("inproc://kv", "zmq"), ("tcp://*:5557", "null")]:
+        cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint, publisher=publisher)
+        assert discovery_sources(cfg, 2) == {}, endpoint
+
+
+@pytest.mark.parametrize("host", ["*", "[::]"])
+def test_a_discovered_socket_is_one_a_subscriber_hears(host):
+    # What discovery lists is bound: a subscriber connecting where a router would (`*` read as the
+    # worker's host, here loopback) hears the start-up clear; `[::]` binds (IPv6 and IPv4) too.
+    port = _free_port()
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://{host}:{port}", topic="kv")
+    pub = ZmqEventPublisher(cfg)
+    pub.announce_cleared(every_s=0.1)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(discovery_sources(cfg, 1)["0"]["endpoint"].replace("*", "127.0.0.1"))
+    try:
+        assert sub.poll(3000), "nothing reached the subscriber"
+        assert [e["type"] for e in decode(sub.recv_multipart()[2]).events] == ["AllBlocksCleared"]
+    finally:
+        sub.close(linger=0)
+        pub.close()
 
 
 def test_cli_checks_the_flag_at_start_up():
