@@ -42,10 +42,12 @@ def make_arg_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="Model name the API accepts and lists as `id` (default: glm-5.3-tiny for the tiny preset, a "
-             "checkpoint directory's name, or the hub id or preset name given to --model; `/v1/models` "
-             "lists the --model value itself as `root`).",
+        help="Model name(s) the API accepts and lists as `id`; with several, a request may name any and "
+             "answers (and metrics) carry the first, as vLLM does (default: glm-5.3-tiny for the tiny "
+             "preset, a checkpoint directory's name, or the hub id or preset name given to --model; "
+             "`/v1/models` lists the --model value itself as `root`).",
     )
     m.add_argument(
         "--dtype", choices=["auto", "bfloat16", "float32"], default="auto",

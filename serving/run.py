@@ -118,7 +118,7 @@ def build_server(argv: list[str] | None = None, args=None):
                        "tokenizer_config.json): /v1/chat/completions will answer 400; /v1/completions serves",
                        engine.model_path)
     if args.served_model_name:
-        name = args.served_model_name
+        name = args.served_model_name[0]  # answers and metrics carry the first; requests may name any
     elif model is None:  # no --model, or --model tiny
         name = "glm-5.3-tiny"
     elif not os.path.isdir(args.model):  # a hub id: served under it, as vLLM does
@@ -236,6 +236,7 @@ def build_api(args, async_engine, tokenizer, metrics=None):
                                         args.override_generation_config)
     logger.info(describe_generation_defaults(defaults, args.generation_config))
     app = build_app(async_engine, tokenizer, async_engine.model_name, api_key=args.api_key, chat_parsing=parsing,
+                    model_aliases=args.served_model_name or (),
                     extra_routes=add_metrics if metrics is not None else None, model_root=args.model or "tiny",
                     default_sampling=defaults)
     app.state.metrics = metrics

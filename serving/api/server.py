@@ -59,7 +59,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -182,14 +182,17 @@ def build_app(
     max_body_bytes: int | None = None,
     model_root: str | None = None,
     default_sampling: dict[str, Any] | None = None,
+    model_aliases: Sequence[str] = (),
 ) -> FastAPI:
     """Build the OpenAI-compatible FastAPI app over `engine`.
 
     engine: an `EngineClient` (generate / abort / is_healthy, `model_name`, `max_model_len`; an
         optional `max_logprobs` attribute makes the server refuse larger `logprobs` requests itself).
     tokenizer: provides `encode`, `decode`, `apply_chat_template` (see the module docstring).
-    served_model_name: the only accepted value of a request's `model` (an absent `model` means
-        this one); listed by `/v1/models`.
+    served_model_name: the accepted value of a request's `model` (an absent `model` means this
+        one), the `model` of every answer; listed by `/v1/models`.
+    model_aliases: more names a request's `model` may give (vLLM's `--served-model-name A B ...`:
+        every name is accepted and listed, answers carry the first).
     api_key: when set, every `/v1/*` route requires `Authorization: Bearer <api_key>`.
     extra_routes: called with the app before it is returned, to add routes or mounts such as
         `/metrics`; those are outside `/v1` and so not behind the API key.
@@ -256,8 +259,10 @@ def build_app(
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
 
+    names = (served_model_name, *[a for a in model_aliases if a != served_model_name])
+
     def _check_model(model: str | None) -> None:
-        if model is not None and model != served_model_name:
+        if model is not None and model not in names:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
     async def _first_outputs(request: Request, ch: Choices) -> list[RequestOutput | None | object]:
@@ -463,24 +468,24 @@ def build_app(
             ok = False
         return Response(status_code=200 if ok else 503)
 
-    def _model_card(request: Request) -> ModelCard:
+    def _model_card(request: Request, name: str) -> ModelCard:
         engine, _ = _served(request)
         return ModelCard(
-            id=served_model_name,
+            id=name,
             root=model_root or served_model_name,
             max_model_len=engine.max_model_len,
         )
 
     @v1.get("/models")
     async def list_models(request: Request) -> JSONResponse:
-        """The served model."""
-        return JSONResponse(ModelList(data=[_model_card(request)]).model_dump())
+        """The served model, one card per served name."""
+        return JSONResponse(ModelList(data=[_model_card(request, n) for n in names]).model_dump())
 
     @v1.get("/models/{model:path}")
     async def retrieve_model(model: str, request: Request) -> JSONResponse:
         """The served model by name; 404 for any other name."""
         _check_model(model)
-        return JSONResponse(_model_card(request).model_dump())
+        return JSONResponse(_model_card(request, model).model_dump())
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -906,6 +906,23 @@ def test_extra_routes_hook_and_no_api_key(tiny_tokenizer):
         _assert_error(tc.get("/no/such/route"), 404)
 
 
+def test_several_served_names_are_accepted_and_answers_carry_the_first(tiny_tokenizer):
+    # vLLM's `--served-model-name A B`: any name is accepted and listed; answers name the first.
+    from fastapi.testclient import TestClient
+
+    from serving.cli_args import make_arg_parser
+
+    assert make_arg_parser().parse_args(["--served-model-name", "glm", "claude-haiku"]).served_model_name == [
+        "glm", "claude-haiku"]
+    app = build_app(FakeEngine(tiny_tokenizer), tiny_tokenizer, MODEL, model_aliases=[MODEL, "alias-1"])
+    with TestClient(app) as tc:
+        assert [c["id"] for c in tc.get("/v1/models").json()["data"]] == [MODEL, "alias-1"]
+        assert tc.get("/v1/models/alias-1").json()["id"] == "alias-1"
+        r = tc.post("/v1/completions", json={"model": "alias-1", "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == MODEL
+        _assert_error(tc.post("/v1/completions", json={"model": "alias-2", "prompt": "Hi", "max_tokens": 2}), 404)
+
+
 def test_router_discovery_routes_need_no_api_key(tiny_tokenizer):
     # A router reads these for every worker it is given (serving/api/discovery.py); an engine
     # without KV events reports no sources and no block size.
