@@ -19,7 +19,9 @@ Request fields (docs/anthropic.md has the table): `model`, `max_tokens` (require
 the chat template's reasoning effort; `format` `{"type": "json_schema", "schema"}` → the answer
 constrained to the schema, structured outputs), `metadata` (ignored). A last turn from the
 assistant is a prefilled answer: the model continues it (the chat route's
-`continue_final_message`), and the answer holds only the new text. Other
+`continue_final_message`), and the answer holds only the new text; it may not hold tool_use
+blocks. `tool_result`'s `is_error` is not passed on (the result's text is). A forced tool choice
+(`any`, `tool`) with `thinking` explicitly on is a 400, as Anthropic's API answers. Other
 top-level keys are ignored (clients send beta fields); blocks this server cannot read (images,
 documents, server tools) are a 400 naming them. `cache_control` marks are ignored: prefix caching
 is automatic.
@@ -207,6 +209,11 @@ def to_chat_request(body: MessagesRequest, count_only: bool = False) -> ChatComp
             kwargs["enable_thinking"] = False
         elif kind not in ("enabled", "adaptive", "between_tools"):
             raise _bad(f"thinking.type: expected enabled, adaptive, between_tools or disabled, got {kind!r}.")
+        elif isinstance(tool_choice, dict) or tool_choice == "required":
+            # Anthropic's rule too: a forced call is a constraint on the answer after the thinking,
+            # which the model may never end
+            raise _bad("thinking may not be enabled when tool_choice forces tool use (any or tool); "
+                       "send thinking {\"type\": \"disabled\"} or tool_choice auto.")
     out_cfg = body.output_config or {}
     response_format = None
     fmt = out_cfg.get("format")
@@ -222,6 +229,9 @@ def to_chat_request(body: MessagesRequest, count_only: bool = False) -> ChatComp
         "reasoning_effort": out_cfg.get("effort"), "response_format": response_format,
     }
     if body.messages[-1].role == "assistant":  # a prefilled answer: the model continues it
+        if chat["messages"][-1].get("tool_calls"):
+            raise _bad(f"messages.{len(body.messages) - 1}: a last assistant turn with tool_use blocks needs their "
+                       "tool_result blocks in a following user turn (a prefilled answer may hold text only).")
         chat["continue_final_message"], chat["add_generation_prompt"] = True, False
     if body.stream:  # usage on every chunk: message_start needs the prompt's, message_delta the output's
         chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
@@ -379,8 +389,9 @@ class StreamTranslator:
             out += self._start_block("text", {"type": "text", "text": ""})
         out += self._close()
         stop_reason, stop_sequence = _stop_reason(*self.finish, self.body.stop_sequences)
+        # the final usage whole: message_start's could not know the prefix-cache split yet
         out.append(_event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                            "usage": {"output_tokens": _usage(self.usage)["output_tokens"]}}))
+                                            "usage": _usage(self.usage)}))
         out.append(_event("message_stop", {}))
         return out
 

@@ -36,6 +36,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from serving.api.chat_output import REASONING_EFFORTS
 from serving.api.errors import APIError
 from serving.api.protocol import ChatCompletionRequest
 from serving.api.streaming import translated_answer
@@ -95,15 +96,15 @@ def _chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         return [*out, {"role": "user", "content": body.input}]
     reasoning: list[str] = []  # reasoning items waiting for the assistant turn they precede
 
-    def assistant_turn() -> dict[str, Any]:
-        """The assistant message a call or reasoning joins: the last one, unless tool results or
-        other turns came after it."""
+    def assistant_turn(new: bool = False) -> dict[str, Any]:
+        """The assistant message an assistant text or call joins: the last one, unless a reasoning
+        item came after it (reasoning opens the next turn), something else did, or `new`."""
         nonlocal reasoning
-        if not out or out[-1]["role"] != "assistant":
+        if reasoning or new or not out or out[-1]["role"] != "assistant":
             out.append({"role": "assistant", "content": None})
-        if reasoning:
-            out[-1]["reasoning_content"] = "\n".join(reasoning)
-            reasoning = []
+            if reasoning:
+                out[-1]["reasoning_content"] = "\n".join(reasoning)
+                reasoning = []
         return out[-1]
 
     for i, item in enumerate(body.input):
@@ -118,11 +119,10 @@ def _chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                            f"{where}.role")
             text = _parts_text(item.get("content", ""), f"{where}.content")
             if role == "assistant":
-                turn = assistant_turn()
-                if turn.get("content") or turn.get("tool_calls"):  # a second assistant message: a new turn
-                    out.append({"role": "assistant", "content": text})
-                else:
-                    turn["content"] = text
+                last = out[-1] if out else {}
+                # a second assistant message after text or calls: a turn of its own
+                assistant_turn(new=last.get("role") == "assistant" and bool(last.get("content") or
+                                                                         last.get("tool_calls")))["content"] = text
             else:
                 out.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
@@ -172,6 +172,14 @@ def _chat_tools(body: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, An
 def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat completion request that serves `body`. Raises APIError (400) naming what cannot be
     translated or what this server does not do (`previous_response_id`, `background`, ...)."""
+    if body.max_output_tokens is not None and body.max_output_tokens < 1:
+        raise _bad(f"max_output_tokens must be at least 1, got {body.max_output_tokens}.", "max_output_tokens")
+    if isinstance(body.input, list) and not body.input:
+        raise _bad("input: give at least one item.", "input")
+    effort = (body.reasoning or {}).get("effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise _bad(f"reasoning.effort: expected one of {', '.join(REASONING_EFFORTS)}, got {effort!r}.",
+                   "reasoning.effort")
     if body.previous_response_id is not None:
         raise _bad("This server stores no responses: send the whole conversation as `input` "
                    "(previous_response_id is not supported).", "previous_response_id")
@@ -183,7 +191,6 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         raise _bad("truncation: only \"disabled\" is supported (a prompt past the context is a 400).", "truncation")
     tools, tool_choice = _chat_tools(body)
     kwargs: dict[str, Any] = {}
-    effort = (body.reasoning or {}).get("effort")
     if effort == "none":  # no reasoning: GLM's think block closed in the prompt
         kwargs["enable_thinking"], effort = False, None
     response_format = None
@@ -191,6 +198,8 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     if fmt is not None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
         if kind == "json_schema":
+            if not isinstance(fmt.get("schema"), dict):
+                raise _bad("text.format.schema: a json_schema format needs its schema object.", "text.format.schema")
             response_format = {"type": "json_schema", "json_schema": {
                 k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
         elif kind == "json_object":
@@ -274,6 +283,8 @@ def to_response(chat: dict[str, Any], body: ResponsesRequest) -> dict[str, Any]:
     for tc in msg.get("tool_calls") or []:
         output.append(_call_item(_new_id("fc"), tc["id"], tc["function"]["name"], tc["function"].get("arguments", "")))
     status, details = _status(choice.get("finish_reason"))
+    if status == "incomplete":  # the item being written when the answer was cut
+        output[-1]["status"] = "incomplete"
     rid = "resp_" + chat["id"].removeprefix("chatcmpl-")
     return {**_envelope(body, rid, chat["created"], chat["model"]), "status": status,
             "incomplete_details": details, "output": output, "usage": _usage(chat.get("usage"))}
@@ -309,24 +320,24 @@ class ResponseStreamTranslator:
     def _index(self) -> int:
         return len(self.output)
 
-    def _close(self) -> list[str]:
+    def _close(self, status: str = "completed") -> list[str]:
         item, self.open = self.open, None
         if item is None:
             return []
         i, out = self._index(), []
         if item["type"] == "reasoning":
-            done = _reasoning_item(item["id"], self.text)
+            done = _reasoning_item(item["id"], self.text, status)
             out.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=i,
                                    content_index=0, text=self.text))
         elif item["type"] == "message":
-            done = _message_item(item["id"], self.text)
+            done = _message_item(item["id"], self.text, status)
             part = done["content"][0]
             out.append(self._event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
                                    text=self.text, logprobs=[]))
             out.append(self._event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
                                    part=part))
         else:
-            done = _call_item(item["id"], item["call_id"], item["name"], self.text)
+            done = _call_item(item["id"], item["call_id"], item["name"], self.text, status)
             out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
                                    name=item["name"], arguments=self.text))
         out.append(self._event("response.output_item.done", output_index=i, item=done))
@@ -395,12 +406,14 @@ class ResponseStreamTranslator:
         """The events after the last chunk (none after an error)."""
         if self.failed or self.env is None:
             return []
-        out = self._close()
-        if not any(item["type"] in ("message", "function_call") for item in self.output):
-            # no text and no call: one empty message, as the non-streamed response has
-            out += self._open(_message_item(_new_id("msg"), None, status="in_progress"))
-            out += self._close()
         status, details = _status(self.finish)
+        said = [*self.output, *([self.open] if self.open is not None else [])]
+        if any(item["type"] in ("message", "function_call") for item in said):
+            out = self._close(status)  # the last item is incomplete when the answer was cut
+        else:  # no text and no call: one empty message last, as the non-streamed response has
+            out = self._close()
+            out += self._open(_message_item(_new_id("msg"), None, status="in_progress"))
+            out += self._close(status)
         kind = "response.completed" if status == "completed" else "response.incomplete"
         out.append(self._event(kind, response=self._response(status, details)))
         return out

@@ -71,7 +71,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from serving.api.anthropic import add_anthropic_routes
-from serving.api.responses import add_responses_routes
+from serving.api.anthropic import error_response as anthropic_error
 from serving.api.chat_output import ChatParsing, ChatRequestError
 from serving.api.discovery import add_discovery_routes
 from serving.api.errors import (
@@ -104,6 +104,7 @@ from serving.api.protocol import (
     TokenizeRequest,
     UsageInfo,
 )
+from serving.api.responses import add_responses_routes
 from serving.api.streaming import (
     AbortOnCloseStreamingResponse,
     Choices,
@@ -232,7 +233,9 @@ def build_app(
         return error_json(validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if request.url.path.startswith("/v1/messages"):  # an unknown path or method there: Anthropic's body
+            return anthropic_error(APIError(exc.status_code, str(exc.detail)))
         return JSONResponse(
             APIError(exc.status_code, str(exc.detail)).to_response().model_dump(),
             status_code=exc.status_code,

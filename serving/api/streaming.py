@@ -218,9 +218,11 @@ def translated_answer(inner: Any, stream: bool, whole: Any, translator: Any) -> 
     """A chat completion answer (`inner`, the chat route's response) in another API's shape: not
     streamed, `whole(chat body dict)` as JSON (a non-200 `inner`, e.g. 499 when the client left,
     as it is); streamed, `translated_stream(inner, translator)`."""
+    if inner.status_code != 200 or stream != isinstance(inner, StreamingResponse):
+        return inner  # e.g. the 499 of a client that left before the first output
     if stream:
         return translated_stream(inner, translator)
-    return inner if inner.status_code != 200 else JSONResponse(whole(json.loads(inner.body)))
+    return JSONResponse(whole(json.loads(inner.body)))
 
 
 def translated_stream(inner: StreamingResponse, translator: Any) -> AbortOnCloseStreamingResponse:
@@ -233,7 +235,9 @@ def translated_stream(inner: StreamingResponse, translator: Any) -> AbortOnClose
     async def events() -> AsyncIterator[str]:
         try:
             async for raw in chunks:
-                for line in (raw if isinstance(raw, str) else raw.decode()).splitlines():
+                # "\n" only: str.splitlines() also splits at U+2028, U+2029 and U+0085, which the
+                # JSON of a chunk carries raw (ensure_ascii=False)
+                for line in (raw if isinstance(raw, str) else raw.decode()).split("\n"):
                     if not line.startswith("data: "):
                         continue
                     data = line[len("data: "):]

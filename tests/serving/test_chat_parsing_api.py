@@ -56,6 +56,8 @@ SCRIPTS = {
     "malformed": "Hmm</think>Calling <tool_call>get_weather<arg_key>city</arg_key></tool_call> oops",
     "no_end_tag": "I keep thinking and never stop thinking",
     "plain": "Plain answer with <tool_call>now</tool_call> markup",
+    # line and paragraph separators that str.splitlines() would split at (JSON carries them raw)
+    "separators": "Think\u2028this</think>One\u2028two\u2029three\u0085four",
 }
 
 

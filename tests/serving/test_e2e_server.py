@@ -311,6 +311,16 @@ def test_anthropic_messages_on_the_real_engine(server, parsing_server):
         streamed = stream.get_final_message()
     for m in (called, streamed):
         assert m.stop_reason == "tool_use" and [(b.type, b.name, b.input) for b in m.content] == [("tool_use", "now", {})]
+    # usage's prefix-cache split, streamed as not: a repeated prompt is read from the cache
+    long = dict(model="glm-5.3-tiny", max_tokens=2, extra_body=greedy, thinking={"type": "disabled"},
+                messages=[{"role": "user", "content": "Remember: " + "the sea and the hills " * 24}])
+    claude.messages.create(**long)  # fills the cache
+    again = claude.messages.create(**long)
+    with claude.messages.stream(**long) as stream:
+        streamed_usage = stream.get_final_message().usage
+    assert again.usage.cache_read_input_tokens > 0
+    assert (streamed_usage.input_tokens, streamed_usage.cache_read_input_tokens) == (
+        again.usage.input_tokens, again.usage.cache_read_input_tokens)
     # output_config.format: the random model's answer is constrained to the schema
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}

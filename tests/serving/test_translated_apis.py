@@ -109,7 +109,7 @@ def test_tool_use_and_a_tool_result_turn(claude, oai, engine):
 def test_streamed_message_equals_the_non_streamed_one(claude):
     omitted = {"type": "enabled", "budget_tokens": 1024, "display": "omitted"}
     for script, tools, thinking in (("answer", None, None), ("two_calls", [WEATHER_TOOL], None),
-                                    ("answer", None, omitted)):
+                                    ("answer", None, omitted), ("separators", None, None)):
         kwargs = {"model": MODEL, "max_tokens": 300, "messages": [{"role": "user", "content": f"SCRIPT:{script}"}]}
         if tools:
             kwargs["tools"] = tools
@@ -184,12 +184,21 @@ def test_errors_use_anthropics_body(claude, base_url):
          "custom tools"),
         ({**ok, "model": "claude-sonnet"}, 404, "not_found_error", "claude-sonnet"),
         ({**ok, "messages": []}, 400, "invalid_request_error", "messages"),
+        ({**ok, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+            {"type": "text", "text": "Let me"}, {"type": "tool_use", "id": "t1", "name": "now", "input": {}}]}]},
+         400, "invalid_request_error", "tool_result"),
+        ({**ok, "tools": [WEATHER_TOOL], "tool_choice": {"type": "any"}, "thinking": {"type": "enabled",
+                                                                                    "budget_tokens": 1024}},
+         400, "invalid_request_error", "forces tool use"),
     ]:
         r = post(body)
         assert r.status_code == status, r.text
         err = r.json()
         assert err["type"] == "error" and err["error"]["type"] == kind and words in err["error"]["message"], err
     assert post({k: v for k, v in ok.items() if k != "max_tokens"}, path="/v1/messages/count_tokens").status_code == 200
+    # any path or method under /v1/messages answers in Anthropic's body
+    for r, status in ((httpx.get(base_url + "/v1/messages"), 405), (post(ok, path="/v1/messages/batches"), 404)):
+        assert r.status_code == status and r.json()["type"] == "error" and r.json()["error"]["type"], r.text
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.create(model=MODEL, max_tokens=0, messages=[{"role": "user", "content": "hi"}])
 
@@ -261,7 +270,7 @@ def test_response_function_calls_and_their_outputs_as_input_items(oai, engine):
 
 def test_the_streamed_response_equals_the_non_streamed_one(oai):
     for kw in ({"input": "SCRIPT:answer"}, {"input": "SCRIPT:two_calls", "tools": [WEATHER_FN]},
-               {"input": "SCRIPT:plain", "reasoning": {"effort": "none"}}):
+               {"input": "SCRIPT:plain", "reasoning": {"effort": "none"}}, {"input": "SCRIPT:separators"}):
         whole = oai.responses.create(model=MODEL, **kw)
         with oai.responses.stream(model=MODEL, **kw) as stream:
             raw = list(stream)
@@ -283,11 +292,45 @@ def test_the_streamed_response_equals_the_non_streamed_one(oai):
         assert _items(streamed) == _items(whole)
         assert streamed.usage.model_dump() == whole.usage.model_dump()
     # cut by max_output_tokens: status incomplete, and the stream ends with response.incomplete
-    cut = oai.responses.create(model=MODEL, input="SCRIPT:answer", max_output_tokens=4)
-    assert (cut.status, cut.incomplete_details.reason, cut.usage.output_tokens) == ("incomplete", "max_output_tokens", 4)
-    with oai.responses.create(model=MODEL, input="SCRIPT:answer", max_output_tokens=4, stream=True) as stream:
-        last = list(stream)[-1]
-    assert last.type == "response.incomplete" and last.response.incomplete_details.reason == "max_output_tokens"
+    for n in (4, 12):  # cut inside the reasoning, inside the text
+        cut = oai.responses.create(model=MODEL, input="SCRIPT:answer", max_output_tokens=n)
+        assert (cut.status, cut.incomplete_details.reason, cut.usage.output_tokens) == (
+            "incomplete", "max_output_tokens", n)
+        assert [i.status for i in cut.output] == ["completed", "incomplete"]  # the item it was writing
+        with oai.responses.create(model=MODEL, input="SCRIPT:answer", max_output_tokens=n, stream=True) as stream:
+            events = list(stream)
+        last = events[-1]
+        assert last.type == "response.incomplete" and last.response.incomplete_details.reason == "max_output_tokens"
+        assert _items(last.response) == _items(cut)
+        assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["completed", "incomplete"]
+
+
+def test_reasoning_items_open_the_next_assistant_turn(oai, engine):
+    def reasoning(text):
+        return {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+    def said(text):
+        return {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}
+
+    call = {"type": "function_call", "call_id": "call_1", "name": "now", "arguments": "{}"}
+    cases = [  # (input items, the same as chat messages)
+        ([said("A1"), reasoning("R2"), said("A2")],
+         [{"role": "assistant", "content": "A1"}, {"role": "assistant", "content": "A2", "reasoning_content": "R2"}]),
+        ([reasoning("R1"), said("M"), reasoning("R2"), call, {"type": "function_call_output", "call_id": "call_1",
+                                                              "output": "noon"}],
+         [{"role": "assistant", "content": "M", "reasoning_content": "R1"},
+          {"role": "assistant", "content": None, "reasoning_content": "R2", "tool_calls": [
+              {"id": "call_1", "type": "function", "function": {"name": "now", "arguments": "{}"}}]},
+          {"role": "tool", "tool_call_id": "call_1", "content": "noon"}]),
+    ]
+    for items, chat_messages in cases:
+        r = oai.responses.create(model=MODEL, input=[{"role": "user", "content": "q"}, *items,
+                                                     {"role": "user", "content": "SCRIPT:plain"}])
+        chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "q"}, *chat_messages,
+                                                                  {"role": "user", "content": "SCRIPT:plain"}])
+        assert _prompt(engine, r.id) == engine.prompts[chat.id]
+        assert all(f"<think>{t}</think>" in engine.prompts[chat.id] or t not in engine.prompts[chat.id]
+                   for t in ("R1", "R2"))
 
 
 def test_response_reasoning_effort_reaches_the_chat_request(oai, engine):
@@ -312,10 +355,25 @@ def test_responses_what_this_server_does_not_do_is_a_400_naming_it(oai, base_url
                          "input.0.content.0"),
                         ({**ok, "tools": [{"type": "web_search"}]}, "tools.0"),
                         ({**ok, "input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),
-                        ({**ok, "text": {"format": {"type": "yaml"}}}, "text.format")]:
+                        ({**ok, "text": {"format": {"type": "yaml"}}}, "text.format"),
+                        ({**ok, "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+                        ({**ok, "max_output_tokens": 0}, "max_output_tokens"), ({**ok, "input": []}, "input"),
+                        ({**ok, "reasoning": {"effort": "huge"}}, "reasoning.effort")]:
         r = post(body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     r = httpx.get(base_url + "/v1/responses/resp_1")
     assert r.status_code == 404 and "stores no responses" in r.json()["error"]["message"]
     with pytest.raises(openai.NotFoundError):
         oai.responses.create(model="gpt-5", input="hi")
+
+
+def test_a_chat_answer_that_is_not_a_stream_passes_through():
+    # the chat route answers 499 (a plain response) when the client left before the first
+    # output: a streamed translation must hand it on, not read a stream from it
+    from fastapi.responses import Response
+
+    from serving.api.streaming import translated_answer
+
+    gone = Response(status_code=499)
+    for stream in (True, False):
+        assert translated_answer(gone, stream, whole=None, translator=None) is gone
