@@ -543,7 +543,7 @@ def build_app(
 
     async def _chat_response(request: Request, body: ChatCompletionRequest) -> Response:
         """The chat completion of a parsed request body (the `/v1/chat/completions` route's work;
-        the Anthropic Messages route translates its requests into one)."""
+        `/v1/responses` and `/v1/messages` translate their requests into one)."""
         engine, tokenizer = _served(request)
         prepared, messages, prompt, prompt_ids = await _render_chat(request, body)
         defaults = request.app.state.default_sampling
