@@ -14,7 +14,8 @@ Request fields (docs/anthropic.md has the table): `model`, `max_tokens` (require
 `temperature`, `top_p`, `top_k`, `tools` (custom tools: `name`, `description`, `input_schema`),
 `tool_choice` (`auto`, `any`, `tool`, `none`; `disable_parallel_tool_use`), `thinking`
 (`{"type": "disabled"}` closes GLM's think block in the prompt; `enabled`, `adaptive` and
-`between_tools` keep the template's default, thinking on; `budget_tokens` is not enforced;
+`between_tools` keep the template's default, thinking on; absent, the template's default too,
+except with a forced tool choice, where it is off; `budget_tokens` is not enforced;
 `display: "omitted"` returns thinking blocks without their text), `output_config` (`effort` →
 the chat template's reasoning effort; `format` `{"type": "json_schema", "schema"}` → the answer
 constrained to the schema, structured outputs), `metadata` (ignored). A last turn from the
@@ -203,13 +204,16 @@ def to_chat_request(body: MessagesRequest, count_only: bool = False) -> ChatComp
         raise _bad("max_tokens: Field required.")
     tools, tool_choice, parallel = _chat_tools(body)
     kwargs: dict[str, Any] = {}
+    forced = isinstance(tool_choice, dict) or tool_choice == "required"
+    if body.thinking is None and forced:
+        kwargs["enable_thinking"] = False  # no thinking asked for (Anthropic's default) and a forced call
     if body.thinking is not None:
         kind = body.thinking.get("type")
         if kind == "disabled":
             kwargs["enable_thinking"] = False
         elif kind not in ("enabled", "adaptive", "between_tools"):
             raise _bad(f"thinking.type: expected enabled, adaptive, between_tools or disabled, got {kind!r}.")
-        elif isinstance(tool_choice, dict) or tool_choice == "required":
+        elif forced:
             # Anthropic's rule too: a forced call is a constraint on the answer after the thinking,
             # which the model may never end
             raise _bad("thinking may not be enabled when tool_choice forces tool use (any or tool); "

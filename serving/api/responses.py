@@ -124,10 +124,12 @@ def _chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 assistant_turn(new=last.get("role") == "assistant" and bool(last.get("content") or
                                                                          last.get("tool_calls")))["content"] = text
             else:
+                reasoning = []  # reasoning with no answer after it belongs to no later turn
                 out.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
-            if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
-                raise _bad(f"{where}: a function_call item needs string `call_id` and `name`.", where)
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str) or not isinstance(
+                    item.get("arguments", ""), str):
+                raise _bad(f"{where}: a function_call item needs string `call_id`, `name` and `arguments`.", where)
             turn = assistant_turn()
             turn.setdefault("tool_calls", []).append({
                 "id": item["call_id"], "type": "function",
@@ -135,12 +137,17 @@ def _chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise _bad(f"{where}.call_id: a string is required.", f"{where}.call_id")
+            reasoning = []
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": _parts_text(item.get("output", ""), f"{where}.output")})
         elif kind == "reasoning":
-            texts = [p.get("text", "") for p in item.get("content") or [] if isinstance(p, dict)]
-            if texts:
-                reasoning.append("\n".join(texts))
+            parts = item.get("content") or []
+            if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                      for p in parts):
+                raise _bad(f"{where}.content: a list of reasoning_text parts with string `text` is expected.",
+                           f"{where}.content")
+            if parts:
+                reasoning.append("\n".join(p["text"] for p in parts))
         else:
             raise _bad(f"{where}: a {kind!r} item is not supported (messages, function_call, function_call_output "
                        "and reasoning are).", f"{where}.type")
@@ -177,6 +184,8 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     if isinstance(body.input, list) and not body.input:
         raise _bad("input: give at least one item.", "input")
     effort = (body.reasoning or {}).get("effort")
+    if isinstance(effort, str):
+        effort = effort.strip().lower()  # as the chat route reads it
     if effort is not None and effort not in REASONING_EFFORTS:
         raise _bad(f"reasoning.effort: expected one of {', '.join(REASONING_EFFORTS)}, got {effort!r}.",
                    "reasoning.effort")
@@ -213,7 +222,7 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         "chat_template_kwargs": kwargs or None, "response_format": response_format, "stream": body.stream,
     }
     if body.stream:
-        chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        chat["stream_options"] = {"include_usage": True}  # the final usage, for response.completed
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
     except ValidationError as e:

@@ -194,7 +194,8 @@ def build_app(
         one), the `model` of every answer; listed by `/v1/models`.
     model_aliases: more names a request's `model` may give (vLLM's `--served-model-name A B ...`:
         every name is accepted and listed, answers carry the first).
-    api_key: when set, every `/v1/*` route requires `Authorization: Bearer <api_key>`.
+    api_key: when set, every `/v1/*` route requires `Authorization: Bearer <api_key>` (`/v1/messages`
+        also takes it as `x-api-key`, as Anthropic's clients send it).
     extra_routes: called with the app before it is returned, to add routes or mounts such as
         `/metrics`; those are outside `/v1` and so not behind the API key.
     chat_parsing: reasoning / tool-call parsing of chat outputs (`serving.api.chat_output`);
@@ -235,7 +236,9 @@ def build_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if request.url.path.startswith("/v1/messages"):  # an unknown path or method there: Anthropic's body
-            return anthropic_error(APIError(exc.status_code, str(exc.detail)))
+            resp = anthropic_error(APIError(exc.status_code, str(exc.detail)))
+            resp.headers.update(getattr(exc, "headers", None) or {})  # e.g. a 405's Allow
+            return resp
         return JSONResponse(
             APIError(exc.status_code, str(exc.detail)).to_response().model_dump(),
             status_code=exc.status_code,
@@ -243,9 +246,10 @@ def build_app(
         )
 
     @app.exception_handler(Exception)
-    async def _unhandled(_: Request, exc: Exception) -> JSONResponse:
+    async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("Unhandled error", exc_info=exc)
-        return error_json(APIError(500, f"Internal server error: {type(exc).__name__}"))
+        err = APIError(500, f"Internal server error: {type(exc).__name__}")
+        return anthropic_error(err) if request.url.path.startswith("/v1/messages") else error_json(err)
 
     # ------------------------------------------------------------------ auth
     async def _check_api_key(request: Request) -> None:
@@ -262,7 +266,7 @@ def build_app(
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
 
-    names = (served_model_name, *[a for a in model_aliases if a != served_model_name])
+    names = tuple(dict.fromkeys((served_model_name, *model_aliases)))  # in order, each once
 
     def _check_model(model: str | None) -> None:
         if model is not None and model not in names:

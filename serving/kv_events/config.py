@@ -119,7 +119,7 @@ def is_ipv6(endpoint: str) -> bool:
 # skips the rank without a word (probed against the binary; docs/kv_events.md "Discovery").
 WIRE_ENCODING = "msgpack"
 WIRE_SCHEMA_VERSION = 1
-_BIND_ALL_HOSTS = ("*", "[::]")
+_BIND_ALL_HOSTS = ("*", "0.0.0.0", "[::]")
 
 
 def discovery_sources(config: KVEventsConfig, num_replicas: int) -> dict[str, dict]:
@@ -130,27 +130,24 @@ def discovery_sources(config: KVEventsConfig, num_replicas: int) -> dict[str, di
     interface (`*`, `[::]`) is given as `tcp://*:PORT`, which a router reads as "the host of the
     worker URL I reached you at"; an ipc one as it is. Empty when the publisher is "null" or
     connects to its address (`binds`), or for an inproc endpoint (no other process can reach it);
-    a replay endpoint of that kind is given as null.
+    an inproc replay endpoint is given as null (the replay socket is always bound).
 
     Raises KVEventsConfigError for an ipc endpoint under data parallelism (as the publishers do)."""
-    if config.publisher != "zmq" or not _reachable(config.endpoint):
+    if config.publisher != "zmq" or not binds(config.endpoint) or config.endpoint.startswith("inproc://"):
         return {}
+    replay = config.replay_endpoint  # always bound (a ROUTER socket), as vLLM's
     return {str(rank): {"endpoint": _router_address(offset_endpoint_port(config.endpoint, rank)),
-                        "replay_endpoint": (_router_address(offset_endpoint_port(config.replay_endpoint, rank))
-                                            if _reachable(config.replay_endpoint) else None),
+                        "replay_endpoint": (_router_address(offset_endpoint_port(replay, rank))
+                                            if replay and not replay.startswith("inproc://") else None),
                         "topic": config.topic, "hwm": config.hwm, "buffer_steps": config.buffer_steps,
                         "publisher": config.publisher, "enable_kv_cache_events": True,
                         "encoding": WIRE_ENCODING, "schema_version": WIRE_SCHEMA_VERSION}
             for rank in range(num_replicas)}
 
 
-def _reachable(endpoint: str | None) -> bool:
-    """Bound by this server and reachable from another process."""
-    return bool(endpoint) and binds(endpoint) and not endpoint.startswith("inproc://")
-
-
 def _router_address(endpoint: str | None) -> str | None:
-    """`tcp://[::]:5557` (bound on every interface) as `tcp://*:5557`; anything else unchanged."""
+    """A bound socket's every-interface address (`tcp://[::]:5557`; `tcp://0.0.0.0:5558` for the
+    replay socket, which is always bound) as `tcp://*:5557`; anything else unchanged."""
     if not endpoint or not endpoint.startswith("tcp://"):
         return endpoint
     host, _, port = endpoint[len("tcp://"):].rpartition(":")

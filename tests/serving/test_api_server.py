@@ -914,7 +914,7 @@ def test_several_served_names_are_accepted_and_answers_carry_the_first(tiny_toke
 
     assert make_arg_parser().parse_args(["--served-model-name", "glm", "claude-haiku"]).served_model_name == [
         "glm", "claude-haiku"]
-    app = build_app(FakeEngine(tiny_tokenizer), tiny_tokenizer, MODEL, model_aliases=[MODEL, "alias-1"])
+    app = build_app(FakeEngine(tiny_tokenizer), tiny_tokenizer, MODEL, model_aliases=[MODEL, "alias-1", "alias-1"])
     with TestClient(app) as tc:
         assert [c["id"] for c in tc.get("/v1/models").json()["data"]] == [MODEL, "alias-1"]
         assert tc.get("/v1/models/alias-1").json()["id"] == "alias-1"

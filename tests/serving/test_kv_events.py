@@ -257,6 +257,9 @@ def test_discovery_lists_each_replicas_sockets_in_the_routers_shape():
     one = discovery_sources(KVEventsConfig(enable_kv_cache_events=True, endpoint="ipc:///tmp/kv.ipc",
                                            replay_endpoint="inproc://replay"), 1)
     assert (one["0"]["endpoint"], one["0"]["replay_endpoint"]) == ("ipc:///tmp/kv.ipc", None)
+    # the replay socket is always bound (a ROUTER), so 0.0.0.0 there is every interface
+    one = discovery_sources(KVEventsConfig(enable_kv_cache_events=True, replay_endpoint="tcp://0.0.0.0:5600"), 1)
+    assert one["0"]["replay_endpoint"] == "tcp://*:5600"
     # Only what the server binds: an address it connects to (vLLM's rule: no '*' or '::' in it,
     # so 0.0.0.0 too) or an inproc one is nothing a router can subscribe to; nor a "null" publisher.
     for endpoint, publisher in [("tcp://0.0.0.0:5557", "zmq"), ("tcp://10.1.2.3:5557", "zmq"),

@@ -137,6 +137,15 @@ def test_streamed_message_equals_the_non_streamed_one(claude):
         assert streamed.usage.input_tokens == whole.usage.input_tokens
 
 
+def test_a_forced_tool_without_thinking_asked_for_renders_thinking_off(claude, oai, engine):
+    msg = claude.messages.create(model=MODEL, max_tokens=50, tools=[WEATHER_TOOL], tool_choice={"type": "any"},
+                                 messages=[{"role": "user", "content": "SCRIPT:plain"}])
+    chat = oai.chat.completions.create(model=MODEL, tools=[WEATHER], tool_choice="required", max_tokens=50,
+                                       messages=[{"role": "user", "content": "SCRIPT:plain"}],
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert _prompt(engine, msg.id) == engine.prompts[chat.id] and _prompt(engine, msg.id).endswith("</think>")
+
+
 def test_stop_reasons_thinking_off_and_count_tokens(claude, oai, engine):
     cut = claude.messages.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "SCRIPT:answer"}])
     assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 3
@@ -296,7 +305,7 @@ def test_the_streamed_response_equals_the_non_streamed_one(oai):
         cut = oai.responses.create(model=MODEL, input="SCRIPT:answer", max_output_tokens=n)
         assert (cut.status, cut.incomplete_details.reason, cut.usage.output_tokens) == (
             "incomplete", "max_output_tokens", n)
-        assert [i.status for i in cut.output] == ["completed", "incomplete"]  # the item it was writing
+        assert [i.status for i in cut.output] == ["completed", "incomplete"]  # the last item
         with oai.responses.create(model=MODEL, input="SCRIPT:answer", max_output_tokens=n, stream=True) as stream:
             events = list(stream)
         last = events[-1]
@@ -323,14 +332,15 @@ def test_reasoning_items_open_the_next_assistant_turn(oai, engine):
               {"id": "call_1", "type": "function", "function": {"name": "now", "arguments": "{}"}}]},
           {"role": "tool", "tool_call_id": "call_1", "content": "noon"}]),
     ]
+    # reasoning with no answer after it belongs to no later turn
+    cases.append(([reasoning("R1"), {"role": "user", "content": "b"}, said("x")],
+                  [{"role": "user", "content": "b"}, {"role": "assistant", "content": "x"}]))
     for items, chat_messages in cases:
         r = oai.responses.create(model=MODEL, input=[{"role": "user", "content": "q"}, *items,
                                                      {"role": "user", "content": "SCRIPT:plain"}])
         chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "q"}, *chat_messages,
                                                                   {"role": "user", "content": "SCRIPT:plain"}])
         assert _prompt(engine, r.id) == engine.prompts[chat.id]
-        assert all(f"<think>{t}</think>" in engine.prompts[chat.id] or t not in engine.prompts[chat.id]
-                   for t in ("R1", "R2"))
 
 
 def test_response_reasoning_effort_reaches_the_chat_request(oai, engine):
@@ -338,7 +348,7 @@ def test_response_reasoning_effort_reaches_the_chat_request(oai, engine):
     chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "SCRIPT:plain"}],
                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert _prompt(engine, off.id) == engine.prompts[chat.id] and _prompt(engine, off.id).endswith("</think>")
-    low = oai.responses.create(model=MODEL, input="SCRIPT:plain", reasoning={"effort": "low"})
+    low = oai.responses.create(model=MODEL, input="SCRIPT:plain", reasoning={"effort": " Low"})  # as chat reads it
     chat = oai.chat.completions.create(model=MODEL, reasoning_effort="low",
                                           messages=[{"role": "user", "content": "SCRIPT:plain"}])
     assert _prompt(engine, low.id) == engine.prompts[chat.id] and "Reasoning Effort: Low" in engine.prompts[chat.id]
@@ -358,7 +368,12 @@ def test_responses_what_this_server_does_not_do_is_a_400_naming_it(oai, base_url
                         ({**ok, "text": {"format": {"type": "yaml"}}}, "text.format"),
                         ({**ok, "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
                         ({**ok, "max_output_tokens": 0}, "max_output_tokens"), ({**ok, "input": []}, "input"),
-                        ({**ok, "reasoning": {"effort": "huge"}}, "reasoning.effort")]:
+                        ({**ok, "reasoning": {"effort": "huge"}}, "reasoning.effort"),
+                        ({**ok, "input": [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": 5}]}]},
+                         "input.0.content"),
+                        ({**ok, "input": [{"type": "reasoning", "content": 5}]}, "input.0.content"),
+                        ({**ok, "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": 1}]},
+                         "input.0")]:
         r = post(body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     r = httpx.get(base_url + "/v1/responses/resp_1")
