@@ -176,7 +176,8 @@ item = st.one_of(
                           optional={"output": text | junk}),
     st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "item_reference"])},
                           optional={"content": st.lists(st.fixed_dictionaries({"type": st.just("reasoning_text"),
-                                                                               "text": text}), max_size=2) | junk}),
+                                                                               "text": text | junk}), max_size=2)
+                                    | junk}),
     junk)
 RESPONSES = {
     "model": st.just("glm-5.3-tiny") | text | junk, "max_output_tokens": small_limit | junk,
