@@ -409,13 +409,13 @@ def error_response(exc: APIError) -> JSONResponse:
 def add_anthropic_routes(
     app: FastAPI,
     chat_response: Callable[[Request, ChatCompletionRequest], Awaitable[Response]],
-    render_chat: Callable[[Request, ChatCompletionRequest], Awaitable[tuple]],
+    render_chat: Callable[[Request, ChatCompletionRequest], Awaitable[Any]],
     api_key: str | None,
     max_body_bytes: int,
 ) -> None:
     """Add `POST /v1/messages` and `POST /v1/messages/count_tokens` to `app`. `chat_response(request,
     chat_body)` serves a chat completion request (the server's chat route's work) and
-    `render_chat(request, chat_body)` renders its prompt (its 4th item: the prompt token ids)."""
+    `render_chat(request, chat_body)` renders its prompt (`server.RenderedChat`: `.prompt_ids`)."""
 
     def check_key(request: Request) -> None:
         if api_key is None:
@@ -448,4 +448,4 @@ def add_anthropic_routes(
             rendered = await render_chat(request, to_chat_request(body, count_only=True))
         except APIError as e:
             return error_response(e)
-        return JSONResponse({"input_tokens": len(rendered[3])})
+        return JSONResponse({"input_tokens": len(rendered.prompt_ids)})

@@ -60,7 +60,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -171,6 +171,16 @@ class _UnhandledErrors:
                 raise
             logger.exception("Unhandled error", exc_info=exc)
             await error_json(APIError(500, f"Internal server error: {type(exc).__name__}"))(scope, receive, send)
+
+
+class RenderedChat(NamedTuple):
+    """A chat request's prompt (`build_app`'s `_render_chat`): the output parsing prepared for it,
+    the messages as the template got them, the prompt text and its token ids."""
+
+    prepared: Any
+    messages: list[dict[str, Any]]
+    prompt: str
+    prompt_ids: list[int]
 
 
 def build_app(
@@ -500,9 +510,9 @@ def build_app(
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, max_body_bytes)
         return await _chat_response(request, body)
 
-    async def _render_chat(request: Request, body: ChatCompletionRequest):
-        """A chat request's prompt: (prepared parsing, template messages, prompt text, prompt ids).
-        Raises APIError (400) for what the model, the output parsing or the template refuse."""
+    async def _render_chat(request: Request, body: ChatCompletionRequest) -> RenderedChat:
+        """A chat request's prompt. Raises APIError (400) for what the model, the output parsing or
+        the template refuse."""
         _, tokenizer = _served(request)
         _check_model(body.model)
         reject_unsupported(body)
@@ -543,7 +553,7 @@ def build_app(
         if body.continue_final_message:
             prompt = continue_final_message(prompt, messages[-1]["content"])
         prompt_ids = await encode_text(tokenizer, prompt, "messages")
-        return prepared, messages, prompt, prompt_ids
+        return RenderedChat(prepared, messages, prompt, prompt_ids)
 
     async def _chat_response(request: Request, body: ChatCompletionRequest) -> Response:
         """The chat completion of a parsed request body (the `/v1/chat/completions` route's work;
