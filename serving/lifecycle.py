@@ -23,6 +23,8 @@ import time
 
 import uvicorn
 
+from serving.api import anthropic
+
 logger = logging.getLogger("serving.run")
 
 UNCOUNTED_PATHS = ("/health", "/metrics")  # probes: never counted as work in flight
@@ -44,8 +46,7 @@ class DrainMiddleware:
         path = scope.get("path", "")
         if self.draining and path != "/metrics":
             message = "the server is shutting down"
-            error = ({"type": "error", "error": {"type": "overloaded_error", "message": message}}
-                     if path.startswith("/v1/messages") else  # Anthropic's body (serving/api/anthropic.py)
+            error = (anthropic.error_body(503, message) if anthropic.is_anthropic_path(path) else
                      {"error": {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}})
             body = json.dumps(error, separators=(",", ":")).encode()
             await send({"type": "http.response.start", "status": 503,

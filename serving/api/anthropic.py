@@ -400,21 +400,31 @@ class StreamTranslator:
         return out
 
 
+def is_anthropic_path(path: str) -> bool:
+    """Whether errors on `path` take Anthropic's body (the routes under `/v1/messages`)."""
+    return path.startswith("/v1/messages")
+
+
+def error_body(status_code: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body for an HTTP status."""
+    return {"type": "error", "error": {"type": _ERROR_TYPES.get(status_code, "api_error"), "message": message}}
+
+
 def error_response(exc: APIError) -> JSONResponse:
     """An APIError in Anthropic's error body, with its status."""
-    return JSONResponse({"type": "error", "error": {"type": _ERROR_TYPES.get(exc.status_code, "api_error"),
-                                                    "message": exc.message}}, status_code=exc.status_code)
+    return JSONResponse(error_body(exc.status_code, exc.message), status_code=exc.status_code)
 
 
 def add_anthropic_routes(
     app: FastAPI,
-    chat_response: Callable[[Request, ChatCompletionRequest], Awaitable[Response]],
+    chat_response: Callable[..., Awaitable[Response]],
     render_chat: Callable[[Request, ChatCompletionRequest], Awaitable[Any]],
     api_key: str | None,
     max_body_bytes: int,
 ) -> None:
     """Add `POST /v1/messages` and `POST /v1/messages/count_tokens` to `app`. `chat_response(request,
-    chat_body)` serves a chat completion request (the server's chat route's work) and
+    chat_body, frames)` serves a chat completion request (the server's chat route's work; a stream's
+    events from `frames`) and
     `render_chat(request, chat_body)` renders its prompt (`server.RenderedChat`: `.prompt_ids`)."""
 
     def check_key(request: Request) -> None:
@@ -434,10 +444,10 @@ def add_anthropic_routes(
         try:
             check_key(request)
             body = await parse_body(request, MessagesRequest, max_body_bytes)
-            inner = await chat_response(request, to_chat_request(body))
+            inner = await chat_response(request, to_chat_request(body), StreamTranslator(body) if body.stream else None)
         except APIError as e:
             return error_response(e)
-        return translated_answer(inner, body.stream, lambda chat: to_message(chat, body), StreamTranslator(body))
+        return translated_answer(inner, body.stream, lambda chat: to_message(chat, body))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:

@@ -430,20 +430,20 @@ class ResponseStreamTranslator:
 
 def add_responses_routes(
     v1: APIRouter,
-    chat_response: Callable[[Request, ChatCompletionRequest], Awaitable[Response]],
+    chat_response: Callable[..., Awaitable[Response]],
     max_body_bytes: int,
 ) -> None:
     """Add `POST /v1/responses` and `GET /v1/responses/{response_id}` to the `/v1` router (before it is
-    included: its API-key check applies). `chat_response(request, chat_body)` serves a chat completion
-    request (the chat route's work)."""
+    included: its API-key check applies). `chat_response(request, chat_body, frames)` serves a chat
+    completion request (the chat route's work; a stream's events from `frames`)."""
 
     @v1.post("/responses")
     async def responses(request: Request) -> Response:
         """OpenAI's Responses API (see the module docstring)."""
         body = await parse_body(request, ResponsesRequest, max_body_bytes)
-        inner = await chat_response(request, to_chat_request(body))
-        return translated_answer(inner, body.stream, lambda chat: to_response(chat, body),
-                                 ResponseStreamTranslator(body))
+        inner = await chat_response(request, to_chat_request(body),
+                                    ResponseStreamTranslator(body) if body.stream else None)
+        return translated_answer(inner, body.stream, lambda chat: to_response(chat, body))
 
     @v1.get("/responses/{response_id}")
     async def get_response(response_id: str) -> Response:

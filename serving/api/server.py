@@ -70,7 +70,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from serving.api.anthropic import add_anthropic_routes
+from serving.api.anthropic import add_anthropic_routes, is_anthropic_path
 from serving.api.anthropic import error_response as anthropic_error
 from serving.api.chat_output import ChatParsing, ChatRequestError
 from serving.api.discovery import add_discovery_routes
@@ -109,9 +109,10 @@ from serving.api.streaming import (
     AbortOnCloseStreamingResponse,
     Choices,
     ClientDisconnected,
+    SSEFrames,
+    StreamFrames,
     chunk_dict,
     race_disconnect,
-    sse_event,
     without_null_kv_params,
 )
 from serving.api.structured import reasoning_end_token_id, request_constraint
@@ -245,7 +246,7 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if request.url.path.startswith("/v1/messages"):  # an unknown path or method there: Anthropic's body
+        if is_anthropic_path(request.url.path):  # an unknown path or method there: Anthropic's body
             resp = anthropic_error(APIError(exc.status_code, str(exc.detail)))
             resp.headers.update(getattr(exc, "headers", None) or {})  # e.g. a 405's Allow
             return resp
@@ -259,7 +260,7 @@ def build_app(
     async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("Unhandled error", exc_info=exc)
         err = APIError(500, f"Internal server error: {type(exc).__name__}")
-        return anthropic_error(err) if request.url.path.startswith("/v1/messages") else error_json(err)
+        return anthropic_error(err) if is_anthropic_path(request.url.path) else error_json(err)
 
     # ------------------------------------------------------------------ auth
     async def _check_api_key(request: Request) -> None:
@@ -335,11 +336,15 @@ def build_app(
         make_usage_chunk: Callable[[UsageInfo], dict[str, Any]] | None,
         opening: list[dict[str, Any]],
         continuous_usage: bool = False,
+        frames: StreamFrames | None = None,
     ) -> StreamingResponse:
         """SSE over all choices: their outputs interleave as the engine produces them; a choice
         stops at its stop string (and is aborted in the engine); then the usage chunk (when
         asked) and `[DONE]`. `continuous_usage` (vLLM's `stream_options.continuous_usage_stats`):
-        every choice's chunk also carries that choice's usage so far (`Choices.choice_usage`)."""
+        every choice's chunk also carries that choice's usage so far (`Choices.choice_usage`).
+        `frames` turns the chunk dicts into the events sent (default `SSEFrames`, OpenAI's; a
+        translated route passes its own, serving/api/anthropic.py, responses.py)."""
+        frames = frames or SSEFrames()
 
         async def events() -> AsyncIterator[str]:
             queue: asyncio.Queue = asyncio.Queue()
@@ -390,11 +395,13 @@ def build_app(
                 for d in opening:
                     if continuous_usage and d.get("choices"):
                         d["usage"] = ch.choice_usage(d["choices"][0]["index"]).model_dump(mode="json")
-                    yield sse_event(d)
+                    for e in frames.feed(d):
+                        yield e
                 for i, out in enumerate(firsts):
                     if out is not _NOT_YET:
                         for d in await apply(i, out):
-                            yield sse_event(d)
+                            for e in frames.feed(d):
+                                yield e
                     if i in pending:
                         pumps[i] = asyncio.ensure_future(pump(i))
                 while pending:
@@ -405,14 +412,17 @@ def build_app(
                     if err is not None:
                         raise err
                     for d in await apply(i, out):
-                        yield sse_event(d)
+                        for e in frames.feed(d):
+                            yield e
                 if make_usage_chunk is not None:
-                    yield sse_event(make_usage_chunk(ch.usage()))
-                yield "data: [DONE]\n\n"
+                    for e in frames.feed(make_usage_chunk(ch.usage())):
+                        yield e
+                for e in frames.end():
+                    yield e
             except Exception as e:  # noqa: BLE001 - the status line is gone; report in-band
                 err = engine_error(e, ch.request_id)
-                yield sse_event(err.to_response().model_dump())
-                yield "data: [DONE]\n\n"
+                for e in [*frames.feed(err.to_response().model_dump()), *frames.end()]:
+                    yield e
             finally:
                 with anyio.CancelScope(shield=True):
                     for task in pumps.values():
@@ -555,9 +565,11 @@ def build_app(
         prompt_ids = await encode_text(tokenizer, prompt, "messages")
         return RenderedChat(prepared, messages, prompt, prompt_ids)
 
-    async def _chat_response(request: Request, body: ChatCompletionRequest) -> Response:
+    async def _chat_response(request: Request, body: ChatCompletionRequest,
+                             frames: StreamFrames | None = None) -> Response:
         """The chat completion of a parsed request body (the `/v1/chat/completions` route's work;
-        `/v1/responses` and `/v1/messages` translate their requests into one)."""
+        `/v1/responses` and `/v1/messages` translate their requests into one, and their streams'
+        events come from `frames`)."""
         engine, tokenizer = _served(request)
         prepared, messages, prompt, prompt_ids = await _render_chat(request, body)
         defaults = request.app.state.default_sampling
@@ -655,6 +667,7 @@ def build_app(
             opening=[chunk(i, DeltaMessage(role="assistant", content=""), None) for i in range(len(ch))]
             + ([chunk(i, DeltaMessage(content=echo_text), None) for i in range(len(ch))] if echo_text else []),
             continuous_usage=continuous_usage,
+            frames=frames,
         )
 
     @v1.post("/completions")

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 import anyio
 from fastapi import Request
@@ -214,41 +214,30 @@ def chunk_dict(chunk: BaseModel) -> dict[str, Any]:
     return without_null_kv_params(d)
 
 
-def translated_answer(inner: Any, stream: bool, whole: Any, translator: Any) -> Any:
-    """A chat completion answer (`inner`, the chat route's response) in another API's shape: not
-    streamed, `whole(chat body dict)` as JSON (a non-200 `inner`, e.g. 499 when the client left,
-    as it is); streamed, `translated_stream(inner, translator)`."""
-    if inner.status_code != 200 or stream != isinstance(inner, StreamingResponse):
-        return inner  # e.g. the 499 of a client that left before the first output
-    if stream:
-        return translated_stream(inner, translator)
+class StreamFrames(Protocol):
+    """What a stream sends for its chunk dicts: `feed(chunk)` the events for one chunk (an error
+    chunk is `{"error": {...}}`), `end()` those after the last."""
+
+    def feed(self, chunk: dict[str, Any]) -> list[str]: ...
+
+    def end(self) -> list[str]: ...
+
+
+class SSEFrames:
+    """OpenAI's framing (chat and completions): each chunk as `data: {json}`, then `data: [DONE]`."""
+
+    def feed(self, chunk: dict[str, Any]) -> list[str]:
+        return [sse_event(chunk)]
+
+    def end(self) -> list[str]:
+        return ["data: [DONE]\n\n"]
+
+
+def translated_answer(inner: Any, stream: bool, whole: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
+    """A chat completion answer (`inner`, the chat route's response, served with the translated
+    route's `StreamFrames` when streamed) in another API's shape: not streamed,
+    `whole(chat body dict)` as JSON; streamed (already framed), or not a 200 (e.g. the 499 of a
+    client that left before the first output), `inner` as it is."""
+    if stream or inner.status_code != 200 or isinstance(inner, StreamingResponse):
+        return inner
     return JSONResponse(whole(json.loads(inner.body)))
-
-
-def translated_stream(inner: StreamingResponse, translator: Any) -> AbortOnCloseStreamingResponse:
-    """Another API's SSE stream over a chat completion stream: each `data: {...}` chunk of `inner`
-    goes through `translator.feed(chunk) -> [event strings]`, `data: [DONE]` through
-    `translator.end()` (serving/api/anthropic.py, serving/api/responses.py). Closing the result
-    (the client left) closes `inner`, whose cleanup aborts the engine requests."""
-    chunks = inner.body_iterator
-
-    async def events() -> AsyncIterator[str]:
-        try:
-            async for raw in chunks:
-                # "\n" only: str.splitlines() also splits at U+2028, U+2029 and U+0085, which the
-                # JSON of a chunk carries raw (ensure_ascii=False)
-                for line in (raw if isinstance(raw, str) else raw.decode()).split("\n"):
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[len("data: "):]
-                    if data == "[DONE]":
-                        for e in translator.end():
-                            yield e
-                        return
-                    for e in translator.feed(json.loads(data)):
-                        yield e
-        finally:
-            await chunks.aclose()
-
-    return AbortOnCloseStreamingResponse(events(), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

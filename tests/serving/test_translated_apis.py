@@ -391,4 +391,4 @@ def test_a_chat_answer_that_is_not_a_stream_passes_through():
 
     gone = Response(status_code=499)
     for stream in (True, False):
-        assert translated_answer(gone, stream, whole=None, translator=None) is gone
+        assert translated_answer(gone, stream, whole=None) is gone
