@@ -86,6 +86,15 @@ def make_arg_parser() -> argparse.ArgumentParser:
              "vLLM's flag; its default is 0.",
     )
     s.add_argument(
+        "--responses-store-size", type=int, default=1000,
+        help="Responses kept in memory for the Responses API (previous_response_id, GET /v1/responses/{id}, "
+             "background: true); least recently used first out. 0: keep none (stateless: store answered as false).",
+    )
+    s.add_argument(
+        "--responses-store-max-mib", type=float, default=256.0,
+        help="The stored responses' conversations (input and output items as JSON) at most, in MiB.",
+    )
+    s.add_argument(
         "--disable-log-stats",
         action="store_true",
         help="No periodic engine statistics log line (/metrics is still served).",
@@ -297,10 +306,13 @@ def validate_args(args: argparse.Namespace) -> None:
         ("data_parallel_size", 1),
         ("dcp_kv_cache_interleave_size", 1),
         ("shutdown_timeout", 0),
+        ("responses_store_size", 0),
     ):
         value = getattr(args, name)
         if value is not None and value < lo:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= {lo}, got {value}")
+    if not args.responses_store_max_mib > 0:
+        raise ArgumentError(f"--responses-store-max-mib must be > 0, got {args.responses_store_max_mib}")
     from sharding.distributed import DistributedConfig, parse_device_ids
 
     try:

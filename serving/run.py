@@ -237,6 +237,8 @@ def build_api(args, async_engine, tokenizer, metrics=None):
     logger.info(describe_generation_defaults(defaults, args.generation_config))
     app = build_app(async_engine, tokenizer, async_engine.model_name, api_key=args.api_key, chat_parsing=parsing,
                     model_aliases=args.served_model_name or (),
+                    responses_store_size=args.responses_store_size,
+                    responses_store_max_bytes=int(args.responses_store_max_mib * (1 << 20)),
                     extra_routes=add_metrics if metrics is not None else None, model_root=args.model or "tiny",
                     default_sampling=defaults)
     app.state.metrics = metrics

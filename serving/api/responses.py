@@ -7,9 +7,9 @@ reasoning and tool-call parsers, structured outputs, sampling, abort on disconne
 translated back (`to_response`, or `ResponseStreamTranslator` for the event stream). The two APIs
 give the same tokens for the same conversation.
 
-The server keeps no responses: it serves a request from its `input` alone. `store` is accepted
-and answered as false, `previous_response_id` is a 400 (send the conversation as `input`, as
-`store: false` clients do), `GET /v1/responses/{id}` a 404. docs/responses.md has the field table.
+This module translates; the routes and the stored responses (`previous_response_id`, whose
+conversation reaches `to_chat_request` as `context` items; retrieval; background runs) are in
+`serving/api/responses_routes.py` and `response_store.py`. docs/responses.md has the field table.
 
 Input: a string (one user message) or a list of items — messages (`role` user / system /
 developer / assistant; content a string or `input_text` / `output_text` parts), `function_call`
@@ -29,18 +29,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from serving.api.chat_output import REASONING_EFFORTS
 from serving.api.errors import APIError
 from serving.api.protocol import ChatCompletionRequest
-from serving.api.streaming import translated_answer
-from serving.api.validation import parse_body
 
 
 class ResponsesRequest(BaseModel):
@@ -87,12 +83,20 @@ def _parts_text(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def _chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """The input items as chat messages (see the module docstring)."""
+def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's `input` as a list of items (a string is one user message item)."""
+    if isinstance(body.input, str):
+        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": body.input}]}]
+    return list(body.input)
+
+
+def _chat_messages(body: ResponsesRequest, context: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """The chat messages of `instructions`, then the `context` items (a stored conversation's, see
+    serving/api/response_store.py) and the input items (see the module docstring)."""
     out: list[dict[str, Any]] = []
     if body.instructions:
         out.append({"role": "system", "content": body.instructions})
-    if isinstance(body.input, str):
+    if isinstance(body.input, str) and not context:
         return [*out, {"role": "user", "content": body.input}]
     reasoning: list[str] = []  # reasoning items waiting for the assistant turn they precede
 
@@ -107,8 +111,9 @@ def _chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 reasoning = []
         return out[-1]
 
-    for i, item in enumerate(body.input):
-        where = f"input.{i}"
+    items = [(f"previous_response_id.{i}", item) for i, item in enumerate(context)]
+    items += [(f"input.{i}", item) for i, item in enumerate(input_items(body))]
+    for where, item in items:
         if not isinstance(item, dict):
             raise _bad(f"{where}: expected an object.", where)
         kind = item.get("type", "message")
@@ -176,9 +181,12 @@ def _chat_tools(body: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, An
     return tools, choice
 
 
-def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completion request that serves `body`. Raises APIError (400) naming what cannot be
-    translated or what this server does not do (`previous_response_id`, `background`, ...)."""
+def to_chat_request(body: ResponsesRequest, context: list[dict[str, Any]] = (),
+                    stream: bool | None = None) -> ChatCompletionRequest:
+    """The chat completion request that serves `body` after the `context` items (the conversation
+    of its `previous_response_id`; the route resolves it), streamed when `stream` (default
+    `body.stream`). Raises APIError (400) naming what cannot be translated or what this server
+    does not do (`top_logprobs`, ...)."""
     if body.max_output_tokens is not None and body.max_output_tokens < 1:
         raise _bad(f"max_output_tokens must be at least 1, got {body.max_output_tokens}.", "max_output_tokens")
     if isinstance(body.input, list) and not body.input:
@@ -189,11 +197,6 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     if effort is not None and effort not in REASONING_EFFORTS:
         raise _bad(f"reasoning.effort: expected one of {', '.join(REASONING_EFFORTS)}, got {effort!r}.",
                    "reasoning.effort")
-    if body.previous_response_id is not None:
-        raise _bad("This server stores no responses: send the whole conversation as `input` "
-                   "(previous_response_id is not supported).", "previous_response_id")
-    if body.background:
-        raise _bad("background responses are not supported.", "background")
     if body.top_logprobs:
         raise _bad("top_logprobs is not supported on /v1/responses (chat completions has logprobs).", "top_logprobs")
     if body.truncation not in (None, "disabled"):
@@ -215,13 +218,14 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
             response_format = {"type": "json_object"}
         elif kind != "text":
             raise _bad("text.format: expected text, json_object or json_schema.", "text.format")
+    stream = body.stream if stream is None else stream
     chat: dict[str, Any] = {
-        "model": body.model, "messages": _chat_messages(body), "max_tokens": body.max_output_tokens,
+        "model": body.model, "messages": _chat_messages(body, context), "max_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "tools": tools, "tool_choice": tool_choice,
         "parallel_tool_calls": body.parallel_tool_calls, "reasoning_effort": effort,
-        "chat_template_kwargs": kwargs or None, "response_format": response_format, "stream": body.stream,
+        "chat_template_kwargs": kwargs or None, "response_format": response_format, "stream": stream,
     }
-    if body.stream:
+    if stream:
         chat["stream_options"] = {"include_usage": True}  # the final usage, for response.completed
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
@@ -252,14 +256,14 @@ def _status(finish: str | None) -> tuple[str, dict[str, Any] | None]:
     return "incomplete", None  # aborted by the server
 
 
-def _envelope(body: ResponsesRequest, rid: str, created: int, model: str) -> dict[str, Any]:
-    """The response object's fields that echo the request."""
+def response_envelope(body: ResponsesRequest, rid: str, created: int, model: str, store: bool = False) -> dict[str, Any]:
+    """The response object's fields that echo the request (`store`: whether it is stored)."""
     return {
         "id": rid, "object": "response", "created_at": created, "model": model, "error": None,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
         "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls is not False,
-        "previous_response_id": None, "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
-        "store": False, "temperature": body.temperature, "text": body.text or {"format": {"type": "text"}},
+        "previous_response_id": body.previous_response_id, "background": bool(body.background), "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
+        "store": store, "temperature": body.temperature, "text": body.text or {"format": {"type": "text"}},
         "tool_choice": body.tool_choice or "auto", "tools": body.tools or [], "top_p": body.top_p,
         "truncation": "disabled", "user": body.user,
     }
@@ -280,8 +284,13 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
             "status": status}
 
 
-def to_response(chat: dict[str, Any], body: ResponsesRequest) -> dict[str, Any]:
-    """A non-streaming chat completion body as a Responses `response` object."""
+def response_id(chat_id: str) -> str:
+    """The Responses id of a chat completion's (`chatcmpl-X` → `resp_X`)."""
+    return "resp_" + chat_id.removeprefix("chatcmpl-")
+
+
+def to_response(chat: dict[str, Any], body: ResponsesRequest, store: bool = False) -> dict[str, Any]:
+    """A non-streaming chat completion body as a Responses `response` object (`store`: it is stored)."""
     choice = chat["choices"][0]
     msg = choice["message"]
     output: list[dict[str, Any]] = []
@@ -294,8 +303,7 @@ def to_response(chat: dict[str, Any], body: ResponsesRequest) -> dict[str, Any]:
     status, details = _status(choice.get("finish_reason"))
     if status == "incomplete":  # the item being written when the answer was cut
         output[-1]["status"] = "incomplete"
-    rid = "resp_" + chat["id"].removeprefix("chatcmpl-")
-    return {**_envelope(body, rid, chat["created"], chat["model"]), "status": status,
+    return {**response_envelope(body, response_id(chat["id"]), chat["created"], chat["model"], store), "status": status,
             "incomplete_details": details, "output": output, "usage": _usage(chat.get("usage"))}
 
 
@@ -308,10 +316,17 @@ class ResponseStreamTranslator:
     (`response.function_call_arguments.delta` / `.done`), each between its
     `response.output_item.added` and `.done` and closed before the next opens; then
     `response.completed` (or `response.incomplete`) with the whole response. Every event has a
-    `sequence_number` from 0. An error chunk becomes an `error` event and ends the stream."""
+    `sequence_number` from 0. An error chunk becomes an `error` event and ends the stream.
 
-    def __init__(self, body: ResponsesRequest) -> None:
+    rid / created: the response's id and creation time (default: from the first chunk's, as the
+        non-streamed response's); store: whether it is stored (echoed as `store`);
+    sink: called with `(type, event dict, SSE text)` for every event as it is made (the store
+        follows a response's progress with it)."""
+
+    def __init__(self, body: ResponsesRequest, rid: str | None = None, created: int | None = None,
+                 store: bool = False, sink: Callable[[str, dict[str, Any], str], None] | None = None) -> None:
         self.body = body
+        self.rid, self.created, self.store, self.sink = rid, created, store, sink
         self.seq = 0
         self.env: dict[str, Any] | None = None
         self.output: list[dict[str, Any]] = []  # finished items
@@ -324,7 +339,10 @@ class ResponseStreamTranslator:
     def _event(self, kind: str, **data: Any) -> str:
         payload = {"type": kind, "sequence_number": self.seq, **data}
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        text = f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        if self.sink is not None:
+            self.sink(kind, payload, text)
+        return text
 
     def _index(self) -> int:
         return len(self.output)
@@ -379,8 +397,8 @@ class ResponseStreamTranslator:
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         if self.env is None:
-            rid = "resp_" + chunk["id"].removeprefix("chatcmpl-")
-            self.env = _envelope(self.body, rid, chunk["created"], chunk["model"])
+            self.env = response_envelope(self.body, self.rid or response_id(chunk["id"]), self.created or chunk["created"],
+                                 chunk["model"], self.store)
             start = self._response("in_progress", output=[])
             start["usage"] = None
             out.append(self._event("response.created", response=start))
@@ -426,28 +444,4 @@ class ResponseStreamTranslator:
         kind = "response.completed" if status == "completed" else "response.incomplete"
         out.append(self._event(kind, response=self._response(status, details)))
         return out
-
-
-def add_responses_routes(
-    v1: APIRouter,
-    chat_response: Callable[..., Awaitable[Response]],
-    max_body_bytes: int,
-) -> None:
-    """Add `POST /v1/responses` and `GET /v1/responses/{response_id}` to the `/v1` router (before it is
-    included: its API-key check applies). `chat_response(request, chat_body, frames)` serves a chat
-    completion request (the chat route's work; a stream's events from `frames`)."""
-
-    @v1.post("/responses")
-    async def responses(request: Request) -> Response:
-        """OpenAI's Responses API (see the module docstring)."""
-        body = await parse_body(request, ResponsesRequest, max_body_bytes)
-        inner = await chat_response(request, to_chat_request(body),
-                                    ResponseStreamTranslator(body) if body.stream else None)
-        return translated_answer(inner, body.stream, lambda chat: to_response(chat, body))
-
-    @v1.get("/responses/{response_id}")
-    async def get_response(response_id: str) -> Response:
-        """Always 404: this server stores no responses."""
-        raise APIError(404, f"Response {response_id!r} not found: this server stores no responses "
-                            "(send the conversation as `input`).", "response_id")
 

@@ -7,7 +7,8 @@ engine requests (abort on disconnect, `n` choices, SSE) in `serving/api/streamin
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
 `GET /v1/models/{model}`, `GET /health`, `POST /tokenize`, `POST /detokenize`, `GET /get_load`, and for
 routers `GET /get_server_info` and `GET /kv_event_sources` (`serving/api/discovery.py`); OpenAI's
-`POST /v1/responses` (`serving/api/responses.py`) and Anthropic's `POST /v1/messages` and
+Responses API (`POST /v1/responses` and its stored responses' routes,
+`serving/api/responses_routes.py`) and Anthropic's `POST /v1/messages` and
 `POST /v1/messages/count_tokens` (`serving/api/anthropic.py`) translate to and from the chat route. `/metrics` and other routes are added by the caller
 through `build_app(..., extra_routes=callback)`, which receives the app before it is returned
 (for example `lambda app: app.mount("/metrics", prometheus_client.make_asgi_app())`).
@@ -104,7 +105,8 @@ from serving.api.protocol import (
     TokenizeRequest,
     UsageInfo,
 )
-from serving.api.responses import add_responses_routes
+from serving.api.response_store import ResponseStore
+from serving.api.responses_routes import add_responses_routes
 from serving.api.streaming import (
     AbortOnCloseStreamingResponse,
     Choices,
@@ -184,6 +186,14 @@ class RenderedChat(NamedTuple):
     prompt_ids: list[int]
 
 
+class PreparedChat(NamedTuple):
+    """A chat request ready for the engine (`build_app`'s `_prepare_chat`): its prompt and its
+    sampling parameters (token limit, data-parallel rank and output constraint resolved)."""
+
+    rendered: RenderedChat
+    params: Any
+
+
 def build_app(
     engine: EngineClient,
     tokenizer: Any,
@@ -195,6 +205,8 @@ def build_app(
     model_root: str | None = None,
     default_sampling: dict[str, Any] | None = None,
     model_aliases: Sequence[str] = (),
+    responses_store_size: int = 1000,
+    responses_store_max_bytes: int = 256 << 20,
 ) -> FastAPI:
     """Build the OpenAI-compatible FastAPI app over `engine`.
 
@@ -217,6 +229,10 @@ def build_app(
     default_sampling: `SamplingParams` fields for requests that leave them out (`temperature`,
         `top_p`, `top_k`, `min_p`, and `max_tokens` as a cap on the room left), from the
         checkpoint's generation config (`serving.generation_defaults`); default none.
+    responses_store_size / responses_store_max_bytes: the Responses API's store of responses
+        (`previous_response_id`, retrieval, background runs; `serving/api/response_store.py`):
+        responses kept at most, and their conversations' size as JSON at most; size 0 keeps none
+        (stateless: `store` answered as false).
     """
     chat_parsing = chat_parsing or ChatParsing()
     if max_body_bytes is None:
@@ -227,6 +243,8 @@ def build_app(
     app.state.tokenizer = tokenizer
     app.state.served_model_name = served_model_name
     app.state.default_sampling = dict(default_sampling or {})
+    app.state.responses_store = (ResponseStore(responses_store_size, responses_store_max_bytes)
+                                 if responses_store_size > 0 else None)
     # The routes reach both through `request.app.state`, never through their closures: FastAPI
     # keeps route callables in process-wide caches, and a closure over the engine would keep a
     # shut-down engine (its weights and KV arena) alive after its app is gone.
@@ -565,23 +583,30 @@ def build_app(
         prompt_ids = await encode_text(tokenizer, prompt, "messages")
         return RenderedChat(prepared, messages, prompt, prompt_ids)
 
-    async def _chat_response(request: Request, body: ChatCompletionRequest,
-                             frames: StreamFrames | None = None) -> Response:
-        """The chat completion of a parsed request body (the `/v1/chat/completions` route's work;
-        `/v1/responses` and `/v1/messages` translate their requests into one, and their streams'
-        events come from `frames`)."""
+    async def _prepare_chat(request: Request, body: ChatCompletionRequest) -> PreparedChat:
+        """Render a chat request and resolve its sampling parameters: every 400 a chat request can
+        get before it reaches the engine is raised here (APIError)."""
         engine, tokenizer = _served(request)
-        prepared, messages, prompt, prompt_ids = await _render_chat(request, body)
+        rendered = await _render_chat(request, body)
         defaults = request.app.state.default_sampling
         max_tokens = resolve_max_tokens(
-            *requested_max_tokens(body), len(prompt_ids), engine.max_model_len, "messages",
+            *requested_max_tokens(body), len(rendered.prompt_ids), engine.max_model_len, "messages",
             note=getattr(engine, "max_model_len_note", ""), default=defaults.get("max_tokens"),
         )
         params = build_sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None), defaults)
         params.data_parallel_rank = header_data_parallel_rank(request)
         think_end = (reasoning_end_token_id(tokenizer)
-                     if chat_parsing.reasoning_parser and prepared.opens_reasoning(prompt) else None)
-        params.structured_outputs = request_constraint(body, prepared.tool_grammar, think_end)
+                     if chat_parsing.reasoning_parser and rendered.prepared.opens_reasoning(rendered.prompt) else None)
+        params.structured_outputs = request_constraint(body, rendered.prepared.tool_grammar, think_end)
+        return PreparedChat(rendered, params)
+
+    async def _chat_response(request: Request, body: ChatCompletionRequest,
+                             frames: StreamFrames | None = None, ready: PreparedChat | None = None) -> Response:
+        """The chat completion of a parsed request body (the `/v1/chat/completions` route's work;
+        `/v1/responses` and `/v1/messages` translate their requests into one, and their streams'
+        events come from `frames`). `ready`: the request already prepared (`_prepare_chat`)."""
+        engine, tokenizer = _served(request)
+        (prepared, messages, prompt, prompt_ids), params = ready or await _prepare_chat(request, body)
         top_n = body.top_logprobs or 0
 
         def logprobs_of(lps) -> ChatChoiceLogprobs | None:
@@ -820,7 +845,7 @@ def build_app(
             continuous_usage=continuous_usage,
         )
 
-    add_responses_routes(v1, _chat_response, max_body_bytes)
+    add_responses_routes(v1, _chat_response, _prepare_chat, max_body_bytes)
     app.include_router(v1)
     add_anthropic_routes(app, _chat_response, _render_chat, api_key, max_body_bytes)
     add_discovery_routes(app, model_root)

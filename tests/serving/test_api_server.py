@@ -1063,6 +1063,8 @@ def test_cli_defaults_and_json_flags(caplog):
         (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'], "--speculative-config method"),
         (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 9}'], "num_speculative_tokens"),
         (["--max-model-len", "0"], "--max-model-len"),
+        (["--responses-store-size", "-1"], "--responses-store-size"),
+        (["--responses-store-max-mib", "0"], "--responses-store-max-mib"),
     ],
 )
 def test_cli_rejects_unsupported(argv, flag):

@@ -353,6 +353,21 @@ def test_responses_api_on_the_real_engine(parsing_server):
                                            messages=[{"role": "user", "content": "Name three colours."}],
                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert r.output_text == chat.choices[0].message.content and r.usage.output_tokens == chat.usage.completion_tokens
+    # a stored conversation goes on from its id: the tokens of the whole conversation sent to chat
+    r2 = pclient.responses.create(input="Three more?", previous_response_id=r.id, max_output_tokens=12, **base)
+    chat2 = pclient.chat.completions.create(
+        model="glm-5.3-tiny", max_tokens=12, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        messages=[{"role": "user", "content": "Name three colours."},
+                  {"role": "assistant", "content": chat.choices[0].message.content},
+                  {"role": "user", "content": "Three more?"}])
+    assert r2.output_text == chat2.choices[0].message.content and r2.usage.input_tokens == chat2.usage.prompt_tokens
+    # in the background: polled to the same answer
+    bg = pclient.responses.create(input="Name three colours.", max_output_tokens=12, background=True, **base)
+    deadline = time.monotonic() + 60
+    while (polled := pclient.responses.retrieve(bg.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert polled.status == r.status and polled.output_text == r.output_text
     now = {"type": "function", "name": "now", "parameters": {"type": "object", "properties": {}}}
     kw = dict(input="What time is it?", max_output_tokens=16, tools=[now], tool_choice={"type": "function", "name": "now"},
               **base)

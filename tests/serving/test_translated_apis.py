@@ -1,6 +1,6 @@
 """The APIs served by translation to the chat route — Anthropic's Messages API (`POST /v1/messages`,
 `/v1/messages/count_tokens`; serving/api/anthropic.py) and OpenAI's Responses API
-(`POST /v1/responses`; serving/api/responses.py) — driven by the `anthropic` and `openai` SDKs over
+(`POST /v1/responses`; serving/api/responses.py; its stored responses: test_responses_store.py) — driven by the `anthropic` and `openai` SDKs over
 a live server.
 
 The engine is the scripted fake of tests/serving/test_chat_parsing_api.py (a `SCRIPT:<name>` marker
@@ -245,7 +245,7 @@ def test_response_with_reasoning_equals_the_chat_route(oai, engine):
     c = chat.choices[0].message
     assert [i.type for i in r.output] == ["reasoning", "message"]
     assert r.output[0].content[0].text == c.reasoning_content and r.output_text == c.content
-    assert r.status == "completed" and r.incomplete_details is None and r.store is False
+    assert r.status == "completed" and r.incomplete_details is None and r.store is True  # stored by default
     assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
     assert r.usage.total_tokens == chat.usage.total_tokens and r.usage.input_tokens_details.cached_tokens == 0
 
@@ -359,9 +359,7 @@ def test_responses_what_this_server_does_not_do_is_a_400_naming_it(oai, base_url
         return httpx.post(base_url + "/v1/responses", json=body)
 
     ok = {"model": MODEL, "input": "hi"}
-    for body, param in [({**ok, "previous_response_id": "resp_1"}, "previous_response_id"),
-                        ({**ok, "background": True}, "background"),
-                        ({**ok, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+    for body, param in [({**ok, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
                          "input.0.content.0"),
                         ({**ok, "tools": [{"type": "web_search"}]}, "tools.0"),
                         ({**ok, "input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),
@@ -376,8 +374,7 @@ def test_responses_what_this_server_does_not_do_is_a_400_naming_it(oai, base_url
                          "input.0")]:
         r = post(body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    r = httpx.get(base_url + "/v1/responses/resp_1")
-    assert r.status_code == 404 and "stores no responses" in r.json()["error"]["message"]
+    # (previous_response_id, background and the stored responses' routes: test_responses_store.py)
     with pytest.raises(openai.NotFoundError):
         oai.responses.create(model="gpt-5", input="hi")
 
