@@ -4,7 +4,8 @@ This module holds the app and its routes; the request checks are in `serving/api
 the error bodies in `serving/api/errors.py`, and the plumbing between an HTTP request and its
 engine requests (abort on disconnect, `n` choices, SSE) in `serving/api/streaming.py`.
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
+Routes: `POST /v1/chat/completions`, `POST /v1/completions` (and vLLM's `.../render` of each, the
+prompt's token ids without generating: `serving/api/render.py`), `GET /v1/models`,
 `GET /v1/models/{model}`, `GET /health`, `POST /tokenize`, `POST /detokenize`, `GET /get_load`, and for
 routers `GET /get_server_info` and `GET /kv_event_sources` (`serving/api/discovery.py`); OpenAI's
 Responses API (`POST /v1/responses` and its stored responses' routes,
@@ -105,6 +106,7 @@ from serving.api.protocol import (
     TokenizeRequest,
     UsageInfo,
 )
+from serving.api.render import add_render_routes
 from serving.api.response_store import ResponseStore
 from serving.api.responses_routes import add_responses_routes
 from serving.api.streaming import (
@@ -184,6 +186,17 @@ class RenderedChat(NamedTuple):
     messages: list[dict[str, Any]]
     prompt: str
     prompt_ids: list[int]
+
+
+class PreparedCompletion(NamedTuple):
+    """A completions request ready for the engine (`build_app`'s `_prepare_completion`): its
+    prompts as given, their token ids, `(token ids, sampling parameters)` per prompt, and whether
+    it asks for the prompt alone (echo with max_tokens 0)."""
+
+    prompts: list[Any]
+    prompt_ids: list[list[int]]
+    batch: list[tuple[list[int], Any]]
+    echo_only: bool
 
 
 class PreparedChat(NamedTuple):
@@ -695,11 +708,10 @@ def build_app(
             frames=frames,
         )
 
-    @v1.post("/completions")
-    async def completions(request: Request) -> Response:
-        """OpenAI (legacy) completions with a string or token-id prompt, streaming or not."""
+    async def _prepare_completion(request: Request, body: CompletionRequest) -> PreparedCompletion:
+        """A completions request's prompts tokenized and each one's sampling parameters resolved:
+        every 400 it can get before it reaches the engine is raised here (APIError)."""
         engine, tokenizer = _served(request)
-        body: CompletionRequest = await parse_body(request, CompletionRequest, max_body_bytes)
         _check_model(body.model)
         reject_unsupported(body)
         requested, requested_param = requested_max_tokens(body)
@@ -738,6 +750,14 @@ def build_app(
             params.data_parallel_rank = rank
             params.structured_outputs = constraint
             batch.append((ids, params))
+        return PreparedCompletion(prompts, prompt_ids_of, batch, echo_only)
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        """OpenAI (legacy) completions with a string or token-id prompt, streaming or not."""
+        engine, tokenizer = _served(request)
+        body: CompletionRequest = await parse_body(request, CompletionRequest, max_body_bytes)
+        prompts, prompt_ids_of, batch, echo_only = await _prepare_completion(request, body)
         params = batch[0][1]
         top_n = body.logprobs or 0
         echo = bool(body.echo)
@@ -846,6 +866,7 @@ def build_app(
         )
 
     add_responses_routes(v1, _chat_response, _prepare_chat, max_body_bytes)
+    add_render_routes(v1, _prepare_chat, _prepare_completion, max_body_bytes)
     app.include_router(v1)
     add_anthropic_routes(app, _chat_response, _render_chat, api_key, max_body_bytes)
     add_discovery_routes(app, model_root)
