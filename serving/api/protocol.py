@@ -66,6 +66,13 @@ class PromptTokensDetails(_Response):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(_Response):
+    """`usage.completion_tokens_details`: completion tokens spent reasoning (inside the think
+    block; set only when the server runs a reasoning parser, as vLLM does)."""
+
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(_Response):
     """Token counts of one request."""
 
@@ -73,6 +80,7 @@ class UsageInfo(_Response):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 # -------------------------------------------------------------------------------------- logprobs

@@ -22,7 +22,7 @@ Output items: `reasoning` (`content` one `reasoning_text`; `summary` empty), `me
 `status` "completed", or "incomplete" with `incomplete_details.reason` "max_output_tokens" when
 the token limit cut the answer (null when the server aborted it, draining). Usage: `input_tokens`
 (with `input_tokens_details.cached_tokens`), `output_tokens`, `total_tokens`;
-`output_tokens_details.reasoning_tokens` is 0 (not counted apart).
+`output_tokens_details.reasoning_tokens` (the chat usage's, counted with a reasoning parser; else 0).
 """
 
 from __future__ import annotations
@@ -243,8 +243,9 @@ def _usage(usage: dict[str, Any] | None) -> dict[str, Any]:
     usage = usage or {}
     prompt, completion = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
     cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    reasoning = int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0)
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt + completion}
 
 

@@ -57,6 +57,7 @@ is the prefix-cache hit of choice 0.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
@@ -119,7 +120,11 @@ from serving.api.streaming import (
     race_disconnect,
     without_null_kv_params,
 )
-from serving.api.structured import reasoning_end_token_id, request_constraint
+from serving.api.structured import (
+    reasoning_end_token_id,
+    request_constraint,
+    single_token_id,
+)
 from serving.api.validation import (
     RESERVED_TEMPLATE_KWARGS,
     build_sampling_params,
@@ -135,6 +140,7 @@ from serving.api.validation import (
     template_messages,
 )
 from serving.output_processor import RequestTextState, TextDelta
+from serving.parsers.reasoning import THINK_END, THINK_START, count_reasoning_tokens
 from serving.types import EngineClient, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -633,7 +639,12 @@ def build_app(
             echo_text = messages[-1].get("content") or ""
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        ch = Choices(engine, tokenizer, prompt_ids, params, rid)
+        count_reasoning = None
+        if chat_parsing.reasoning_parser:  # usage.completion_tokens_details.reasoning_tokens, as vLLM
+            count_reasoning = functools.partial(count_reasoning_tokens, opens=prepared.opens_reasoning(prompt),
+                                                start_id=single_token_id(tokenizer, THINK_START),
+                                                end_id=single_token_id(tokenizer, THINK_END))
+        ch = Choices(engine, tokenizer, prompt_ids, params, rid, count_reasoning=count_reasoning)
         outputs = [prepared.new_output(prompt) for _ in range(len(ch))]  # one parser per choice
 
         if not body.stream:

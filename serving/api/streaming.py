@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from serving.api.errors import engine_error
 from serving.api.protocol import (
+    CompletionTokensDetails,
     PromptTokensDetails,
     UsageInfo,
 )
@@ -120,12 +121,16 @@ class Choices:
       prompt_ids, params: the one prompt and its sampling parameters, or
       batch: `[(prompt_ids, params), ...]`, one entry per prompt (then `prompt_ids` and `params`
         are None).
+      count_reasoning: a choice's generated token ids → its reasoning tokens; when given, `usage()`
+        reports their sum as `completion_tokens_details.reasoning_tokens`.
     """
 
     def __init__(self, engine: EngineClient, tokenizer: Any, prompt_ids: list[int] | None,
                  params: SamplingParams | None, rid: str,
-                 batch: list[tuple[list[int], SamplingParams]] | None = None) -> None:
+                 batch: list[tuple[list[int], SamplingParams]] | None = None,
+                 count_reasoning: Callable[[list[int]], int] | None = None) -> None:
         self.request_id = rid
+        self.count_reasoning = count_reasoning
         batch = batch if batch is not None else [(prompt_ids, params)]
         self.prompt_lens = [len(ids) for ids, _ in batch]
         self.prompt_len = self.prompt_lens[0]
@@ -179,6 +184,8 @@ class Choices:
             completion_tokens=completion,
             total_tokens=prompt + completion,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+            completion_tokens_details=None if self.count_reasoning is None else CompletionTokensDetails(
+                reasoning_tokens=sum(self.count_reasoning(st.token_ids) for st in self.states)),
         )
 
 

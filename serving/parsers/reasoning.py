@@ -25,6 +25,23 @@ THINK_END = "</think>"
 _START, _REASONING, _CONTENT = "start", "reasoning", "content"
 
 
+def count_reasoning_tokens(token_ids: list[int], opens: bool, start_id: int | None, end_id: int | None) -> int:
+    """Generated tokens inside the think block: from the start (when the prompt opened the block,
+    `opens`) or after a `<think>` token (`start_id`), up to the `</think>` token (`end_id`); the
+    tags themselves are not counted. An unclosed block counts to the end. (vLLM's count, with its
+    fix for a block the chat template opens.)"""
+    inside, n = opens, 0
+    for t in token_ids:
+        if inside:
+            if t == end_id:
+                inside = False
+            else:
+                n += 1
+        elif t == start_id:
+            inside = True
+    return n
+
+
 class Glm45ReasoningParser:
     """Incremental splitter of model output text into reasoning and content.
 

@@ -372,3 +372,23 @@ def test_tools_need_auto_tool_choice_on_the_server(engine, tokenizer):
         assert r.status_code == 200
         msg = r.json()["choices"][0]["message"]
         assert msg["content"] == SCRIPTS["answer"] and msg["reasoning_content"] is None  # raw text
+        assert r.json()["usage"]["completion_tokens_details"] is None  # no reasoning counted without a parser
+
+
+def test_usage_counts_the_reasoning_tokens(client, tokenizer):
+    # the tokens of the think block: the script's text before </think>, tokenised on its own
+    # (</think> is one added token, so the engine's ids split there)
+    think = len(tokenizer.encode(SCRIPTS["answer"].split("</think>")[0]))
+    r = client.chat.completions.create(model=MODEL, messages=ask("answer"))
+    assert r.usage.completion_tokens_details.reasoning_tokens == think > 0
+    assert len(tokenizer.encode(r.choices[0].message.reasoning_content)) == think
+    two = client.chat.completions.create(model=MODEL, messages=ask("answer"), n=2)
+    assert two.usage.completion_tokens_details.reasoning_tokens == 2 * think
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ask("answer"), stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == think
+    cut = client.chat.completions.create(model=MODEL, messages=ask("answer"), max_tokens=2)  # inside the block
+    assert cut.usage.completion_tokens_details.reasoning_tokens == 2
+    off = client.chat.completions.create(model=MODEL, messages=ask("answer"),
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.usage.completion_tokens_details.reasoning_tokens == 0  # the prompt closed the block

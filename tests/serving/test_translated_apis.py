@@ -248,6 +248,8 @@ def test_response_with_reasoning_equals_the_chat_route(oai, engine):
     assert r.status == "completed" and r.incomplete_details is None and r.store is True  # stored by default
     assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
     assert r.usage.total_tokens == chat.usage.total_tokens and r.usage.input_tokens_details.cached_tokens == 0
+    reasoning = chat.usage.completion_tokens_details.reasoning_tokens
+    assert r.usage.output_tokens_details.reasoning_tokens == reasoning > 0
 
 
 def test_response_function_calls_and_their_outputs_as_input_items(oai, engine):
