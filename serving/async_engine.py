@@ -6,7 +6,9 @@ Only the engine thread touches the engine; submissions and aborts cross over thr
 protected inbox, so a client disconnect can never race a step. A request whose step failed gets
 `EngineStepError` (the server's 500); when the engine dies (`serving.faults.EngineDeadError`)
 every open request gets an error, `is_healthy()` turns False and the `on_dead` callbacks run
-(the server exits non-zero).
+(the server exits non-zero). Each step runs under a `jax.profiler.StepTraceAnnotation`
+("engine_step"), and a trace (`serving/profiling.py`, `profiler`) starts and stops on the engine
+thread between steps.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jax
 
 from serving.engine import LLMEngine
 from serving.types import RequestOutput, SamplingParams
@@ -46,6 +51,8 @@ class AsyncEngine:
         # submitted after it ends with at once (e.g. the later choices of an n > 1 stream).
         self._aborted_all: str | None = None
         self.on_dead: list = []  # callbacks(exc) run on the engine thread when the engine dies
+        self.profiler = None  # a serving.profiling.EngineProfiler with --profiler-config
+        self._steps = 0
         pd = getattr(engine, "pd", None)
         if pd is not None:  # P/D: a side-channel job or a finished pull wakes the loop
             pd.set_wake(self._wake)
@@ -74,6 +81,29 @@ class AsyncEngine:
         """Tokens per KV event block (the prefix cache's hash unit), None when events are off."""
         events = getattr(self.engine, "kv_events", None)
         return None if events is None else events.block_size
+
+    async def start_profile(self) -> str:
+        """Start a trace between two engine steps (`serving/profiling.py`); returns the directory
+        it is written under. Raises `ProfilerError` when no profiler is configured or a trace runs."""
+        return await self._profile("start")
+
+    async def stop_profile(self) -> str | None:
+        """End the trace after the step running now; returns the run directory written. Raises
+        `ProfilerError` when none runs."""
+        return await self._profile("stop")
+
+    async def _profile(self, action: str) -> Any:
+        from serving.profiling import ProfilerError
+
+        if self.profiler is None:
+            raise ProfilerError("no profiler is configured (start the server with --profiler-config)")
+        if self._dead is not None:
+            raise RuntimeError(f"engine is dead: {self._dead!r}")
+        done = asyncio.get_running_loop().create_future()
+        with self._cv:
+            self._inbox.append(("profile", action, done))
+            self._cv.notify()
+        return await done
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -158,6 +188,8 @@ class AsyncEngine:
             self._stop = True
             self._cv.notify()
         self._thread.join(timeout=timeout)
+        if self.profiler is not None and self.profiler.active and not self._thread.is_alive():
+            self.profiler.stop()  # a trace left running is written, not lost
         runner = getattr(self.engine, "runner", None)
         if runner is not None and hasattr(runner, "stop_variant_precompile"):
             runner.stop_variant_precompile()  # a daemon thread: stops after the compile in progress
@@ -213,6 +245,13 @@ class AsyncEngine:
                         self._queues.pop(rid, None)
                 loop = done.get_loop()
                 loop.call_soon_threadsafe(_settle, done, err)
+            elif item[0] == "profile":
+                _, action, done = item
+                try:
+                    result, err = getattr(self.profiler, action)(), None
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    result, err = None, e
+                done.get_loop().call_soon_threadsafe(_settle, done, err, result)
             elif item[0] == "abort_all":  # the stream waits for its end: deliver it
                 out = self.engine.abort(item[1], item[2])
                 if out is not None:
@@ -233,7 +272,11 @@ class AsyncEngine:
                         return
                 self._drain_inbox()
                 if self.engine.has_unfinished_requests() or self._has_jobs():
-                    outs = self.engine.step()
+                    self._steps += 1
+                    with jax.profiler.StepTraceAnnotation("engine_step", step_num=self._steps):
+                        outs = self.engine.step()
+                    if self.profiler is not None:
+                        self.profiler.after_step()
                     for out in outs:
                         self._deliver(out, out.request_id)
                     if not outs and self._only_waiting_for_kv():
@@ -279,10 +322,10 @@ def _none() -> None:
     return None
 
 
-def _settle(fut: asyncio.Future, err: BaseException | None) -> None:
+def _settle(fut: asyncio.Future, err: BaseException | None, result: Any = None) -> None:
     if fut.done():
         return
     if err is None:
-        fut.set_result(None)
+        fut.set_result(result)
     else:
         fut.set_exception(err)

@@ -18,7 +18,7 @@ from serving.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 logger = logging.getLogger(__name__)
 
 JSON_FLAGS = ("attention_config", "kv_transfer_config", "speculative_config", "kv_events_config",
-              "structured_outputs_config", "override_generation_config")
+              "structured_outputs_config", "override_generation_config", "profiler_config")
 
 
 class ArgumentError(ValueError):
@@ -93,6 +93,13 @@ def make_arg_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--responses-store-max-mib", type=float, default=256.0,
         help="The stored responses' conversations (input and output items as JSON) at most, in MiB.",
+    )
+    s.add_argument(
+        "--profiler-config", default=None,
+        help='JSON, e.g. {"profiler": "jax", "profiler_dir": "/tmp/trace"}: serve POST /start_profile and '
+             "/stop_profile, which take a jax.profiler trace of the engine steps between them (optional keys: "
+             "create_perfetto_trace, default true; max_steps, end the trace after that many steps). vLLM's flag "
+             "and routes (docs/gpu_deployment.md).",
     )
     s.add_argument(
         "--disable-log-stats",
@@ -253,7 +260,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
 
 
 def _parse_json_flag(flag: str, value: Any) -> dict[str, Any] | None:
-    if value is None or isinstance(value, dict):
+    if not isinstance(value, str):  # None, a dict, or already parsed (validated args validated again)
         return value
     try:
         parsed = json.loads(value)
@@ -311,6 +318,13 @@ def validate_args(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < lo:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= {lo}, got {value}")
+    if isinstance(args.profiler_config, dict):
+        from serving.profiling import ProfilerConfig
+
+        try:
+            args.profiler_config = ProfilerConfig.from_dict(args.profiler_config)
+        except (ValueError, TypeError) as e:
+            raise ArgumentError(f"--profiler-config: {e}") from None
     if not args.responses_store_max_mib > 0:
         raise ArgumentError(f"--responses-store-max-mib must be > 0, got {args.responses_store_max_mib}")
     from sharding.distributed import DistributedConfig, parse_device_ids

@@ -133,6 +133,11 @@ def build_server(argv: list[str] | None = None, args=None):
     engine.stat_loggers.append(metrics)
     async_engine = AsyncEngine(engine, name)
     async_engine.multihost_channel = channel
+    if args.profiler_config is not None:
+        from serving.profiling import EngineProfiler
+
+        async_engine.profiler = EngineProfiler(args.profiler_config, step_sink=engine.runner.step_sink,
+                                               num_processes=args.multihost.num_processes if args.multihost else 1)
     if channel is not None:
         holder["engine"] = async_engine
         if channel.lost is not None:
@@ -219,6 +224,7 @@ def build_api(args, async_engine, tokenizer, metrics=None):
 
     from serving.api import build_app
     from serving.api.chat_output import ChatParsing
+    from serving.api.profiler import add_profiler_routes
     from serving.generation_defaults import describe as describe_generation_defaults
     from serving.generation_defaults import load_generation_defaults
 
@@ -227,8 +233,11 @@ def build_api(args, async_engine, tokenizer, metrics=None):
         # (through app.state, as build_app's routes: a closure would keep the engine alive)
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    def add_metrics(app) -> None:
-        app.add_route("/metrics", prometheus_metrics, methods=["GET"], include_in_schema=False)  # a plain Starlette route
+    def add_routes(app) -> None:
+        if metrics is not None:
+            app.add_route("/metrics", prometheus_metrics, methods=["GET"], include_in_schema=False)  # a plain route
+        if args.profiler_config is not None:
+            add_profiler_routes(app)
 
     parsing = ChatParsing(reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                           enable_auto_tool_choice=args.enable_auto_tool_choice)
@@ -239,7 +248,7 @@ def build_api(args, async_engine, tokenizer, metrics=None):
                     model_aliases=args.served_model_name or (),
                     responses_store_size=args.responses_store_size,
                     responses_store_max_bytes=int(args.responses_store_max_mib * (1 << 20)),
-                    extra_routes=add_metrics if metrics is not None else None, model_root=args.model or "tiny",
+                    extra_routes=add_routes, model_root=args.model or "tiny",
                     default_sampling=defaults)
     app.state.metrics = metrics
     return app

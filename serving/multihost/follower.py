@@ -12,6 +12,7 @@ import logging
 
 import jax
 
+from serving import profiling
 from serving.multihost import MultiHostConfig, codec, engine_fingerprint
 from serving.multihost.channel import FollowerChannel
 from serving.runner_transfers import untag
@@ -64,7 +65,8 @@ def run_follower(engine, channel: FollowerChannel, config: MultiHostConfig) -> i
                 return 1
             op, inputs = codec.decode(body)
             if op == "step":
-                out, _, _ = runner.run_inputs(inputs)
+                with jax.profiler.StepTraceAnnotation("engine_step", step_num=steps + 1):
+                    out, _, _ = runner.run_inputs(inputs)
                 jax.block_until_ready(pending)
                 pending = out
                 steps += 1
@@ -75,6 +77,8 @@ def run_follower(engine, channel: FollowerChannel, config: MultiHostConfig) -> i
                 stores, loads, wait = inputs  # (replica, a, b) rows
                 nrep = runner.offload.transfer.num_replicas
                 runner.run_offload_lists(untag(stores, nrep), untag(loads, nrep), bool(wait))
+            elif op == profiling.PROFILE_OP:  # the leader started or stopped a trace (serving/profiling.py)
+                profiling.follow(*inputs, pid, config.num_processes)
             elif op == "read_pages":  # P/D staging on the leader: the gather spans every process
                 runner.read_pages(inputs)
             elif op == "write_pages":  # P/D landing: the rows the leader pulled, on every process

@@ -7,7 +7,8 @@
 `attach_leader` sets the runner's `step_sink`: each device program's host inputs — `("step",
 StepInputs)`, `("stores", (src, dst, wait))` for HiSparse's write-through copies, `("offload",
 (stores, loads, wait))` for the offloading connector's transfers (`(replica, a, b)` rows), `("read_pages", rows)` and
-`("write_pages", (rows, data))` for P/D's staging and landing (`serving/arena_pages.py`) — are encoded
+`("write_pages", (rows, data))` for P/D's staging and landing (`serving/arena_pages.py`), and
+`("profile", (action, dir, perfetto))` for a trace's start and stop (`serving/profiling.py`) — are encoded
 (`serving.multihost.codec`) and sent before the program is dispatched. `on_lost(reason)` runs on the
 channel's monitor thread when a follower is lost (the server turns it into a dead engine).
 """

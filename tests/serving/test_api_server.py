@@ -1064,6 +1064,11 @@ def test_cli_defaults_and_json_flags(caplog):
         (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 9}'], "num_speculative_tokens"),
         (["--max-model-len", "0"], "--max-model-len"),
         (["--responses-store-size", "-1"], "--responses-store-size"),
+        (["--profiler-config", '{"profiler": "torch", "profiler_dir": "/tmp/t"}'], "--profiler-config: profiler"),
+        (["--profiler-config", '{"profiler": "jax"}'], "--profiler-config: profiler_dir"),
+        (["--profiler-config", '{"profiler_dir": "/tmp/t", "max_steps": -1}'], "--profiler-config: max_steps"),
+        (["--profiler-config", '{"profiler_dir": "/tmp/t", "python_tracer_level": 2}'], "python_tracer_level"),
+        (["--profiler-config", '{"profiler_dir": "/tmp/t", "torch_profiler_dir": "x"}'], "unknown key"),
         (["--responses-store-max-mib", "0"], "--responses-store-max-mib"),
     ],
 )

@@ -5,6 +5,7 @@ seeds, errors, client disconnects — and the block-pool audit at the end."""
 import concurrent.futures as cf
 import gc
 import json
+import os
 import time
 import weakref
 
@@ -21,8 +22,14 @@ ARGV = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-le
 
 
 @pytest.fixture(scope="module")
-def server():
-    app, args, engine = build_server(ARGV)
+def trace_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("trace")
+
+
+@pytest.fixture(scope="module")
+def server(trace_dir):
+    profiler = json.dumps({"profiler": "jax", "profiler_dir": str(trace_dir)})
+    app, args, engine = build_server([*ARGV, "--profiler-config", profiler])  # (no other program: the same steps)
     assert engine.engine.async_scheduling  # the server's default (docs/async_scheduling.md)
     # --generation-config auto (the default): the tiny checkpoint's generation_config.json
     assert app.state.default_sampling == {"temperature": 1.0, "top_p": 0.95}
@@ -381,6 +388,49 @@ def test_responses_api_on_the_real_engine(parsing_server):
     shaped = pclient.responses.create(input="Is it ok?", max_output_tokens=64, **base,
                                       text={"format": {"type": "json_schema", "name": "ok", "schema": schema}})
     assert isinstance(json.loads(shaped.output_text)["ok"], bool) and shaped.status == "completed"
+
+
+def _engine_steps_in(run_dir) -> list[int]:
+    """The step numbers of the `engine_step` annotations in a run's Perfetto trace."""
+    import gzip
+    from pathlib import Path
+
+    (trace,) = Path(run_dir).glob("perfetto_trace.json.gz")
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    return sorted({int(e["args"]["step_num"]) for e in events
+                   if e.get("name") == "engine_step" and e.get("ph") == "X"})
+
+
+def test_a_profile_holds_the_engine_steps_between_start_and_stop(server, client, trace_dir):
+    """`--profiler-config` (serving/profiling.py): POST /start_profile, requests, /stop_profile →
+    a jax.profiler run directory with the XSpace and Perfetto files, whose `engine_step`
+    annotations are whole consecutive steps (at least one per generated token); a second start
+    or a stop without a trace is a 400; `max_steps` ends a trace by itself."""
+    from serving.profiling import EngineProfiler, ProfilerConfig
+
+    base, engine = server
+    assert httpx.post(base + "/stop_profile").status_code == 400
+    started = httpx.post(base + "/start_profile")
+    assert started.status_code == 200 and started.json()["profiler_dir"] == str(trace_dir)
+    again = httpx.post(base + "/start_profile")
+    assert again.status_code == 400 and "already running" in again.json()["error"]["message"]
+    greedy_completion(client, [5, 6, 7, 8], n=6)
+    stopped = httpx.post(base + "/stop_profile", timeout=120).json()
+    run = stopped["trace_dir"]
+    assert run.startswith(str(trace_dir)) and any(f.endswith(".xplane.pb") for f in os.listdir(run))
+    steps = _engine_steps_in(run)
+    assert len(steps) >= 6 and steps == list(range(steps[0], steps[0] + len(steps)))
+    # bounded: max_steps ends the trace after that many engine steps
+    bounded = trace_dir / "bounded"
+    saved, engine.profiler = engine.profiler, EngineProfiler(ProfilerConfig(str(bounded), max_steps=3))
+    try:
+        assert httpx.post(base + "/start_profile").status_code == 200
+        greedy_completion(client, [9, 10, 11], n=8)
+        assert not engine.profiler.active and len(_engine_steps_in(engine.profiler.last_run)) == 3
+        assert str(bounded) in engine.profiler.last_run
+        assert httpx.post(base + "/stop_profile").status_code == 400  # it has stopped already
+    finally:
+        engine.profiler = saved
 
 
 def _metrics(base):

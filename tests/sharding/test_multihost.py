@@ -25,9 +25,13 @@ through the openai client, the follower `--headless`.
 
 from __future__ import annotations
 
+import glob
+import gzip
 import json
+import os
 import re
 import signal
+import tempfile
 import threading
 import time
 
@@ -309,8 +313,23 @@ def test_pcp2_dcp2_offload_and_pd_across_processes_serve_the_one_process_streams
     so P/D goes through the leader: the staging gather and the landing scatter run on both
     processes, the leader alone talking to the peer; P/D both ways with the one-device engine
     gives that engine's streams. Then a follower is killed mid-stream."""
-    with multihost_engine(ENGINE + PCP2_DCP2_OFFLOAD_PD, devices_per_process=1) as mh:
+    trace = tempfile.mkdtemp(prefix="glm53-mh-trace-")
+    profiler = ["--profiler-config", json.dumps({"profiler_dir": trace})]
+    with multihost_engine(ENGINE + PCP2_DCP2_OFFLOAD_PD + profiler, devices_per_process=1) as mh:
         _, _, got = check_equal(PCP2_DCP2_OFFLOAD_PD, mh.url)
+        # A trace (serving/profiling.py) is taken on both processes, of the same engine steps.
+        assert httpx.post(mh.url + "/start_profile", timeout=60).status_code == 200
+        httpx.post(mh.url + "/v1/completions", timeout=300, json={
+            "model": MODEL, "prompt": PROMPTS["a"], "max_tokens": 3}).raise_for_status()
+        run = httpx.post(mh.url + "/stop_profile", timeout=120).json()["trace_dir"]
+        assert run.startswith(os.path.join(trace, "process_0"))
+        deadline = time.monotonic() + 60  # the follower writes its run after the leader's answer
+        while "process 1: profiler trace written" not in mh.follower_log() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        follower_runs = glob.glob(os.path.join(trace, "process_1", "plugins", "profile", "*"))
+        steps = [traced_steps(r) for r in (run, *follower_runs)]
+        assert len(steps) == 2 and all(n >= 3 for n in steps), steps
+        assert abs(steps[0] - steps[1]) <= 1, steps  # (the leader may have sent one step more)
         assert "an attention replica spans processes; its KV is staged and landed through the leader" in mh.leader_log()
         engine, ref, lps, _ = reference_engine(PCP2_DCP2_OFFLOAD_PD)
         compare_streams(ref, pd_from_multihost(mh.url, engine, ranks=None), lps, PROMPTS)
@@ -338,6 +357,13 @@ def test_pcp2_dcp2_offload_and_pd_across_processes_serve_the_one_process_streams
         assert codes[0] == 1, f"leader exit code {codes[0]}\n{mh.logs()}"
         assert time.monotonic() - t0 < 30
         assert "the engine died" in mh.leader_log()
+
+
+def traced_steps(run_dir: str) -> int:
+    """The `engine_step` annotations in a trace run's Perfetto file."""
+    with gzip.open(os.path.join(run_dir, "perfetto_trace.json.gz")) as f:
+        events = json.load(f)["traceEvents"]
+    return sum(1 for e in events if e.get("name") == "engine_step" and e.get("ph") == "X")
 
 
 def test_a_corrupt_step_message_stops_the_engine_without_a_wrong_token():
