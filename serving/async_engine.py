@@ -82,6 +82,19 @@ class AsyncEngine:
         events = getattr(self.engine, "kv_events", None)
         return None if events is None else events.block_size
 
+    async def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Every check `generate` would make of a request, without submitting it: the engine's
+        (`LLMEngine._validate`: lengths, vocabulary, ranks, budgets) and its constraint's compile
+        (then dropped). Raises the ValueError `generate` would (the server's 400s)."""
+        self.engine._validate(list(prompt_token_ids), params)
+        precompile = getattr(self.engine, "precompile_constraint", None)
+        if params.structured_outputs is not None and precompile is not None:
+            probe = f"check-{id(params)}"
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, precompile, probe, params)
+            finally:
+                self._discard_precompiled(probe)
+
     async def start_profile(self) -> str:
         """Start a trace between two engine steps (`serving/profiling.py`); returns the directory
         it is written under. Raises `ProfilerError` when no profiler is configured or a trace runs."""

@@ -325,8 +325,9 @@ def validate_args(args: argparse.Namespace) -> None:
             args.profiler_config = ProfilerConfig.from_dict(args.profiler_config)
         except (ValueError, TypeError) as e:
             raise ArgumentError(f"--profiler-config: {e}") from None
-    if not args.responses_store_max_mib > 0:
-        raise ArgumentError(f"--responses-store-max-mib must be > 0, got {args.responses_store_max_mib}")
+    if not 1.0 / (1 << 20) <= args.responses_store_max_mib < float("inf"):  # NaN fails too
+        raise ArgumentError(f"--responses-store-max-mib must be a finite number of MiB, at least one byte "
+                            f"(1/1048576), got {args.responses_store_max_mib}")
     from sharding.distributed import DistributedConfig, parse_device_ids
 
     try:

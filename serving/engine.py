@@ -46,7 +46,7 @@ from serving.runner import ModelRunner
 from serving.scheduler import Scheduler, SchedulerConfig
 from serving.spec_decode import DraftController, SpecDecodingStats, SpeculativeConfig
 from serving.structured_outputs.engine_mixin import StructuredOutputsMixin
-from serving.types import InvalidRequestError, RequestOutput, SamplingParams
+from serving.types import InvalidRequestError, ReasoningTags, RequestOutput, SamplingParams
 from sharding.mesh import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -253,6 +253,14 @@ class LLMEngine(EngineStatsMixin, HostTiersMixin, PDEngineMixin, AsyncStepMixin,
         if bad:
             raise InvalidRequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})",
                                       "logit_bias")
+        tags = params.reasoning_tags
+        if params.thinking_token_budget is not None and not isinstance(tags, ReasoningTags):
+            raise InvalidRequestError("thinking_token_budget needs the model's think-block token ids "
+                                      "(SamplingParams.reasoning_tags)", "thinking_token_budget")
+        if params.thinking_token_budget is not None and not all(
+                t is None or 0 <= int(t) < vocab for t in (tags.end_id, tags.start_id)):
+            raise InvalidRequestError(f"the think-block token ids {tags} are outside the vocabulary [0, {vocab})",
+                                      "thinking_token_budget")
 
     def _validate_prompt_logprobs(self, params: SamplingParams) -> None:
         """Refuse `prompt_logprobs` where this engine cannot compute them (InvalidRequestError

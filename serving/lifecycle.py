@@ -1,7 +1,8 @@
 """The server process's lifecycle: graceful shutdown on SIGTERM / Ctrl-C, and exit when the engine dies.
 
 * First SIGTERM or SIGINT: the server **drains** — every new HTTP request (and `/health`) gets a
-  503 with an OpenAI error body (Anthropic's on `/v1/messages`), running requests go on for at most `--shutdown-timeout` seconds,
+  503 with an OpenAI error body (Anthropic's on `/v1/messages`; `GET /v1/responses/{id}…`, which
+  reads a stored response, is still served), running requests go on for at most `--shutdown-timeout` seconds,
   then the process exits 0. Requests still running at the deadline are aborted: each response
   ends properly (finish_reason "abort"; a stream's last chunk and `[DONE]`), and the process
   exits once they are written (at most 2 s more).
@@ -30,6 +31,12 @@ logger = logging.getLogger("serving.run")
 UNCOUNTED_PATHS = ("/health", "/metrics")  # probes: never counted as work in flight
 
 
+def _reads_a_stored_response(scope) -> bool:
+    """`GET /v1/responses/{id}…`: reading a stored (e.g. background) response is not new work, and
+    a draining server still finishes background responses, whose clients poll for them."""
+    return scope.get("method") == "GET" and scope.get("path", "").startswith("/v1/responses/")
+
+
 class DrainMiddleware:
     """ASGI middleware: 503 for every HTTP request once `draining` is set (`/metrics` excepted,
     so the final figures can still be scraped); counts the requests in flight (probes excepted)."""
@@ -44,7 +51,7 @@ class DrainMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        if self.draining and path != "/metrics":
+        if self.draining and path != "/metrics" and not _reads_a_stored_response(scope):
             message = "the server is shutting down"
             error = (anthropic.error_body(503, message) if anthropic.is_anthropic_path(path) else
                      {"error": {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}})

@@ -12,6 +12,13 @@ pass and then the sampler (`serving.step_program`: the programs asynchronous sch
 structured outputs), so each new length compiles only the small sampler program, on first use; a
 multi-process engine, whose followers run whole steps, compiles a step variant per length instead.
 
+A `thinking_token_budget` is one more entry of the list: the state keeps where the output is in
+the think block, read as the reasoning parser reads it (one block: from the prompt's or a first
+`<think>` to the first `</think>`), and how many tokens it spent there (`_think`); at a position where the
+budget is spent and the block still open, the end id (`</think>`) gets a bias of `FORCE`, far
+above any logit, so it is the token drawn (greedy or not) — the engine's form of vLLM's
+thinking-budget logits processor. It depends on the output, as the penalties do.
+
 Output counts are those of the tokens the request has generated when the list is built. Under
 asynchronous scheduling a request's last token may still be on the device then: a step after one
 whose rows have output-dependent penalties (`output_dependent`) runs its sampler after that step
@@ -25,19 +32,35 @@ from __future__ import annotations
 
 import numpy as np
 
+from serving.parsers.reasoning import think_step
+
 MIN_WIDTH = 64
+FORCE = 1.0e4  # the bias that makes a token the one drawn (logits of a trained model are within ±100)
 
 
 def uses_penalties(sp) -> bool:
-    """True when `sp` (a `SamplingParams`) asks for a penalty or a logit bias."""
+    """True when `sp` (a `SamplingParams`) asks for a penalty, a logit bias or a thinking budget."""
     return bool(sp.logit_bias) or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 \
-        or sp.repetition_penalty != 1.0
+        or sp.repetition_penalty != 1.0 or sp.thinking_token_budget is not None
 
 
 def output_dependent(sp) -> bool:
-    """True when `sp`'s adjustments depend on the request's output so far (the penalties; a logit
-    bias alone does not)."""
-    return sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
+    """True when `sp`'s adjustments depend on the request's output so far (the penalties and a
+    thinking budget; a logit bias alone does not)."""
+    return sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0 \
+        or sp.thinking_token_budget is not None
+
+
+def _think(phase: str, spent: int, t: int, tags) -> tuple[str, int]:
+    """The think-block state after output token t: (phase, tokens spent inside the block), as
+    the reasoning parser reads the output (`serving.parsers.reasoning.think_step`)."""
+    phase, counted = think_step(phase, t, tags.opened, tags.start_id, tags.end_id)
+    return phase, spent + counted
+
+
+def _inside(phase: str, tags) -> bool:
+    """Whether the next token is inside the think block."""
+    return phase == "reasoning" or (phase == "start" and tags.opened)
 
 
 def _width(n: int) -> int:
@@ -59,8 +82,12 @@ class PenaltyState:
 
     def __init__(self, request):
         sp = request.sampling_params
-        self.counting = output_dependent(sp)
+        self.counting = sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
+        self.budget, self.tags = sp.thinking_token_budget, sp.reasoning_tags
+        self.phase, self.spent = "start", 0
         bias = {int(k): float(v) for k, v in (sp.logit_bias or {}).items()}
+        if self.budget is not None:
+            bias.setdefault(int(self.tags.end_id), 0.0)  # its column: forced where the budget is spent
         prompt = np.unique(np.asarray(request.prompt_token_ids, np.int64)) if sp.repetition_penalty != 1.0 \
             else np.zeros(0, np.int64)
         self.ids = np.union1d(prompt, np.fromiter(bias, np.int64, len(bias))).astype(np.int32)
@@ -81,24 +108,44 @@ class PenaltyState:
 
     def update(self, output_token_ids) -> None:
         """Count the output tokens not counted yet."""
-        if self.counting:
-            for t in output_token_ids[self.counted:]:
+        for t in output_token_ids[self.counted:]:
+            if self.counting:
                 c = self._column(int(t))  # (may replace self.counts: index it after)
                 self.counts[c] += 1
+            if self.budget is not None:
+                self.phase, self.spent = _think(self.phase, self.spent, int(t), self.tags)
         self.counted = len(output_token_ids)
 
+    def _forced(self, drafts) -> list[bool]:
+        """Per position j (the output and `drafts[:j]`): whether the thinking budget forces the end id."""
+        if self.budget is None:
+            return [False]
+        phase, spent, out = self.phase, self.spent, []
+        for j in range(len(drafts) + 1):
+            out.append(_inside(phase, self.tags) and spent >= self.budget)
+            if j < len(drafts):
+                phase, spent = _think(phase, spent, int(drafts[j]), self.tags)
+        return out
+
     def entries(self, drafts=()) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """→ (ids int32 [L], counts int32 [P, L], in_prompt bool [L], bias fp32 [L]) with P =
-        len(drafts) + 1 positions, position j counting the output and `drafts[:j]`."""
-        drafts = np.asarray([int(t) for t in drafts] if self.counting else [], np.int32)
+        """→ (ids int32 [L], counts int32 [P, L], in_prompt bool [L], bias fp32 [P', L]) with P =
+        len(drafts) + 1 positions, position j counting the output and `drafts[:j]` (P' = P when
+        the thinking budget forces the end id at some position, else 1: the same bias for all)."""
+        forced = self._forced(drafts)
         ids, counts, in_prompt, bias = self.ids, self.counts, self.in_prompt, self.bias
+        if any(forced):
+            bias = np.repeat(bias[None, :], len(forced), axis=0)
+            bias[np.asarray(forced), int(np.searchsorted(ids, self.tags.end_id))] += np.float32(FORCE)
+        else:
+            bias = bias[None, :]
+        drafts = np.asarray([int(t) for t in drafts] if self.counting else [], np.int32)
         if not len(drafts):
             return ids, counts[None, :], in_prompt, bias
         new = np.setdiff1d(drafts, ids)  # drafts' ids not in the list: columns for this step only
         if len(new):
             at = np.searchsorted(ids, new)
             ids, counts = np.insert(ids, at, new), np.insert(counts, at, 0)
-            in_prompt, bias = np.insert(in_prompt, at, False), np.insert(bias, at, np.float32(0))
+            in_prompt, bias = np.insert(in_prompt, at, False), np.insert(bias, at, np.float32(0), axis=1)
         per_pos = np.repeat(counts[None, :], len(drafts) + 1, axis=0)
         for j, c in enumerate(np.searchsorted(ids, drafts)):
             per_pos[j + 1:, c] += 1
@@ -143,7 +190,8 @@ def step_penalties(scheds, rows_per_replica: int, positions: int = 0) -> tuple |
         sp = req.sampling_params
         for j in range(S):
             n = row * S + j
-            parts.append((np.full(len(ids), n, np.int32), ids, per_pos[min(j, len(per_pos) - 1)], in_prompt, bias))
+            parts.append((np.full(len(ids), n, np.int32), ids, per_pos[min(j, len(per_pos) - 1)], in_prompt,
+                          bias[min(j, len(bias) - 1)]))
             presence[n], frequency[n], repetition[n] = sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty
     E = _width(sum(len(p[1]) for p in parts))
     out = [np.full(E, -1, np.int32), np.zeros(E, np.int32), np.zeros(E, np.int32), np.zeros(E, bool),

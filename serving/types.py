@@ -26,6 +26,17 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+@dataclass(frozen=True)
+class ReasoningTags:
+    """The think block's token ids, for a `thinking_token_budget` (the server sets them from the
+    tokenizer: GLM's `<think>` and `</think>` are one token each). opened: the prompt ends inside
+    an open block (the chat template opened it), so the output starts in it."""
+
+    end_id: int
+    start_id: int | None = None
+    opened: bool = False
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping controls (vLLM names and semantics).
@@ -78,6 +89,11 @@ class SamplingParams:
     logit_bias: {token id: bias} added to those ids' logits before the penalties, or None; ids
         must be in the vocabulary (the engine checks), biases finite (the server clamps them to
         [-100, 100] as vLLM does).
+    thinking_token_budget: at most this many output tokens inside the think block (vLLM's
+        `thinking_token_budget`; Anthropic's `budget_tokens`): once a request has spent them
+        still inside the block, its next token is `reasoning_tags.end_id` (`</think>`) whatever
+        the model prefers (`serving/penalties.py`); None is no budget. Needs `reasoning_tags`.
+    reasoning_tags: the think block's ids and whether the prompt opened it (`ReasoningTags`).
         All four change which token is drawn (greedy included), not the reported logprobs (those
         of the raw distribution), in vLLM's order and maths (`glm53.sampling.apply_penalties`,
         `serving.penalties`).
@@ -104,6 +120,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    thinking_token_budget: int | None = None
+    reasoning_tags: ReasoningTags | None = None
 
     def validate(self) -> None:
         """Raise ValueError with the offending field name (a wrong type included: `max_tokens`
@@ -152,6 +170,10 @@ class SamplingParams:
                 if not is_integer(k) or isinstance(v, bool) or not isinstance(v, numbers.Real) \
                         or not abs(float(v)) < float("inf"):
                     raise ValueError(f"logit_bias maps token ids (integers) to finite numbers, got {k!r}: {v!r}")
+        if self.thinking_token_budget is not None:
+            if not is_integer(self.thinking_token_budget) or self.thinking_token_budget < 0:
+                raise InvalidRequestError(f"thinking_token_budget must be an integer >= 0, got "
+                                          f"{self.thinking_token_budget!r}", "thinking_token_budget")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if any(not isinstance(s, str) or not s for s in self.stop):

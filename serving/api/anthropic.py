@@ -15,7 +15,8 @@ Request fields (docs/anthropic.md has the table): `model`, `max_tokens` (require
 `tool_choice` (`auto`, `any`, `tool`, `none`; `disable_parallel_tool_use`), `thinking`
 (`{"type": "disabled"}` closes GLM's think block in the prompt; `enabled`, `adaptive` and
 `between_tools` keep the template's default, thinking on; absent, the template's default too,
-except with a forced tool choice, where it is off; `budget_tokens` is not enforced;
+except with a forced tool choice, where it is off; `budget_tokens` (with `enabled`) is the
+request's `thinking_token_budget`: the think block ends once that many tokens are spent in it;
 `display: "omitted"` returns thinking blocks without their text), `output_config` (`effort` →
 the chat template's reasoning effort; `format` `{"type": "json_schema", "schema"}` → the answer
 constrained to the schema, structured outputs), `metadata` (ignored). A last turn from the
@@ -232,6 +233,11 @@ def to_chat_request(body: MessagesRequest, count_only: bool = False) -> ChatComp
         "parallel_tool_calls": parallel, "chat_template_kwargs": kwargs or None, "stream": body.stream,
         "reasoning_effort": out_cfg.get("effort"), "response_format": response_format,
     }
+    budget = (body.thinking or {}).get("budget_tokens")
+    if (body.thinking or {}).get("type") == "enabled" and budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise _bad(f"thinking.budget_tokens: expected an integer >= 0, got {budget!r}.")
+        chat["thinking_token_budget"] = budget  # enforced: </think> once the budget is spent
     if body.messages[-1].role == "assistant":  # a prefilled answer: the model continues it
         if chat["messages"][-1].get("tool_calls"):
             raise _bad(f"messages.{len(body.messages) - 1}: a last assistant turn with tool_use blocks needs their "

@@ -190,6 +190,7 @@ class ChatCompletionRequest(_Request):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    thinking_token_budget: int | None = None  # vLLM's: tokens inside the think block at most
     echo: bool | None = False  # vLLM's chat field (prepend the last message): refused when set
     best_of: int | None = None  # refused unless 1
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs (not with stream)
@@ -302,6 +303,7 @@ class CompletionRequest(_Request):
     min_p: float | None = None
     return_token_ids: bool = False  # vLLM: each choice also carries prompt_token_ids and token_ids
     repetition_penalty: float | None = None
+    thinking_token_budget: int | None = None  # vLLM's: tokens inside the think block at most
     prompt_logprobs: int | None = None  # the prompt tokens' logprobs (not with stream)
     structured_outputs: dict[str, Any] | None = None  # serving/api/structured.py
     response_format: dict[str, Any] | None = None  # vLLM applies it on completions too

@@ -11,7 +11,8 @@ an object or a list with `token_ids`.
 Answers (vLLM's shape): chat, one object `{"request_id", "model", "token_ids", "sampling_params",
 "stream"}`; completions, a list of such objects, one per prompt (a batched prompt's prompts in
 order). `sampling_params` are the resolved sampling fields (vLLM names: `max_tokens` is the room
-the request gets, defaults applied). Errors are the generating route's 400s.
+the request gets, defaults applied). Errors are the generating route's 400s, the engine's own
+checks (vocabulary, lengths, a constraint's compile: `AsyncEngine.check_request`) included.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from serving.api.protocol import ChatCompletionRequest, CompletionRequest
 from serving.api.validation import parse_body
 from serving.types import SamplingParams
 
-_NOT_SAMPLING = {"kv_transfer_params", "data_parallel_rank", "structured_outputs"}  # not sampling fields
+_NOT_SAMPLING = {"kv_transfer_params", "data_parallel_rank", "structured_outputs", "reasoning_tags"}  # not sampling
 
 
 def sampling_params_json(params: SamplingParams) -> dict[str, Any]:

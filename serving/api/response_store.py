@@ -11,8 +11,8 @@ so a chain of N turns holds each item once and N lists of references.
 
 Bounded two ways (least recently used first out; a background response still running is never
 evicted): `max_entries` responses, and `max_bytes` counted as each entry's context and output as
-JSON (a chain's shared items are counted in every entry that holds them, so the bound is an upper
-bound on what the store keeps alive). Events of a background stream are kept until the entry
+JSON and a background stream's kept events as sent (a chain's shared items are counted in every
+entry that holds them, so the bound is an upper bound on what the store keeps alive). Events of a background stream are kept until the entry
 goes, so a client can resume the stream (`GET ...?stream=true&starting_after=N`).
 
 Everything here runs on the server's event loop: no locks.
@@ -46,6 +46,7 @@ class StoredResponse:
     context: list[dict[str, Any]]
     context_bytes: int = 0
     output_bytes: int = 0
+    events_bytes: int = 0
     background: bool = False
     stream: bool = False
     task: asyncio.Task | None = None
@@ -62,7 +63,7 @@ class StoredResponse:
 
     @property
     def nbytes(self) -> int:
-        return self.context_bytes + self.output_bytes
+        return self.context_bytes + self.output_bytes + self.events_bytes
 
     def next_context(self) -> list[dict[str, Any]]:
         """What a request naming this response as `previous_response_id` continues: the context
@@ -71,6 +72,7 @@ class StoredResponse:
 
     def add_event(self, seq: int, text: str) -> None:
         self.events.append((seq, text))
+        self.events_bytes += len(text.encode())
         self._notify()
 
     def update(self, response: dict[str, Any]) -> None:

@@ -322,13 +322,15 @@ class ResponseStreamTranslator:
     rid / created: the response's id and creation time (default: from the first chunk's, as the
         non-streamed response's); store: whether it is stored (echoed as `store`);
     sink: called with `(type, event dict, SSE text)` for every event as it is made (the store
-        follows a response's progress with it)."""
+        follows a response's progress with it); first_seq: the first event's sequence number (a
+        background stream's 0 is its `response.queued`)."""
 
     def __init__(self, body: ResponsesRequest, rid: str | None = None, created: int | None = None,
-                 store: bool = False, sink: Callable[[str, dict[str, Any], str], None] | None = None) -> None:
+                 store: bool = False, sink: Callable[[str, dict[str, Any], str], None] | None = None,
+                 first_seq: int = 0) -> None:
         self.body = body
         self.rid, self.created, self.store, self.sink = rid, created, store, sink
-        self.seq = 0
+        self.seq = first_seq
         self.env: dict[str, Any] | None = None
         self.output: list[dict[str, Any]] = []  # finished items
         self.open: dict[str, Any] | None = None  # the item being streamed

@@ -54,14 +54,17 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _stored_items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The input items as OpenAI lists them: each with an `id` (a new one where the client gave
-    none) and a message's string content as one text part (copies where anything changes; the
-    translation reads either form the same)."""
-    out = []
+    """The input items as OpenAI lists them: each with an `id` unique among them (a new one where
+    the client gave none, a non-string or empty one, or one an earlier item has: `input_items`
+    pages by id) and a message's string content as one text part (copies where anything
+    changes; the translation reads either form the same)."""
+    out, seen = [], set()
     for item in items:
         kind = item.get("type", "message")
-        if not isinstance(item.get("id"), str):
-            item = {"id": f"{_ITEM_ID_PREFIX.get(kind, 'item')}_{uuid.uuid4().hex}", **item}
+        rid = item.get("id")
+        if not isinstance(rid, str) or not rid or rid in seen:
+            item = {**item, "id": f"{_ITEM_ID_PREFIX.get(kind, 'item')}_{uuid.uuid4().hex}"}
+        seen.add(item["id"])
         if kind == "message" and isinstance(item.get("content"), str):
             part = "output_text" if item.get("role") == "assistant" else "input_text"
             item = {**item, "type": "message", "content": [{"type": part, "text": item["content"]}]}
@@ -210,8 +213,12 @@ def add_responses_routes(
             queued = {**response_envelope(body, rid, created, request.app.state.served_model_name, store=True),
                       "status": "queued", "incomplete_details": None, "output": [], "usage": None}
             entry = entry_of(rid, queued, background=True, stream=body.stream)
+            if body.stream:  # the stream opens with the queued response (sequence number 0)
+                event = {"type": "response.queued", "sequence_number": 0, "response": queued}
+                entry.add_event(0, f"event: response.queued\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n")
             store.put(entry)
-            translator = ResponseStreamTranslator(body, rid=rid, created=created, store=True, sink=_sink(entry))
+            translator = ResponseStreamTranslator(body, rid=rid, created=created, store=True, sink=_sink(entry),
+                                                  first_seq=1 if body.stream else 0)
             entry.task = asyncio.ensure_future(
                 _run_background(entry, store, chat_response(_detached(request), chat_body, translator, ready)))
             if body.stream:

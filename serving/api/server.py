@@ -57,6 +57,7 @@ is the prefix-cache hit of choice 0.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import secrets
@@ -134,6 +135,7 @@ from serving.api.validation import (
     encode_text,
     header_data_parallel_rank,
     parse_body,
+    reasoning_tags,
     reject_unsupported,
     requested_max_tokens,
     resolve_max_tokens,
@@ -602,9 +604,24 @@ def build_app(
         prompt_ids = await encode_text(tokenizer, prompt, "messages")
         return RenderedChat(prepared, messages, prompt, prompt_ids)
 
-    async def _prepare_chat(request: Request, body: ChatCompletionRequest) -> PreparedChat:
+    async def _engine_checks(request: Request, batch: list[tuple[list[int], SamplingParams]]) -> None:
+        """The engine's own checks of prepared requests (vocabulary, lengths, constraint compile)
+        without submitting them, where the engine offers them (`AsyncEngine.check_request`): for
+        what answers without generating (render) or before generating (a background response)."""
+        engine, _ = _served(request)
+        check = getattr(engine, "check_request", None)
+        if check is None:
+            return
+        for ids, params in batch:
+            try:
+                await check(ids, params)
+            except ValueError as e:
+                raise engine_error(e, "check") from None
+
+    async def _prepare_chat(request: Request, body: ChatCompletionRequest, check: bool = False) -> PreparedChat:
         """Render a chat request and resolve its sampling parameters: every 400 a chat request can
-        get before it reaches the engine is raised here (APIError)."""
+        get before it reaches the engine is raised here (APIError); with `check`, also the
+        engine's (`_engine_checks`)."""
         engine, tokenizer = _served(request)
         rendered = await _render_chat(request, body)
         defaults = request.app.state.default_sampling
@@ -617,6 +634,10 @@ def build_app(
         think_end = (reasoning_end_token_id(tokenizer)
                      if chat_parsing.reasoning_parser and rendered.prepared.opens_reasoning(rendered.prompt) else None)
         params.structured_outputs = request_constraint(body, rendered.prepared.tool_grammar, think_end)
+        if params.thinking_token_budget is not None:
+            params.reasoning_tags = reasoning_tags(tokenizer, rendered.prepared.opens_reasoning(rendered.prompt))
+        if check:
+            await _engine_checks(request, [(rendered.prompt_ids, params)])
         return PreparedChat(rendered, params)
 
     async def _chat_response(request: Request, body: ChatCompletionRequest,
@@ -719,9 +740,10 @@ def build_app(
             frames=frames,
         )
 
-    async def _prepare_completion(request: Request, body: CompletionRequest) -> PreparedCompletion:
+    async def _prepare_completion(request: Request, body: CompletionRequest, check: bool = False) -> PreparedCompletion:
         """A completions request's prompts tokenized and each one's sampling parameters resolved:
-        every 400 it can get before it reaches the engine is raised here (APIError)."""
+        every 400 it can get before it reaches the engine is raised here (APIError); with `check`,
+        also the engine's (`_engine_checks`)."""
         engine, tokenizer = _served(request)
         _check_model(body.model)
         reject_unsupported(body)
@@ -760,7 +782,12 @@ def build_app(
             params = build_sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None), defaults)
             params.data_parallel_rank = rank
             params.structured_outputs = constraint
+            if params.thinking_token_budget is not None:  # the block is open when the prompt ends with <think>
+                tags = reasoning_tags(tokenizer, False)
+                params.reasoning_tags = dataclasses.replace(tags, opened=bool(ids) and ids[-1] == tags.start_id)
             batch.append((ids, params))
+        if check:
+            await _engine_checks(request, batch)
         return PreparedCompletion(prompts, prompt_ids_of, batch, echo_only)
 
     @v1.post("/completions")
@@ -876,8 +903,9 @@ def build_app(
             continuous_usage=continuous_usage,
         )
 
-    add_responses_routes(v1, _chat_response, _prepare_chat, max_body_bytes)
-    add_render_routes(v1, _prepare_chat, _prepare_completion, max_body_bytes)
+    checked_chat = functools.partial(_prepare_chat, check=True)
+    add_responses_routes(v1, _chat_response, checked_chat, max_body_bytes)
+    add_render_routes(v1, checked_chat, functools.partial(_prepare_completion, check=True), max_body_bytes)
     app.include_router(v1)
     add_anthropic_routes(app, _chat_response, _render_chat, api_key, max_body_bytes)
     add_discovery_routes(app, model_root)

@@ -23,7 +23,7 @@ from serving.api.protocol import (
 )
 from serving.api.structured import REFUSED_FIELDS
 from serving.pd.params import KVTransferParamsError, parse_kv_transfer_params
-from serving.types import SamplingParams
+from serving.types import ReasoningTags, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +236,9 @@ def build_sampling_params(
         raise bad_request(f"top_k must be 0 or -1 (disabled) or at least 1, got {body.top_k}.", "top_k")
     if body.min_p is not None and not 0.0 <= body.min_p <= 1.0:  # NaN fails too
         raise bad_request(f"min_p must be in [0, 1], got {body.min_p}.", "min_p")
+    if body.thinking_token_budget is not None and body.thinking_token_budget < 0:
+        raise bad_request(f"thinking_token_budget must be >= 0, got {body.thinking_token_budget}.",
+                          "thinking_token_budget")
     min_tokens = body.min_tokens or 0
     if min_tokens < 0:
         raise bad_request(f"min_tokens must be >= 0, got {min_tokens}.", "min_tokens")
@@ -295,6 +298,7 @@ def build_sampling_params(
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         n=body.n or 1,
         skip_special_tokens=body.skip_special_tokens,
+        thinking_token_budget=body.thinking_token_budget,
     )
     for name in penalties:  # the penalties' ranges, as a 400 naming the field
         try:
@@ -326,6 +330,19 @@ def parse_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | 
             raise bad_request(f"logit_bias values must be finite numbers, got {v!r} for token {k}.", "logit_bias")
         out[int(k)] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(v)))
     return out
+
+
+def reasoning_tags(tokenizer: Any, opened: bool) -> ReasoningTags:
+    """The think block's token ids for a `thinking_token_budget` (`opened`: the prompt ends inside
+    the block). A 400 naming the field when the tokenizer has no single `</think>` token."""
+    from serving.api.structured import single_token_id
+    from serving.parsers.reasoning import THINK_END, THINK_START
+
+    end = single_token_id(tokenizer, THINK_END)
+    if end is None:
+        raise bad_request(f"thinking_token_budget needs a model whose tokenizer has {THINK_END} as one token.",
+                          "thinking_token_budget")
+    return ReasoningTags(end_id=end, start_id=single_token_id(tokenizer, THINK_START), opened=opened)
 
 
 def header_data_parallel_rank(request: Request) -> int | None:

@@ -25,20 +25,34 @@ THINK_END = "</think>"
 _START, _REASONING, _CONTENT = "start", "reasoning", "content"
 
 
+def think_step(phase: str, t: int, opens: bool, start_id: int | None, end_id: int | None) -> tuple[str, bool]:
+    """The think block's phase after output token t, as this parser reads the output, on token ids:
+    "start" (nothing yet), "reasoning" or "content" (for good: a later `<think>` or `</think>` is
+    content). A first `<think>` opens the block; otherwise the first token is reasoning when the
+    prompt opened the block (`opens`), content when not; the first `</think>` closes it. Returns
+    (phase, whether t is a reasoning token: the tags are not). (Token by token the parser also
+    skips whitespace before a first `<think>`; here such a token counts as the block's first.)"""
+    if phase == "start":
+        if t == start_id:
+            return "reasoning", False
+        if not opens:
+            return "content", False
+        phase = "reasoning"
+    if phase == "reasoning":
+        return ("content", False) if t == end_id else ("reasoning", True)
+    return phase, False
+
+
 def count_reasoning_tokens(token_ids: list[int], opens: bool, start_id: int | None, end_id: int | None) -> int:
-    """Generated tokens inside the think block: from the start (when the prompt opened the block,
-    `opens`) or after a `<think>` token (`start_id`), up to the `</think>` token (`end_id`); the
-    tags themselves are not counted. An unclosed block counts to the end. (vLLM's count, with its
-    fix for a block the chat template opens.)"""
-    inside, n = opens, 0
+    """Generated tokens of the think block (`think_step`): what this parser returns as
+    `reasoning_content`, counted on the token ids; an unclosed block counts to the end. (vLLM's
+    count, with its fix for a block the chat template opens.)"""
+    phase, n = "start", 0
     for t in token_ids:
-        if inside:
-            if t == end_id:
-                inside = False
-            else:
-                n += 1
-        elif t == start_id:
-            inside = True
+        phase, counted = think_step(phase, int(t), opens, start_id, end_id)
+        n += counted
+        if phase == "content":
+            break
     return n
 
 

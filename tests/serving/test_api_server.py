@@ -1064,6 +1064,8 @@ def test_cli_defaults_and_json_flags(caplog):
         (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 9}'], "num_speculative_tokens"),
         (["--max-model-len", "0"], "--max-model-len"),
         (["--responses-store-size", "-1"], "--responses-store-size"),
+        (["--responses-store-max-mib", "inf"], "--responses-store-max-mib"),
+        (["--responses-store-max-mib", "1e-9"], "--responses-store-max-mib"),
         (["--profiler-config", '{"profiler": "torch", "profiler_dir": "/tmp/t"}'], "--profiler-config: profiler"),
         (["--profiler-config", '{"profiler": "jax"}'], "--profiler-config: profiler_dir"),
         (["--profiler-config", '{"profiler_dir": "/tmp/t", "max_steps": -1}'], "--profiler-config: max_steps"),

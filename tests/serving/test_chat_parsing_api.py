@@ -375,6 +375,18 @@ def test_tools_need_auto_tool_choice_on_the_server(engine, tokenizer):
         assert r.json()["usage"]["completion_tokens_details"] is None  # no reasoning counted without a parser
 
 
+def test_reasoning_tokens_are_the_first_blocks_as_the_parser_reads_it():
+    """On token ids, as the glm45 parser splits text: one block, from the prompt's `<think>` (or a
+    first output `<think>`) to the first `</think>`; later tags are content."""
+    from serving.parsers.reasoning import count_reasoning_tokens
+
+    S, E, a, b = 1, 2, 10, 11
+    cases = [([a, a, E, b], True, 2), ([a, E, S, b, b], True, 1), ([E, S, a, a], False, 0), ([a, S, a, E], False, 0),
+             ([S, a, b, E, S, a], False, 2), ([S, a, b], False, 2), ([a, b, a], True, 3), ([S, a, E], True, 1)]
+    for ids, opens, want in cases:
+        assert count_reasoning_tokens(ids, opens, S, E) == want, (ids, opens)
+
+
 def test_usage_counts_the_reasoning_tokens(client, tokenizer):
     # the tokens of the think block: the script's text before </think>, tokenised on its own
     # (</think> is one added token, so the engine's ids split there)

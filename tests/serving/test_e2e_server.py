@@ -349,6 +349,51 @@ def test_anthropic_messages_on_the_real_engine(server, parsing_server):
     assert not engine.engine.has_unfinished_requests()
 
 
+def test_a_thinking_budget_closes_the_think_block_on_the_real_engine(parsing_server):
+    """`thinking_token_budget` (vLLM's field; Anthropic's `thinking.budget_tokens`): the random
+    model never closes its think block by itself (its unbudgeted answer is all reasoning), so
+    with a budget of B the reasoning is the first B tokens of that answer and `</think>` follows:
+    `reasoning_tokens` is B, and there is content after it. Render and background responses get
+    the engine's 400s before anything runs."""
+    base, tokenizer = parsing_server
+    pclient = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    kw = dict(model="glm-5.3-tiny", temperature=0, max_tokens=12, messages=[{"role": "user", "content": "Think."}])
+    prompt = httpx.post(base + "/v1/chat/completions/render", json=kw, timeout=60).json()["token_ids"]
+    end, budget = tokenizer.encode("</think>"), 5
+
+    def completion(**extra):  # the chat's prompt as token ids: the block is open (the prompt ends with <think>)
+        return pclient.completions.create(model="glm-5.3-tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True, **extra})
+
+    free = completion().choices[0].model_extra["token_ids"]
+    ids = completion(thinking_token_budget=budget).choices[0].model_extra["token_ids"]
+    assert end[0] not in free and ids[:budget] == free[:budget] and ids[budget:budget + 1] == end, (free, ids)
+    chat_free = pclient.chat.completions.create(**kw)
+    assert not chat_free.choices[0].message.content and chat_free.usage.completion_tokens_details.reasoning_tokens == 12
+    cut = pclient.chat.completions.create(**kw, extra_body={"thinking_token_budget": budget})
+    assert cut.usage.completion_tokens_details.reasoning_tokens == budget and cut.choices[0].message.content
+    assert cut.choices[0].message.reasoning_content.strip() == tokenizer.decode(free[:budget]).strip()
+    # Anthropic's budget_tokens is the same budget
+    import anthropic
+
+    with anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=120) as claude:
+        msg = claude.messages.create(model="glm-5.3-tiny", max_tokens=12, extra_body={"temperature": 0},
+                                     thinking={"type": "enabled", "budget_tokens": budget},
+                                     messages=[{"role": "user", "content": "Think."}])
+    assert [b.type for b in msg.content] == ["thinking", "text"]
+    assert msg.content[0].thinking == cut.choices[0].message.reasoning_content
+    # the engine's own checks, before anything runs
+    for path, body, param in [
+            ("/v1/completions/render", {"model": "glm-5.3-tiny", "prompt": [10 ** 9]}, "prompt"),
+            ("/v1/chat/completions/render", {**kw, "logit_bias": {"100000": 1}}, "logit_bias"),
+            ("/v1/chat/completions/render", {**kw, "structured_outputs": {"regex": "("}}, "structured_outputs.regex"),
+            ("/v1/responses", {"model": "glm-5.3-tiny", "input": "x", "background": True, "text": {"format": {
+                "type": "json_schema", "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "bogus"}}}}}},
+             None)]:
+        r = httpx.post(base + path, json={k: v for k, v in body.items() if k != "extra_body"}, timeout=60)
+        assert r.status_code == 400 and (param is None or r.json()["error"]["param"] == param), (path, r.text)
+
+
 def test_responses_api_on_the_real_engine(parsing_server):
     """`/v1/responses` (serving/api/responses.py) over the real engine: a greedy answer's tokens are
     the chat route's (reasoning off); a named function comes back as a `function_call` item,

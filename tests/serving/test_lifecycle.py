@@ -64,8 +64,12 @@ def test_sigterm_drains_running_requests_then_exits_zero():
     with server_process(ARGV + ["--shutdown-timeout", "120", "--structured-outputs-config",
                                 '{"precompile": true}']) as srv:
         t, result = start_stream(srv.url, 120)
+        stored = httpx.post(srv.url + "/v1/responses", json={"input": "hi", "max_output_tokens": 3, "background": True},
+                            timeout=60).json()["id"]
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
+        # a stored (background) response can still be read while the server drains
+        assert httpx.get(srv.url + f"/v1/responses/{stored}", timeout=30).status_code == 200
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
         assert r.status_code == 503, r.text
         assert r.json()["error"]["type"] == "ServiceUnavailableError" and r.json()["error"]["code"] == 503

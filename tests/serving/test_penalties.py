@@ -19,7 +19,7 @@ import pytest
 from glm53 import api
 from serving.engine import EngineArgs
 from serving.engine_factory import build_engine
-from serving.types import InvalidRequestError, SamplingParams
+from serving.types import InvalidRequestError, ReasoningTags, SamplingParams
 from tests.helpers.penalties_oracle import check_greedy_stream
 
 pytestmark = pytest.mark.shallow_model
@@ -186,4 +186,101 @@ def test_the_kept_list_equals_one_built_from_scratch():
             want = [(req.output_token_ids + drafts[:j]).count(int(t)) for t in ids]
             assert per_pos[j].tolist() == want
         assert in_prompt.tolist() == [int(t) in req.prompt_token_ids for t in ids]
-        assert bias.tolist() == [{3: 1.0, 450: -2.0}.get(int(t), 0.0) for t in ids]
+        assert bias[0].tolist() == [{3: 1.0, 450: -2.0}.get(int(t), 0.0) for t in ids]
+
+
+def _budget_oracle(opened: bool, budget: int, tokens: list[int], tags) -> list[bool]:
+    """Written out: position j is forced when the tokens before it leave the (one) think block
+    open with `budget` or more tokens spent inside it. The block: from the start when the prompt
+    opened it, or from a first token that is the start id; to the first end id; no second block."""
+    out = []
+    for j in range(len(tokens) + 1):
+        before = tokens[:j]
+        if opened:
+            body = before[1:] if before[:1] == [tags.start_id] else before
+        elif before[:1] == [tags.start_id]:
+            body = before[1:]
+        else:
+            out.append(False)  # content from the first token (or nothing yet, not opened)
+            continue
+        closed = tags.end_id in body
+        out.append(not closed and len(body) >= budget)
+    return out
+
+
+def test_the_thinking_budget_state_forces_where_the_budget_is_spent():
+    """`PenaltyState` kept token by token gives the forced positions (the end id's bias raised by
+    FORCE) that the written-out rule gives for the output and each prefix of the drafts."""
+    from serving.penalties import FORCE, PenaltyState
+    from serving.request import Request
+
+    rng = np.random.default_rng(5)
+    for opened in (True, False):
+        tags = ReasoningTags(end_id=7, start_id=8, opened=opened)
+        sp = SamplingParams(thinking_token_budget=3, reasoning_tags=tags, logit_bias={7: 1.5})
+        req = Request("r", [1, 2, 3], sp)
+        kept = PenaltyState(req)
+        for _ in range(40):
+            req.output_token_ids += rng.choice([5, 6, 7, 8], int(rng.integers(1, 3))).tolist()
+            kept.update(req.output_token_ids)
+            drafts = rng.choice([5, 7, 8], 2).tolist()
+            ids, _, _, bias = kept.entries(drafts)
+            col = int(np.searchsorted(ids, 7))
+            forced = _budget_oracle(opened, 3, req.output_token_ids + drafts, tags)[len(req.output_token_ids):]
+            got = [bias[min(j, len(bias) - 1), col] for j in range(3)]
+            assert got == [1.5 + FORCE if f else 1.5 for f in forced], (req.output_token_ids, drafts)
+
+
+END = 42  # stands for </think>: any id serves the engine (the tags are the request's)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "one_program"])
+def test_a_thinking_budget_ends_the_block_at_the_budget(engine, mode, monkeypatch):
+    """Greedy: the stream equals the unbudgeted one until the budget is spent inside the block,
+    then the end id comes; what follows is the model's own continuation of that prefix (the
+    same request without a budget on the prompt extended by it). Opened by the prompt or by a
+    start id the model emits."""
+    if mode == "one_program":
+        monkeypatch.setattr(type(engine.runner), "can_defer_sampling", property(lambda self: False))
+    plain, _ = run(engine, {"p": SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)}, False)
+    plain = plain["p"]
+    assert END not in plain  # (so the block never closes by itself: every cut below is the budget's)
+    start = plain[0]  # the model's first token taken as the start id: the block opens with it
+    cases = {"opened": (ReasoningTags(END, None, True), 4, 4), "zero": (ReasoningTags(END, None, True), 0, 0),
+             "emitted_start": (ReasoningTags(END, start, False), 2, 3)}  # opened by token 0; 2 spent at 3
+    requests = {name: SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, thinking_token_budget=b,
+                                     reasoning_tags=tags) for name, (tags, b, _) in cases.items()}
+    got, _ = run(engine, requests, mode == "async")
+    for name, (_, _, at) in cases.items():
+        assert got[name][:at] == plain[:at] and got[name][at] == END, (name, got[name], plain)
+        prefix = got[name][:at + 1]
+        engine.add_request("c", PROMPT + prefix, SamplingParams(temperature=0, max_tokens=N - at - 1, ignore_eos=True))
+        cont = []
+        while engine.has_unfinished_requests():
+            cont += [t for o in engine.step() for t in o.new_token_ids]
+        assert got[name][at + 1:] == cont, (name, got[name], cont)
+        assert got[name].count(END) == 1  # forced once: the block is closed for good
+
+
+def test_a_thinking_budget_under_mtp_forces_the_verification_row_where_it_is_spent(mtp_engine):
+    """Under MTP speculation (k = 2) the drafts follow the unbudgeted stream, so the verification
+    row where the budget is spent holds a draft other than the end id: that row is forced (the
+    draft rejected) and the stream equals the unbudgeted one up to it, then the end id."""
+    e = mtp_engine
+    plain, _ = run(e, {"p": SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)}, False)
+    plain = plain["p"]
+    assert END not in plain
+    drafted, accepted = e.spec_stats.num_draft_tokens, e.spec_stats.num_accepted_tokens
+    cases = {f"b{b}": b for b in (1, 3, 4)}  # forced at several offsets within a draft window
+    # drafts from the unbudgeted stream (the random MTP layer's own are never accepted)
+    e.drafter_override = lambda req, n: (plain[req.num_output_tokens:] + [0] * n)[:n]
+    try:
+        got, _ = run(e, {name: SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, thinking_token_budget=b,
+                                              reasoning_tags=ReasoningTags(END, None, True))
+                         for name, b in cases.items()}, False)
+    finally:
+        e.drafter_override = None
+    for name, b in cases.items():
+        assert got[name][:b] == plain[:b] and got[name][b] == END and got[name].count(END) == 1, (name, got[name])
+    # drafts were accepted before the forced rows (so rows after drafts were forced too)
+    assert e.spec_stats.num_draft_tokens > drafted and e.spec_stats.num_accepted_tokens - accepted >= 3

@@ -174,6 +174,14 @@ def test_retrieve_delete_and_input_items(oai, base_url):
     for query, param in [("order=up", "order"), ("limit=0", "limit"), ("after=msg_nope", "after")]:
         resp = httpx.get(f"{base_url}/v1/responses/{kept.id}/input_items?{query}")
         assert resp.status_code == 400 and param in resp.text, resp.text
+    # item ids are unique whatever the client sends (the cursor pages by id)
+    odd = oai.responses.create(model=MODEL, input=[
+        {"role": "user", "content": "a", "id": None}, {"role": "user", "content": "b", "id": 5},
+        {"role": "user", "content": "c", "id": "dup"}, {"role": "user", "content": "SCRIPT:plain", "id": "dup"}])
+    listed = list(oai.responses.input_items.list(odd.id, limit=1, order="asc"))
+    assert [i.content[0].text for i in listed] == ["a", "b", "c", "SCRIPT:plain"]
+    assert len({i.id for i in listed}) == 4 and all(isinstance(i.id, str) and i.id for i in listed)
+    assert listed[2].id == "dup"  # a client's id is kept where it is a unique string
     # store: false keeps nothing
     gone = oai.responses.create(model=MODEL, input="SCRIPT:plain", store=False)
     with pytest.raises(openai.NotFoundError):
@@ -200,6 +208,7 @@ def test_a_background_stream_resumes_where_it_was_left(oai):
     final = events[-1].response
     assert events[-1].type == "response.completed" and _items(final) == _items(fg)
     assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:3]] == ["response.queued", "response.created", "response.in_progress"]
     k = len(events) // 2
     with oai.responses.retrieve(final.id, stream=True, starting_after=k) as again:
         tail = list(again)
@@ -262,7 +271,8 @@ def test_a_background_response_that_fails_says_why(tokenizer):
         assert "the device is gone" in failed.error.message
         with oai.responses.create(model=MODEL, input="SCRIPT:answer", background=True, stream=True) as stream:
             events = list(stream)
-        assert [e.type for e in events] == ["response.failed"] and events[0].response.error.code == "server_error"
+        assert [e.type for e in events] == ["response.queued", "response.failed"]
+        assert events[0].response.status == "queued" and events[1].response.error.code == "server_error"
 
 
 def test_the_store_is_bounded(tokenizer):
@@ -290,6 +300,12 @@ def test_the_store_is_bounded(tokenizer):
     assert [store.get(f"r{k}") is not None for k in range(3)] == [False, True, True]
     store.put(entry("big", "x" * 5000))  # larger than the bound: kept alone until the next
     assert len(store) == 1 and store.get("big") is not None
+    # a background stream's kept events count too
+    streamed = entry("s", "")
+    streamed.add_event(0, "e" * 700)
+    store.put(entry("t", "x" * 400))
+    store.put(streamed)
+    assert streamed.nbytes == entry("u", "").nbytes + 700 and store.get("t") is None and store.get("s") is streamed
 
 
 def test_a_stateless_server(tokenizer):
