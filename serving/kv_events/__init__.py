@@ -48,7 +48,8 @@ __all__ = [
 
 
 class KVEvents:
-    """The engine's event side: one (tracker, publisher) per data-parallel replica.
+    """The engine's event side: one (tracker, publisher) per data-parallel replica, or one in all
+    with `merge_data_parallel` (`serving/kv_events/merge.py`).
 
     `publish_step()` after every engine step sends each replica's changes (nothing when none);
     `close()` sends what is queued and closes the sockets. With `publisher: "null"` the trackers
@@ -124,4 +125,11 @@ def build_kv_events(raw_config, prefix_caches) -> KVEvents | None:
         return None
     if any(c is None for c in prefix_caches):
         raise ValueError("--kv-events-config needs --enable-prefix-caching (events report the prefix cache)")
-    return KVEvents(config, [c.track_events() for c in prefix_caches])
+    trackers = [c.track_events() for c in prefix_caches]
+    if config.merge_data_parallel and len(trackers) > 1:
+        from serving.kv_events.merge import merged_tracker
+
+        trackers = [merged_tracker([c.coverage for c in prefix_caches])]
+        logger.info("KV events: the %d data-parallel replicas publish one stream (merge_data_parallel): the union "
+                    "of their prefix caches, as rank 0", len(prefix_caches))
+    return KVEvents(config, trackers)

@@ -10,7 +10,9 @@ socket; an address with `*`, `::`, `ipc://` or `inproc://` is bound, any other i
 for replay), `hwm` (the PUB socket's high-water mark), `max_queue_size` (batches waiting for the
 publisher thread; when it is full a batch is dropped and counted), `topic` (the first frame of
 every message). Under data parallelism replica r publishes on the endpoint's port + r (and the
-replay endpoint's port + r), as vLLM does.
+replay endpoint's port + r), as vLLM does; with `merge_data_parallel` (this server's key, default
+false) the replicas publish one stream instead, on the endpoint itself as rank 0: the union of
+what they hold (`serving/kv_events/merge.py`), for a router that does not pin requests to ranks.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class KVEventsConfig:
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
+    merge_data_parallel: bool = False
 
     @classmethod
     def from_dict(cls, raw: Any) -> KVEventsConfig | None:
@@ -69,6 +72,8 @@ class KVEventsConfig:
                                           f"got {v!r}")
         if not isinstance(cfg.topic, str):
             raise KVEventsConfigError("--kv-events-config: topic must be a string")
+        if not isinstance(cfg.merge_data_parallel, bool):
+            raise KVEventsConfigError("--kv-events-config: merge_data_parallel must be true or false")
         return cfg if cfg.enable_kv_cache_events else None
 
 

@@ -125,6 +125,103 @@ def test_consecutive_units_of_a_prompt_go_out_as_one_event():
     assert tracker.take_events() == []
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_merged_replicas_publish_the_union_of_their_caches(seed):
+    """`merge_data_parallel` (serving/kv_events/merge.py): two replicas (model-free scheduler
+    harnesses with their own prefix caches and host tiers) share one tracker. After every flush
+    the rebuilt view's media are, for every unit, the union of the two caches' own rule; a prompt
+    is credited at least what the replica holding more of it would serve, and exactly that for a
+    conversation kept on one replica (as the DP engine's placement keeps one); two of the four
+    shared heads go to either replica."""
+    from serving.kv_events.merge import merged_tracker
+
+    rng = random.Random(seed)
+    reps = [HiSparseEngine(num_blocks=rng.choice([40, 60]), host_blocks=rng.choice([40, 200]), max_num_seqs=4,
+                           prefix_caching=True, max_num_batched_tokens=16) for _ in range(2)]
+    for e in reps:
+        e.prefix_cache.track_events()
+    tracker = merged_tracker([e.prefix_cache.coverage for e in reps])
+    view = RouterView()
+    heads = [prompt(300 + 10 * seed + h, rng.randint(12, 40)) for h in range(4)]
+    prompts, n = [], 0
+    for _wave in range(3):
+        for _ in range(rng.randint(3, 6)):
+            h = rng.randrange(4)
+            p = heads[h] + prompt(2000 * (seed + 1) + n, rng.randint(1, 30))
+            prompts.append(p)
+            r = h if h < 2 else rng.randrange(2)  # heads 0 and 1 stay on their replica; 2 and 3 go to either
+            reps[r].add(f"r{n}", p, max_tokens=rng.randint(2, 8), ignore_eos=True)
+            n += 1
+        while any(e.sched.has_unfinished_requests() for e in reps):
+            for e in reps:
+                if e.sched.has_unfinished_requests():
+                    e.step()
+            _drain(tracker, view)
+            assert view.media() == tracker.published()
+            for key, media in tracker.published().items():
+                assert media == reps[0].prefix_cache.coverage.tiers_of(key) | reps[1].prefix_cache.coverage.tiers_of(key)
+        for e in reps:
+            e.flush()
+        _drain(tracker, view)
+        for p in prompts + heads:
+            best = max(e.prefix_cache.lookup(Request("probe", list(p), SamplingParams())).num_tokens for e in reps)
+            got = view.hit_tokens(p)
+            # exact for a conversation one replica holds; a chain spread over both may be credited more
+            assert got == best if p[:len(heads[0])] == heads[0] or p[:len(heads[1])] == heads[1] else got >= best
+    assert view.hit_tokens(heads[0] + [1]) > 0 and view.hit_tokens(heads[1] + [1]) > 0  # both replicas' units count
+
+
+def test_a_merged_unit_keeps_its_tokens_while_any_replica_names_it():
+    """A unit one replica dropped, while another still names it without covering it yet (a page
+    in one of its groups only), is announced again with its tokens when that one covers it."""
+    from serving.kv_events.merge import merged_tracker
+
+    class Coverage:  # a replica's media and names for one unit, set by hand
+        unit = 4
+
+        def __init__(self):
+            self.media, self.named = frozenset(), False
+
+        def tiers_of(self, key):
+            return self.media
+
+        def knows(self, key):
+            return self.named
+
+    b, a = Coverage(), Coverage()
+    shared = merged_tracker([b, a])
+    key, tokens = b"k" * 8, [1, 2, 3, 4]
+    b.media, b.named = frozenset({"GPU"}), True
+    shared.note_unit(key, None, tokens)
+    shared.touch(key)
+    assert [type(e).__name__ for e in shared.take_events()] == ["BlockStored"]
+    a.named = True  # replica a names it (a partly covering page)
+    b.media, b.named = frozenset(), False
+    shared.touch(key)
+    assert [type(e).__name__ for e in shared.take_events()] == ["BlockRemoved"]
+    a.media = frozenset({"GPU"})
+    shared.touch(key)
+    (stored,) = shared.take_events()
+    assert stored.block_hashes == [key] and stored.token_ids == tokens
+
+
+def test_a_merged_server_is_one_source_at_rank_0():
+    from serving.kv_events import build_kv_events
+
+    reps = [HiSparseEngine(num_blocks=40, max_num_seqs=2, prefix_caching=True) for _ in range(2)]
+    port = _free_port()
+    events = build_kv_events({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}",
+                              "merge_data_parallel": True}, [e.prefix_cache for e in reps])
+    try:
+        assert len(events.trackers) == 1 and len(events.publishers) == 1
+        assert list(events.discovery_sources()) == ["0"]
+        assert reps[0].prefix_cache.coverage.tracker is reps[1].prefix_cache.coverage.tracker is events.trackers[0]
+    finally:
+        events.close()
+    with pytest.raises(KVEventsConfigError, match="merge_data_parallel must be true or false"):
+        KVEventsConfig.from_dict({"enable_kv_cache_events": True, "merge_data_parallel": "yes"})
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as s:
