@@ -57,7 +57,32 @@ COLUMNS = ["mode", "concurrency", "requests", "errors", "prefix_hit_rate", "late
            "ttft_p90_s", "logical_throughput_tok_s", "cached_tokens", "wall_s"]
 # kv_aware: the router discovers each server's event sockets and block size (GET /kv_event_sources,
 # /get_server_info); kv_aware_static: the same policy given them as flags.
-ROUTER_MODES = ("round_robin", "cache_aware", "kv_aware", "kv_aware_static")
+ROUTER_MODES = ("round_robin", "cache_aware", "kv_aware", "kv_aware_static", "kv_aware_dp2", "kv_aware_dp2_merged")
+# kv_aware_dp2 / kv_aware_dp2_merged: the two servers are data-parallel (--data-parallel-size 2,
+# --blocks per replica: twice the pages of the other modes; compare these two with each other),
+# publishing per rank (vLLM's way: the router credits rank 0 only) or one merged stream
+# (`"merge_data_parallel": true`, docs/kv_events.md).
+
+
+def _free_port_block(n: int = 2) -> int:
+    """A port p with p … p + n − 1 free now (a data-parallel server's per-rank event sockets)."""
+    import socket
+
+    for _ in range(100):
+        p = _free_port()
+        try:
+            socks = []
+            for k in range(n):
+                sk = socket.socket()
+                socks.append(sk)
+                sk.bind(("", p + k))
+            return p
+        except OSError:
+            continue
+        finally:
+            for sk in socks:
+                sk.close()
+    raise RuntimeError("no block of free ports")
 
 
 class Router:
@@ -134,15 +159,20 @@ def main(argv=None) -> list[dict]:
                                 args.out / "server_dp2.log")
                 stop = [target]
             elif mode in ROUTER_MODES:
-                os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+                dp = mode.startswith("kv_aware_dp2")
+                os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={2 if dp else 1}"
                 kv = mode.startswith("kv_aware")
-                ports = [_free_port(), _free_port()] if kv else [None, None]
+                ports = ([_free_port_block(), _free_port_block()] if dp else [_free_port(), _free_port()]) if kv \
+                    else [None, None]
                 servers = []
                 try:
                     for i, p in enumerate(ports):
-                        ev = (["--kv-events-config", json.dumps({"enable_kv_cache_events": True,
-                                                                 "endpoint": f"tcp://*:{p}"})] if p else [])
-                        servers.append(Server(common + ev, args.out / f"server_{mode}_{i}.log"))
+                        cfg = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{p}"}
+                        if dp:  # replica r publishes on p + r unless merged
+                            cfg["merge_data_parallel"] = mode.endswith("merged")
+                        ev = ["--kv-events-config", json.dumps(cfg)] if p else []
+                        extra = ["--data-parallel-size", "2", "--enable-expert-parallel"] if dp else []
+                        servers.append(Server(common + extra + ev, args.out / f"server_{mode}_{i}.log"))
                     target = Router("kv_aware" if kv else mode, servers, args.out / f"router_{mode}.log",
                                     {s.base: p for s, p in zip(servers, ports)} if mode == "kv_aware_static" else None)
                 except Exception:
