@@ -22,18 +22,17 @@ def add_profiler_routes(app: FastAPI) -> None:
     """Add the two routes; they reach the engine (an `AsyncEngine` with a `profiler`) through
     `app.state.engine`."""
 
-    @app.post("/start_profile", include_in_schema=False)
-    async def start_profile(request: Request) -> JSONResponse:
+    async def profile(request: Request, action: str, status: str, key: str) -> JSONResponse:
         try:
-            out = await request.app.state.engine.start_profile()
+            out = await getattr(request.app.state.engine, f"{action}_profile")()
         except ProfilerError as e:
             raise APIError(400, str(e)) from None
-        return JSONResponse({"status": "started", "profiler_dir": out})
+        return JSONResponse({"status": status, key: out})
+
+    @app.post("/start_profile", include_in_schema=False)
+    async def start_profile(request: Request) -> JSONResponse:
+        return await profile(request, "start", "started", "profiler_dir")
 
     @app.post("/stop_profile", include_in_schema=False)
     async def stop_profile(request: Request) -> JSONResponse:
-        try:
-            run = await request.app.state.engine.stop_profile()
-        except ProfilerError as e:
-            raise APIError(400, str(e)) from None
-        return JSONResponse({"status": "stopped", "trace_dir": run})
+        return await profile(request, "stop", "stopped", "trace_dir")
