@@ -35,7 +35,7 @@ PROFILE_OP = "profile"  # the multi-process step stream's operation: ("start", d
 
 
 class ProfilerError(ValueError):
-    """A start while a trace runs, or a stop while none does."""
+    """A start while a trace runs, a stop while none does, or a trace directory that cannot be written."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +75,10 @@ class ProfilerConfig:
             raise ValueError(f"profiler: only \"jax\" (jax.profiler) is available, got {d.get('profiler')!r}")
         if not isinstance(d.get("profiler_dir"), str) or not d["profiler_dir"]:
             raise ValueError("profiler_dir: a directory path is required")
+        try:  # a path that cannot be a directory fails at start-up, not at the first /start_profile
+            os.makedirs(d["profiler_dir"], exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"profiler_dir: cannot create {d['profiler_dir']!r}: {e}") from None
         if not isinstance(d.get("create_perfetto_trace", True), bool):
             raise ValueError("create_perfetto_trace: true or false")  # noqa: TRY004 - a flag error, as the others
         for key, hi in (("max_steps", None), ("host_tracer_level", 3), ("python_tracer_level", 1)):
@@ -115,7 +119,10 @@ class EngineProfiler:
         if self.active:
             raise ProfilerError("a trace is already running (POST /stop_profile ends it)")
         out = process_dir(self.config.profiler_dir, 0, self.num_processes)
-        os.makedirs(out, exist_ok=True)
+        try:
+            os.makedirs(out, exist_ok=True)
+        except OSError as e:
+            raise ProfilerError(f"cannot write traces under {out}: {e}") from None
         import jax
 
         if self.step_sink is not None:

@@ -59,6 +59,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     background: bool | None = None
     top_logprobs: int | None = None
+    thinking_token_budget: int | None = None  # vLLM's extension, as on chat: tokens inside the think block at most
     truncation: str | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
@@ -224,6 +225,7 @@ def to_chat_request(body: ResponsesRequest, context: list[dict[str, Any]] = (),
         "temperature": body.temperature, "top_p": body.top_p, "tools": tools, "tool_choice": tool_choice,
         "parallel_tool_calls": body.parallel_tool_calls, "reasoning_effort": effort,
         "chat_template_kwargs": kwargs or None, "response_format": response_format, "stream": stream,
+        "thinking_token_budget": body.thinking_token_budget,
     }
     if stream:
         chat["stream_options"] = {"include_usage": True}  # the final usage, for response.completed

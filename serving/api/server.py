@@ -57,7 +57,6 @@ is the prefix-cache hit of choice 0.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import secrets
@@ -783,8 +782,8 @@ def build_app(
             params.data_parallel_rank = rank
             params.structured_outputs = constraint
             if params.thinking_token_budget is not None:  # the block is open when the prompt ends with <think>
-                tags = reasoning_tags(tokenizer, False)
-                params.reasoning_tags = dataclasses.replace(tags, opened=bool(ids) and ids[-1] == tags.start_id)
+                tail = tokenizer.decode(ids[-8:], skip_special_tokens=False)  # (as the chat route reads its prompt)
+                params.reasoning_tags = reasoning_tags(tokenizer, tail.rstrip().endswith(THINK_START))
             batch.append((ids, params))
         if check:
             await _engine_checks(request, batch)

@@ -1068,6 +1068,7 @@ def test_cli_defaults_and_json_flags(caplog):
         (["--responses-store-max-mib", "1e-9"], "--responses-store-max-mib"),
         (["--profiler-config", '{"profiler": "torch", "profiler_dir": "/tmp/t"}'], "--profiler-config: profiler"),
         (["--profiler-config", '{"profiler": "jax"}'], "--profiler-config: profiler_dir"),
+        (["--profiler-config", '{"profiler_dir": "/etc/passwd"}'], "profiler_dir: cannot create"),
         (["--profiler-config", '{"profiler_dir": "/tmp/t", "max_steps": -1}'], "--profiler-config: max_steps"),
         (["--profiler-config", '{"profiler_dir": "/tmp/t", "python_tracer_level": 2}'], "python_tracer_level"),
         (["--profiler-config", '{"profiler_dir": "/tmp/t", "torch_profiler_dir": "x"}'], "unknown key"),

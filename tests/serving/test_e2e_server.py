@@ -368,6 +368,9 @@ def test_a_thinking_budget_closes_the_think_block_on_the_real_engine(parsing_ser
     free = completion().choices[0].model_extra["token_ids"]
     ids = completion(thinking_token_budget=budget).choices[0].model_extra["token_ids"]
     assert end[0] not in free and ids[:budget] == free[:budget] and ids[budget:budget + 1] == end, (free, ids)
+    prompt = prompt + tokenizer.encode("\n")  # whitespace after the <think> still leaves the block open
+    ids = completion(thinking_token_budget=2).choices[0].model_extra["token_ids"]
+    assert ids[2:3] == end, ids
     chat_free = pclient.chat.completions.create(**kw)
     assert not chat_free.choices[0].message.content and chat_free.usage.completion_tokens_details.reasoning_tokens == 12
     cut = pclient.chat.completions.create(**kw, extra_body={"thinking_token_budget": budget})
@@ -474,6 +477,12 @@ def test_a_profile_holds_the_engine_steps_between_start_and_stop(server, client,
         assert not engine.profiler.active and len(_engine_steps_in(engine.profiler.last_run)) == 3
         assert str(bounded) in engine.profiler.last_run
         assert httpx.post(base + "/stop_profile").status_code == 400  # it has stopped already
+        # a directory that cannot be written (a file took its place) is a 400 saying so, not a 500
+        blocked = trace_dir / "blocked"
+        blocked.write_text("")
+        engine.profiler = EngineProfiler(ProfilerConfig(str(blocked)))
+        r = httpx.post(base + "/start_profile")
+        assert r.status_code == 400 and "cannot write traces" in r.json()["error"]["message"], r.text
     finally:
         engine.profiler = saved
 

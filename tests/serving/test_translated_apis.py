@@ -381,6 +381,14 @@ def test_responses_what_this_server_does_not_do_is_a_400_naming_it(oai, base_url
         oai.responses.create(model="gpt-5", input="hi")
 
 
+def test_a_responses_thinking_budget_reaches_the_chat_request():
+    # vLLM's extension field, as on chat and completions (the engine enforces it: test_penalties.py)
+    from serving.api.responses import ResponsesRequest, to_chat_request
+
+    assert to_chat_request(ResponsesRequest(input="x", thinking_token_budget=3)).thinking_token_budget == 3
+    assert to_chat_request(ResponsesRequest(input="x")).thinking_token_budget is None
+
+
 def test_a_chat_answer_that_is_not_a_stream_passes_through():
     # the chat route answers 499 (a plain response) when the client left before the first
     # output: a streamed translation must hand it on, not read a stream from it
