@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest
+from serving.api.responses import ResponsesRequest
 from serving.run import build_server
 from tests.helpers.live_server import live_server
 from tests.serving.test_e2e_server import ARGV
@@ -60,6 +61,7 @@ COMMON = {
     "structured_outputs": st.sampled_from([{"choice": ["a", "b"]}, {"regex": "[a-z]{1,3}"}, {"json_object": True},
                                            {"json": {"type": "object"}}, {"regex": "[a-"}, {"grammar": "start: x"},
                                            {"choice": []}, {"structural_tag": "x"}]) | junk,
+    "thinking_token_budget": st.integers(-2, 6) | junk,
 }
 CHAT = {**COMMON,
         "messages": st.lists(message, max_size=4) | junk,
@@ -91,6 +93,7 @@ VALID_COMMON = {
     "seed": st.integers(0, 2**32), "n": st.integers(1, 2), "stop": ok_text | st.lists(ok_text, max_size=2),
     "stream": st.booleans(), "stream_options": st.just({"include_usage": True}), "ignore_eos": st.booleans(),
     "stop_token_ids": st.lists(st.integers(0, 495), max_size=2), "skip_special_tokens": st.booleans(),
+    "thinking_token_budget": st.integers(0, 4),
 }
 VALID_CHAT = {**VALID_COMMON, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5),
               "tools": st.lists(tool.filter(lambda t: t["type"] == "function" and t["function"]["name"] == "get_weather"
@@ -197,8 +200,12 @@ RESPONSES = {
         {"type": "yaml"}]) | junk}) | junk,
     "store": st.booleans() | junk, "previous_response_id": st.none() | text, "background": st.booleans() | junk,
     "top_logprobs": st.integers(0, 3) | junk, "truncation": st.sampled_from(["disabled", "auto"]) | junk,
+    "thinking_token_budget": st.integers(-2, 6) | junk,
     "metadata": junk, "user": text | junk,
 }
+
+
+assert set(RESPONSES) >= set(ResponsesRequest.model_fields)  # a new field is fuzzed too
 
 
 VALID_ANTHROPIC = {"system": ok_text, "stop_sequences": st.lists(ok_text, max_size=2), "stream": st.booleans(),
