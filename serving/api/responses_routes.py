@@ -200,7 +200,7 @@ def add_responses_routes(
 
         items = _stored_items(input_items(body))
         context = [*context, *items]
-        context_bytes = (previous.nbytes if previous is not None else 0) + json_bytes(items)
+        context_bytes = (previous.context_bytes + previous.output_bytes if previous is not None else 0) + json_bytes(items)
 
         def entry_of(rid: str, response: dict[str, Any], **kw: Any) -> StoredResponse:
             entry = StoredResponse(rid, response, items, context, context_bytes, **kw)
