@@ -468,6 +468,12 @@ def test_a_profile_holds_the_engine_steps_between_start_and_stop(server, client,
     assert run.startswith(str(trace_dir)) and any(f.endswith(".xplane.pb") for f in os.listdir(run))
     steps = _engine_steps_in(run)
     assert len(steps) >= 6 and steps == list(range(steps[0], steps[0] + len(steps)))
+    from scripts.trace_summary import summarize  # the run's summary script agrees
+
+    summary = summarize(run, top=5)
+    assert summary["steps"]["count"] == len(steps) and summary["steps"]["max_ms"] >= summary["steps"]["p50_ms"] > 0
+    (host,) = [rows for proc, rows in summary["by_process"].items() if proc.startswith("/host")]
+    assert len(host) == 5 and host[0]["total_ms"] >= host[-1]["total_ms"] > 0
     # bounded: max_steps ends the trace after that many engine steps
     bounded = trace_dir / "bounded"
     saved, engine.profiler = engine.profiler, EngineProfiler(ProfilerConfig(str(bounded), max_steps=3))
