@@ -17,7 +17,10 @@ others with it; each gets a share of what is left of `--budget-s` and is killed 
                    pool far too small with each host mechanism (`memory_kind`, `callback`), MTP
                    k = 2. Also tokens / s of each run, the compile seconds and the Pallas kernels
                    the kernel run's step program calls (`kernels.introspect`: a silent fallback to
-                   a reference shows as a missing name). (The tiny model reaches
+                   a reference shows as a missing name), and a jax.profiler trace of the kernel
+                   run's steps 2–9 summarised (`trace`: step times, each trace process's top
+                   events — on a GPU its kernels; `scripts/trace_summary.py`; the Perfetto file
+                   stays in `serve/trace_<config>/`). (The tiny model reaches
                    only sparse MLA and the HiSparse resolver on a GPU: docs/gpu_deployment.md.)
 3. `kernels`     — `scripts/bench_kernels.py` (the Pallas kernels at GLM-5.3 shapes against their
                    HBM rooflines; `--smoke` with `--dry-run`).
@@ -88,7 +91,61 @@ def _prompts(kind: str, dry_run: bool) -> dict:
     return {chr(97 + r): [(7 * i + 3 * r) % 300 + 4 for i in range(40 + 30 * r)] for r in range(n)}
 
 
-def _serve_once(mode: str, overrides: dict, prompts: dict, max_tokens: int, model: str | None = None) -> dict:
+TRACE_STEPS = 8  # engine steps a kernel run traces, after its first (which compiles)
+
+
+def _traced_steps(e, streams: dict, lps: dict, trace_dir: str | None, trace_steps: int = TRACE_STEPS
+                  ) -> tuple[int, dict | None]:
+    """Step `e` to the end, collecting outputs; with `trace_dir`, steps 2 … TRACE_STEPS + 1 under a
+    jax.profiler trace (the Python tracer off), summarised by scripts/trace_summary.py (the raw
+    XSpace file removed, the Perfetto file kept). A failing trace is reported, not raised."""
+    import jax
+
+    steps, tracing, trace = 0, False, None
+    while e.has_unfinished_requests():
+        if trace_dir is not None and steps == 1 and trace is None:
+            try:
+                options = jax.profiler.ProfileOptions()
+                options.python_tracer_level = 0
+                jax.profiler.start_trace(trace_dir, create_perfetto_trace=True, profiler_options=options)
+                tracing = True
+            except Exception as err:  # noqa: BLE001 - a trace is a bonus, not the check
+                trace = {"error": f"{type(err).__name__}: {err}"}
+        with jax.profiler.StepTraceAnnotation("engine_step", step_num=steps):
+            outs = e.step()
+        for o in outs:
+            streams[o.request_id] += o.new_token_ids
+            lps[o.request_id] += o.new_logprobs or []
+        steps += 1
+        if tracing and (steps > trace_steps or not e.has_unfinished_requests()):
+            tracing = False
+            trace = _stop_trace(trace_dir)
+    if tracing:
+        trace = _stop_trace(trace_dir)
+    return steps, trace
+
+
+def _stop_trace(trace_dir: str) -> dict:
+    import glob
+
+    import jax
+
+    from scripts.trace_summary import summarize
+    from serving.profiling import latest_run
+
+    try:
+        jax.profiler.stop_trace()
+        run = latest_run(trace_dir)
+        summary = summarize(run, top=15)
+        for f in glob.glob(os.path.join(run, "*.xplane.pb")):
+            os.remove(f)
+        return summary
+    except Exception as err:  # noqa: BLE001 - a trace is a bonus, not the check
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
+def _serve_once(mode: str, overrides: dict, prompts: dict, max_tokens: int, model: str | None = None,
+                trace_dir: str | None = None) -> dict:
     from kernels.mode import use_kernels
     from serving.engine import EngineArgs
     from serving.engine_factory import build_engine
@@ -104,16 +161,13 @@ def _serve_once(mode: str, overrides: dict, prompts: dict, max_tokens: int, mode
         e.add_request(rid, p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2))
     streams, lps = {r: [] for r in prompts}, {r: [] for r in prompts}
     t0 = time.perf_counter()
-    steps = 0
-    while e.has_unfinished_requests():
-        for o in e.step():
-            streams[o.request_id] += o.new_token_ids
-            lps[o.request_id] += o.new_logprobs or []
-        steps += 1
+    steps, trace = _traced_steps(e, streams, lps, trace_dir)
     run_s = time.perf_counter() - t0
     out = {"mode": mode, "compile_s": round(compile_s, 2), "run_s": round(run_s, 3), "steps": steps,
            "tokens_per_s": round(sum(map(len, streams.values())) / run_s, 1) if run_s else None,
            "audit": e.audit()}
+    if trace is not None:  # (run_s includes the traced steps' profiler cost)
+        out["trace"] = trace
     if mode != "reference":  # the Pallas kernels the step program calls (a silent fallback shows here)
         from kernels.introspect import pallas_kernels
 
@@ -150,7 +204,10 @@ def part_serve(out: str, dry_run: bool, budget_s: float, configs=None, model: st
         prompts = _prompts(kind, dry_run)
         try:
             ref = _serve_once("reference", overrides, prompts, max_tokens, model)
-            got = _serve_once(kernels_mode, overrides, prompts, max_tokens, model)
+            # (no trace in a dry run: interpret-mode kernels make a CPU trace slow to write, +11 s a
+            # step; tests/scripts/test_gpu_check.py checks the tracing on a stand-in engine)
+            got = _serve_once(kernels_mode, overrides, prompts, max_tokens, model,
+                              trace_dir=None if dry_run else os.path.join(out, f"trace_{name}"))
             lm = api.load(model, cache_dtype=overrides.get("kv_cache_dtype", "bfloat16"))
             divs = compare_streams(ref["streams"], got["streams"], ref["logprobs"], prompts, lm, strict=False,
                                    verbose=False)

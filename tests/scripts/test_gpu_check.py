@@ -48,6 +48,7 @@ def test_dry_run_runs_its_parts_and_the_kernel_engine_serves_the_reference_strea
     assert {"sparse_mla", "indexer_scores", "hot_resolve_validate", "hot_resolve_lookup", "hot_resolve_rank",
             "hot_resolve_assign"} <= set(hs["pallas_kernels"]), hs["pallas_kernels"]
     assert "pallas_kernels" not in serve["hisparse_callback"]["reference"]
+    assert "trace" not in hs  # (a dry run takes none: the next test checks the tracing)
     assert (tmp_path / "kernels" / "bench_kernels.json").exists()
     assert "summary.json" in p.stdout and "hisparse_callback: ok, equal" in p.stdout
 
@@ -69,3 +70,30 @@ def test_a_part_past_its_budget_is_reported_and_bad_names_are_refused(tmp_path):
     assert bad.returncode == 2 and "is not a checkpoint directory (no config.json in it)" in bad.stderr, bad.stderr
     bad = run(tmp_path, "--serve-configs", "nope")
     assert bad.returncode == 2 and "--serve-configs: unknown ['nope']" in bad.stderr
+
+
+def test_the_serve_part_traces_the_steps_after_the_first(tmp_path):
+    """`_traced_steps` on a stand-in engine whose step runs a jitted program: steps 2 … 1 + n are
+    traced (their `engine_step` annotations summarised by scripts/trace_summary.py), the XSpace
+    file removed, the Perfetto file kept."""
+    import jax
+    import jax.numpy as jnp
+
+    from scripts.gpu_check import _traced_steps
+
+    class Engine:
+        left = 6
+        matmul = staticmethod(jax.jit(lambda a: a @ a))
+
+        def has_unfinished_requests(self):
+            return self.left > 0
+
+        def step(self):
+            self.left -= 1
+            self.matmul(jnp.ones((64, 64))).block_until_ready()
+            return []
+
+    steps, trace = _traced_steps(Engine(), {}, {}, str(tmp_path / "t"), trace_steps=3)
+    assert steps == 6 and "error" not in trace, trace
+    assert trace["steps"]["count"] == 3 and trace["by_process"]
+    assert list((tmp_path / "t").rglob("perfetto_trace.json.gz")) and not list((tmp_path / "t").rglob("*.xplane.pb"))
