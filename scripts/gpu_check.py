@@ -96,36 +96,40 @@ TRACE_STEPS = 8  # engine steps a kernel run traces, after its first (which comp
 
 def _traced_steps(e, streams: dict, lps: dict, trace_dir: str | None, trace_steps: int = TRACE_STEPS
                   ) -> tuple[int, dict | None]:
-    """Step `e` to the end, collecting outputs; with `trace_dir`, steps 2 … TRACE_STEPS + 1 under a
-    jax.profiler trace (the Python tracer off), summarised by scripts/trace_summary.py (the raw
-    XSpace file removed, the Perfetto file kept). A failing trace is reported, not raised."""
+    """Step `e` to the end, collecting outputs → (steps, trace summary or None). With `trace_dir`,
+    steps 2 … trace_steps + 1 run under a jax.profiler trace (the Python tracer off), summarised
+    by scripts/trace_summary.py (the raw XSpace file removed, the Perfetto file kept); a failing
+    trace is reported in the summary, not raised, and a step that raises mid-trace ends it."""
     import jax
 
-    steps, tracing, trace = 0, False, None
-    while e.has_unfinished_requests():
-        if trace_dir is not None and steps == 1 and trace is None:
-            try:
-                options = jax.profiler.ProfileOptions()
-                options.python_tracer_level = 0
-                jax.profiler.start_trace(trace_dir, create_perfetto_trace=True, profiler_options=options)
-                tracing = True
-            except Exception as err:  # noqa: BLE001 - a trace is a bonus, not the check
-                trace = {"error": f"{type(err).__name__}: {err}"}
-        with jax.profiler.StepTraceAnnotation("engine_step", step_num=steps):
-            outs = e.step()
-        for o in outs:
-            streams[o.request_id] += o.new_token_ids
-            lps[o.request_id] += o.new_logprobs or []
-        steps += 1
-        if tracing and (steps > trace_steps or not e.has_unfinished_requests()):
-            tracing = False
-            trace = _stop_trace(trace_dir)
-    if tracing:
-        trace = _stop_trace(trace_dir)
+    steps, trace, tracing = 0, None, False
+    try:
+        while e.has_unfinished_requests():
+            if trace_dir is not None and steps == 1:
+                try:
+                    options = jax.profiler.ProfileOptions()
+                    options.python_tracer_level = 0
+                    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True, profiler_options=options)
+                    tracing = True
+                except Exception as err:  # noqa: BLE001 - a trace is a bonus, not the check
+                    trace = {"error": f"{type(err).__name__}: {err}"}
+            with jax.profiler.StepTraceAnnotation("engine_step", step_num=steps):
+                outs = e.step()
+            for o in outs:
+                streams[o.request_id] += o.new_token_ids
+                lps[o.request_id] += o.new_logprobs or []
+            steps += 1
+            if tracing and (steps > trace_steps or not e.has_unfinished_requests()):
+                tracing = False
+                trace = _stop_trace(trace_dir)
+    finally:
+        if tracing:  # a step raised mid-trace: end it, so the next run can trace
+            _stop_trace(trace_dir)
     return steps, trace
 
 
 def _stop_trace(trace_dir: str) -> dict:
+    """End the trace and summarise its run (the XSpace file removed) → the summary, or {"error"}."""
     import glob
 
     import jax
