@@ -104,7 +104,7 @@ from serving.request import RequestStatus
 def _output_penalties(sched) -> bool:
     """True when a sampled row of `sched` has penalties that count its output (`serving.penalties`):
     the next step's counts need this step's token."""
-    return any(sr.sample and output_dependent(sr.request.sampling_params) for sr in sched.scheduled)
+    return any(sr.sample and output_dependent(sr.request) for sr in sched.scheduled)
 
 
 def _min_tokens_pending(sched) -> bool:

@@ -17,7 +17,8 @@ the think block, read as the reasoning parser reads it (one block: from the prom
 `<think>` to the first `</think>`), and how many tokens it spent there (`_think`); at a position where the
 budget is spent and the block still open, the end id (`</think>`) gets a bias of `FORCE`, far
 above any logit, so it is the token drawn (greedy or not) — the engine's form of vLLM's
-thinking-budget logits processor. It depends on the output, as the penalties do.
+thinking-budget logits processor. It depends on the output, as the penalties do — until the
+output is known to be past the block: from then on the request needs no list (`budget_open`).
 
 Output counts are those of the tokens the request has generated when the list is built. Under
 asynchronous scheduling a request's last token may still be on the device then: a step after one
@@ -38,17 +39,31 @@ MIN_WIDTH = 64
 FORCE = 1.0e4  # the bias that makes a token the one drawn (logits of a trained model are within ±100)
 
 
-def uses_penalties(sp) -> bool:
-    """True when `sp` (a `SamplingParams`) asks for a penalty, a logit bias or a thinking budget."""
-    return bool(sp.logit_bias) or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 \
-        or sp.repetition_penalty != 1.0 or sp.thinking_token_budget is not None
+def counts_output(sp) -> bool:
+    """True when `sp` (a `SamplingParams`) has a penalty that counts the output's ids."""
+    return sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
 
 
-def output_dependent(sp) -> bool:
-    """True when `sp`'s adjustments depend on the request's output so far (the penalties and a
+def budget_open(request) -> bool:
+    """True while the request's thinking budget can still force a token: it has one, and its
+    output is not known to be past the think block (once past, for good: `think_step`)."""
+    if request.sampling_params.thinking_token_budget is None:
+        return False
+    state = request.penalty_state
+    return state is None or state.phase != "content"
+
+
+def uses_penalties(request) -> bool:
+    """True when the request's sampled rows need the list: a penalty, a logit bias, or a
+    thinking budget still open."""
+    sp = request.sampling_params
+    return bool(sp.logit_bias) or counts_output(sp) or budget_open(request)
+
+
+def output_dependent(request) -> bool:
+    """True when the request's adjustments depend on its output so far (the penalties and an open
     thinking budget; a logit bias alone does not)."""
-    return sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0 \
-        or sp.thinking_token_budget is not None
+    return counts_output(request.sampling_params) or budget_open(request)
 
 
 def _think(phase: str, spent: int, t: int, tags) -> tuple[str, int]:
@@ -82,7 +97,7 @@ class PenaltyState:
 
     def __init__(self, request):
         sp = request.sampling_params
-        self.counting = sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
+        self.counting = counts_output(sp)
         self.budget, self.tags = sp.thinking_token_budget, sp.reasoning_tags
         self.phase, self.spent = "start", 0
         bias = {int(k): float(v) for k, v in (sp.logit_bias or {}).items()}
@@ -174,7 +189,7 @@ def step_penalties(scheds, rows_per_replica: int, positions: int = 0) -> tuple |
     rows = {}
     for r, sched in enumerate(scheds):
         for i, sr in enumerate(sched.scheduled):
-            if sr.sample and uses_penalties(sr.request.sampling_params):
+            if sr.sample and uses_penalties(sr.request):
                 ns = sr.num_spec_tokens if positions else 0
                 rows[r * rows_per_replica + i] = (sr.request, sr.token_ids[len(sr.token_ids) - ns:] if ns else ())
     if not rows:

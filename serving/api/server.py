@@ -120,13 +120,10 @@ from serving.api.streaming import (
     race_disconnect,
     without_null_kv_params,
 )
-from serving.api.structured import (
-    reasoning_end_token_id,
-    request_constraint,
-    single_token_id,
-)
+from serving.api.structured import request_constraint, single_token_id
 from serving.api.validation import (
     RESERVED_TEMPLATE_KWARGS,
+    budget_tags,
     build_sampling_params,
     completion_prompts,
     continue_final_message,
@@ -134,7 +131,6 @@ from serving.api.validation import (
     encode_text,
     header_data_parallel_rank,
     parse_body,
-    reasoning_tags,
     reject_unsupported,
     requested_max_tokens,
     resolve_max_tokens,
@@ -207,11 +203,13 @@ class PreparedCompletion(NamedTuple):
 
 
 class PreparedChat(NamedTuple):
-    """A chat request ready for the engine (`build_app`'s `_prepare_chat`): its prompt and its
-    sampling parameters (token limit, data-parallel rank and output constraint resolved)."""
+    """A chat request ready for the engine (`build_app`'s `_prepare_chat`): its prompt, its
+    sampling parameters (token limit, data-parallel rank, output constraint and think-block tags
+    resolved) and whether the prompt opened the think block."""
 
     rendered: RenderedChat
     params: Any
+    opens_reasoning: bool
 
 
 def build_app(
@@ -316,6 +314,15 @@ def build_app(
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
 
     names = tuple(dict.fromkeys((served_model_name, *model_aliases)))  # in order, each once
+
+    def _think_ids(request: Request) -> tuple[int | None, int | None]:
+        """The tokenizer's `<think>` and `</think>` ids (None where one is not a single token),
+        encoded once per app."""
+        state = request.app.state
+        if getattr(state, "think_ids", None) is None:
+            _, tokenizer = _served(request)
+            state.think_ids = (single_token_id(tokenizer, THINK_START), single_token_id(tokenizer, THINK_END))
+        return state.think_ids
 
     def _check_model(model: str | None) -> None:
         if model is not None and model not in names:
@@ -621,7 +628,7 @@ def build_app(
         """Render a chat request and resolve its sampling parameters: every 400 a chat request can
         get before it reaches the engine is raised here (APIError); with `check`, also the
         engine's (`_engine_checks`)."""
-        engine, tokenizer = _served(request)
+        engine, _ = _served(request)
         rendered = await _render_chat(request, body)
         defaults = request.app.state.default_sampling
         max_tokens = resolve_max_tokens(
@@ -630,14 +637,15 @@ def build_app(
         )
         params = build_sampling_params(body, max_tokens, getattr(engine, "max_logprobs", None), defaults)
         params.data_parallel_rank = header_data_parallel_rank(request)
-        think_end = (reasoning_end_token_id(tokenizer)
-                     if chat_parsing.reasoning_parser and rendered.prepared.opens_reasoning(rendered.prompt) else None)
+        opens = rendered.prepared.opens_reasoning(rendered.prompt)
+        start_id, end_id = _think_ids(request)
+        think_end = end_id if chat_parsing.reasoning_parser and opens else None
         params.structured_outputs = request_constraint(body, rendered.prepared.tool_grammar, think_end)
         if params.thinking_token_budget is not None:
-            params.reasoning_tags = reasoning_tags(tokenizer, rendered.prepared.opens_reasoning(rendered.prompt))
+            params.reasoning_tags = budget_tags(start_id, end_id, opens)
         if check:
             await _engine_checks(request, [(rendered.prompt_ids, params)])
-        return PreparedChat(rendered, params)
+        return PreparedChat(rendered, params, opens)
 
     async def _chat_response(request: Request, body: ChatCompletionRequest,
                              frames: StreamFrames | None = None, ready: PreparedChat | None = None) -> Response:
@@ -645,7 +653,7 @@ def build_app(
         `/v1/responses` and `/v1/messages` translate their requests into one, and their streams'
         events come from `frames`). `ready`: the request already prepared (`_prepare_chat`)."""
         engine, tokenizer = _served(request)
-        (prepared, messages, prompt, prompt_ids), params = ready or await _prepare_chat(request, body)
+        (prepared, messages, prompt, prompt_ids), params, opens = ready or await _prepare_chat(request, body)
         top_n = body.top_logprobs or 0
 
         def logprobs_of(lps) -> ChatChoiceLogprobs | None:
@@ -661,9 +669,8 @@ def build_app(
         created = int(time.time())
         count_reasoning = None
         if chat_parsing.reasoning_parser:  # usage.completion_tokens_details.reasoning_tokens, as vLLM
-            count_reasoning = functools.partial(count_reasoning_tokens, opens=prepared.opens_reasoning(prompt),
-                                                start_id=single_token_id(tokenizer, THINK_START),
-                                                end_id=single_token_id(tokenizer, THINK_END))
+            start_id, end_id = _think_ids(request)
+            count_reasoning = functools.partial(count_reasoning_tokens, opens=opens, start_id=start_id, end_id=end_id)
         ch = Choices(engine, tokenizer, prompt_ids, params, rid, count_reasoning=count_reasoning)
         outputs = [prepared.new_output(prompt) for _ in range(len(ch))]  # one parser per choice
 
@@ -783,7 +790,7 @@ def build_app(
             params.structured_outputs = constraint
             if params.thinking_token_budget is not None:  # the block is open when the prompt ends with <think>
                 tail = tokenizer.decode(ids[-8:], skip_special_tokens=False)  # (as the chat route reads its prompt)
-                params.reasoning_tags = reasoning_tags(tokenizer, tail.rstrip().endswith(THINK_START))
+                params.reasoning_tags = budget_tags(*_think_ids(request), tail.rstrip().endswith(THINK_START))
             batch.append((ids, params))
         if check:
             await _engine_checks(request, batch)

@@ -124,10 +124,3 @@ def single_token_id(tokenizer: Any, text: str) -> int | None:
     """The id of `text` when the tokenizer has it as one token, else None."""
     ids = tokenizer.encode(text)
     return int(ids[0]) if len(ids) == 1 else None
-
-
-def reasoning_end_token_id(tokenizer: Any) -> int | None:
-    """The id of `</think>` when the tokenizer has it as one token, else None."""
-    from serving.parsers.reasoning import THINK_END
-
-    return single_token_id(tokenizer, THINK_END)

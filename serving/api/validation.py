@@ -332,17 +332,13 @@ def parse_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | 
     return out
 
 
-def reasoning_tags(tokenizer: Any, opened: bool) -> ReasoningTags:
+def budget_tags(start_id: int | None, end_id: int | None, opened: bool) -> ReasoningTags:
     """The think block's token ids for a `thinking_token_budget` (`opened`: the prompt ends inside
-    the block). A 400 naming the field when the tokenizer has no single `</think>` token."""
-    from serving.api.structured import single_token_id
-    from serving.parsers.reasoning import THINK_END, THINK_START
-
-    end = single_token_id(tokenizer, THINK_END)
-    if end is None:
-        raise bad_request(f"thinking_token_budget needs a model whose tokenizer has {THINK_END} as one token.",
+    the block). A 400 naming the field when the tokenizer has no single `</think>` token (`end_id` None)."""
+    if end_id is None:
+        raise bad_request("thinking_token_budget needs a model whose tokenizer has </think> as one token.",
                           "thinking_token_budget")
-    return ReasoningTags(end_id=end, start_id=single_token_id(tokenizer, THINK_START), opened=opened)
+    return ReasoningTags(end_id=end_id, start_id=start_id, opened=opened)
 
 
 def header_data_parallel_rank(request: Request) -> int | None:
