@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from serving.api.errors import APIError
 from serving.api.protocol import ChatCompletionRequest
-from serving.api.streaming import translated_answer
+from serving.api.streaming import named_sse_event, translated_answer
 from serving.api.validation import parse_body
 
 logger = logging.getLogger(__name__)
@@ -312,7 +312,7 @@ def _message_id(chat_id: str) -> str:
 
 
 def _event(kind: str, data: dict[str, Any]) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return named_sse_event(kind, {"type": kind, **data})
 
 
 class StreamTranslator:

@@ -80,6 +80,16 @@ class StoredResponse:
         self.output_bytes = json_bytes(response.get("output") or [])
         self._notify()
 
+    async def cancel(self) -> None:
+        """End an unfinished response as `cancelled`: its background run (if any) is cancelled and
+        awaited (the chat path aborts its engine request). A finished one is left as it is."""
+        if self.finished:
+            return
+        self.update({**self.response, "status": "cancelled"})
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()

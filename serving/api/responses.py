@@ -27,7 +27,6 @@ the token limit cut the answer (null when the server aborted it, draining). Usag
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from serving.api.chat_output import REASONING_EFFORTS
 from serving.api.errors import APIError
 from serving.api.protocol import ChatCompletionRequest
+from serving.api.streaming import named_sse_event
 
 
 class ResponsesRequest(BaseModel):
@@ -344,7 +344,7 @@ class ResponseStreamTranslator:
     def _event(self, kind: str, **data: Any) -> str:
         payload = {"type": kind, "sequence_number": self.seq, **data}
         self.seq += 1
-        text = f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        text = named_sse_event(kind, payload)
         if self.sink is not None:
             self.sink(kind, payload, text)
         return text

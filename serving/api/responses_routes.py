@@ -23,7 +23,6 @@ whose chat request fails (e.g. a prompt longer than the context) ends `failed` w
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -44,7 +43,7 @@ from serving.api.responses import (
     to_chat_request,
     to_response,
 )
-from serving.api.streaming import translated_answer
+from serving.api.streaming import named_sse_event, translated_answer
 from serving.api.validation import parse_body
 
 logger = logging.getLogger(__name__)
@@ -93,7 +92,7 @@ def _failed(entry: StoredResponse, code: str, message: str) -> None:
     if entry.stream:
         seq = entry.events[-1][0] + 1 if entry.events else 0
         payload = {"type": "response.failed", "sequence_number": seq, "response": entry.response}
-        entry.add_event(seq, f"event: response.failed\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n")
+        entry.add_event(seq, named_sse_event("response.failed", payload))
 
 
 async def _run_background(entry: StoredResponse, store: ResponseStore, run: Awaitable[Response]) -> None:
@@ -215,7 +214,7 @@ def add_responses_routes(
             entry = entry_of(rid, queued, background=True, stream=body.stream)
             if body.stream:  # the stream opens with the queued response (sequence number 0)
                 event = {"type": "response.queued", "sequence_number": 0, "response": queued}
-                entry.add_event(0, f"event: response.queued\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n")
+                entry.add_event(0, named_sse_event("response.queued", event))
             store.put(entry)
             translator = ResponseStreamTranslator(body, rid=rid, created=created, store=True, sink=_sink(entry),
                                                   first_seq=1 if body.stream else 0)
@@ -258,21 +257,14 @@ def add_responses_routes(
         _, entry = _stored(request, response_id)
         if not entry.background:
             raise APIError(400, "Only a response created with background=true can be cancelled.", "response_id")
-        if not entry.finished:
-            entry.update({**entry.response, "status": "cancelled"})
-            if entry.task is not None:
-                entry.task.cancel()
-                await asyncio.gather(entry.task, return_exceptions=True)
+        await entry.cancel()
         return JSONResponse(entry.response)
 
     @v1.delete("/responses/{response_id}")
     async def delete_response(request: Request, response_id: str) -> Response:
         """Forget a stored response (a background one still running is cancelled first)."""
         store, entry = _stored(request, response_id)
-        if entry.task is not None and not entry.task.done():
-            entry.update({**entry.response, "status": "cancelled"})
-            entry.task.cancel()
-            await asyncio.gather(entry.task, return_exceptions=True)
+        await entry.cancel()
         store.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 

@@ -213,6 +213,11 @@ def sse_event(obj: BaseModel | dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def named_sse_event(kind: str, payload: dict[str, Any]) -> str:
+    """An SSE event with an `event:` line (Anthropic's and the Responses API's framing)."""
+    return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
 def chunk_dict(chunk: BaseModel) -> dict[str, Any]:
     """A stream chunk's body: without a null `usage` or `kv_transfer_params`."""
     d = chunk.model_dump(mode="json")
