@@ -208,7 +208,7 @@ def part_serve(out: str, dry_run: bool, budget_s: float, configs=None, model: st
         prompts = _prompts(kind, dry_run)
         try:
             ref = _serve_once("reference", overrides, prompts, max_tokens, model)
-            # (no trace in a dry run: interpret-mode kernels make a CPU trace slow to write, +11 s a
+            # (no trace in a dry run: interpret-mode kernels make a CPU trace slow to write, seconds a
             # step; tests/scripts/test_gpu_check.py checks the tracing on a stand-in engine)
             got = _serve_once(kernels_mode, overrides, prompts, max_tokens, model,
                               trace_dir=None if dry_run else os.path.join(out, f"trace_{name}"))
